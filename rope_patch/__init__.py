@@ -1,0 +1,26 @@
+"""rope_patch: swap the position encoding of a loaded Hugging Face LLaMA-family model at runtime.
+
+    import rope_patch
+    rope_patch.apply(model, "yarn", factor=4.0, original_max_position_embeddings=4096)
+    rope_patch.remove(model)   # bit-identical original again
+"""
+
+from . import schemes  # noqa: F401  (registers the built-in schemes)
+from .api import apply, as_scheme, current, patched, remove
+from .registry import list_schemes, register_scheme
+from .schemes.base import Scheme
+from .schemes.frequency import FrequencyScheme
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FrequencyScheme",
+    "Scheme",
+    "apply",
+    "as_scheme",
+    "current",
+    "list_schemes",
+    "patched",
+    "register_scheme",
+    "remove",
+]

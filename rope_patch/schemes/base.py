@@ -1,0 +1,63 @@
+"""Scheme base classes.
+
+A scheme is a frozen dataclass of its parameters (transformers' `rope_parameters` key names). Its life:
+
+    scheme = Yarn.from_params(factor=4)      # type/range checks, unknown keys -> TypeError with "Did you mean"
+    scheme = scheme.resolve(target)          # model-derived defaults filled in, model-dependent checks
+    install = scheme.prepare(target)         # everything computed; still nothing touched
+    install(undo_log)                        # the only step that changes the model, all through the undo log
+
+so a bad input fails before the model is modified, and `remove()` replays the undo log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
+
+from ..registry import did_you_mean
+from ..target import Target
+from ..undo import UndoLog
+
+Install = Callable[[UndoLog], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    kind: ClassVar[str] = ""  # "frequency" or "attention"
+
+    @classmethod
+    def param_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_params(cls, **params) -> Scheme:
+        known = cls.param_names()
+        for key in params:
+            if key not in known:
+                raise TypeError(
+                    f"{cls.name}: unknown parameter {key!r}.{did_you_mean(key, known)} "
+                    f"Parameters of {cls.name!r}: {', '.join(known) or '(none)'}."
+                )
+        return cls(**params)
+
+    def params(self) -> dict:
+        """The parameters that are set (None means 'derive from the model')."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def replace(self, **changes) -> Scheme:
+        return dataclasses.replace(self, **changes)
+
+    def resolve(self, target: Target) -> Scheme:
+        """Fill defaults that depend on the model and check what only the model can tell. Default: no-op."""
+        return self
+
+    def prepare(self, target: Target) -> Install:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{self.name}({args})"

@@ -1,0 +1,428 @@
+"""Frequency schemes: they change only the rotary angles θ_i (and the cos/sin scale), never the attention code.
+
+Each scheme maps the unpatched model's RoPE (a `RopeContext`) to a transformers `rope_parameters` dict. Where
+transformers has the scheme, its own init function (`ROPE_INIT_FUNCTIONS`) computes `inv_freq`, so the patched
+model equals a natively configured one bit for bit; `ntk` and `p_rope` are expressed through the default init
+plus a few lines here. Zero run-time cost: the model's own rotary module does the work with new buffers.
+
+Notation (../shared/FORMULAS.md): head dim d, pair i, base b, θ_i = b^(−2i/d), factor s, original window L.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import ClassVar
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .. import config as check
+from ..registry import register_scheme
+from ..target import RopeContext, Target
+from ..undo import UndoLog
+from .base import Install, Scheme
+
+# Keys of the unpatched rope_parameters that describe the model rather than a scaling scheme: kept under a patch.
+_MODEL_KEYS = ("partial_rotary_factor",)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrequencyScheme(Scheme):
+    kind: ClassVar[str] = "frequency"
+    rope_theta: float | None = None  # new base b′ (ABF); None keeps the model's
+
+    def __post_init__(self):
+        if self.rope_theta is not None:
+            self._set("rope_theta", check.number(self.name, "rope_theta", self.rope_theta, gt=1.0))
+
+    def _set(self, key, value):
+        object.__setattr__(self, key, value)
+
+    # ---- what a scheme defines -------------------------------------------------------------------------------
+    def rope_parameters(self, ctx: RopeContext) -> dict:
+        """The transformers `rope_parameters` (one layer type) that this scheme amounts to."""
+        raise NotImplementedError
+
+    def window(self, ctx: RopeContext) -> int | None:
+        """The extended context window this scheme targets (config.max_position_embeddings), None = unchanged."""
+        return None
+
+    def init_window(self, ctx: RopeContext) -> int:
+        """`max_position_embeddings` that transformers' init function must see (dynamic NTK reads L from it)."""
+        return self.window(ctx) or ctx.max_position_embeddings
+
+    def adjust(self, inv_freq: torch.Tensor, ctx: RopeContext) -> torch.Tensor:
+        """Post-process the inverse frequencies (p-RoPE zeroes some); default: unchanged."""
+        return inv_freq
+
+    native: ClassVar[bool] = True  # does `rope_parameters` alone reproduce the scheme in plain transformers?
+
+    # ---- shared machinery ------------------------------------------------------------------------------------
+    def theta(self, ctx: RopeContext) -> float:
+        return self.rope_theta if self.rope_theta is not None else ctx.rope_theta
+
+    def _params(self, ctx: RopeContext, rope_type: str, **keys) -> dict:
+        kept = {k: ctx.rope_parameters[k] for k in _MODEL_KEYS if k in ctx.rope_parameters}
+        given = {k: v for k, v in keys.items() if v is not None}
+        return {"rope_type": rope_type, "rope_theta": self.theta(ctx), **kept, **given}
+
+    def inv_freq(self, ctx: RopeContext, rotary_cls=None) -> tuple[torch.Tensor, float]:
+        """θ_i and the cos/sin scale, computed without a model (used by rope_patch.analysis too)."""
+        params = self.rope_parameters(ctx)
+        cfg = _StandaloneConfig(
+            rope_parameters=params,
+            head_dim=ctx.head_dim,
+            hidden_size=ctx.head_dim,
+            num_attention_heads=1,
+            max_position_embeddings=self.init_window(ctx),
+        )
+        inv_freq, scaling = _init_fn(params["rope_type"], rotary_cls)(cfg)
+        return self.adjust(inv_freq.float(), ctx), float(scaling)
+
+    def prepare(self, target: Target) -> Install:
+        contexts = target.contexts()
+        layered = target.layer_types != [None]
+        params = {lt: self.rope_parameters(ctx) for lt, ctx in contexts.items()}
+        public = params if layered else params[None]
+        any_ctx = next(iter(contexts.values()))
+
+        # The rotary module runs with a private copy of the config: transformers' dynamic NTK reads the window
+        # where scaling starts from `config.max_position_embeddings`, while the public config must announce the
+        # extended window to generate/lm-eval. The copy is per instance; the public config stays the user's object.
+        shadow = copy.deepcopy(target.config)
+        shadow.rope_parameters = copy.deepcopy(public)
+        shadow.max_position_embeddings = self.init_window(any_ctx)
+        if getattr(shadow, "head_dim", None) is None:  # Mixtral & co. set head_dim=None, which breaks
+            shadow.head_dim = any_ctx.head_dim  # transformers' non-default init functions (getattr default unused)
+        _validate_with_transformers(self, target, shadow)
+
+        device = next(iter(target.rotary.buffers())).device
+        buffers, scalings = {}, {}
+        for lt, ctx in contexts.items():
+            fn = _init_fn(params[lt]["rope_type"], type(target.rotary))
+            kwargs = {"layer_type": lt} if layered else {}
+            inv_freq, scaling = fn(shadow, **kwargs)
+            buffers[lt] = self.adjust(inv_freq.float(), ctx).to(device)
+            scalings[lt] = float(scaling)
+        window = self.window(any_ctx)
+
+        def install(log: UndoLog) -> None:
+            rot, cfg = target.rotary, target.config
+            log.setattr(rot, "config", shadow)
+            log.setattr(cfg, "rope_parameters", copy.deepcopy(public))
+            if window is not None:
+                log.setattr(cfg, "max_position_embeddings", window)
+            rope_types = {lt: p["rope_type"] for lt, p in params.items()}
+            log.setattr(rot, "rope_type", rope_types if layered else rope_types[None])
+            log.setattr(rot, "max_seq_len_cached", shadow.max_position_embeddings)
+            log.setattr(rot, "original_max_seq_len", shadow.max_position_embeddings)
+            # Single-rotary models keep one `attention_scaling`; per-layer-type ones one per prefix (and the
+            # dynamic update also writes the unprefixed one).
+            log.setattr(rot, "attention_scaling", scalings[any_ctx.layer_type])
+            for lt, inv_freq in buffers.items():
+                prefix = f"{lt}_" if lt else ""
+                log.set_buffer(rot, f"{prefix}inv_freq", inv_freq)
+                log.set_buffer(rot, f"{prefix}original_inv_freq", inv_freq.clone())
+                log.setattr(rot, f"{prefix}long_inv_freq", None)  # longrope's cache of the long set
+                if lt:
+                    log.setattr(rot, f"{prefix}attention_scaling", scalings[lt])
+                    log.setattr(rot, f"{prefix}max_seq_len_cached", shadow.max_position_embeddings)
+
+        return install
+
+
+class _StandaloneConfig:
+    """Just enough of a PreTrainedConfig for transformers' RoPE init functions (no model needed)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def standardize_rope_params(self):
+        pass
+
+
+def _default_init(config, device=None, layer_type=None, **_):
+    """transformers' default RoPE (each model's `compute_default_rope_parameters`): θ_i = b^(−2i/d)."""
+    params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+
+
+def _init_fn(rope_type: str, rotary_cls=None):
+    if rope_type == "default":
+        return getattr(rotary_cls, "compute_default_rope_parameters", None) or _default_init
+    return ROPE_INIT_FUNCTIONS[rope_type]
+
+
+def _validate_with_transformers(scheme: FrequencyScheme, target: Target, shadow) -> None:
+    """Let the model's own config class veto the scheme (Phi-3 accepts only default/longrope)."""
+    validate = getattr(shadow, "validate_rope", None)
+    if validate is None:
+        return
+    try:
+        validate()
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{scheme.name}: {type(target.config).__name__} (model_type={target.model_type!r}) rejects this RoPE "
+            f"configuration: {err}. Choose a scheme that this architecture's config accepts."
+        ) from None
+
+
+def _factor(scheme: str, value, *, required: bool = True):
+    if value is None:
+        if required:
+            raise TypeError(f"{scheme}: missing required parameter `factor` (the context extension ratio s = L′/L, e.g. factor=4).")
+        return None
+    return check.number(scheme, "factor", value, ge=1.0, hint="A factor below 1 would shrink the context window.")
+
+
+def _original(scheme: str, value):
+    return None if value is None else check.integer(scheme, "original_max_position_embeddings", value, ge=1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class Default(FrequencyScheme):
+    """Vanilla RoPE (Su et al. 2021, RoFormer, arXiv:2104.09864): pair i of q_m, k_n rotates by m·θ_i, n·θ_i with
+    θ_i = b^(−2i/d), so q_m·k_n depends on m−n only. With `rope_theta` it is a base change ("adjusted base
+    frequency", Xiong et al. 2023, arXiv:2309.16039; Code Llama 1e6, Llama 3 5e5)."""
+
+    name = "default"
+    aliases = ("rope", "base", "theta", "abf", "vanilla")
+
+    def rope_parameters(self, ctx):
+        return self._params(ctx, "default")
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class Linear(FrequencyScheme):
+    """Position Interpolation (Chen et al. 2023, arXiv:2306.15595): m → m/s, i.e. θ_i → θ_i/s, so positions up to
+    s·L map into the trained range [0, L)."""
+
+    name = "linear"
+    aliases = ("pi", "position_interpolation")
+    factor: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._set("factor", _factor(self.name, self.factor))
+
+    def rope_parameters(self, ctx):
+        return self._params(ctx, "linear", factor=self.factor)
+
+    def window(self, ctx):
+        return int(self.factor * ctx.max_position_embeddings)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class NTK(FrequencyScheme):
+    """NTK-aware scaling (bloc97 2023, "NTK-Aware Scaled RoPE", r/LocalLLaMA; YaRN paper §3.2):
+    b′ = b·s^(d/(d−2)), so the lowest frequency is interpolated by exactly s and the highest is untouched.
+    `alpha` is the name of s in the original post."""
+
+    name = "ntk"
+    aliases = ("ntk_aware", "ntk_static")
+    factor: float | None = None
+    alpha: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.factor is not None and self.alpha is not None:
+            raise TypeError("ntk: give `factor` or its synonym `alpha`, not both.")
+        self._set("factor", _factor(self.name, self.factor if self.alpha is None else self.alpha))
+        self._set("alpha", None)
+
+    def rope_parameters(self, ctx):
+        d = ctx.rotary_dim
+        return self._params(ctx, "default") | {"rope_theta": self.theta(ctx) * self.factor ** (d / (d - 2))}
+
+    def window(self, ctx):
+        return int(self.factor * ctx.max_position_embeddings)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class Dynamic(FrequencyScheme):
+    """Dynamic NTK (emozilla 2023, r/LocalLLaMA; YaRN paper §3.3): for current length ℓ > L,
+    b′ = b·(s·ℓ/L − (s−1))^(d/(d−2)); unchanged for ℓ ≤ L. Frequencies follow the longest sequence seen, so keys
+    already in a KV cache keep the base they were rotated with (transformers issue #25104); see README."""
+
+    name = "dynamic"
+    aliases = ("dynamic_ntk", "ntk_dynamic")
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._set("factor", _factor(self.name, self.factor))
+        self._set("original_max_position_embeddings", _original(self.name, self.original_max_position_embeddings))
+
+    def resolve(self, target):
+        if self.original_max_position_embeddings is None:
+            return self.replace(original_max_position_embeddings=int(target.config.max_position_embeddings))
+        return self
+
+    def rope_parameters(self, ctx):
+        return self._params(ctx, "dynamic", factor=self.factor)
+
+    def window(self, ctx):
+        return int(self.factor * self.original_max_position_embeddings)
+
+    def init_window(self, ctx):
+        return self.original_max_position_embeddings
+
+
+class _Windowed(FrequencyScheme):
+    """Schemes whose transformers form carries `original_max_position_embeddings` (default: the model's window)."""
+
+    def resolve(self, target):
+        if self.original_max_position_embeddings is None:
+            return self.replace(original_max_position_embeddings=int(target.config.max_position_embeddings))
+        return self
+
+    def window(self, ctx):
+        return int(self.factor * self.original_max_position_embeddings)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class Yarn(_Windowed):
+    """YaRN (Peng et al. 2023, arXiv:2309.00071): NTK-by-parts. With r_i = L/λ_i and a ramp γ that is 0 below
+    `beta_slow` rotations and 1 above `beta_fast`, θ′_i = (1−γ_i)·θ_i/s + γ_i·θ_i; cos/sin are scaled by
+    `attention_factor` (default 0.1·ln s + 1), which scales attention logits by its square. transformers computes
+    the ramp in dimension space (find_correction_dim); its function is used here."""
+
+    name = "yarn"
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        n = self.name
+        self._set("factor", _factor(n, self.factor))
+        self._set("original_max_position_embeddings", _original(n, self.original_max_position_embeddings))
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if getattr(self, key) is not None:
+                self._set(key, check.number(n, key, getattr(self, key), gt=0.0))
+        if self.truncate is not None:
+            check.boolean(n, "truncate", self.truncate)
+        fast, slow = self.beta_fast or 32.0, self.beta_slow or 1.0
+        if fast <= slow:
+            raise ValueError(f"yarn: `beta_fast` must be > `beta_slow` (rotations at which interpolation stops/starts), got beta_fast={fast}, beta_slow={slow}.")
+
+    def rope_parameters(self, ctx):
+        keys = {k: getattr(self, k) for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")}
+        return self._params(ctx, "yarn", **keys)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class Llama3(_Windowed):
+    """Llama 3.1 scaling (Meta 2024, "The Llama 3 Herd of Models", arXiv:2407.21783): wavelengths λ_i shorter than
+    L/high_freq_factor keep θ_i, longer than L/low_freq_factor get θ_i/s, and in between a smooth blend with
+    t = (L/λ_i − low)/(high − low): θ′ = (1−t)·θ/s + t·θ."""
+
+    name = "llama3"
+    aliases = ("llama3.1", "llama_3")
+    factor: float | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        n = self.name
+        self._set("factor", _factor(n, self.factor))
+        self._set("original_max_position_embeddings", _original(n, self.original_max_position_embeddings))
+        self._set("low_freq_factor", check.number(n, "low_freq_factor", self.low_freq_factor, gt=0.0))
+        self._set("high_freq_factor", check.number(n, "high_freq_factor", self.high_freq_factor, gt=0.0))
+        if self.low_freq_factor >= self.high_freq_factor:
+            raise ValueError(f"llama3: `low_freq_factor` must be < `high_freq_factor`, got {self.low_freq_factor} >= {self.high_freq_factor}.")
+
+    def rope_parameters(self, ctx):
+        keys = {k: getattr(self, k) for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        return self._params(ctx, "llama3", **keys)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class LongRope(_Windowed):
+    """LongRoPE (Ding et al. 2024, arXiv:2402.13753): θ′_i = θ_i / λ̂_i with searched per-pair factors,
+    `short_factor` while the sequence fits in L and `long_factor` beyond; cos/sin scaled by
+    √(1 + ln s / ln L) unless `attention_factor` is given."""
+
+    name = "longrope"
+    aliases = ("long_rope", "su")
+    short_factor: tuple | None = None
+    long_factor: tuple | None = None
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        n = self.name
+        for key in ("short_factor", "long_factor"):
+            if getattr(self, key) is None:
+                raise TypeError(f"longrope: missing required parameter `{key}` (one rescale factor per rotary pair, head_dim/2 numbers).")
+            self._set(key, check.number_list(n, key, getattr(self, key), gt=0.0))
+        self._set("factor", _factor(n, self.factor))
+        self._set("original_max_position_embeddings", _original(n, self.original_max_position_embeddings))
+        if self.attention_factor is not None:
+            self._set("attention_factor", check.number(n, "attention_factor", self.attention_factor, gt=0.0))
+
+    def resolve(self, target):
+        resolved = super().resolve(target)
+        for ctx in target.contexts().values():
+            for key in ("short_factor", "long_factor"):
+                if len(getattr(self, key)) != ctx.rotary_dim // 2:
+                    raise ValueError(
+                        f"longrope: `{key}` must have rotary_dim/2 = {ctx.rotary_dim // 2} entries for this model "
+                        f"(head_dim {ctx.head_dim}), got {len(getattr(self, key))}."
+                    )
+        return resolved
+
+    def rope_parameters(self, ctx):
+        keys = {k: getattr(self, k) for k in ("factor", "original_max_position_embeddings", "attention_factor")}
+        lists = {"short_factor": list(self.short_factor), "long_factor": list(self.long_factor)}
+        return self._params(ctx, "longrope", **keys, **lists)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class PRope(FrequencyScheme):
+    """p-RoPE (Barbero et al. 2024, "Round and Round We Go! What makes Rotary Positional Encodings useful?",
+    arXiv:2410.06205): rotate only the highest-frequency fraction p = `partial_rotary_factor` of the pairs and set
+    θ_i = 0 for the rest, which become position-free "semantic" channels. Unlike transformers' own
+    `partial_rotary_factor` (rotate the first p·d coordinates with a re-spread spectrum), the kept frequencies are
+    exactly the model's original highest ones. No transformers equivalent: recorded in rope_patch.json."""
+
+    name = "p_rope"
+    aliases = ("prope", "partial_rope", "partial")
+    native = False
+    partial_rotary_factor: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.partial_rotary_factor is None:
+            raise TypeError("p_rope: missing required parameter `partial_rotary_factor` (fraction of pairs that keep rotating, e.g. 0.75).")
+        self._set("partial_rotary_factor", check.number(self.name, "partial_rotary_factor", self.partial_rotary_factor, ge=0.0, le=1.0))
+
+    def rope_parameters(self, ctx):
+        return self._params(ctx, "default")
+
+    def adjust(self, inv_freq, ctx):
+        keep = round(self.partial_rotary_factor * inv_freq.numel())  # θ_i descends with i: keep the first `keep`
+        return torch.where(torch.arange(inv_freq.numel()) < keep, inv_freq, torch.zeros_like(inv_freq))
+

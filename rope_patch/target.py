@@ -1,0 +1,114 @@
+"""Model discovery: find the one rotary module of a loaded model and describe its RoPE layout.
+
+transformers 5 gives every RoPE model one rotary module (`model.model.rotary_emb`, `gpt_neox.rotary_emb`, ...) that
+computes cos/sin once per forward for all layers. Models with per-layer-type RoPE (Gemma 3) keep one set of
+buffers per layer type (`{layer_type}_inv_freq`) and a dict `rope_type`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeContext:
+    """What a scheme needs to know about one (layer type's) rotary embedding, read from the unpatched model."""
+
+    head_dim: int
+    rotary_dim: int  # 2 × number of rotated pairs (head_dim × partial_rotary_factor)
+    rope_theta: float
+    max_position_embeddings: int  # the unpatched model's window
+    rope_parameters: dict  # the unpatched model's rope_parameters for this layer type (a copy)
+    layer_type: str | None = None
+
+
+@dataclass
+class Target:
+    model: nn.Module  # the unwrapped PreTrainedModel that was passed (ForCausalLM or bare decoder)
+    rotary: nn.Module
+    config: object  # model.config; the rotary module's own config is this object until a patch swaps it
+
+    @property
+    def layer_types(self) -> list[str | None]:
+        """Per-layer-type keys of the rotary module, or [None] for a single rotary."""
+        rope_type = self.rotary.rope_type
+        return sorted(rope_type) if isinstance(rope_type, dict) else [None]
+
+    @property
+    def model_type(self) -> str:
+        return getattr(self.config, "model_type", type(self.model).__name__)
+
+    def contexts(self) -> dict[str | None, RopeContext]:
+        """RopeContext per layer type, from the model's current (unpatched) state."""
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        out = {}
+        for lt in self.layer_types:
+            params = cfg.rope_parameters[lt] if lt is not None else cfg.rope_parameters
+            prefix = f"{lt}_" if lt else ""
+            n_pairs = getattr(self.rotary, f"{prefix}inv_freq").numel()
+            out[lt] = RopeContext(
+                head_dim=head_dim,
+                rotary_dim=2 * n_pairs,
+                rope_theta=float(params["rope_theta"]),
+                max_position_embeddings=int(cfg.max_position_embeddings),
+                rope_parameters=dict(params),
+                layer_type=lt,
+            )
+        return out
+
+
+def unwrap(model) -> nn.Module:
+    """Strip peft / DDP / compile wrappers down to the transformers model."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft PeftModel
+            model = model.get_base_model()
+        elif hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DataParallel":
+            model = model.module
+    return model
+
+
+def _is_rotary(module: nn.Module) -> bool:
+    rope_type = getattr(module, "rope_type", None)
+    if isinstance(rope_type, str):
+        return "inv_freq" in module._buffers
+    if isinstance(rope_type, dict):
+        return all(f"{lt}_inv_freq" in module._buffers for lt in rope_type)
+    return False
+
+
+def find_target(model) -> Target:
+    """The model's rotary module, or a TypeError saying what was found and what is supported."""
+    from .registry import list_schemes
+
+    base = unwrap(model)
+    if not isinstance(base, nn.Module) or not hasattr(base, "config"):
+        raise TypeError(
+            f"rope_patch.apply expects a transformers PreTrainedModel (or a peft PeftModel wrapping one), got "
+            f"{type(model).__name__}. Load the model with AutoModelForCausalLM.from_pretrained(...) first."
+        )
+    rotaries = [m for m in base.modules() if _is_rotary(m)]
+    # A rotary module may be shared (ForCausalLM and its decoder both reach it): keep distinct objects only.
+    rotaries = list({id(m): m for m in rotaries}.values())
+    model_type = getattr(base.config, "model_type", "?")
+    if not rotaries:
+        raise TypeError(
+            f"{type(base).__name__} (model_type={model_type!r}) has no rotary position embedding module: "
+            "rope_patch patches the RoPE of LLaMA-family models (llama, mistral, qwen2/3, gemma, phi3, olmo2, "
+            "granite, ...), which keep one `*RotaryEmbedding` module with an `inv_freq` buffer. Models with "
+            f"absolute or learned position embeddings (gpt2, bert, ...) are not supported. Schemes: {', '.join(list_schemes())}."
+        )
+    if len(rotaries) > 1:
+        raise TypeError(
+            f"{type(base).__name__} (model_type={model_type!r}) has {len(rotaries)} rotary modules; rope_patch "
+            "supports the transformers 5 layout with one shared rotary module per model."
+        )
+    if getattr(base.config, "rope_parameters", None) is None:
+        raise TypeError(f"{type(base).__name__} has a rotary module but its config has no `rope_parameters`.")
+    return Target(model=base, rotary=rotaries[0], config=base.config)
