@@ -1,0 +1,190 @@
+"""Frequency schemes: exact against transformers' native implementation, on every supported architecture."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import ARCHS, PHI3_ONLY, WINDOW, logits, native_twin, tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rope_patch
+
+L = WINDOW
+HEAD_DIM = 16
+# scheme, params, window that the native twin must be built with (None: the patched config's window)
+NATIVE = [
+    ("default", dict(rope_theta=50_000.0), None),
+    ("linear", dict(factor=4.0), None),
+    ("dynamic", dict(factor=4.0), L),  # transformers' dynamic starts scaling at max_position_embeddings
+    ("yarn", dict(factor=4.0), None),
+    ("yarn", dict(factor=8.0, beta_fast=16.0, beta_slow=2.0, attention_factor=1.2, original_max_position_embeddings=16), None),
+    ("llama3", dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0), None),
+    ("longrope", dict(factor=4.0, short_factor=[1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
+                      long_factor=[1.0 + 0.5 * i for i in range(HEAD_DIM // 2)]), None),
+]
+PARTIAL = {"phi", "stablelm", "gpt_neox", "glm"}  # rotary_dim < head_dim: longrope lists must match it
+
+
+def _supported(arch, scheme):
+    if arch == "phi3":
+        return scheme in PHI3_ONLY
+    if scheme == "longrope" and arch in PARTIAL:
+        return False  # covered separately with lists of the partial length
+    return True
+
+
+CASES = [(a, s, p, w) for a in ARCHS for s, p, w in NATIVE if _supported(a, s)]
+
+
+@pytest.mark.parametrize("arch,scheme,params,native_window", CASES, ids=[f"{a}-{s}-{i}" for i, (a, s, _, _) in enumerate(CASES)])
+def test_matches_native_transformers(arch, scheme, params, native_window):
+    model = tiny_model(arch)
+    ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(0))  # 3× past the window
+    rope_patch.apply(model, scheme, **params)
+    got = logits(model, ids)
+    twin = native_twin(model, model.config.rope_parameters, native_window or model.config.max_position_embeddings)
+    assert (got - logits(twin, ids)).abs().max().item() <= 1e-5
+    rope_patch.remove(model)
+
+
+@pytest.mark.parametrize("arch", sorted(PARTIAL))
+def test_partial_rotary_longrope_matches_native(arch):
+    model = tiny_model(arch)
+    pairs = model.model.rotary_emb.inv_freq.numel() if hasattr(model, "model") else model.gpt_neox.rotary_emb.inv_freq.numel()
+    rope_patch.apply(model, "longrope", factor=2.0, short_factor=[1.0] * pairs, long_factor=[2.0] * pairs)
+    ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(0))
+    twin = native_twin(model, model.config.rope_parameters, model.config.max_position_embeddings)
+    assert (logits(model, ids) - logits(twin, ids)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text", "phi"])
+@pytest.mark.parametrize("factor", [2.0, 8.0])
+def test_ntk_equals_default_with_scaled_base(arch, factor):
+    """NTK-aware = vanilla RoPE with b′ = b·s^(d/(d−2)) (bloc97), d the rotary dimension."""
+    model = tiny_model(arch)
+    contexts = rope_patch.target.find_target(model).contexts()
+    rope_patch.apply(model, "ntk", factor=factor)
+    native = {}
+    for lt, ctx in contexts.items():
+        d = ctx.rotary_dim
+        native[lt] = {**ctx.rope_parameters, "rope_type": "default", "rope_theta": ctx.rope_theta * factor ** (d / (d - 2))}
+    native = native[None] if None in native else native
+    twin = native_twin(model, native, model.config.max_position_embeddings)
+    ids = torch.randint(3, 97, (1, 2 * L), generator=torch.Generator().manual_seed(1))
+    assert (logits(model, ids) - logits(twin, ids)).abs().max().item() <= 1e-5
+
+
+def test_ntk_alpha_is_factor():
+    a, b = tiny_model(), tiny_model()
+    rope_patch.apply(a, "ntk", alpha=4)
+    rope_patch.apply(b, "ntk", factor=4)
+    assert torch.equal(a.model.rotary_emb.inv_freq, b.model.rotary_emb.inv_freq)
+
+
+def test_dynamic_is_vanilla_inside_window_and_scales_beyond():
+    model = tiny_model()
+    short = torch.randint(3, 97, (1, L), generator=torch.Generator().manual_seed(2))
+    before = logits(model, short)
+    rope_patch.apply(model, "dynamic", factor=4.0)
+    assert model.config.max_position_embeddings == 4 * L  # announced window for generate / lm-eval
+    assert torch.equal(logits(model, short), before)  # ℓ ≤ L: unchanged
+    long = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(2))
+    logits(model, long)
+    d = 16
+    ell = 3 * L
+    base = 10000.0 * ((4.0 * ell / L) - 3.0) ** (d / (d - 2))  # emozilla's formula at the current length
+    expected = 1.0 / base ** (torch.arange(0, d, 2).float() / d)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected, rtol=1e-6, atol=0)
+
+
+def test_p_rope_zeroes_lowest_frequencies():
+    model = tiny_model()
+    original = model.model.rotary_emb.inv_freq.clone()
+    rope_patch.apply(model, "p_rope", partial_rotary_factor=0.75)
+    got = model.model.rotary_emb.inv_freq
+    assert torch.equal(got[:6], original[:6]) and torch.all(got[6:] == 0)
+    rope_patch.apply(model, "p_rope", partial_rotary_factor=1.0)
+    assert torch.equal(model.model.rotary_emb.inv_freq, original)
+
+
+def _p_rope_reference_scores(q, k, inv_freq, keep):
+    """Straightforward p-RoPE: rotate pair i (half-split coordinates i, i+d/2) by m·θ_i for i < keep only."""
+    d = q.shape[-1]
+    out = torch.empty(q.shape[0], k.shape[0])
+    for m in range(q.shape[0]):
+        for n in range(k.shape[0]):
+            s = 0.0
+            for i in range(d // 2):
+                a = (m - n) * inv_freq[i].item() if i < keep else 0.0
+                # R(mθ)q · R(nθ)k = q·R((n−m)θ)k for the pair (x1, x2) = (coordinate i, coordinate i + d/2)
+                s += (q[m, i] * k[n, i] + q[m, i + d // 2] * k[n, i + d // 2]) * math.cos(a)
+                s += (q[m, i] * k[n, i + d // 2] - q[m, i + d // 2] * k[n, i]) * math.sin(a)
+            out[m, n] = s
+    return out
+
+
+def test_p_rope_matches_reference_rotation():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = tiny_model()
+    rope_patch.apply(model, "p_rope", partial_rotary_factor=0.5)
+    rot = model.model.rotary_emb
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 6, 16), torch.randn(1, 1, 6, 16)
+    cos, sin = rot(q, torch.arange(6)[None])
+    qr, kr = apply_rotary_pos_emb(q, k, cos, sin)
+    ref = _p_rope_reference_scores(q[0, 0], k[0, 0], 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16), keep=4)
+    torch.testing.assert_close(qr[0, 0] @ kr[0, 0].T, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p, _ in NATIVE] + [("ntk", dict(factor=4.0)), ("p_rope", dict(partial_rotary_factor=0.5))])
+def test_generate_with_cache_equals_full_recomputation(scheme, params):
+    model = tiny_model()
+    rope_patch.apply(model, scheme, **params)
+    prompt = torch.randint(3, 97, (1, 2 * L + 5), generator=torch.Generator().manual_seed(3))
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    ids = prompt
+    for _ in range(8):  # no cache: every step recomputes the whole sequence
+        ids = torch.cat([ids, logits(model, ids)[:, -1:].argmax(-1)], dim=1)
+    if scheme == "dynamic":
+        # The prompt is already past L, so the base is fixed before decoding starts and the cache is consistent.
+        # (Growing past L *during* decoding leaves earlier keys at the old base: transformers #25104, README.)
+        pass
+    assert torch.equal(out, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_frequencies_stay_fp32_on_low_precision_models(dtype):
+    model = tiny_model().to(dtype)
+    rope_patch.apply(model, "yarn", factor=4.0)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    twin = tiny_model()
+    rope_patch.apply(twin, "yarn", factor=4.0)
+    assert torch.equal(model.model.rotary_emb.inv_freq, twin.model.rotary_emb.inv_freq)
+
+
+@settings(max_examples=25, deadline=None)
+@given(factor=st.floats(1.0, 64.0), theta=st.floats(100.0, 1e7), half=st.integers(2, 64))
+def test_frequency_invariants_property(factor, theta, half):
+    """For any factor/base/head_dim: θ′ ≤ θ (schemes only slow rotations), the highest frequency kept by NTK and
+    NTK-by-parts schemes, the lowest divided by s for linear/ntk (and llama3 when its wavelength exceeds L)."""
+    from rope_patch.target import RopeContext
+
+    d = 2 * half
+    ctx = RopeContext(head_dim=d, rotary_dim=d, rope_theta=theta, max_position_embeddings=4096, rope_parameters={"rope_theta": theta})
+    base, _ = rope_patch.as_scheme("default").inv_freq(ctx)
+    for name in ("linear", "ntk", "yarn", "llama3"):
+        scheme = rope_patch.as_scheme(name, factor=factor)
+        if name in ("yarn", "llama3"):
+            scheme = scheme.replace(original_max_position_embeddings=4096)
+        got, _ = scheme.inv_freq(ctx)
+        assert torch.all(got <= base * (1 + 1e-6)), name
+        lowest_is_long = 2 * math.pi / base[-1].item() > 4096  # Llama 3 interpolates only λ > L/low_freq_factor
+        if name in ("linear", "ntk") or (name == "llama3" and lowest_is_long):
+            assert math.isclose(got[-1].item(), base[-1].item() / factor, rel_tol=1e-4), name
+        if name in ("ntk", "yarn", "llama3"):
+            assert math.isclose(got[0].item(), base[0].item(), rel_tol=1e-5), name
