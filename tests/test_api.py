@@ -1,0 +1,181 @@
+"""Public API: apply / remove / patched / current, per instance and reversible, wrappers unwrapped."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import WINDOW, logits, tiny_model
+
+import rope_patch
+
+SCHEMES = [
+    ("default", dict(rope_theta=500_000)),
+    ("linear", dict(factor=2)),
+    ("ntk", dict(factor=4)),
+    ("dynamic", dict(factor=4)),
+    ("yarn", dict(factor=8)),
+    ("llama3", dict(factor=8)),
+    ("longrope", dict(factor=4, short_factor=[1.0] * 8, long_factor=[4.0] * 8)),
+    ("p_rope", dict(partial_rotary_factor=0.25)),
+]
+IDS = [s for s, _ in SCHEMES]
+
+
+def _state(model):
+    """Everything a patch may touch, for bit-exact comparison."""
+    rot = model.model.rotary_emb
+    return (
+        {k: v.clone() for k, v in rot._buffers.items()},
+        {k: copy.deepcopy(v) for k, v in vars(rot).items() if not k.startswith("_") and k != "config"},
+        rot.config is model.config,
+        copy.deepcopy(model.config.to_dict()),
+    )
+
+
+def _same_state(a, b):
+    assert a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) and a[0][k].dtype == b[0][k].dtype for k in a[0])
+    assert a[1] == b[1] and a[2] == b[2] and a[3] == b[3]
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(3, 97, (2, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("scheme,params", SCHEMES, ids=IDS)
+def test_remove_restores_bit_identical_logits_and_state(scheme, params, ids):
+    model = tiny_model()
+    before, state = logits(model, ids), _state(model)
+    assert rope_patch.apply(model, scheme, **params) is model
+    assert not torch.equal(logits(model, ids), before)
+    rope_patch.remove(model)
+    assert torch.equal(logits(model, ids), before)
+    _same_state(_state(model), state)
+    assert rope_patch.current(model) is None
+
+
+@pytest.mark.parametrize("scheme,params", SCHEMES, ids=IDS)
+def test_reapply_equals_fresh_apply(scheme, params, ids):
+    fresh = tiny_model()
+    rope_patch.apply(fresh, scheme, **params)
+    model = tiny_model()
+    rope_patch.apply(model, "yarn", factor=16, original_max_position_embeddings=8)
+    logits(model, ids)  # let dynamic-style updates run before replacing
+    rope_patch.apply(model, "dynamic", factor=3)
+    logits(model, ids)
+    rope_patch.apply(model, scheme, **params)
+    assert torch.equal(logits(model, ids), logits(fresh, ids))
+    assert model.config.max_position_embeddings == fresh.config.max_position_embeddings
+    assert model.config.rope_parameters == fresh.config.rope_parameters
+
+
+def test_current_reports_resolved_scheme():
+    model = tiny_model()
+    assert rope_patch.current(model) is None
+    rope_patch.apply(model, "YaRN", factor=4)
+    scheme = rope_patch.current(model)
+    assert scheme.name == "yarn" and scheme.factor == 4.0 and scheme.original_max_position_embeddings == WINDOW
+    assert model.config.max_position_embeddings == 4 * WINDOW
+    rope_patch.remove(model)
+    assert model.config.max_position_embeddings == WINDOW
+
+
+def test_remove_on_unpatched_model_is_noop(ids):
+    model = tiny_model()
+    before = logits(model, ids)
+    rope_patch.remove(rope_patch.remove(model))
+    assert torch.equal(logits(model, ids), before)
+
+
+def test_scheme_object_and_aliases():
+    a, b, c = tiny_model(), tiny_model(), tiny_model()
+    rope_patch.apply(a, rope_patch.as_scheme("linear", factor=2))
+    rope_patch.apply(b, "pi", factor=2)
+    rope_patch.apply(c, "Position-Interpolation", factor=2)
+    assert rope_patch.current(a) == rope_patch.current(b) == rope_patch.current(c)
+
+
+def test_patched_context_manager_restores_previous_patch_also_on_error(ids):
+    model = tiny_model()
+    rope_patch.apply(model, "linear", factor=2)
+    linear = logits(model, ids)
+    with rope_patch.patched(model, "yarn", factor=8):
+        assert rope_patch.current(model).name == "yarn"
+    assert torch.equal(logits(model, ids), linear) and rope_patch.current(model).name == "linear"
+    with pytest.raises(RuntimeError, match="boom"), rope_patch.patched(model, "ntk", factor=2):
+        raise RuntimeError("boom")
+    assert torch.equal(logits(model, ids), linear)
+
+
+def test_two_models_carry_different_schemes(ids):
+    a, b, untouched = tiny_model(), tiny_model(), tiny_model()
+    base = logits(untouched, ids)
+    rope_patch.apply(a, "yarn", factor=8)
+    rope_patch.apply(b, "linear", factor=2)
+    la, lb = logits(a, ids), logits(b, ids)
+    solo_a = tiny_model()
+    rope_patch.apply(solo_a, "yarn", factor=8)
+    assert torch.equal(la, logits(solo_a, ids)) and not torch.equal(la, lb)
+    assert torch.equal(logits(untouched, ids), base)  # no class or module state changed
+    assert type(untouched.model.rotary_emb).forward is type(a.model.rotary_emb).forward
+    assert untouched.model.rotary_emb.config is untouched.config
+
+
+def test_bare_decoder_and_causal_lm_share_the_patch(ids):
+    model = tiny_model()
+    rope_patch.apply(model.model, "linear", factor=2)
+    assert rope_patch.current(model).name == "linear"
+    rope_patch.remove(model)
+    assert rope_patch.current(model.model) is None
+
+
+def test_peft_model_is_unwrapped(ids):
+    peft = pytest.importorskip("peft")
+    model = tiny_model()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    before = logits(lora, ids)
+    rope_patch.apply(lora, "yarn", factor=4)
+    assert rope_patch.current(model).name == "yarn"
+    patched = logits(lora, ids)
+    merged = lora.merge_and_unload()  # the patch lives on the base model's rotary: merging keeps it
+    torch.testing.assert_close(logits(merged, ids), patched, atol=1e-5, rtol=1e-5)
+    rope_patch.remove(merged)
+    torch.testing.assert_close(logits(merged, ids), before, atol=1e-5, rtol=1e-5)
+
+
+def test_never_moves_the_model_and_frequencies_follow_its_device():
+    model = tiny_model()
+    rope_patch.apply(model, "llama3", factor=8)
+    assert model.model.rotary_emb.inv_freq.device == next(model.parameters()).device
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_list_schemes_and_register_custom_scheme(ids):
+    import dataclasses
+
+    assert {"default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "p_rope"} <= set(rope_patch.list_schemes())
+
+    @dataclasses.dataclass(frozen=True)
+    class HalfTheta(rope_patch.FrequencyScheme):
+        """A user scheme: vanilla RoPE at half the base."""
+
+        name = "test_half_theta"
+
+        def rope_parameters(self, ctx):
+            return self._params(ctx, "default") | {"rope_theta": ctx.rope_theta / 2}
+
+    rope_patch.register_scheme(HalfTheta)
+    try:
+        model = tiny_model()
+        rope_patch.apply(model, "test_half_theta")
+        ref = tiny_model()
+        rope_patch.apply(ref, "default", rope_theta=5000)
+        assert torch.equal(logits(model, ids), logits(ref, ids))
+        with pytest.raises(ValueError, match="already registered"):
+            rope_patch.register_scheme(HalfTheta, name="yarn")
+    finally:
+        from rope_patch import registry
+
+        registry._SCHEMES.pop("test_half_theta", None)
