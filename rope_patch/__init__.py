@@ -7,6 +7,7 @@
 
 from . import schemes  # noqa: F401  (registers the built-in schemes)
 from .api import apply, as_scheme, current, patched, remove
+from .export import from_pretrained, native_config, save_pretrained, to_rope_parameters
 from .registry import list_schemes, register_scheme
 from .schemes.base import Scheme
 from .schemes.frequency import FrequencyScheme
@@ -19,8 +20,12 @@ __all__ = [
     "apply",
     "as_scheme",
     "current",
+    "from_pretrained",
     "list_schemes",
+    "native_config",
     "patched",
     "register_scheme",
     "remove",
+    "save_pretrained",
+    "to_rope_parameters",
 ]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
+
+from torch import nn
 
 from .registry import get_scheme_class
 from .schemes.base import Install, Scheme
@@ -18,6 +21,12 @@ class _State:
     scheme: Scheme
     install: Install  # kept so a failed replacement can put this patch back exactly
     log: UndoLog
+    original: dict  # the unpatched config's RoPE fields, for saving a reloadable model
+
+
+def _original(target: Target) -> dict:
+    cfg = target.config
+    return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": cfg.max_position_embeddings}
 
 
 def as_scheme(scheme, **params) -> Scheme:
@@ -47,6 +56,7 @@ def apply(model, scheme="default", **params):
     if old is not None:
         old.log.undo()  # schemes are defined relative to the unpatched model
         del vars(target.rotary)[_STATE]
+    original = _original(target)
     try:
         resolved = new.resolve(target)
         install = resolved.prepare(target)
@@ -58,16 +68,16 @@ def apply(model, scheme="default", **params):
             raise
     except BaseException:
         if old is not None:
-            _install(target, old.scheme, old.install)
+            _reinstall(target, old)
         raise
-    vars(target.rotary)[_STATE] = _State(resolved, install, log)
+    vars(target.rotary)[_STATE] = _State(resolved, install, log, original)
     return model
 
 
-def _install(target: Target, scheme: Scheme, install: Install) -> None:
+def _reinstall(target: Target, state: _State) -> None:
     log = UndoLog()
-    install(log)
-    vars(target.rotary)[_STATE] = _State(scheme, install, log)
+    state.install(log)
+    vars(target.rotary)[_STATE] = _State(state.scheme, state.install, log, state.original)
 
 
 def remove(model):
@@ -80,10 +90,28 @@ def remove(model):
     return model
 
 
+def original_config(model) -> dict:
+    """`rope_parameters` and `max_position_embeddings` of the model as it was before any patch."""
+    target = find_target(model)
+    state = _state(target)
+    return copy.deepcopy(state.original) if state is not None else _original(target)
+
+
 def current(model) -> Scheme | None:
     """The applied scheme (with model-derived defaults filled in), or None."""
     state = _state(find_target(model))
     return None if state is None else state.scheme
+
+
+def patch_modules(model) -> dict[str, nn.Module]:
+    """Modules the applied scheme attached (learned position tables, bias tables), by qualified name in `model`'s
+    unwrapped form; empty for frequency schemes."""
+    target = find_target(model)
+    state = _state(target)
+    if state is None:
+        return {}
+    names = {id(m): n for n, m in target.model.named_modules()}
+    return {f"{names[id(parent)]}.{name}".lstrip("."): child for parent, name, child in state.log.added_modules}
 
 
 @contextlib.contextmanager
@@ -97,4 +125,4 @@ def patched(model, scheme="default", **params):
     finally:
         remove(model)
         if before is not None:
-            _install(target, before.scheme, before.install)
+            _reinstall(target, before)

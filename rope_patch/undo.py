@@ -13,6 +13,7 @@ from torch import nn
 class UndoLog:
     def __init__(self):
         self._undo: list[Callable[[], None]] = []
+        self.added_modules: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, child): the patch's own
 
     def push(self, undo: Callable[[], None]) -> None:
         """Register the inverse of a change the caller has just made."""
@@ -54,7 +55,13 @@ class UndoLog:
         if name in parent._modules or hasattr(parent, name):
             raise RuntimeError(f"{type(parent).__name__} already has an attribute {name!r}")
         parent.add_module(name, child)
-        self._undo.append(lambda: parent._modules.pop(name, None))
+        self.added_modules.append((parent, name, child))
+
+        def undo():
+            parent._modules.pop(name, None)
+            self.added_modules.remove((parent, name, child))
+
+        self._undo.append(undo)
 
     def undo(self) -> None:
         while self._undo:

@@ -122,7 +122,8 @@ class FrequencyScheme(Scheme):
             log.setattr(rot, "attention_scaling", scalings[any_ctx.layer_type])
             for lt, inv_freq in buffers.items():
                 prefix = f"{lt}_" if lt else ""
-                log.set_buffer(rot, f"{prefix}inv_freq", inv_freq)
+                # fresh copies each install: longrope's run-time update writes into `inv_freq` in place
+                log.set_buffer(rot, f"{prefix}inv_freq", inv_freq.clone())
                 log.set_buffer(rot, f"{prefix}original_inv_freq", inv_freq.clone())
                 log.setattr(rot, f"{prefix}long_inv_freq", None)  # longrope's cache of the long set
                 if lt:

@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine (see README):
+#   make demo   - the main job: long-context comparison of RoPE schemes on the embedded model
+#   make test   - the test suite (what CI runs)
+# Each creates .venv if missing. torch is installed first, pinned to the CPU build that lies on local disk
+# (torch==2.13.0), so pip never resolves a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rope-patch compare --model tiny --schemes default linear:4 ntk:8 dynamic:4 yarn:8 llama3:8 \
+		--lengths 256 512 1024 2048 --out results/
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/overhead.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check rope_patch tests bench recipes eval
+
+clean:
+	rm -rf $(VENV) results .pytest_cache
