@@ -67,17 +67,23 @@ class FrequencyScheme(Scheme):
         given = {k: v for k, v in keys.items() if v is not None}
         return {"rope_type": rope_type, "rope_theta": self.theta(ctx), **kept, **given}
 
-    def inv_freq(self, ctx: RopeContext, rotary_cls=None) -> tuple[torch.Tensor, float]:
-        """θ_i and the cos/sin scale, computed without a model (used by rope_patch.analysis too)."""
+    def inv_freq(self, ctx: RopeContext, rotary_cls=None, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+        """θ_i and the cos/sin scale, computed without a model (rope_patch.analysis uses this too).
+
+        With `seq_len`, the numbers transformers' `dynamic_rope_update` installs for a sequence of that length:
+        dynamic NTK rescales once ℓ exceeds its window, LongRoPE switches to its long factors for ℓ > L.
+        """
         params = self.rope_parameters(ctx)
-        cfg = _StandaloneConfig(
-            rope_parameters=params,
-            head_dim=ctx.head_dim,
-            hidden_size=ctx.head_dim,
-            num_attention_heads=1,
-            max_position_embeddings=self.init_window(ctx),
-        )
-        inv_freq, scaling = _init_fn(params["rope_type"], rotary_cls)(cfg)
+        window = self.init_window(ctx)
+        rope_type = params["rope_type"]
+        cfg = _StandaloneConfig(rope_parameters=params, head_dim=ctx.head_dim, hidden_size=ctx.head_dim,
+                                num_attention_heads=1, max_position_embeddings=window)
+        kwargs = {}
+        if seq_len is not None and "dynamic" in rope_type and seq_len > window:
+            kwargs["seq_len"] = torch.tensor(seq_len, dtype=torch.int64)  # as in the forward pass
+        elif seq_len is not None and rope_type == "longrope" and seq_len > params["original_max_position_embeddings"]:
+            kwargs["seq_len"] = params["original_max_position_embeddings"] + 1
+        inv_freq, scaling = _init_fn(rope_type, rotary_cls)(cfg, **kwargs)
         return self.adjust(inv_freq.float(), ctx), float(scaling)
 
     def prepare(self, target: Target) -> Install:

@@ -1,0 +1,115 @@
+"""`rope-patch plot`: figures of the position-encoding theory (rope_patch.analysis) and of compare results.
+
+    rope-patch plot decay --schemes default yarn:8 linear:8 ntk:8 --head-dim 128 --window 4096 --out decay.png
+    rope-patch plot wavelengths --schemes default yarn:8 llama3:8 --config path/to/model --out wl.svg
+    rope-patch plot distance --schemes rerope:512 self_extend:group_size=8,window_size=512 alibi --out dist.png
+    rope-patch plot results results/compare.json --out results/summary.png
+"""
+
+from __future__ import annotations
+
+import sys
+
+ANALYSIS_KINDS = ("decay", "wavelengths", "frequencies", "angles", "distance", "score")
+DEFAULT_SCHEMES = {"*": ["default", "yarn:8", "linear:8", "ntk:8"],
+                   "distance": ["default", "rerope:512", "leaky_rerope:window_size=512,factor=16",
+                                "self_extend:group_size=8,window_size=512", "alibi"]}
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plot", help="figures: decay bound, wavelengths, frequencies, angles, distance maps, scores, results",
+        description="Draw the position-encoding theory for one or more schemes (numbers from rope_patch.analysis, "
+        "the same that a patched model uses), or redraw a `rope-patch compare` result file. The original training "
+        "window L is marked on every figure.")
+    p.add_argument("kind", choices=[*ANALYSIS_KINDS, "results"],
+                   help="decay: RoFormer long-term-decay bound vs distance; wavelengths: 2π/θ′ per pair and turns "
+                   "inside L; frequencies: θ′ per pair and interpolation factor; angles: largest angle per pair at a "
+                   "length vs the trained range; distance: effective relative distance (rerope, self_extend) and "
+                   "ALiBi bias; score: q·k vs distance; results: redraw compare/sweep JSON")
+    p.add_argument("results_file", nargs="?", default=None, metavar="RESULTS.json",
+                   help="for `results`: compare.json (or a JSON/JSONL list of records)")
+    p.add_argument("--schemes", nargs="+", default=None, metavar="SPEC",
+                   help="scheme specs: name, name:value, name:key=value,... (default: default yarn:8 linear:8 ntk:8; for "
+                   "distance: rerope, leaky_rerope, self_extend, alibi)")
+    rope = p.add_argument_group("model RoPE (or --config)")
+    rope.add_argument("--head-dim", type=int, default=128, help="per-head dimension d (default: %(default)s)")
+    rope.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base b (default: %(default)s)")
+    rope.add_argument("--window", type=int, default=None, metavar="L",
+                      help="original training window L = max_position_embeddings (default: 4096; for `results`: "
+                      "the file's)")
+    rope.add_argument("--partial-rotary-factor", type=float, default=None, help="fraction of the head that rotates")
+    rope.add_argument("--config", default=None, metavar="DIR",
+                      help="read head_dim, rope_theta, window, heads from a local model folder's config.json")
+    rope.add_argument("--seq-len", type=int, default=None,
+                      help="current length for dynamic NTK / LongRoPE (default: the scheme's extended window)")
+    p.add_argument("--max-distance", type=int, default=None,
+                   help="largest distance (decay, score, distance) or the length N (angles); default max(4L, s·L)")
+    p.add_argument("--normalize", action="store_true", help="decay: divide by the value at Δ = 0")
+    p.add_argument("--linear", action="store_true", help="decay: linear distance axis (like the RoFormer figure)")
+    p.add_argument("--logits", action="store_true", help="score: a²·q·k/√d plus ALiBi's bias (what softmax sees)")
+    p.add_argument("--num-heads", type=int, default=None, help="heads for ALiBi slopes (default: config's or 8)")
+    p.add_argument("--out", default=None, help="output file (default: <kind>.<format>)")
+    p.add_argument("--format", choices=("png", "svg"), default=None, help="figure format (default: from --out, else png)")
+    p.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    try:
+        path = _run(args)
+    except OSError as err:  # missing results file / model folder: a message, not a traceback
+        print(f"rope-patch plot: error: {err}", file=sys.stderr)
+        return 2
+    print(f"Wrote {path}")
+    return 0
+
+
+def _run(args):
+    from . import plots
+
+    if args.kind == "results":
+        if args.results_file is None:
+            raise ValueError("`rope-patch plot results` needs the results file, e.g. results/compare.json.")
+        if args.schemes:
+            raise ValueError("`rope-patch plot results` draws the schemes in the file; drop --schemes.")
+        fig = plots.results(args.results_file, window=args.window)
+    else:
+        if args.results_file is not None:
+            raise ValueError(f"`rope-patch plot {args.kind}` takes no file argument (got {args.results_file!r}); "
+                             "give schemes with --schemes.")
+        schemes = args.schemes or DEFAULT_SCHEMES.get(args.kind, DEFAULT_SCHEMES["*"])
+        rope = _rope(args)
+        kw = {}
+        if args.kind in ("decay", "score", "distance") and args.max_distance is not None:
+            kw["max_distance"] = args.max_distance
+        if args.kind == "angles" and args.max_distance is not None:
+            kw["length"] = args.max_distance
+        if args.kind == "decay":
+            kw.update(normalize=args.normalize, log_x=not args.linear)
+        if args.kind == "score":
+            kw["logits"] = args.logits
+        if args.kind in ("score", "distance"):
+            kw["num_heads"] = args.num_heads or rope.pop("_num_heads", None) or 8
+        rope.pop("_num_heads", None)
+        if args.kind == "distance":
+            rope.pop("seq_len", None)
+        fig = plots.make(args.kind, schemes, **kw, **rope)
+    out = args.out or f"{args.kind}.{args.format or 'png'}"
+    return plots.save(fig, out, args.format, dpi=args.dpi)
+
+
+def _rope(args) -> dict:
+    if args.config is not None:
+        from transformers import AutoConfig
+
+        if args.window is not None or args.partial_rotary_factor is not None:
+            raise ValueError("--config gives the window and rotary layout; drop --window / --partial-rotary-factor.")
+        cfg = AutoConfig.from_pretrained(args.config)  # a local folder: only config.json is read
+        rope = {"config": cfg, "_num_heads": getattr(cfg, "num_attention_heads", None)}
+    else:
+        rope = {"head_dim": args.head_dim, "rope_theta": args.rope_theta,
+                "max_position_embeddings": args.window or 4096, "partial_rotary_factor": args.partial_rotary_factor}
+    if args.seq_len is not None:
+        rope["seq_len"] = args.seq_len
+    return {k: v for k, v in rope.items() if v is not None or k == "_num_heads"}
