@@ -153,7 +153,7 @@ def test_generate_with_cache_equals_full_recomputation(scheme, params):
         full.append(step)
         ids = torch.cat([ids, step.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out.sequences, ids)
-    drift = max((a - b).abs().max().item() for a, b in zip(out.logits, full))
+    drift = max((a - b).abs().max().item() for a, b in zip(out.logits, full, strict=True))
     if scheme == "dynamic":
         # Promised: same greedy tokens. Not promised: equal logits. Each decoding step past L rescales the base for
         # the new length while cached keys keep the base they were rotated with (transformers issue #25104).

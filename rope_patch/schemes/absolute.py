@@ -1,0 +1,140 @@
+"""No position encoding, and additive absolute encodings in place of RoPE.
+
+All three only remove the rotation (and add a vector to the input embeddings); attention itself is untouched, so
+the model keeps its own backend (eager, sdpa, flex, flash) and any KV cache works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .. import config as check
+from ..registry import register_scheme
+from ..target import Target
+from ..undo import UndoLog
+from .common import AttentionScheme, cache_arg, decoder, sinusoid
+
+MODULE_NAME = "rope_patch_position_embeddings"  # attribute under which learned_absolute attaches its table
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class NoPE(AttentionScheme):
+    """NoPE (Haviv et al. 2022, "Transformer Language Models without Positional Encodings Still Learn Positional
+    Information", arXiv:2203.16634; Kazemnejad et al. 2023, arXiv:2305.19466): no position encoding at all; the
+    causal mask alone carries order. score(i, j) = q_i·k_j / √d."""
+
+    name = "nope"
+    aliases = ("none", "no_pe", "no_position_encoding")
+
+
+def token_positions(kwargs: dict, n: int, device) -> torch.Tensor:
+    """True positions (b|1, n) of the tokens of one forward: `position_ids` when given (generate passes
+    attention_mask.cumsum − 1), else from a 2-D attention mask (left padding: the first real token is 0), else the
+    cache length onwards, as the decoder itself counts."""
+    pos = kwargs.get("position_ids")
+    if pos is not None:
+        return pos
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -n:].to(device)
+    cache = cache_arg(kwargs)
+    past = cache.get_seq_length() if cache is not None else 0
+    return torch.arange(past, past + n, device=device)[None]
+
+
+class _Additive(AttentionScheme):
+    """Adds pe(position) to the input embeddings: a forward pre-hook on the decoder embeds the ids itself and passes
+    `inputs_embeds` + pe on (so user-given inputs_embeds get it too). Removed through the undo log."""
+
+    @staticmethod
+    def _attach_hook(log: UndoLog, target: Target, encode) -> None:
+        """encode(positions (b|1, n), embeds (b, n, hidden)) -> (b|1, n, hidden)."""
+
+        def hook(module, args, kwargs):
+            kwargs = dict(kwargs)
+            ids = kwargs.pop("input_ids", None)
+            if args:
+                ids, args = args[0], args[1:]
+            embeds = kwargs.get("inputs_embeds")
+            if embeds is None:
+                embeds = module.get_input_embeddings()(ids)
+            positions = token_positions(kwargs, embeds.shape[1], embeds.device)
+            kwargs["inputs_embeds"] = embeds + encode(positions, embeds).to(embeds.dtype)
+            return args, kwargs
+
+        handle = decoder(target.model).register_forward_pre_hook(hook, with_kwargs=True)
+        log.push(handle.remove)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class Sinusoidal(_Additive):
+    """Sinusoidal absolute encoding (Vaswani et al. 2017, "Attention Is All You Need", arXiv:1706.03762, §3.5):
+    PE(pos, 2t) = sin(pos / θ^(2t/d_model)), PE(pos, 2t+1) = cos(pos / θ^(2t/d_model)), θ = `rope_theta` (10000),
+    added to the input embeddings; no rotation. Computed from the positions on the fly: no length limit."""
+
+    name = "sinusoidal"
+    aliases = ("sinusoid", "absolute", "vaswani")
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        self._set("rope_theta", check.number(self.name, "rope_theta", self.rope_theta, gt=1.0))
+
+    def build(self, target):
+        theta = self.rope_theta
+        return None, lambda log: self._attach_hook(log, target, lambda pos, like: sinusoid(pos, like.shape[-1], theta))
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class LearnedAbsolute(_Additive):
+    """Learned absolute position embeddings (GPT/BERT style; Gehring et al. 2017, arXiv:1705.03122): a trainable
+    table P[pos] (nn.Embedding(`max_position_embeddings`, hidden), default the model's window) added to the input
+    embeddings, initialised with the sinusoidal table of Vaswani et al. 2017 (θ = 10000) so the untrained patch is
+    `sinusoidal`. Attached as the module `rope_patch_position_embeddings` (optimizers, peft modules_to_save,
+    state_dict see it); `remove` detaches it."""
+
+    name = "learned_absolute"
+    aliases = ("learned", "learned_position_embeddings", "absolute_learned")
+    max_position_embeddings: int | None = None
+
+    def __post_init__(self):
+        if self.max_position_embeddings is not None:
+            self._set("max_position_embeddings", check.integer(self.name, "max_position_embeddings", self.max_position_embeddings, ge=1))
+
+    def resolve(self, target):
+        if self.max_position_embeddings is None:
+            return self.replace(max_position_embeddings=int(target.config.max_position_embeddings))
+        return self
+
+    def build(self, target):
+        if hasattr(target.model, MODULE_NAME):
+            raise ValueError(f"{self.name}: the model already has an attribute {MODULE_NAME!r}.")
+        hidden = target.config.hidden_size
+        table = nn.Embedding(self.max_position_embeddings, hidden)
+        with torch.no_grad():
+            table.weight.copy_(sinusoid(torch.arange(self.max_position_embeddings), hidden, 10000.0))
+        param = next(target.model.parameters())
+        table.to(device=param.device, dtype=param.dtype)
+
+        size, owner = self.max_position_embeddings, target.model
+
+        def encode(positions, like):
+            top = int(positions.max()) if positions.numel() else 0
+            if top >= size:
+                raise ValueError(
+                    f"learned_absolute: position {top} is beyond the table (max_position_embeddings={size}). "
+                    "Re-apply with a larger max_position_embeddings."
+                )
+            # looked up at call time: peft's modules_to_save may have wrapped the table since
+            return getattr(owner, MODULE_NAME)(positions.clamp(min=0))
+
+        def extra(log):
+            log.add_module(target.model, MODULE_NAME, table)
+            self._attach_hook(log, target, encode)
+
+        return None, extra

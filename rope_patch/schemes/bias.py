@@ -1,0 +1,217 @@
+"""Additive attention biases: ALiBi (fixed slopes) and T5/Shaw relative-position buckets (learned).
+
+Both remove the rotation and add b_h(i − j) to the logits of query i and key j. The bias is built per query block
+inside the attention function (a (heads, block, keys) slice), never as a (heads, L, L) tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from .. import attention
+from .. import config as check
+from ..registry import register_scheme
+from ..target import Target
+from .common import AttentionScheme, attention_modules
+
+MODULE_NAME = "rope_patch_relative_bias"  # attribute under which relative_bias attaches its table to the model
+
+
+def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
+    """Press et al. 2022 (arXiv:2108.12409, §3 and their reference code): for n a power of two,
+    m_h = 2^(−max_bias·h/n), h = 1..n. Otherwise take the n′ = 2^⌊log2 n⌋ slopes of n′ heads, then every other slope
+    of the 2n′-head sequence (the ones that interleave with them) until n heads have one."""
+
+    def power_of_two(n):
+        return [2.0 ** (-max_bias * h / n) for h in range(1, n + 1)]
+
+    if math.log2(n_heads).is_integer():
+        return power_of_two(n_heads)
+    closest = 2 ** math.floor(math.log2(n_heads))
+    return power_of_two(closest) + alibi_slopes(2 * closest, max_bias)[0::2][: n_heads - closest]
+
+
+class AlibiScores(attention.ScoreMod):
+    def __init__(self, slopes: torch.Tensor):
+        self.slopes = slopes  # (H,) float32, one per query head (GQA: not per kv head)
+
+    def _slopes(self, call):
+        return self.slopes.to(call.query.device).view(1, *call.query.shape[1:3], 1, 1)  # (1, Hkv, G, 1, 1)
+
+    def logits(self, call, rows, start, e):
+        s = call.qk(call.query[:, :, :, rows], call.key[:, :, start:e])
+        return s - self._slopes(call) * call.distance(rows, start, e).float()  # score(i, j) −= m_h·(i − j)
+
+    def fast_rows(self, heads):
+        return 1024  # nothing is materialised on the fast path
+
+    def fast(self, call, rows, e):
+        """Fused kernels only: −m_h(i − j) = m_h(j − c) − m_h(i − c) with c the block's first slot. The first term is
+        rank one (an extra q channel m_h/scale against a k channel j − c), the second is constant per row, so it only
+        shifts that row's log-sum-exp. |m_h(j − c)| ≤ |m_h(i − j)| for every key before the block, so the channel
+        costs no precision. Keys before the block: one unmasked call; the diagonal block: one causal call."""
+        c = call.first_slot(rows)
+        q = call.query[:, :, :, rows]
+        slopes = self._slopes(call)  # (1, Hkv, G, 1, 1)
+        q_aug = torch.cat((q, (slopes / call.scaling).to(q.dtype).expand(*q.shape[:-1], 1)), dim=-1)
+        if "k_aug" not in call.scratch:  # once per call; each block rewrites only the extra channel
+            call.scratch["k_aug"] = torch.nn.functional.pad(call.key, (0, 1))
+            call.scratch["v_aug"] = torch.nn.functional.pad(call.value, (0, 1))  # the kernel wants equal head sizes
+        k_aug, v_aug = call.scratch["k_aug"], call.scratch["v_aug"]
+        k_aug[:, :, :e, -1] = (torch.arange(e, device=q.device) - c).to(k_aug.dtype)
+        shift = (slopes * call.distance(rows, c, c + 1).float().view(1, 1, 1, -1, 1)).flatten(1, 3)  # m_h·(i − c)
+        parts = [attention.flash_causal_partial(call, q_aug, k_aug[:, :, c:e], v_aug[:, :, c:e])]
+        if c > 0:
+            parts.append(attention.flash_partial(call, q_aug, k_aug[:, :, :c], v_aug[:, :, :c]))
+        return [(out[..., :-1], lse - shift.reshape(1, -1, lse.shape[-1])) for out, lse in parts]
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class Alibi(AttentionScheme):
+    """ALiBi (Press, Smith & Lewis 2022, "Train Short, Test Long", arXiv:2108.12409): no position embedding; each
+    head h adds −m_h·(i − j) to the logit of query i and key j, with geometric slopes m_h = 2^(−8h/n) (`max_bias`
+    = 8) and the paper's rule for head counts that are not a power of two (`alibi_slopes`)."""
+
+    name = "alibi"
+    aliases = ("attention_linear_bias",)
+    max_bias: float = 8.0
+
+    def __post_init__(self):
+        self._set("max_bias", check.number(self.name, "max_bias", self.max_bias, gt=0.0))
+
+    def build(self, target):
+        n_heads = target.config.num_attention_heads
+        return AlibiScores(torch.tensor(alibi_slopes(n_heads, self.max_bias), dtype=torch.float32)), None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's causal (`bidirectional=False`) bucket of n = max(i − j, 0) (Raffel et al. 2020, arXiv:1910.10683 §2.1;
+    transformers' T5Attention._relative_position_bucket): n itself for n < num_buckets/2, then log-spaced buckets
+    up to max_distance, the last bucket beyond."""
+    n = distance.clamp(min=0)
+    exact = num_buckets // 2
+    large = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact) * (num_buckets - exact)).long()
+    return torch.where(n < exact, n, large.clamp(max=num_buckets - 1))
+
+
+def bucket_start(num_buckets: int, max_distance: int) -> torch.Tensor:
+    """The smallest distance of each bucket (its representative for the ALiBi initialisation)."""
+    exact = num_buckets // 2
+    b = torch.arange(num_buckets, dtype=torch.float64)
+    log_spaced = torch.ceil(exact * (max_distance / exact) ** ((b - exact) / (num_buckets - exact)))
+    return torch.where(b < exact, b, log_spaced).float()
+
+
+class RelativeBias(nn.Module):
+    """Learned per-layer, per-head bias table w[layer, head, bucket]; attached to the model so optimizers, peft's
+    `modules_to_save` and `state_dict` see it."""
+
+    def __init__(self, num_layers: int, num_heads: int, num_buckets: int, max_distance: int):
+        super().__init__()
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.weight = nn.Parameter(torch.zeros(num_layers, num_heads, num_buckets))
+
+    def forward(self, layer_idx: int) -> torch.Tensor:
+        """(heads, buckets) of one layer. Attention calls the module (not its weight) so that a wrapper such as
+        peft's ModulesToSaveWrapper routes to the copy it trains."""
+        return self.weight[layer_idx]
+
+    def extra_repr(self):
+        layers, heads, buckets = self.weight.shape
+        return f"layers={layers}, heads={heads}, num_buckets={buckets}, max_distance={self.max_distance}"
+
+
+class RelativeBiasScores(attention.ScoreMod):
+    def __init__(self, owner: nn.Module, num_buckets: int, max_distance: int):
+        # The table is looked up on its owner at call time: peft may have replaced it by a wrapper since.
+        self.owner, self.num_buckets, self.max_distance = owner, num_buckets, max_distance
+
+    def fast_rows(self, heads):
+        return attention.fit_rows(heads, self.max_distance)  # the band: r × (r + max_distance) bias + mask
+
+    def table(self, call) -> torch.Tensor:
+        return getattr(self.owner, MODULE_NAME)(call.module.layer_idx)  # (H, buckets)
+
+    def bias(self, call, rows, start, e) -> torch.Tensor:
+        """(1, Hkv, G, r, e − start) float32. Every full block of the fast path has the same distance pattern, so
+        its band is built once per call and reused."""
+        dist = call.distance(rows, start, e)
+        key = ("relative_bias", int(dist[0, 0]), *dist.shape)
+        if key in call.scratch:
+            return call.scratch[key]
+        bucket = t5_bucket(dist, self.num_buckets, self.max_distance)  # (r, w)
+        bias = self.table(call)[:, bucket].float().view(1, *call.query.shape[1:3], *bucket.shape)
+        if start > 0:  # a fast-path band (its pattern repeats); the materialised path's blocks never repeat
+            call.scratch[key] = bias
+        return bias
+
+    def logits(self, call, rows, start, e):
+        return call.qk(call.query[:, :, :, rows], call.key[:, :, start:e]) + self.bias(call, rows, start, e)
+
+    def fast(self, call, rows, e):
+        """Keys at distance ≥ max_distance from every row of the block all fall in the last bucket: a per-head
+        constant, i.e. plain attention through the fused kernel with that constant added to its log-sum-exp. Only
+        the band of nearer keys (block + max_distance wide) is materialised with its buckets."""
+        start = max(0, call.first_slot(rows) - self.max_distance + 1)
+        q = call.query[:, :, :, rows]
+        key = ("relative_bias_band", start > 0, rows.stop - rows.start, e - start)
+        if key not in call.scratch:  # bias + causal mask of the band; the same for every full block of the call
+            future = call.distance(rows, start, e) < 0
+            call.scratch[key] = self.bias(call, rows, start, e).masked_fill(future, float("-inf")).to(q.dtype)
+        band = attention.flash_partial(call, q, call.key[:, :, start:e], call.value[:, :, start:e], mask=call.scratch[key])
+        if start == 0:
+            return [band]
+        out, lse = attention.flash_partial(call, q, call.key[:, :, :start], call.value[:, :, :start])
+        last = self.table(call)[:, -1].float().view(1, -1, 1)  # (1, H, 1)
+        return [(out, lse + last), band]
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class RelativeBiasScheme(AttentionScheme):
+    """Learned relative-position bias (Shaw, Uszkoreit & Vaswani 2018, arXiv:1803.02155; bucketed as in T5, Raffel
+    et al. 2020, arXiv:1910.10683): no rotation; logit(i, j) += w_{layer,h}[bucket(i − j)] with T5's causal buckets
+    (`num_buckets`, exact below num_buckets/2, log-spaced to `max_distance`, clipped beyond). Unlike T5 every layer
+    has its own table. `init`: 'zeros' (NoPE at start) or 'alibi' (w = −m_h·(first distance of the bucket), i.e.
+    ALiBi exactly for distances < num_buckets/2). The table is a trainable module `rope_patch_relative_bias` on the
+    model; `remove` detaches it."""
+
+    name = "relative_bias"
+    aliases = ("t5_bias", "relative_position_bias", "shaw")
+    num_buckets: int = 32
+    max_distance: int = 128
+    init: str = "zeros"
+
+    def __post_init__(self):
+        n = self.name
+        self._set("num_buckets", check.integer(n, "num_buckets", self.num_buckets, ge=2))
+        self._set("max_distance", check.integer(n, "max_distance", self.max_distance, ge=1))
+        if self.max_distance <= self.num_buckets // 2:
+            raise ValueError(
+                f"{n}: parameter `max_distance` must be > num_buckets/2 = {self.num_buckets // 2} (where the "
+                f"log-spaced buckets start), got {self.max_distance}. Raise max_distance or lower num_buckets."
+            )
+        self._set("init", check.choice(n, "init", self.init, ("zeros", "alibi")))
+
+    def _table(self, target: Target) -> RelativeBias:
+        cfg = target.config
+        table = RelativeBias(len(attention_modules(target.model)), cfg.num_attention_heads, self.num_buckets, self.max_distance)
+        if self.init == "alibi":
+            slopes = torch.tensor(alibi_slopes(cfg.num_attention_heads))
+            with torch.no_grad():
+                table.weight.copy_(-slopes[:, None] * bucket_start(self.num_buckets, self.max_distance))
+        param = next(target.model.parameters())
+        return table.to(device=param.device, dtype=param.dtype if param.is_floating_point() else None)
+
+    def build(self, target):
+        if hasattr(target.model, MODULE_NAME):
+            raise ValueError(f"{self.name}: the model already has an attribute {MODULE_NAME!r}.")
+        table = self._table(target)  # one object: the scores read it, the model owns it (optimizer, state_dict)
+        scores = RelativeBiasScores(target.model, self.num_buckets, self.max_distance)
+        return scores, lambda log: log.add_module(target.model, MODULE_NAME, table)

@@ -1,0 +1,142 @@
+"""Shared machinery of the attention-side schemes (kind = "attention").
+
+Every attention scheme first removes the model's rotation: the rotary module's forward is overridden *on this
+instance* (through the undo log) to return cos = 1, sin = 0, which `apply_rotary_pos_emb` turns into the exact
+identity (q·1 + rotate_half(q)·0 = q). What a scheme adds on top:
+
+    build(target) -> (scores, extra)
+        scores  a `ScoreMod` for the attention function (ALiBi, T5 bias, ReRoPE, Self-Extend), or None when the
+                model's own attention backend is kept (NoPE, sinusoidal, learned absolute)
+        extra   None or `extra(undo_log)`: attaches modules and hooks (learned tables, embedding hooks)
+    Both are built at prepare time, so bad input fails before the model is touched, and a re-install (api's
+    rollback) re-attaches the very same learned table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from .. import attention
+from ..target import Target
+from ..undo import UndoLog
+from .base import Install, Scheme
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules (one per decoder layer): `*Attention` classes with a `layer_idx`."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The bare decoder (LlamaModel inside LlamaForCausalLM): it owns the embeddings and receives position_ids."""
+    inner = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def cache_arg(kwargs: dict):
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionScheme(Scheme):
+    kind: ClassVar[str] = "attention"
+
+    def _set(self, key, value):
+        object.__setattr__(self, key, value)
+
+    # ---- what a scheme defines -------------------------------------------------------------------------------
+    def build(self, target: Target) -> tuple[attention.ScoreMod | None, Callable[[UndoLog], None] | None]:
+        """(scores for the attention function or None to keep the model's backend, extra install step or None)."""
+        return None, None
+
+    # ---- shared machinery ------------------------------------------------------------------------------------
+    def rotation(self, target: Target) -> attention.Rotation:
+        """The model's own RoPE for the deferred-RoPE schemes, or a clear error for layouts it cannot serve."""
+        modules = attention_modules(target.model)
+        if target.layer_types != [None]:
+            raise ValueError(
+                f"{self.name}: {target.model_type} keeps one RoPE per layer type ({', '.join(target.layer_types)}); "
+                f"{self.name} supports models with a single rotary embedding (llama, mistral, qwen2/3, gemma, gemma2, phi3, ...)."
+            )
+        fns = {getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None) for m in modules}
+        params = inspect.signature(type(target.rotary).forward).parameters
+        if len(fns) != 1 or None in fns or list(params)[:3] != ["self", "x", "position_ids"] or "mrope_section" in params:
+            raise ValueError(
+                f"{self.name}: cannot re-apply the RoPE of {target.model_type} inside attention (no module-level "
+                "`apply_rotary_pos_emb(q, k, cos, sin)` / rotary `forward(x, position_ids)`). Supported: llama, "
+                "mistral, mixtral, qwen2/3, gemma, gemma2, phi3, olmo2, granite, starcoder2, ..."
+            )
+        return attention.Rotation(target.rotary.forward, fns.pop())
+
+    def _check_backend(self, target: Target) -> str:
+        impl = target.config._attn_implementation
+        if impl not in attention.BACKENDS:
+            raise ValueError(
+                f"{self.name}: attention backend {impl!r} is not supported; supported: "
+                f"{', '.join(attention.BACKENDS)}. Call model.set_attn_implementation('sdpa') (memory-lean, query "
+                "blocks) or 'eager' (returns attention weights) before rope_patch.apply."
+            )
+        cache_impl = getattr(getattr(target.model, "generation_config", None), "cache_implementation", None)
+        if cache_impl not in (None, "dynamic", "offloaded", "quantized"):
+            raise ValueError(
+                f"{self.name}: generation_config.cache_implementation={cache_impl!r} is not supported: a static cache "
+                "pads keys to its maximum length, so key slots stop being positions. Use the default dynamic cache."
+            )
+        return attention.BACKENDS[impl]
+
+    def prepare(self, target: Target) -> Install:
+        scores, extra = self.build(target)  # everything computed here, so bad input fails before the model is touched
+        impl = self._check_backend(target) if scores is not None else None
+        modules = attention_modules(target.model)
+        if scores is not None and not modules:
+            raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
+        model, rotary = target.model, target.rotary
+
+        def install(log: UndoLog) -> None:
+            log.setattr(rotary, "forward", attention.identity_rotary(rotary.forward))
+            if extra is not None:
+                extra(log)
+            if scores is None:
+                return
+            attention.register()
+            state = attention.AttnState(scores)
+            for m in modules:
+                log.setattr(m, attention.STATE, state)
+            handle = decoder(model).register_forward_pre_hook(_guard_cache(self.name), with_kwargs=True)
+            log.push(handle.remove)
+            before = model.config._attn_implementation
+            model.set_attn_implementation(impl)
+            log.push(lambda: model.set_attn_implementation(before))
+
+        return install
+
+
+def _guard_cache(name: str):
+    """Refuse caches whose key slots are not positions (static / hybrid caches), at forward time."""
+
+    def hook(module, args, kwargs):
+        cache = cache_arg(kwargs)
+        layers = getattr(cache, "layers", None) or ()
+        if any(getattr(layer, "is_compileable", False) for layer in layers):
+            raise ValueError(
+                f"{name}: a static KV cache ({type(cache).__name__}) is not supported: it pads keys to its maximum "
+                "length, so key slots stop being positions. Use the default DynamicCache (generate's default)."
+            )
+
+    return hook
+
+
+def sinusoid(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+    """Vaswani et al. 2017 §3.5: PE(pos, 2t) = sin(pos / θ^(2t/d)), PE(pos, 2t+1) = cos(pos / θ^(2t/d)).
+    positions (...,) → (..., dim) float32; an odd `dim` drops the last cosine."""
+    t = torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device)
+    angle = positions.float()[..., None] / theta ** (t / dim)
+    pe = torch.stack((angle.sin(), angle.cos()), dim=-1).flatten(-2)
+    return pe[..., :dim]

@@ -1,0 +1,201 @@
+"""Schemes that rotate keys with positions other than their own: Self-Extend, ReRoPE, leaky ReRoPE.
+
+All three split the (i, j) plane at a neighbour window W: for i − j < W the true positions (exact RoPE); beyond it q
+and k are rotated to other positions f_q(i), f_k(j). That needs the keys un-rotated, so the model's rotary is made
+the identity (the KV cache then holds raw keys) and both rotations happen inside the attention function
+("deferred RoPE"), with the model's own rotary forward (inv_freq, attention_scaling) and `apply_rotary_pos_emb`.
+
+Per query block the two logit sets are merged element by element: far logits only for keys j ≤ i − W of some row,
+near logits only for the band j > i₀ − W, so a block costs one pass over the keys plus a (block × (block + W)) band,
+and nothing of size L×L per head is held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .. import attention
+from .. import config as check
+from ..registry import register_scheme
+from .common import AttentionScheme
+
+Positions = Callable[[torch.Tensor], torch.Tensor]
+
+
+class TwoRegionScores(attention.ScoreMod):
+    """near (i − j < W): q at i, k at j.  far: q at far_q(i), k at far_k(j)."""
+
+    def __init__(self, rotation: attention.Rotation, window: int, far_q: Positions, far_k: Positions):
+        self.rotation, self.window, self.far_q, self.far_k = rotation, window, far_q, far_k
+
+    def fast_rows(self, heads):
+        # two r × r masks for the mixed keys; r ≤ W keeps the four-way split (else the near band is materialised)
+        return attention.fit_rows(2 * heads, 0, cap=max(64, min(1024, self.window)))
+
+    # Rotations are made where they are needed: the block's queries, the near band's keys, and once per call the far
+    # keys (every block reads them). Nothing but k_far is held across blocks: memory stays near vanilla's.
+    def begin(self, call):
+        k_len = call.key.shape[2]
+        if k_len - 1 >= self.window:  # some key is ≥ W behind some query (else this is plain RoPE)
+            call.scratch["k_far"] = self.rotation(call.key, self.far_k(self._k_pos(call, 0, k_len)))
+
+    def _k_pos(self, call, start, e):
+        return torch.arange(start, e, device=call.key.device) + call.offset  # (b|1, e − start) true positions
+
+    def _q(self, call, rows, far: bool):
+        b, hkv, g, _, d = call.query.shape
+        q = call.query[:, :, :, rows].reshape(b, hkv * g, -1, d)
+        pos = call.q_slot[rows] + call.offset
+        return self.rotation(q, self.far_q(pos) if far else pos).view(b, hkv, g, -1, d)
+
+    def _k_near(self, call, start, e):
+        return self.rotation(call.key[:, :, start:e], self._k_pos(call, start, e))
+
+    def logits(self, call, rows, start, e):
+        w = self.window
+        q_near = self._q(call, rows, far=False)
+        first = call.first_slot(rows)
+        far_end = max(start, min(e, first + (rows.stop - rows.start) - w))  # keys j < far_end: far for the last row
+        if far_end == start:
+            return call.qk(q_near, self._k_near(call, start, e))
+        near_start = max(start, first - w + 1)  # keys j < near_start are far for every row of the block
+        s = call.qk(self._q(call, rows, far=True), call.scratch["k_far"][:, :, start:far_end])
+        if far_end < e:
+            s = torch.cat((s, s.new_empty(*s.shape[:-1], e - far_end)), dim=-1)
+        near = call.qk(q_near, self._k_near(call, near_start, e))
+        is_near = call.distance(rows, near_start, e) < w  # keys j ≥ far_end are always near
+        s[..., near_start - start:] = torch.where(is_near, near, s[..., near_start - start:])
+        return s
+
+    def fast(self, call, rows, e):
+        """Split the keys of a block (first query slot c, r rows) by what every row sees:
+            [0, c − W + 1)              far for all rows       fused kernel, far rotation
+            [c − W + 1, c + r − W)      mixed                  materialised (r × r), per-element choice
+            [c + r − W, c)              near for all rows      fused kernel, true rotation
+            [c, c + r)                  near, diagonal         fused causal kernel
+        (a block wider than W materialises its whole near band instead)."""
+        w, c, r = self.window, call.first_slot(rows), rows.stop - rows.start
+        near_start = max(0, c - w + 1)
+        parts = []
+        if near_start > 0:
+            k_far = call.scratch["k_far"][:, :, :near_start]
+            parts.append(attention.flash_partial(call, self._q(call, rows, far=True), k_far, call.value[:, :, :near_start]))
+        if r > w:
+            return [*parts, attention.band_partial(call, self.logits(call, rows, near_start, e), rows, near_start, e)]
+        mix_end = max(near_start, c + r - w)
+        q_near, k_near = self._q(call, rows, far=False), self._k_near(call, near_start, e)  # k_near[0] is near_start
+        if mix_end > near_start:  # the mixed keys: two masked fused calls, far and near, complementary masks
+            far_mask, near_mask = self._mixed_masks(call, rows, near_start, mix_end)
+            v = call.value[:, :, near_start:mix_end]
+            k_far = call.scratch["k_far"][:, :, near_start:mix_end]
+            parts.append(attention.flash_partial(call, self._q(call, rows, far=True), k_far, v, mask=far_mask))
+            parts.append(attention.flash_partial(call, q_near, k_near[:, :, : mix_end - near_start], v, mask=near_mask))
+        if c > mix_end:
+            k = k_near[:, :, mix_end - near_start : c - near_start]
+            parts.append(attention.flash_partial(call, q_near, k, call.value[:, :, mix_end:c]))
+        parts.append(attention.flash_causal_partial(call, q_near, k_near[:, :, c - near_start :], call.value[:, :, c:e]))
+        return parts
+
+    def _mixed_masks(self, call, rows, start, end):
+        """Additive (1, Hkv, G, r, end − start) masks selecting far / near elements; the pattern depends only on the
+        block's shape relative to W, so it is built once per call."""
+        key = ("two_region_mixed", call.first_slot(rows) - start, rows.stop - rows.start, end - start)
+        if key not in call.scratch:
+            is_near = call.distance(rows, start, end) < self.window
+            inf = torch.tensor(float("-inf"), dtype=call.query.dtype, device=call.query.device)
+            zero = torch.zeros((), dtype=call.query.dtype, device=call.query.device)
+            shape = (1, *call.query.shape[1:3], *is_near.shape)
+            call.scratch[key] = tuple(torch.where(m, inf, zero).expand(shape).contiguous() for m in (is_near, ~is_near))
+        return call.scratch[key]
+
+
+def _window(name: str, value) -> int:
+    if value is None:
+        raise TypeError(f"{name}: missing required parameter `window_size` (the neighbour window W in tokens, e.g. 512).")
+    return check.integer(name, "window_size", value, ge=1, hint="The neighbour window W counts tokens; use W >= 1.")
+
+
+class _Deferred(AttentionScheme):
+    def far_positions(self) -> tuple[Positions, Positions]:
+        raise NotImplementedError
+
+    def build(self, target):
+        return TwoRegionScores(self.rotation(target), self.window_size, *self.far_positions()), None
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class SelfExtend(_Deferred):
+    """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM: Self-Extend LLM Context Window Without Tuning",
+    arXiv:2401.01325, §3.2 and the reference code datamllab/LongLM): neighbour attention with exact positions for
+    i − j < W (`window_size`); beyond it grouped attention with floor-divided positions, the query shifted so the
+    two regions join: q at ⌊i/G⌋ + W − ⌊W/G⌋, k at ⌊j/G⌋ (G = `group_size`), i.e. relative position
+    ⌊i/G⌋ − ⌊j/G⌋ + W − ⌊W/G⌋. Positions are the tokens' true positions (left padding is skipped). The paper's rule
+    of thumb for a target length N and pretraining window L: W + (N − W)/G ≲ (½…⅔)·L."""
+
+    name = "self_extend"
+    aliases = ("selfextend", "longlm", "grouped_attention")
+    group_size: int | None = None
+    window_size: int | None = None
+
+    def __post_init__(self):
+        n = self.name
+        if self.group_size is None:
+            raise TypeError(f"{n}: missing required parameter `group_size` (positions beyond the window are floor-divided by it, e.g. 4).")
+        self._set("group_size", check.integer(n, "group_size", self.group_size, ge=1, hint="group_size=1 is plain RoPE."))
+        self._set("window_size", _window(n, self.window_size))
+        if self.window_size <= self.group_size:
+            raise ValueError(
+                f"{n}: parameter `window_size` must be larger than `group_size` (the neighbour window holds whole "
+                f"groups), got window_size={self.window_size}, group_size={self.group_size}. Raise window_size."
+            )
+
+    def far_positions(self):
+        g, w = self.group_size, self.window_size
+        return (lambda p: attention.floor_div(p, g) + (w - w // g)), (lambda p: attention.floor_div(p, g))
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class ReRope(_Deferred):
+    """ReRoPE (Su 2023, "Rectified Rotary Position Embeddings", kexue.fm/archives/9708, github.com/bojone/rerope):
+    relative position min(i − j, W): exact RoPE inside the window (`window_size`), a constant W beyond it, realised
+    as q at position W against un-rotated keys (position 0)."""
+
+    name = "rerope"
+    aliases = ("re_rope", "rectified_rope")
+    window_size: int | None = None
+
+    def __post_init__(self):
+        self._set("window_size", _window(self.name, self.window_size))
+
+    def far_positions(self):
+        w = self.window_size
+        return (lambda p: torch.full_like(p, w)), torch.zeros_like
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class LeakyReRope(_Deferred):
+    """Leaky ReRoPE (Su 2023, same post and repository as ReRoPE): relative position i − j inside the window and
+    W + (i − j − W)/k beyond it (k = `factor` ≥ 1; k = 1 is plain RoPE, k → ∞ is ReRoPE), realised as q at
+    i/k + W − W/k and k at j/k (fractional positions)."""
+
+    name = "leaky_rerope"
+    aliases = ("leaky_re_rope",)
+    window_size: int | None = None
+    factor: float | None = None
+
+    def __post_init__(self):
+        n = self.name
+        self._set("window_size", _window(n, self.window_size))
+        if self.factor is None:
+            raise TypeError(f"{n}: missing required parameter `factor` (k: distances beyond the window grow 1/k as fast, e.g. 16).")
+        self._set("factor", check.number(n, "factor", self.factor, ge=1.0, hint="factor=1 is plain RoPE; k < 1 would stretch distances."))
+
+    def far_positions(self):
+        w, k = self.window_size, self.factor
+        return (lambda p: p / k + (w - w / k)), (lambda p: p / k)

@@ -1,0 +1,133 @@
+"""Straightforward reference implementations of the attention-side schemes, independent of rope_patch.
+
+A whole LLaMA-family forward (llama / mistral / qwen2 layout: pre-norm, GQA, SwiGLU) in plain math with
+materialised (b, H, L, L) scores. Every relative scheme is written as "rotate q_i by its relative position
+r(i, j) to key j" (RoPE: rot(q, m)·rot(k, n) = rot(q, m − n)·k), one angle per (i, j) pair, instead of the
+two-rotation decomposition that the implementation uses. Only the norms, projections and MLP reuse the model's
+modules (they are not under test).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def true_positions(mask: torch.Tensor | None, b: int, n: int) -> torch.Tensor:
+    if mask is None:
+        return torch.arange(n).expand(b, n)
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def inv_freq(cfg, d):
+    theta = cfg.rope_parameters["rope_theta"]
+    return 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+
+
+def relative(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """r(i, j) as a float tensor (b, L, L) from true positions i (b, L, 1), j (b, 1, L)."""
+    d = (i - j).float()
+    if scheme == "rope":
+        return d
+    w = p["window_size"]
+    if scheme == "rerope":
+        return torch.clamp(d, max=w)
+    if scheme == "leaky_rerope":
+        return torch.where(d < w, d, w + (d - w) / p["factor"])
+    if scheme == "self_extend":
+        g = p["group_size"]
+        grouped = (torch.div(i, g, rounding_mode="floor") + w - w // g) - torch.div(j, g, rounding_mode="floor")
+        return torch.where(d < w, d, grouped.float())
+    raise KeyError(scheme)
+
+
+def alibi_slopes(n, max_bias=8.0):
+    """Press et al.: 2^(−8h/n) for a power of two, else the closest power's slopes + every other of twice it."""
+    if math.log2(n).is_integer():
+        return [2 ** (-max_bias * h / n) for h in range(1, n + 1)]
+    c = 2 ** math.floor(math.log2(n))
+    return alibi_slopes(c, max_bias) + alibi_slopes(2 * c, max_bias)[0::2][: n - c]
+
+
+def t5_bucket(n: int, num_buckets: int, max_distance: int) -> int:
+    """Scalar T5 causal bucket of distance n >= 0 (transformers' T5Attention._relative_position_bucket)."""
+    exact = num_buckets // 2
+    if n < exact:
+        return n
+    return min(num_buckets - 1, exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact)))
+
+
+def sinusoid_table(n: int, dim: int, theta: float = 10000.0) -> torch.Tensor:
+    pe = torch.zeros(n, dim)
+    for pos in range(n):
+        for t in range(0, dim, 2):
+            pe[pos, t] = math.sin(pos / theta ** (t / dim))
+            if t + 1 < dim:
+                pe[pos, t + 1] = math.cos(pos / theta ** (t / dim))
+    return pe
+
+
+def scores(scheme, p, model, layer_idx, q, k, pos):
+    """(b, H, L, L) pre-softmax logits; q (b, H, L, d), k (b, H, L, d) un-rotated, pos (b, L) true positions."""
+    b, h, n, d = q.shape
+    scale = d**-0.5
+    i, j = pos[:, :, None], pos[:, None, :]
+    if scheme in ("rope", "rerope", "leaky_rerope", "self_extend"):
+        r = relative(scheme, p, i, j)  # (b, L, L)
+        ang = r[..., None] * inv_freq(model.config, d)  # (b, L, L, d/2)
+        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        qi = q[:, :, :, None, :]  # (b, H, L, 1, d): q_i rotated by r(i, j) for every j
+        q_rot = qi * cos[:, None] + rotate_half(qi) * sin[:, None]
+        return (q_rot * k[:, :, None, :, :]).sum(-1) * scale
+    s = q @ k.transpose(-1, -2) * scale
+    if scheme in ("nope", "sinusoidal", "learned_absolute"):
+        return s
+    dist = (i - j).clamp(min=0)  # masked entries do not matter
+    if scheme == "alibi":
+        slopes = torch.tensor(alibi_slopes(h, p.get("max_bias", 8.0)))
+        return s - slopes[None, :, None, None] * dist[:, None].float()
+    if scheme == "relative_bias":
+        w = model.rope_patch_relative_bias.weight[layer_idx]  # (H, buckets)
+        buckets = torch.tensor([t5_bucket(t, p.get("num_buckets", 32), p.get("max_distance", 128)) for t in range(n)])
+        return s + w[:, buckets[dist]].permute(1, 0, 2, 3)  # (H, b, L, L) -> (b, H, L, L)
+    raise KeyError(scheme)
+
+
+@torch.no_grad()
+def forward(model, ids, scheme, params, mask=None):
+    """Reference logits (b, L, vocab); rows that are padding are garbage (compare real tokens only)."""
+    cfg, base = model.config, model.model
+    b, n = ids.shape
+    pos = true_positions(mask, b, n)
+    x = base.embed_tokens(ids)
+    if scheme == "sinusoidal":
+        x = x + sinusoid_table(n, cfg.hidden_size, params.get("rope_theta", 10000.0))[pos]
+    if scheme == "learned_absolute":
+        x = x + model.rope_patch_position_embeddings.weight[pos]
+    allowed = pos[:, :, None] >= pos[:, None, :]  # causal in true positions
+    slot = torch.arange(n)
+    allowed &= slot[:, None] >= slot[None, :]
+    if mask is not None:
+        allowed &= mask.bool()[:, None, :]
+    for layer_idx, layer in enumerate(base.layers):
+        a = layer.self_attn
+        hdn = layer.input_layernorm(x)
+        d = a.head_dim
+        q = a.q_proj(hdn).view(b, n, -1, d).transpose(1, 2)
+        k = a.k_proj(hdn).view(b, n, -1, d).transpose(1, 2)
+        v = a.v_proj(hdn).view(b, n, -1, d).transpose(1, 2)
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        s = scores(scheme, params, model, layer_idx, q, k, pos)
+        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        attn = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        o = (attn @ v).transpose(1, 2).reshape(b, n, -1)
+        x = x + a.o_proj(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(base.norm(x))

@@ -1,0 +1,356 @@
+"""Attention-side schemes: exact against a plain-math reference, cached = recomputed, padding-invariant, reversible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, logits, tiny_model
+from reference import alibi_slopes as ref_slopes
+from reference import forward as reference_forward
+
+import rope_patch
+from rope_patch import attention
+from rope_patch.schemes.bias import alibi_slopes
+
+L = 96
+PAD = 7  # left padding of row 0 in padded batches
+
+# scheme, params: table-driven; every test below runs over it
+SCHEMES = [
+    ("alibi", {}),
+    ("alibi", {"max_bias": 4.0}),
+    ("nope", {}),
+    ("relative_bias", {"init": "alibi", "num_buckets": 16, "max_distance": 64}),
+    ("sinusoidal", {}),
+    ("learned_absolute", {"max_position_embeddings": 128}),
+    ("self_extend", {"group_size": 4, "window_size": 16}),
+    ("self_extend", {"group_size": 3, "window_size": 10}),
+    ("rerope", {"window_size": 16}),
+    ("leaky_rerope", {"window_size": 16, "factor": 4.0}),
+    ("rerope", {"window_size": 40}),  # window > block: the fast path's four-way key split
+]
+IDS = [f"{s}-{i}" for i, (s, _) in enumerate(SCHEMES)]
+CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope"}  # run through rope_patch's attention
+BACKENDS = ["eager", "sdpa"]
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Several (uneven) query blocks per call even at test lengths, so the block loop is what gets tested (the
+    fused fast path runs for inference without a padding mask, the materialised path otherwise)."""
+    monkeypatch.setattr(attention, "BLOCK_ELEMENTS", 2 * 4 * L * 11)
+    monkeypatch.setattr(attention, "FAST_BLOCK", 24)
+
+
+def batch(padded: bool, n: int = L, seed: int = 0):
+    ids = torch.randint(3, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
+    if not padded:
+        return ids, {}
+    mask = torch.ones_like(ids)
+    mask[0, :PAD] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # what generate passes
+    return ids, {"attention_mask": mask, "position_ids": position_ids}
+
+
+def patched_model(arch, backend, scheme, params, seed=0):
+    model = tiny_model(arch, seed=seed, attn_implementation=backend)
+    rope_patch.apply(model, scheme, **params)
+    # learned tables start at a known value (ALiBi / sinusoidal): perturb them so the lookup itself is tested
+    with torch.no_grad():
+        for name in ("rope_patch_relative_bias", "rope_patch_position_embeddings"):
+            if hasattr(model, name):
+                getattr(model, name).weight.add_(0.3 * torch.randn_like(getattr(model, name).weight))
+    return model
+
+
+# llama: every backend × padding; the other GQA layouts (qwen2: q/k/v biases; mistral: sliding-window config)
+# on the harder padded case of each backend
+REF_SETUPS = [("llama", b, p) for b in BACKENDS for p in (False, True)] + [("qwen2", "sdpa", True), ("mistral", "eager", True)]
+
+
+@pytest.mark.parametrize("arch,backend,padded", REF_SETUPS, ids=[f"{a}-{b}-{'pad' if p else 'nopad'}" for a, b, p in REF_SETUPS])
+@pytest.mark.parametrize("scheme,params", SCHEMES, ids=IDS)
+def test_matches_reference(scheme, params, arch, backend, padded):
+    model = patched_model(arch, backend, scheme, params)
+    ids, kw = batch(padded)
+    got = logits(model, ids, **kw)
+    want = reference_forward(model, ids, scheme, params, kw.get("attention_mask"))
+    real = kw["attention_mask"].bool() if padded else torch.ones_like(ids, dtype=torch.bool)
+    assert (got - want)[real].abs().max().item() <= 1e-5
+
+
+def test_reference_rope_is_vanilla():
+    """The reference's relative-angle formulation reproduces the unpatched model (sanity check of the reference)."""
+    model = tiny_model("llama")
+    ids, kw = batch(True)
+    want = reference_forward(model, ids, "rope", {}, kw["attention_mask"])
+    real = kw["attention_mask"].bool()
+    assert (logits(model, ids, **kw) - want)[real].abs().max().item() <= 1e-5
+
+
+VANILLA_SETUPS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "sdpa"), ("gemma2", "eager"), ("cohere", "eager")]
+
+
+@pytest.mark.parametrize("arch,backend", VANILLA_SETUPS, ids=[f"{a}-{b}" for a, b in VANILLA_SETUPS])
+@pytest.mark.parametrize("scheme,params", [
+    ("self_extend", {"group_size": 4, "window_size": L}),
+    ("self_extend", {"group_size": 1, "window_size": 8}),
+    ("rerope", {"window_size": L}),
+    ("leaky_rerope", {"window_size": 8, "factor": 1.0}),
+], ids=["se-window", "se-group1", "rerope-window", "leaky-k1"])
+def test_degenerate_settings_equal_vanilla_rope(scheme, params, arch, backend):
+    """cohere rotates interleaved pairs: the model's own apply_rotary_pos_emb is reused, so it works too."""
+    model = tiny_model(arch, attn_implementation=backend)
+    ids, kw = batch(True)
+    want = logits(model, ids, **kw)
+    rope_patch.apply(model, scheme, **params)
+    real = kw["attention_mask"].bool()
+    assert (logits(model, ids, **kw) - want)[real].abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("scheme,params", SCHEMES, ids=IDS)
+def test_eager_and_sdpa_agree(scheme, params, arch):
+    """The dense (eager) and blocked (sdpa) functions compute the same thing, also with Gemma 2's softcap."""
+    ids, kw = batch(True)
+    real = kw["attention_mask"].bool()
+    outs = []
+    for backend in BACKENDS:
+        model = patched_model(arch, "eager", scheme, params, seed=1)
+        if backend == "sdpa" and scheme in CUSTOM:
+            model.set_attn_implementation(attention.BLOCKED)
+        outs.append(logits(model, ids, **kw))
+    assert (outs[0] - outs[1])[real].abs().max().item() <= 1e-5
+
+
+GEN_SETUPS = [("llama", "eager"), ("qwen2", "sdpa"), ("gemma2", "eager")]  # gemma2: no sdpa in transformers
+NEW = 6
+
+
+@pytest.mark.parametrize("arch,backend", GEN_SETUPS, ids=[f"{a}-{b}" for a, b in GEN_SETUPS])
+@pytest.mark.parametrize("scheme,params", SCHEMES, ids=IDS)
+def test_generate_with_cache_equals_recomputation(scheme, params, arch, backend):
+    """Greedy decoding of a left-padded batch (prompt 24 > every window, so decode steps cross it)."""
+    model = patched_model(arch, backend, scheme, params)
+    ids, kw = batch(True, n=24)
+    kw.pop("position_ids")
+    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+    with torch.no_grad():
+        cached = model.generate(ids, use_cache=True, **gen)
+        full = model.generate(ids, use_cache=False, **gen)
+    assert torch.equal(cached.sequences, full.sequences)
+    for step_cached, step_full in zip(cached.logits, full.logits, strict=True):
+        assert (step_cached - step_full).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM], ids=[i for i, (s, _) in zip(IDS, SCHEMES, strict=True) if s in CUSTOM])
+def test_unpadded_decoding_on_the_fused_path_equals_eager(scheme, params):
+    """Without padding the sdpa-style function takes the fused log-sum-exp path, also for one-token decode steps."""
+    ids, _ = batch(False, n=24)
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    runs = []
+    for backend in BACKENDS:
+        model = patched_model("llama", backend, scheme, params)
+        with torch.no_grad():
+            runs.append(model.generate(ids, use_cache=True, **gen))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(runs[0].logits, runs[1].logits, strict=True)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scheme,params", SCHEMES, ids=IDS)
+def test_left_padded_row_equals_sequence_alone(scheme, params, backend):
+    model = patched_model("qwen2", backend, scheme, params)
+    ids, kw = batch(True)
+    alone = logits(model, ids[:1, PAD:])
+    assert (logits(model, ids, **kw)[:1, PAD:] - alone).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scheme,params", SCHEMES, ids=IDS)
+def test_remove_restores_model_exactly(scheme, params, backend):
+    model = tiny_model("llama", attn_implementation=backend)
+    other = tiny_model("llama", attn_implementation=backend)  # a second model in the same process
+    ids, kw = batch(True)
+    before, other_before = logits(model, ids, **kw), logits(other, ids, **kw)
+    names = set(dict(model.named_modules()))
+    rope_patch.apply(model, scheme, **params)
+    assert rope_patch.current(model).name == scheme
+    assert not torch.equal(logits(model, ids, **kw), before)
+    assert other.config._attn_implementation == backend and torch.equal(logits(other, ids, **kw), other_before)
+    if scheme in CUSTOM:
+        assert model.config._attn_implementation != backend
+    rope_patch.remove(model)
+    assert torch.equal(logits(model, ids, **kw), before)
+    assert model.config._attn_implementation == backend
+    assert set(dict(model.named_modules())) == names
+    assert not model.model._forward_pre_hooks and "forward" not in vars(model.model.rotary_emb)
+    assert not any(hasattr(m, attention.STATE) for m in model.modules())
+
+
+def test_frequency_then_attention_scheme_replaces():
+    model = tiny_model("llama", attn_implementation="sdpa")
+    ids, _ = batch(False)
+    before = logits(model, ids)
+    rope_patch.apply(model, "yarn", factor=4.0)
+    rope_patch.apply(model, "rerope", window_size=16)
+    want = reference_forward(model, ids, "rerope", {"window_size": 16})
+    assert (logits(model, ids) - want).abs().max().item() <= 1e-5  # the yarn patch is gone, not stacked
+    rope_patch.apply(model, "yarn", factor=4.0)
+    assert model.config._attn_implementation == "sdpa"
+    rope_patch.remove(model)
+    assert torch.equal(logits(model, ids), before)
+
+
+BAD = [
+    ("self_extend", dict(group_size=4, window_size=0), ValueError, "window_size"),
+    ("self_extend", dict(group_size=0, window_size=8), ValueError, "group_size"),
+    ("self_extend", dict(group_size=8, window_size=8), ValueError, "larger than `group_size`"),
+    ("self_extend", dict(window_size=8), TypeError, "group_size"),
+    ("rerope", dict(window_size=-3), ValueError, "window_size"),
+    ("rerope", {}, TypeError, "window_size"),
+    ("rerope", dict(window_size=2.5), TypeError, "window_size"),
+    ("leaky_rerope", dict(window_size=8, factor=0.5), ValueError, "factor"),
+    ("alibi", dict(max_bias=0), ValueError, "max_bias"),
+    ("alibi", dict(slope=1), TypeError, "unknown parameter"),
+    ("relative_bias", dict(init="xavier"), ValueError, "init"),
+    ("relative_bias", dict(num_buckets=32, max_distance=8), ValueError, "max_distance"),
+    ("learned_absolute", dict(max_position_embeddings=0), ValueError, "max_position_embeddings"),
+    ("sinusoidal", dict(rope_theta=-1.0), ValueError, "rope_theta"),
+]
+
+
+@pytest.mark.parametrize("scheme,params,error,words", BAD, ids=[f"{s}-{i}" for i, (s, *_) in enumerate(BAD)])
+def test_bad_input_fails_at_apply_and_leaves_model_unchanged(scheme, params, error, words):
+    model = tiny_model("llama", attn_implementation="sdpa")
+    ids, _ = batch(False)
+    before = logits(model, ids)
+    with pytest.raises(error, match=words):
+        rope_patch.apply(model, scheme, **params)
+    assert rope_patch.current(model) is None and model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits(model, ids), before)
+
+
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM][::2])
+def test_unsupported_backend_and_static_cache_are_refused(scheme, params):
+    model = tiny_model("llama", attn_implementation="sdpa")
+    model.config._attn_implementation_internal = "flash_attention_2"  # as a model loaded with flash-attn reads
+    with pytest.raises(ValueError, match="attention backend 'flash_attention_2' is not supported"):
+        rope_patch.apply(model, scheme, **params)
+    assert rope_patch.current(model) is None
+    model.config._attn_implementation_internal = "sdpa"
+    model.generation_config.cache_implementation = "static"
+    with pytest.raises(ValueError, match="static"):
+        rope_patch.apply(model, scheme, **params)
+    model.generation_config.cache_implementation = None
+    rope_patch.apply(model, scheme, **params)
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    with pytest.raises(ValueError, match="static KV cache"):
+        model(torch.ones(1, 4, dtype=torch.long), cache=cache)
+
+
+def test_unsupported_architecture_is_refused_clearly():
+    model = tiny_model("gemma3_text")
+    with pytest.raises(ValueError, match="one RoPE per layer type"):
+        rope_patch.apply(model, "self_extend", group_size=2, window_size=8)
+    assert rope_patch.current(model) is None
+    rope_patch.apply(model, "alibi")  # bias schemes only need the rotation removed: fine on any layout
+    rope_patch.remove(model)
+
+
+def test_alibi_slopes_follow_press_et_al():
+    assert alibi_slopes(8) == [2.0 ** -k for k in range(1, 9)]
+    assert alibi_slopes(4) == [2.0 ** -k for k in (2, 4, 6, 8)]
+    # 6 heads: the 4-head slopes, then every other slope of the 8-head sequence: 2^-1, 2^-3
+    assert alibi_slopes(6) == [2.0 ** -k for k in (2, 4, 6, 8, 1, 3)]
+    for n in (3, 5, 12, 20, 40):
+        assert alibi_slopes(n) == pytest.approx(ref_slopes(n))
+        assert len(set(alibi_slopes(n))) == n
+
+
+def test_relative_bias_is_trainable_and_alibi_init_is_alibi():
+    model = tiny_model("llama", attn_implementation="sdpa")
+    ids, kw = batch(True, n=12)
+    real = kw["attention_mask"].bool()
+    rope_patch.apply(model, "alibi")
+    alibi = logits(model, ids, **kw)
+    rope_patch.apply(model, "relative_bias", init="alibi", num_buckets=32, max_distance=64)  # exact below 16
+    assert (logits(model, ids, **kw) - alibi)[real].abs().max().item() <= 1e-5
+    table = model.rope_patch_relative_bias.weight
+    assert "rope_patch_relative_bias.weight" in model.state_dict()
+    assert any(p is table for p in model.parameters())
+    model.train()
+    model(ids, labels=ids, **kw).loss.backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+    rope_patch.remove(model)
+    assert "rope_patch_relative_bias.weight" not in model.state_dict()
+
+
+def test_learned_absolute_starts_as_sinusoidal_and_is_trainable():
+    model = tiny_model("llama")
+    ids, kw = batch(True, n=24)
+    real = kw["attention_mask"].bool()
+    rope_patch.apply(model, "sinusoidal")
+    sin = logits(model, ids, **kw)
+    rope_patch.apply(model, "learned_absolute")
+    assert rope_patch.current(model).max_position_embeddings == model.config.max_position_embeddings
+    assert (logits(model, ids, **kw) - sin)[real].abs().max().item() <= 1e-5
+    model.train()
+    model(ids, labels=ids, **kw).loss.backward()
+    assert model.rope_patch_position_embeddings.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.ones(1, 40, dtype=torch.long))
+
+
+@pytest.mark.parametrize("scheme,module", [("relative_bias", "rope_patch_relative_bias"),
+                                           ("learned_absolute", "rope_patch_position_embeddings")])
+def test_learned_tables_train_through_peft_modules_to_save(scheme, module):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama", attn_implementation="sdpa")
+    rope_patch.apply(model, scheme)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=[module]))
+    assert any(module in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    ids, kw = batch(True, n=24)
+    before = logits(peft_model, ids, **kw)
+    with torch.no_grad():  # what an optimizer step does to the trained copy must reach attention / the embeddings
+        getattr(model, module).modules_to_save["default"].weight.add_(0.5)
+    assert not torch.allclose(logits(peft_model, ids, **kw), before)
+
+
+@pytest.mark.parametrize("scheme,params", [("alibi", {}), ("self_extend", {"group_size": 2, "window_size": 4})])
+def test_sliding_window_layers_keep_their_window(scheme, params):
+    """mistral with a sliding window shorter than the text: the window comes from transformers' own sliding mask
+    (and the sliding cache keeps only window − 1 keys, still contiguous), so cached decoding = recomputation and
+    the dense and blocked functions agree."""
+    model = tiny_model("mistral", attn_implementation="sdpa", sliding_window=8)
+    rope_patch.apply(model, scheme, **params)
+    ids, kw = batch(True, n=20)
+    kw.pop("position_ids")
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+    with torch.no_grad():
+        cached, full = (model.generate(ids, use_cache=c, **gen) for c in (True, False))
+    assert torch.equal(cached.sequences, full.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(cached.logits, full.logits, strict=True)) <= 1e-5
+    blocked = logits(model, ids, **kw)
+    model.set_attn_implementation(attention.DENSE)
+    assert (logits(model, ids, **kw) - blocked)[kw["attention_mask"].bool()].abs().max().item() <= 1e-5
+    rope_patch.remove(model)
+    rope_patch.apply(model, "nope")
+    unwindowed = tiny_model("mistral", attn_implementation="sdpa", sliding_window=None)
+    rope_patch.apply(unwindowed, "nope")
+    assert not torch.allclose(logits(model, ids, **kw), logits(unwindowed, ids, **kw))  # the window is in effect
+
+
+@pytest.mark.parametrize("scheme,params", [("relative_bias", {}), ("learned_absolute", {"max_position_embeddings": 64}),
+                                           ("self_extend", {"group_size": 2, "window_size": 8})])
+def test_save_and_reload_keeps_scheme_and_learned_tables(scheme, params, tmp_path):
+    model = patched_model("llama", "sdpa", scheme, params)
+    ids, _ = batch(False, n=40)
+    rope_patch.save_pretrained(model, tmp_path)
+    again = rope_patch.from_pretrained(tmp_path).eval()
+    assert rope_patch.current(again) == rope_patch.current(model)
+    assert torch.equal(logits(again, ids), logits(model, ids))
