@@ -1,0 +1,42 @@
+"""`rope-patch models list` and `rope-patch models fetch smollm2`."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("models", help="list the named models; fetch SmolLM2 into the cache")
+    sub = p.add_subparsers(dest="models_command", required=True)
+    lst = sub.add_parser("list", help="the named models (tiny, smollm2) and where they are")
+    lst.set_defaults(func=_list)
+    fetch = sub.add_parser("fetch", help="download and convert a model into the cache (smollm2)")
+    fetch.add_argument("name", choices=["smollm2"])
+    fetch.add_argument("--cache", default=None, help="cache directory (default $ROPE_PATCH_CACHE or ~/.cache/rope_patch)")
+    fetch.add_argument("--force", action="store_true", help="download and convert again even if cached")
+    fetch.set_defaults(func=_fetch)
+
+
+def _list(args) -> int:
+    from .models import MODELS, resolve_model_path
+
+    for name, info in MODELS.items():
+        try:
+            where = str(resolve_model_path(name))
+        except (FileNotFoundError, ValueError):
+            where = "not available" + (" (rope-patch models fetch smollm2)" if name == "smollm2" else "")
+        print(f"{name:<8} window {info.window:<5} {info.description}\n         {where}")
+    print("Any local model folder (save_pretrained layout) is accepted as well.")
+    return 0
+
+
+def _fetch(args) -> int:
+    from .models import fetch_smollm2
+
+    try:
+        path = fetch_smollm2(cache=args.cache, force=args.force)
+    except RuntimeError as err:
+        print(f"rope-patch models fetch: error: {err}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0

@@ -1,0 +1,1 @@
+"""Evaluation helpers shared by the training recipes and the evaluation sweeps."""

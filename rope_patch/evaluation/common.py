@@ -1,0 +1,138 @@
+"""Pieces shared by the perplexity and passkey evaluations: held-out text, chunked loss, dynamic-RoPE state."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_HELDOUT = "eval/data/heldout.txt"
+# Bytes of fp32 logits materialised at once when computing a loss (the full 16k x 49152 logits are 3.2 GB).
+LOGITS_BUDGET_BYTES = 256 << 20
+
+
+def find_heldout(path: str | Path | None = None) -> Path:
+    """The held-out text: `path` if given, else eval/data/heldout.txt in the current directory or the checkout."""
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"Held-out text {p} does not exist.")
+        return p
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        p = root / DEFAULT_HELDOUT
+        if p.is_file():
+            return p
+    raise FileNotFoundError(
+        f"No held-out text found ({DEFAULT_HELDOUT} in the current directory or the checkout); pass --heldout PATH."
+    )
+
+
+def read_tokens(tokenizer, path: str | Path | None = None, max_tokens: int | None = None) -> tuple[list[int], dict]:
+    """Token ids of the held-out text (no special tokens) and a provenance dict (path, sha256, sizes)."""
+    p = find_heldout(path)
+    data = p.read_bytes()
+    ids = tokenizer.encode(data.decode("utf-8"), add_special_tokens=False)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    info = {"path": str(p), "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "tokens": len(ids)}
+    return ids, info
+
+
+def versions() -> dict:
+    import transformers
+
+    import rope_patch
+
+    return {"rope_patch": rope_patch.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": sys.version.split()[0], "platform": platform.platform(), "threads": torch.get_num_threads()}
+
+
+# ---- chunked loss -----------------------------------------------------------------------------------------------
+def _head(model):
+    """hidden states -> logits, with the output post-processing some families apply (scale, soft-capping)."""
+    lm_head = model.get_output_embeddings()
+    cfg = model.config
+    scale = getattr(cfg, "logit_scale", None)  # Cohere multiplies
+    divide = getattr(cfg, "logits_scaling", None)  # Granite divides
+    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
+
+    def head(h):
+        logits = lm_head(h).float()
+        if scale is not None:
+            logits = logits * scale
+        if divide is not None:
+            logits = logits / divide
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return head
+
+
+@torch.no_grad()
+def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token negative log-likelihood [batch, T-1] of `input_ids` [batch, T] (position t predicts t+1).
+
+    The decoder runs once; the output projection and the loss run over slices of positions so that at most
+    LOGITS_BUDGET_BYTES of logits exist at a time.
+    """
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=input_ids).last_hidden_state  # [b, T, hidden]
+    head = _head(model)
+    b, t = input_ids.shape
+    vocab = model.get_output_embeddings().weight.shape[0]
+    step = max(1, LOGITS_BUDGET_BYTES // (4 * vocab * b))
+    out = torch.empty(b, t - 1, dtype=torch.float32)
+    for start in range(0, t - 1, step):
+        end = min(start + step, t - 1)
+        logits = head(hidden[:, start:end])  # [b, n, vocab]
+        targets = input_ids[:, start + 1 : end + 1]
+        out[:, start:end] = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").cpu()
+    return out
+
+
+# ---- dynamic RoPE -----------------------------------------------------------------------------------------------
+def _rotary(model):
+    from ..target import find_target
+
+    try:
+        return find_target(model).rotary
+    except Exception:  # a model without a rotary module (e.g. pure ALiBi architectures): nothing to prepare
+        return None
+
+
+def prepare_rotary(model, total_length: int) -> None:
+    """Make a dynamic RoPE (transformers' `dynamic`, rope_patch's `dynamic`) independent of what ran before, with
+    the base of a `total_length`-token sequence; a no-op for every other scheme.
+
+    transformers' dynamic NTK grows its base with the longest sequence seen and never shrinks it while sequences
+    stay beyond the window, so a 1024-token evaluation after a 2048-token one would silently use the 2048 base.
+    Here the rotary is reset to its original frequencies and grown to `total_length` before each evaluation. For
+    generation, pass prompt + new tokens: the prompt's cached keys and the generated tokens' queries then share
+    one base (the one a full recompute of the final sequence uses) instead of mixing bases in the KV cache
+    (transformers issue #25104).
+    """
+    rot = _rotary(model)
+    if rot is None:
+        return
+    rope_type = rot.rope_type
+    layer_types = list(rope_type) if isinstance(rope_type, dict) else [None]
+    for lt in layer_types:
+        rt = rope_type[lt] if lt is not None else rope_type
+        if "dynamic" not in str(rt):
+            continue
+        prefix = f"{lt}_" if lt else ""
+        original = getattr(rot, f"{prefix}original_inv_freq")
+        rot.register_buffer(f"{prefix}inv_freq", original.clone(), persistent=False)
+        setattr(rot, f"{prefix}max_seq_len_cached", rot.original_max_seq_len)
+        if lt is None:
+            rot.max_seq_len_cached = rot.original_max_seq_len
+        if total_length > rot.original_max_seq_len:
+            x = torch.zeros(1, dtype=torch.float32, device=original.device)
+            pos = torch.tensor([[total_length - 1]], device=original.device)
+            with torch.no_grad():
+                rot(x, pos) if lt is None else rot(x, pos, layer_type=lt)

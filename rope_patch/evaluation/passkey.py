@@ -1,0 +1,115 @@
+"""Passkey retrieval: a random 5-digit number hidden in filler text, to be recalled at the end.
+
+The task follows Mohtashami & Jaggi, "Landmark Attention: Random-Access Infinite Context Length for
+Transformers" (2023, arXiv:2305.16300), the passkey retrieval test later used by Position
+Interpolation (Chen et al. 2023), YaRN (Peng et al. 2023) and LongLoRA to show whether a model can still *use* a
+position it was never trained on. A prompt is
+
+    <filler> The pass key is 48213. Remember it. 48213 is the pass key. <filler> What is the pass key? The pass key is
+
+and the model is right when the first number it generates is the key. Two departures from the paper, both
+deliberate:
+
+- The filler is real prose (a random stretch of a given text) instead of the repeated "The grass is green. The sky
+  is blue. ..." lines: a language model trained on prose is then tested on in-distribution text, and it cannot
+  solve the task by spotting the one sentence that breaks a repetition.
+- The needle sits at an exact ``depth`` (0 = start, 1 = end of the filler) so that accuracy can be swept over
+  depth as in the "needle in a haystack" plots, and the prompt is exactly ``length_tokens`` tokens long, measured
+  in the model's own tokens, so that lengths can be set relative to its training window.
+
+Everything random comes from the ``random.Random`` passed in, never from the global generator: the same seed
+gives the same samples for training-data mixing (``recipes/pretrain_tiny.py``) and for evaluation, whatever else
+the process draws.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+
+NEEDLE = " The pass key is {passkey}. Remember it. {passkey} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+_FIRST_NUMBER = re.compile(r"\d+")
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_passkey_sample(
+    tokenizer,
+    filler: str | Sequence[int],
+    length_tokens: int,
+    depth: float,
+    rng: random.Random,
+    *,
+    add_bos: bool = True,
+) -> dict:
+    """Build one passkey prompt of exactly ``length_tokens`` tokens.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (anything with ``encode(text, add_special_tokens=False)`` and
+            ``bos_token_id``).
+        filler: the haystack, as text or as token ids of that text. A random contiguous stretch of it (chosen by
+            ``rng``) fills the prompt; pass token ids when building many samples, to tokenize the text only once.
+        length_tokens: total prompt length in tokens, BOS and question included.
+        depth: where the needle goes, as a fraction of the filler: 0.0 puts it right after BOS, 1.0 right before
+            the question.
+        rng: the only source of randomness (the passkey and the filler offset).
+        add_bos: start the prompt with ``tokenizer.bos_token_id`` (when the tokenizer has one), as the model saw
+            at the start of its training documents.
+
+    Returns:
+        ``prompt_ids`` (list of ``length_tokens`` ids), ``answer`` (the key as a 5-digit string), ``answer_ids``
+        (the tokens of `` <answer>``, i.e. what a model should generate after the prompt, for training targets),
+        ``passkey`` (int), ``depth``, ``needle_start`` and ``needle_end`` (token span of the needle in the prompt).
+
+    Raises:
+        ValueError: when ``depth`` is outside [0, 1], or when ``length_tokens`` cannot hold the needle and the
+            question, or the filler is shorter than the stretch needed.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    filler_ids = _encode(tokenizer, filler) if isinstance(filler, str) else filler
+    passkey = rng.randint(10000, 99999)
+    bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
+    needle = _encode(tokenizer, NEEDLE.format(passkey=passkey))
+    question = _encode(tokenizer, QUESTION)
+
+    n_filler = length_tokens - len(bos) - len(needle) - len(question)
+    if n_filler < 0:
+        raise ValueError(
+            f"length_tokens={length_tokens} is too short: the needle and question alone take "
+            f"{len(bos) + len(needle) + len(question)} tokens"
+        )
+    if n_filler > len(filler_ids):
+        raise ValueError(f"filler has {len(filler_ids)} tokens, a {length_tokens}-token prompt needs {n_filler}")
+
+    start = rng.randint(0, len(filler_ids) - n_filler)
+    haystack = list(filler_ids[start : start + n_filler])
+    # The needle lands on a token boundary of the filler, possibly inside a word; at these lengths that shifts
+    # the depth by less than one token, and it keeps the prompt length exact.
+    at = round(depth * n_filler)
+    prompt_ids = bos + haystack[:at] + needle + haystack[at:] + question
+    needle_start = len(bos) + at
+    return {
+        "prompt_ids": prompt_ids,
+        "answer": str(passkey),
+        "answer_ids": _encode(tokenizer, f" {passkey}"),
+        "passkey": passkey,
+        "depth": depth,
+        "needle_start": needle_start,
+        "needle_end": needle_start + len(needle),
+    }
+
+
+def score_passkey(generated_text: str, answer: str) -> bool:
+    """True when the first number in ``generated_text`` is exactly ``answer``.
+
+    Only the first number counts, so a model that rambles on after the key is not penalised, and one that
+    names a different number first is not rewarded for mentioning the right one later. ``"482130"`` is wrong for
+    ``"48213"``: the whole number must match.
+    """
+    match = _FIRST_NUMBER.search(generated_text)
+    return match is not None and match.group() == answer

@@ -1,0 +1,116 @@
+"""Perplexity vs. context length, and by position inside the longest window.
+
+Protocol (the "non-overlapping windows" evaluation of Press et al. 2021 (ALiBi, arXiv:2108.12409) and Chen et al.
+2023 (Position Interpolation, arXiv:2306.15595)): the held-out token stream is cut into consecutive windows of
+exactly `length` tokens; each window is scored on its own, from position 0, with no context carried over; the
+perplexity at `length` is exp(mean NLL) over every predicted token of every window. All lengths read the same
+`n_tokens` first tokens of the stream, so a longer length sees the same text with more context per prediction.
+
+Perplexity by position bucket inside the longest window shows *where* a scheme breaks down: a vanilla model is
+fine up to its training window and then diverges, a good extension scheme stays flat.
+
+Dynamic NTK: each window of `length` tokens is scored with the base for `length` (as the model would use for
+that whole sequence in one forward); see `common.prepare_rotary`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .common import prepare_rotary, token_nll
+
+
+def default_buckets(longest: int, window: int | None) -> list[tuple[int, int]]:
+    """Position buckets for the longest window: [0, W), [W, 2W), [2W, 4W), ... (W = the model's training window);
+    four equal buckets when everything fits in the window."""
+    if not window or window >= longest:
+        edges = [round(i * longest / 4) for i in range(5)]
+    else:
+        edges = [0, window]
+        while edges[-1] < longest:
+            edges.append(min(2 * edges[-1], longest))
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
+
+
+def windows(token_ids: Sequence[int], length: int, n_tokens: int) -> torch.Tensor:
+    """[n_windows, length] consecutive non-overlapping windows from the first `n_tokens` tokens."""
+    n = min(n_tokens, len(token_ids)) // length
+    if n == 0:
+        raise ValueError(f"Need at least {length} tokens for one window at length {length}, have {min(n_tokens, len(token_ids))}.")
+    return torch.tensor(list(token_ids[: n * length]), dtype=torch.long).view(n, length)
+
+
+def batch_size_for(length: int, tokens_per_batch: int = 8192) -> int:
+    return max(1, tokens_per_batch // length)
+
+
+@torch.no_grad()
+def window_nll(model, token_ids: Sequence[int], length: int, n_tokens: int, *, tokens_per_batch: int = 8192,
+               progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Per-token NLL [n_windows, length-1] over the windows of `length` tokens (see module docstring)."""
+    ids = windows(token_ids, length, n_tokens).to(next(model.parameters()).device)
+    prepare_rotary(model, length)
+    out = []
+    for batch in ids.split(batch_size_for(length, tokens_per_batch)):
+        out.append(token_nll(model, batch))
+        if progress is not None:
+            progress(batch.numel())
+    return torch.cat(out)
+
+
+def _ppl(nll: torch.Tensor) -> float:
+    mean = nll.double().mean().item()
+    return math.exp(mean) if mean < 700 else float("inf")
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int], *, n_tokens: int | None = None,
+                        windows_at_longest: int = 2, buckets: Sequence[tuple[int, int]] | None = None,
+                        window: int | None = None, tokens_per_batch: int = 8192,
+                        progress: Callable[[int], None] | None = None) -> dict:
+    """Perplexity at each length over the same text, plus by position bucket inside the longest window.
+
+    Args:
+        token_ids: the held-out token stream.
+        lengths: window lengths in tokens.
+        n_tokens: tokens of the stream to use at every length (default `windows_at_longest` x the longest length).
+        buckets: (start, end) position ranges for the bucket table (default `default_buckets(longest, window)`).
+        window: the model's training window, for the default buckets (default config.max_position_embeddings).
+        progress: called with the number of tokens processed after each batch.
+
+    Returns:
+        {"lengths": [{"length", "n_windows", "n_tokens", "nll", "perplexity"}, ...],
+         "buckets": [{"start", "end", "n_tokens", "nll", "perplexity"}, ...]}  (buckets of the longest length)
+    """
+    lengths = sorted(set(int(x) for x in lengths))
+    longest = lengths[-1]
+    if n_tokens is None:
+        n_tokens = windows_at_longest * longest
+    if window is None:
+        window = getattr(model.config, "max_position_embeddings", None)
+    rows, longest_nll = [], None
+    for length in lengths:
+        nll = window_nll(model, token_ids, length, n_tokens, tokens_per_batch=tokens_per_batch, progress=progress)
+        rows.append({"length": length, "n_windows": nll.shape[0], "n_tokens": nll.numel(),
+                     "nll": nll.double().mean().item(), "perplexity": _ppl(nll)})
+        if length == longest:
+            longest_nll = nll
+    bucket_rows = []
+    # Position p of the window is predicted by nll[:, p-1]; bucket [a, b) covers predicted positions a..b-1.
+    for a, b in buckets or default_buckets(longest, window):
+        part = longest_nll[:, max(a, 1) - 1 : b - 1]
+        if part.numel():
+            bucket_rows.append({"start": a, "end": b, "n_tokens": part.numel(), "nll": part.double().mean().item(),
+                                "perplexity": _ppl(part)})
+    return {"lengths": rows, "buckets": bucket_rows}
+
+
+def perplexity_work(token_count: int, lengths: Sequence[int], n_tokens: int | None = None,
+                    windows_at_longest: int = 2) -> int:
+    """Tokens `evaluate_perplexity` will process (for progress bars)."""
+    lengths = sorted(set(lengths))
+    n = n_tokens if n_tokens is not None else windows_at_longest * lengths[-1]
+    return sum((min(n, token_count) // L) * L for L in lengths)

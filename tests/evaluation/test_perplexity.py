@@ -1,0 +1,97 @@
+"""Perplexity evaluation on tiny random models: chunked loss, windows, buckets, determinism, dynamic-RoPE state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import VOCAB, WINDOW, tiny_model
+from eval_helpers import single_thread  # noqa: F401 (autouse fixture)
+
+import rope_patch
+from rope_patch.evaluation import common
+from rope_patch.evaluation.common import prepare_rotary, token_nll
+from rope_patch.evaluation.perplexity import default_buckets, evaluate_perplexity, perplexity_work, windows
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def stream():
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(3, VOCAB, (2000,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere", "granite"])
+def test_chunked_nll_equals_full_logits(monkeypatch, arch):
+    m = tiny_model(arch)
+    ids = torch.randint(3, VOCAB, (2, 50))
+    with torch.no_grad():
+        full = F.cross_entropy(m(ids).logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+    monkeypatch.setattr(common, "LOGITS_BUDGET_BYTES", 4 * VOCAB * 2 * 7)  # 7 positions per chunk
+    got = token_nll(m, ids)
+    assert got.shape == (2, 49)
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+
+
+def test_windows_are_consecutive_and_non_overlapping(stream):
+    w = windows(stream, 64, 300)
+    assert w.shape == (4, 64)
+    assert w.flatten().tolist() == stream[:256]
+    with pytest.raises(ValueError, match="at least 64 tokens"):
+        windows(stream[:10], 64, 300)
+
+
+def test_default_buckets():
+    assert default_buckets(2048, 256) == [(0, 256), (256, 512), (512, 1024), (1024, 2048)]
+    assert default_buckets(1000, 256) == [(0, 256), (256, 512), (512, 1000)]
+    assert default_buckets(256, 256) == [(0, 64), (64, 128), (128, 192), (192, 256)]
+
+
+def test_evaluate_perplexity_shapes_and_consistency(model, stream):
+    done = []
+    res = evaluate_perplexity(model, stream, [32, 64, 128], windows_at_longest=3, progress=done.append)
+    rows = {r["length"]: r for r in res["lengths"]}
+    assert sorted(rows) == [32, 64, 128]
+    for L, r in rows.items():
+        assert r["n_windows"] == 384 // L and r["n_tokens"] == (384 // L) * (L - 1)
+        assert math.isclose(r["perplexity"], math.exp(r["nll"]))
+        assert 1 < r["perplexity"] < 10 * VOCAB  # a random model: around the vocab size
+    assert sum(done) == perplexity_work(len(stream), [32, 64, 128], windows_at_longest=3) == 3 * 384
+    # buckets of the longest window cover its predictions exactly once: their token-weighted NLL is the total
+    assert [(b["start"], b["end"]) for b in res["buckets"]] == [(0, 32), (32, 64), (64, 128)]
+    tot = sum(b["nll"] * b["n_tokens"] for b in res["buckets"]) / sum(b["n_tokens"] for b in res["buckets"])
+    assert math.isclose(tot, rows[128]["nll"], rel_tol=1e-9)
+    again = evaluate_perplexity(model, stream, [128, 32, 64], windows_at_longest=3)
+    assert again == res  # deterministic, independent of the order lengths are given in
+
+
+def test_dynamic_does_not_depend_on_what_ran_before(model, stream):
+    with rope_patch.patched(model, "dynamic", factor=4):
+        fresh = evaluate_perplexity(model, stream, [64], n_tokens=128)
+        evaluate_perplexity(model, stream, [128], n_tokens=128)  # grows the dynamic base to 128
+        after = evaluate_perplexity(model, stream, [64], n_tokens=128)
+    assert fresh == after
+    plain = evaluate_perplexity(model, stream, [64], n_tokens=128)
+    assert plain["lengths"][0]["nll"] != fresh["lengths"][0]["nll"]  # dynamic does act beyond the window
+
+
+def test_prepare_rotary_sets_the_base_of_the_final_length(model):
+    with rope_patch.patched(model, "dynamic", factor=4):
+        rot = model.model.rotary_emb
+        prepare_rotary(model, 3 * WINDOW)
+        at_96 = rot.inv_freq.clone()
+        prepare_rotary(model, 2 * WINDOW)
+        assert not torch.equal(rot.inv_freq, at_96)
+        prepare_rotary(model, 3 * WINDOW)
+        assert torch.equal(rot.inv_freq, at_96)
+        prepare_rotary(model, WINDOW // 2)
+        assert torch.equal(rot.inv_freq, rot.original_inv_freq) and rot.max_seq_len_cached == WINDOW
+    before = model.model.rotary_emb.inv_freq.clone()
+    prepare_rotary(model, 3 * WINDOW)  # vanilla: a no-op
+    assert torch.equal(model.model.rotary_emb.inv_freq, before)
