@@ -1,0 +1,218 @@
+"""Offline, deterministic long-context tasks for lm-eval: `rope_passkey_{L}`, `rope_ppl_{L}`, `rope_niah_{L}`.
+
+Used with `--include_path eval/tasks` (the `rope-patch-lm-eval` script adds it when it is missing). Every
+document is generated here from the held-out text and a seed, measured in the model's own tokens: the tokenizer
+comes from the model arguments (`pretrained`: `tiny`, `smollm2` or a folder), or from `--metadata tokenizer=...`.
+
+Settings (`--metadata key=value ...` or a JSON object; defaults are those of `rope-patch compare`):
+
+| key | default | meaning |
+| --- | --- | --- |
+| `depths` | compare's ([0.1, 0.5, 0.9]) | needle depths (passkey, niah) |
+| `samples` | compare's (4) | prompts per (length, depth) cell (passkey, niah) |
+| `seed` | compare's (0) | passkey / niah seed (the cell seeds of `rope_patch.evaluation.retrieval.cell_seed`) |
+| `heldout` | eval/data/heldout.txt | the text: filler, haystack, perplexity windows |
+| `ppl_tokens` | `windows` x L | tokens of the text read at length L (`rope-patch compare` reads windows x the *longest* length at every length: pass `ppl_tokens` to match it) |
+| `windows` | compare's `windows_at_longest` | windows at length L when `ppl_tokens` is not given |
+| `niah_keys` | 4 | needles per niah prompt (one asked, the others distractors) |
+| `lengths` | - | only read by `rope-patch-lm-eval`, which expands `rope_passkey` / `rope_ppl` / `rope_niah` into these lengths |
+
+Passkey prompts come from `rope_patch.evaluation.passkey.make_passkey_sample` through `retrieval.make_cell`: the
+samples of `rope-patch compare` with the same seed, depths and sample count. Perplexity windows are
+`rope_patch.evaluation.perplexity.windows`. Documents carry their token ids (`prompt_ids` / `input_ids`): the
+`rope_patch` model evaluates those ids (see rope_patch/lm_eval_model.py); other models read `text`.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import datasets
+
+from rope_patch.evaluation.passkey import score_passkey
+from rope_patch.evaluation.retrieval import cell_seed, make_cell
+
+NIAH_KEYS = ("apple", "river", "garden", "window", "letter", "carriage", "horse", "candle", "mirror", "ribbon",
+             "orchard", "compass", "lantern", "meadow", "violin", "harbour", "feather", "teacup", "bonnet", "saddle")
+NIAH_NEEDLE = " The special magic number for {key} is {value}."
+NIAH_QUESTION = " What is the special magic number for {key}? The special magic number for {key} is"
+_NIAH_SALT = 7919  # keeps niah cells independent of the passkey cells of the same seed
+
+
+@functools.cache
+def compare_defaults() -> dict:
+    """`rope-patch compare`'s defaults (read from `run_compare`, so the two cannot drift apart)."""
+    import inspect
+
+    from rope_patch.evaluation.compare import run_compare
+
+    p = inspect.signature(run_compare).parameters
+    return {"samples": p["passkey_samples"].default, "windows": p["windows_at_longest"].default,
+            "seed": p["seed"].default, "depths": list(p["depths"].default)}
+
+
+# ---- settings ------------------------------------------------------------------------------------------------------
+def _list(value, cast):
+    if isinstance(value, str):
+        value = [v for v in value.replace("/", ",").replace("[", "").replace("]", "").split(",") if v.strip()]
+    if isinstance(value, (int, float)):
+        value = [value]
+    return [cast(v) for v in value]
+
+
+def tokenizer_spec(kw: dict) -> str:
+    spec = kw.get("tokenizer") or kw.get("pretrained")
+    if not isinstance(spec, str) or not spec:
+        raise ValueError("The rope_* tasks build their prompts in the model's tokens and need a tokenizer: pass "
+                         "--model_args pretrained=tiny|smollm2|PATH, or --metadata tokenizer=PATH.")
+    return spec
+
+
+@functools.cache
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    from rope_patch.models import MODELS, resolve_model_path
+
+    path = resolve_model_path(spec) if spec in MODELS or Path(spec).expanduser().exists() else spec
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@functools.cache
+def _heldout(spec: str, heldout: str | None) -> tuple:
+    from rope_patch.evaluation.common import read_tokens
+
+    ids, _ = read_tokens(load_tokenizer(spec), heldout)
+    return tuple(ids)
+
+
+def _setup(kw: dict):
+    spec = tokenizer_spec(kw)
+    heldout = kw.get("heldout")
+    return load_tokenizer(spec), list(_heldout(spec, str(heldout) if heldout else None))
+
+
+def _dataset(rows: list[dict]) -> dict:
+    return {"test": datasets.Dataset.from_list(rows, split=datasets.Split.TEST)}
+
+
+def _length(kw: dict) -> int:
+    if "length" not in kw:
+        raise ValueError("rope_* task YAMLs set metadata.length; this one does not.")
+    return int(kw["length"])
+
+
+# ---- passkey -------------------------------------------------------------------------------------------------------
+def passkey_dataset(**kw) -> dict:
+    tokenizer, filler = _setup(kw)
+    length = _length(kw)
+    d = compare_defaults()
+    depths = _list(kw.get("depths", d["depths"]), float)
+    n, seed = int(kw.get("samples", d["samples"])), int(kw.get("seed", d["seed"]))
+    rows = []
+    for depth in depths:
+        cell = make_cell(tokenizer, filler, length, depth, n, seed)
+        new = max(len(s["answer_ids"]) for s in cell) + 1  # as rope-patch compare: the key's tokens + 1
+        for k, s in enumerate(cell):
+            rows.append({"text": tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
+                         "prompt_ids": s["prompt_ids"], "answer": s["answer"], "length": length,
+                         "depth": float(depth), "sample": k, "seed": seed, "max_new_tokens": new})
+    return _dataset(rows)
+
+
+def doc_text(doc: dict) -> str:
+    return doc["text"]
+
+
+def doc_answer(doc: dict) -> str:
+    return doc["answer"]
+
+
+def retrieval_results(doc: dict, results: list[str]) -> dict:
+    """Exact match of the first number generated (`rope_patch.evaluation.passkey.score_passkey`)."""
+    return {"acc": float(score_passkey(results[0], doc["answer"]))}
+
+
+# ---- perplexity ----------------------------------------------------------------------------------------------------
+def ppl_dataset(**kw) -> dict:
+    from rope_patch.evaluation.perplexity import windows
+
+    tokenizer, ids = _setup(kw)
+    length = _length(kw)
+    n_tokens = int(kw.get("ppl_tokens") or int(kw.get("windows", compare_defaults()["windows"])) * length)
+    rows = []
+    for k, window in enumerate(windows(ids, length, n_tokens).tolist()):
+        rows.append({"text": tokenizer.decode(window, skip_special_tokens=False), "input_ids": window,
+                     "length": length, "window": k, "n_predicted": length - 1})
+    return _dataset(rows)
+
+
+def ppl_results(doc: dict, results) -> dict:
+    """`token_perplexity` = exp(mean NLL per predicted token), as `rope-patch compare` (windows scored from
+    position 0: L-1 predictions each); word/byte perplexity and bits per byte as lm-eval's wikitext."""
+    (loglik,) = results
+    text = doc["text"]
+    words, n_bytes = len(text.split()), len(text.encode("utf-8"))
+    return {"token_perplexity": (loglik, doc["n_predicted"]), "nll": -loglik / doc["n_predicted"],
+            "word_perplexity": (loglik, words), "byte_perplexity": (loglik, n_bytes), "bits_per_byte": (loglik, n_bytes)}
+
+
+# ---- multi-key needle in a haystack ---------------------------------------------------------------------------------
+def make_niah_sample(tokenizer, filler_ids, length: int, depth: float, rng: random.Random, n_keys: int = 4) -> dict:
+    """One prompt of exactly `length` tokens: BOS, prose with `n_keys` needles "The special magic number for KEY is
+    N." (distinct keys, 7-digit values), and a question about one of them, whose needle sits at `depth`; the others
+    (distractors) at random depths."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    if not 1 <= n_keys <= len(NIAH_KEYS):
+        raise ValueError(f"niah_keys must be in [1, {len(NIAH_KEYS)}], got {n_keys}")
+    enc = functools.partial(tokenizer.encode, add_special_tokens=False)
+    keys = rng.sample(NIAH_KEYS, n_keys)
+    values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
+    asked = rng.randrange(n_keys)
+    depths = [depth if j == asked else rng.random() for j in range(n_keys)]
+    needles = [enc(NIAH_NEEDLE.format(key=k, value=v)) for k, v in zip(keys, values, strict=True)]
+    question = enc(NIAH_QUESTION.format(key=keys[asked]))
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    n_filler = length - len(bos) - sum(map(len, needles)) - len(question)
+    if n_filler < 0:
+        raise ValueError(f"length {length} is too short for {n_keys} needles and the question "
+                         f"({length - n_filler} tokens)")
+    if n_filler > len(filler_ids):
+        raise ValueError(f"the haystack text has {len(filler_ids)} tokens, a {length}-token prompt needs {n_filler}")
+    start = rng.randint(0, len(filler_ids) - n_filler)
+    hay = list(filler_ids[start : start + n_filler])
+    order = sorted(range(n_keys), key=lambda j: (round(depths[j] * n_filler), j))
+    ids, prev = list(bos), 0
+    for j in order:
+        at = round(depths[j] * n_filler)
+        ids += hay[prev:at] + needles[j]
+        prev = at
+    ids += hay[prev:] + question
+    return {"prompt_ids": ids, "answer": values[asked], "answer_ids": enc(f" {values[asked]}"), "key": keys[asked],
+            "distractors": [k for j, k in enumerate(keys) if j != asked], "depth": depth}
+
+
+def niah_dataset(**kw) -> dict:
+    tokenizer, filler = _setup(kw)
+    length = _length(kw)
+    d = compare_defaults()
+    depths = _list(kw.get("depths", d["depths"]), float)
+    n, seed, n_keys = int(kw.get("samples", d["samples"])), int(kw.get("seed", d["seed"])), int(kw.get("niah_keys", 4))
+    rows = []
+    for depth in depths:
+        rng = random.Random(cell_seed(seed, length, depth) * _NIAH_SALT + 1)
+        cell = [make_niah_sample(tokenizer, filler, length, depth, rng, n_keys) for _ in range(n)]
+        new = max(len(s["answer_ids"]) for s in cell) + 1
+        for k, s in enumerate(cell):
+            rows.append({"text": tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
+                         "prompt_ids": s["prompt_ids"], "answer": s["answer"], "key": s["key"],
+                         "distractors": s["distractors"], "length": length, "depth": float(depth), "sample": k,
+                         "seed": seed, "max_new_tokens": new})
+    return _dataset(rows)
+
+
+LADDER = tuple(2**k for k in range(6, 18))  # 64 ... 131072: the lengths that have task YAMLs
+DEFAULT_GROUP_LENGTHS = (256, 512, 1024, 2048)  # what the groups rope_passkey / rope_ppl / rope_niah run

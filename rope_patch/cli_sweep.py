@@ -1,0 +1,446 @@
+"""`rope-patch sweep`: lm-eval tasks x position-encoding schemes on one model, one lm-eval run per scheme.
+
+    rope-patch sweep --model tiny --schemes default yarn:4 dynamic:4 \
+        --tasks rope_passkey rope_ppl --lengths 256 1024 --out results/sweep
+
+Each scheme runs `rope-patch-lm-eval --model rope_patch --model_args pretrained=MODEL,scheme=...` (in a fresh
+process, or under `--launcher "torchrun --nproc_per_node 2"` / `"accelerate launch"`), with
+
+- its own response cache (`--use_cache <out>/schemes/<scheme>/cache`): lm-eval's cache key is the request, not
+  the model, so a shared cache would hand one scheme's answers to the next. Within a scheme the cache also
+  resumes an interrupted lm-eval run request by request;
+- the same task list in the same order for every scheme (RULER draws its samples from the global `random`
+  seeded once per run, so the list and its order decide the samples);
+- `--log_samples`, for the per-depth passkey / niah grid.
+
+`rope_passkey`, `rope_ppl`, `rope_niah` expand to one task per `--lengths` entry (`rope_passkey_256`, ...); other
+names (lm-eval's own tasks, `niah_single_1`, ...) run as they are, with `--metadata max_seq_lengths=[lengths]`.
+Perplexity reads `--windows` x the longest length tokens at every length, as `rope-patch compare` does, so the
+numbers equal compare's.
+
+Resume: a (scheme, task) cell whose result is in `<out>/schemes/<scheme>/cells/` is skipped. A scheme with
+missing cells runs only those when every task is a self-seeded `rope_*` task, and its whole task list when any
+other task is present (RULER's samples depend on what ran before them in the run).
+
+Output (`<out>/`): `sweep.json` (format "rope_patch.sweep/1": settings, schemes, one row per cell with all of lm-eval's
+metrics), `sweep.md` (scheme x task table of each task's main metric), and, when the suite has `rope_ppl` /
+`rope_passkey` cells, the compare-format files `compare.json/.csv/.md`, `perplexity.png`, `passkey.png` (redraw
+with `rope-patch plot results`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FORMAT = "rope_patch.sweep/1"
+FAMILIES = ("rope_passkey", "rope_ppl", "rope_niah")
+MAIN_METRIC = {"rope_passkey": "acc", "rope_niah": "acc", "rope_ppl": "token_perplexity"}
+
+
+def compare_defaults() -> dict:
+    """`rope-patch compare`'s defaults, read from `run_compare` so that a sweep and compare agree."""
+    import inspect
+
+    from .evaluation.compare import DEFAULT_LENGTHS, run_compare
+
+    p = inspect.signature(run_compare).parameters
+    return {"samples": p["passkey_samples"].default, "windows": p["windows_at_longest"].default,
+            "seed": p["seed"].default, "depths": list(p["depths"].default), "lengths": list(DEFAULT_LENGTHS)}
+
+
+def add_parser(subparsers) -> None:
+    d = compare_defaults()
+
+    p = subparsers.add_parser(
+        "sweep", help="lm-eval tasks x schemes on one model (one lm-eval run per scheme; resumable)",
+        description=__doc__.split("\n\n")[0] + " Writes sweep.json/.md (+ compare-format files and plots) to --out.")
+    p.add_argument("--model", default="tiny", help="tiny, smollm2, or a local model folder (default: tiny)")
+    p.add_argument("--schemes", nargs="+", default=["default", "yarn:4"], metavar="SPEC",
+                   help="scheme specs as in compare: name, name:factor, name:key=value,... (default: %(default)s)")
+    p.add_argument("--tasks", nargs="+", default=["rope_passkey", "rope_ppl"], metavar="TASK",
+                   help="rope_passkey / rope_ppl / rope_niah (expanded per length) and any lm-eval task "
+                   "(default: %(default)s)")
+    p.add_argument("--lengths", nargs="+", type=int, default=d["lengths"], metavar="N",
+                   help="context lengths in tokens (default: %(default)s)")
+    p.add_argument("--depths", nargs="+", type=float, default=d["depths"], metavar="D",
+                   help="needle depths (default: %(default)s)")
+    p.add_argument("--passkey-samples", type=int, default=d["samples"], metavar="N",
+                   help="prompts per (length, depth) cell (default: %(default)s)")
+    p.add_argument("--windows", type=int, default=d["windows"], metavar="N",
+                   help="perplexity reads N x the longest length tokens at every length (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="passkey / niah seed (default: %(default)s)")
+    p.add_argument("--heldout", default=None, help="held-out text (default: eval/data/heldout.txt)")
+    p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra --model_args for every scheme (dtype=..., max_length=..., adapter=...)")
+    p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="extra lm-eval --metadata")
+    p.add_argument("--limit", type=float, default=None, help="lm-eval --limit (per task)")
+    p.add_argument("--batch-size", default="1", help="lm-eval --batch_size (default: %(default)s)")
+    p.add_argument("--include-path", default=None, help="task folder (default: the repository's eval/tasks)")
+    p.add_argument("--launcher", default=None, metavar="CMD",
+                   help='run each scheme under a launcher, e.g. "torchrun --nproc_per_node 2" (CPU: also set '
+                   "ACCELERATE_USE_CPU=true) or \"accelerate launch\"")
+    p.add_argument("--in-process", action="store_true",
+                   help="run lm-eval in this process (faster start; no launcher; one scheme's global state may "
+                   "outlive its run)")
+    p.add_argument("--out", default="results/sweep", help="output folder (default: %(default)s)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=run)
+
+
+# ---- planning -------------------------------------------------------------------------------------------------
+def expand_tasks(tasks, lengths) -> list[str]:
+    out = []
+    for t in tasks:
+        for name in ([f"{t}_{n}" for n in lengths] if t in FAMILIES else [t]):
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def slug(spec: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.replace(":", "-"))
+
+
+def family(task: str) -> tuple[str | None, int | None]:
+    m = re.fullmatch(r"(rope_passkey|rope_ppl|rope_niah)_(\d+)", task)
+    return (m.group(1), int(m.group(2))) if m else (None, None)
+
+
+def _kv(items) -> dict:
+    from lm_eval._cli.utils import key_val_to_dict
+
+    out = {}
+    for item in items:
+        out.update(key_val_to_dict(item))
+    return out
+
+
+def scheme_args(spec: str) -> dict:
+    """`yarn:4` -> {"scheme": "yarn", "factor": 4} (validated: same errors as apply())."""
+    from .evaluation.compare import parse_schemes
+
+    ((_, scheme),) = parse_schemes([spec])
+    return {"scheme": scheme.name, **{k: list(v) if isinstance(v, tuple) else v for k, v in scheme.params().items()}}
+
+
+def plan(args) -> dict:
+    from .evaluation.compare import parse_schemes
+    from .models import resolve_model_path
+
+    parse_schemes(args.schemes)  # bad specs fail before anything runs
+    if any(L < 8 for L in args.lengths):
+        raise ValueError(f"--lengths must be at least 8 tokens each, got {args.lengths}.")
+    lengths = sorted(set(args.lengths))
+    tasks = expand_tasks(args.tasks, lengths)
+    path = str(resolve_model_path(args.model))
+    metadata = {"tokenizer": path, "depths": [float(d) for d in args.depths], "samples": args.passkey_samples,
+                "seed": args.seed, "ppl_tokens": args.windows * lengths[-1], "max_seq_lengths": lengths}
+    if args.heldout:
+        metadata["heldout"] = str(Path(args.heldout).resolve())
+    metadata.update(_kv(args.metadata))
+    model_args = {"pretrained": path, **_kv(args.model_args)}
+    include = args.include_path
+    if include is None:
+        from .lm_eval_cli import tasks_dir
+
+        found = tasks_dir()
+        include = str(found) if found else None
+    if include:
+        absent = [t for t in tasks if family(t)[0] and not any(Path(include).rglob(f"{t}.yaml"))]
+        if absent:
+            raise ValueError(f"No task YAML for {', '.join(absent)} in {include}: the rope_* tasks exist for lengths "
+                             "64, 128, ..., 131072 (powers of two); add others to LADDER in "
+                             "eval/tasks/rope/rope_tasks_utils.py and run eval/tasks/rope/make_tasks.py.")
+    from .models import model_name
+
+    settings = {"model": args.model, "name": model_name(args.model), "model_path": path, "tasks": tasks,
+                "lengths": lengths, "metadata": metadata,
+                "model_args": model_args, "limit": args.limit, "batch_size": str(args.batch_size),
+                "include_path": include}
+    return {"settings": settings, "schemes": [{"spec": s, "slug": slug(s), "args": scheme_args(s)}
+                                              for s in args.schemes]}
+
+
+def fingerprint(settings: dict) -> str:
+    """What makes two runs of a cell comparable (the task list itself may grow between resumed runs)."""
+    keep = {k: v for k, v in settings.items() if k not in ("tasks", "lengths")}
+    keep["metadata"] = {k: v for k, v in settings["metadata"].items() if k != "max_seq_lengths"}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---- running one scheme ---------------------------------------------------------------------------------------
+def lm_eval_argv(settings: dict, scheme: dict, tasks: list[str], out_dir: Path) -> list[str]:
+    argv = ["run", "--model", "rope_patch",
+            "--model_args", json.dumps({**settings["model_args"], **scheme["args"]}),
+            "--tasks", ",".join(tasks), "--batch_size", settings["batch_size"],
+            "--output_path", str(out_dir / "lm_eval"), "--log_samples",
+            "--use_cache", str(out_dir / "cache" / "responses"),
+            "--metadata", json.dumps(settings["metadata"])]
+    if settings["include_path"]:
+        argv += ["--include_path", settings["include_path"]]
+    if settings["limit"] is not None:
+        argv += ["--limit", str(settings["limit"])]
+    return argv
+
+
+def run_subprocess(argv: list[str], launcher: str | None, log) -> None:
+    base = shlex.split(launcher) if launcher else [sys.executable]
+    cmd = [*base, "-m", "rope_patch.lm_eval_cli", *argv]
+    log("$ " + shlex.join(cmd))
+    env = {**os.environ, "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"),
+           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    if launcher:
+        import torch
+
+        if not torch.cuda.is_available():  # data parallel on CPU processes (HFLM's accelerator needs to be told)
+            env.setdefault("ACCELERATE_USE_CPU", "true")
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"lm-eval exited with status {proc.returncode}: {shlex.join(cmd)}")
+
+
+def run_in_process(settings: dict, scheme: dict, tasks: list[str], out_dir: Path, log) -> None:
+    """The same as the subprocess, in this process (tests, quick sweeps): simple_evaluate + lm-eval's writer."""
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.tasks import TaskManager
+
+    from . import lm_eval_model  # noqa: F401
+
+    own = settings["include_path"] and all(
+        any(Path(settings["include_path"]).rglob(f"{t}.yaml")) for t in tasks)
+    tm = TaskManager(include_path=settings["include_path"], include_defaults=not own,
+                     metadata={**settings["model_args"], **scheme["args"], **settings["metadata"]})
+    tracker = EvaluationTracker(output_path=str(out_dir / "lm_eval"))
+    log(f"in-process lm-eval: {scheme['spec']} on {len(tasks)} tasks")
+    res = lm_eval.simple_evaluate(model="rope_patch", model_args={**settings["model_args"], **scheme["args"]},
+                                  tasks=tasks, task_manager=tm, log_samples=True, limit=settings["limit"],
+                                  batch_size=settings["batch_size"], evaluation_tracker=tracker,
+                                  use_cache=str(out_dir / "cache" / "responses"))
+    samples = res.pop("samples")
+    tracker.save_results_aggregated(results=res, samples=samples)
+    for name in res["configs"]:
+        tracker.save_results_samples(task_name=name, samples=samples[name])
+
+
+# ---- reading lm-eval's output back ---------------------------------------------------------------------------------
+def _latest(paths):
+    return max(paths, key=lambda p: p.stat().st_mtime) if paths else None
+
+
+def read_cells(out_dir: Path, tasks: list[str]) -> dict[str, dict]:
+    """{task: cell} from the newest lm-eval results / samples files under `out_dir/lm_eval`."""
+    root = out_dir / "lm_eval"
+    results = _latest(list(root.rglob("results_*.json")))
+    if results is None:
+        raise RuntimeError(f"lm-eval wrote no results under {root}")
+    data = json.loads(results.read_text())
+    cells = {}
+    for task in tasks:
+        metrics = data["results"].get(task)
+        if metrics is None:
+            continue
+        metrics = {k.split(",")[0]: v for k, v in metrics.items() if "," in k and "_stderr" not in k}
+        cell = {"task": task, "metrics": metrics, "n_samples": data.get("n-samples", {}).get(task, {}).get("effective"),
+                "results_file": str(results)}
+        fam, _ = family(task)
+        if fam in ("rope_passkey", "rope_niah"):
+            samples = _latest(list(root.rglob(f"samples_{task}_*.jsonl")))
+            if samples is not None:
+                by_depth: dict[float, list[float]] = {}
+                for line in samples.read_text().splitlines():
+                    s = json.loads(line)
+                    by_depth.setdefault(float(s["doc"]["depth"]), []).append(float(s["acc"]))
+                cell["by_depth"] = {str(d): {"n": len(v), "correct": int(sum(v)), "accuracy": sum(v) / len(v)}
+                                    for d, v in sorted(by_depth.items())}
+        cells[task] = cell
+    return cells
+
+
+# ---- aggregation ------------------------------------------------------------------------------------------------
+def main_metric(task: str, metrics: dict):
+    fam, _ = family(task)
+    if fam:
+        return MAIN_METRIC[fam], metrics.get(MAIN_METRIC[fam])
+    for key in ("acc", "exact_match", "word_perplexity", *metrics):
+        if key in metrics and isinstance(metrics[key], (int, float)):
+            return key, metrics[key]
+    return None, None
+
+
+def aggregate(state: dict) -> dict:
+    """sweep.json: settings, schemes, rows (scheme x task with every metric)."""
+    rows = []
+    for sch in state["schemes"]:
+        for task in state["settings"]["tasks"]:
+            cell = sch["cells"].get(task)
+            if cell is None:
+                continue
+            fam, length = family(task)
+            metric, value = main_metric(task, cell["metrics"])
+            rows.append({"scheme": sch["spec"], "task": task, "family": fam, "length": length, "metric": metric,
+                         "value": value, "metrics": cell["metrics"], "n_samples": cell.get("n_samples"),
+                         **({"by_depth": cell["by_depth"]} if "by_depth" in cell else {})})
+    return {"format": FORMAT, "settings": state["settings"],
+            "schemes": [{k: v for k, v in s.items() if k != "cells"} for s in state["schemes"]],
+            "rows": rows, "elapsed_s": state.get("elapsed_s", {})}
+
+
+def markdown(result: dict) -> str:
+    from .cli import scheme_label
+
+    tasks = result["settings"]["tasks"]
+    by = {(r["scheme"], r["task"]): r for r in result["rows"]}
+    lines = [f"Model `{result['settings'].get('name', result['settings']['model'])}`; lm-eval tasks x schemes (main metric of each task).", "",
+             "| scheme | " + " | ".join(tasks) + " |", "| --- | " + " | ".join("---:" for _ in tasks) + " |"]
+    for sch in result["schemes"]:
+        cells = []
+        for t in tasks:
+            r = by.get((sch["spec"], t))
+            v = None if r is None else r["value"]
+            cells.append("-" if v is None else (f"{100 * v:.0f}%" if r["metric"] == "acc" else f"{v:.4g}"))
+        lines.append(f"| {scheme_label(sch['spec'])} | " + " | ".join(cells) + " |")
+    metrics = sorted({f"{r['task']}: {r['metric']}" for r in result["rows"] if not r["family"] and r["metric"]})
+    if metrics:
+        lines += ["", "Other tasks' metrics: " + "; ".join(metrics) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def compare_format(result: dict) -> dict | None:
+    """The rope_ppl / rope_passkey cells as a `rope-patch compare` result (its table, CSV and plots)."""
+    from .cli import scheme_label
+    from .evaluation.compare import FORMAT as COMPARE_FORMAT
+
+    rows = [r for r in result["rows"] if r["family"] in ("rope_ppl", "rope_passkey")]
+    if not rows:
+        return None
+    s = result["settings"]
+    meta = s["metadata"]
+    records, passkey = [], []
+    for sch in result["schemes"]:
+        spec, label = sch["spec"], scheme_label(sch["spec"])
+        lengths = sorted({r["length"] for r in rows if r["scheme"] == spec})
+        for L in lengths:
+            ppl = next((r for r in rows if r["scheme"] == spec and r["family"] == "rope_ppl" and r["length"] == L), None)
+            pk = next((r for r in rows if r["scheme"] == spec and r["family"] == "rope_passkey" and r["length"] == L), None)
+            records.append({"scheme": spec, "label": label, "name": sch["args"]["scheme"], "length": L,
+                            "perplexity": None if ppl is None else ppl["metrics"].get("token_perplexity"),
+                            "nll": None if ppl is None else ppl["metrics"].get("nll"),
+                            "n_windows": 0 if ppl is None else ppl["n_samples"], "n_tokens": None,
+                            "passkey_accuracy": None if pk is None else pk["value"],
+                            "passkey_n": 0 if pk is None else pk["n_samples"]})
+            if pk is not None:
+                for d, c in (pk.get("by_depth") or {}).items():
+                    passkey.append({"scheme": spec, "label": label, "length": L, "depth": float(d), "n": c["n"],
+                                    "correct": c["correct"], "accuracy": c["accuracy"], "answers": [], "outputs": []})
+    return {"format": COMPARE_FORMAT,
+            "model": {"spec": s["model"], "name": s.get("name", s["model"]), "path": s["model_path"], "model_type": None,
+                      "window": _window(s["model_path"]), "n_params": None, "dtype": None},
+            "settings": {"lengths": s["lengths"], "passkey_lengths": s["lengths"], "depths": meta.get("depths", []),
+                         "passkey_samples": meta.get("samples"), "seed": meta.get("seed"),
+                         "ppl_tokens": meta.get("ppl_tokens"), "windows_at_longest": None,
+                         "heldout": {"path": meta.get("heldout")}},
+            "versions": {}, "schemes": [{"spec": x["spec"], "label": scheme_label(x["spec"]), "name": x["args"]["scheme"],
+                                         "params": {k: v for k, v in x["args"].items() if k != "scheme"}}
+                                        for x in result["schemes"]],
+            "records": records, "passkey": passkey, "buckets": [], "elapsed_s": result.get("elapsed_s", {})}
+
+
+def _window(path) -> int | None:
+    try:
+        return int(json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings"))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def write_outputs(state: dict, out: Path, plots: bool = True) -> dict[str, Path]:
+    from .evaluation.compare import _clean, write_results
+
+    result = aggregate(state)
+    paths = {"json": out / "sweep.json", "markdown": out / "sweep.md"}
+    paths["json"].write_text(json.dumps(_clean(result), indent=1) + "\n")
+    paths["markdown"].write_text(markdown(result))
+    cmp = compare_format(result)
+    if cmp is not None:
+        for kind, p in write_results(cmp, out, plots=plots).items():
+            paths[f"compare_{kind}"] = p
+    return paths
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
+def sweep(args, log=print) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    p = plan(args)
+    settings = p["settings"]
+    fp = fingerprint(settings)
+    stamp = out / "sweep_settings.json"
+    if stamp.exists():
+        old = json.loads(stamp.read_text())
+        if old.get("fingerprint") != fp:
+            raise ValueError(f"{out} holds a sweep with other settings (model, metadata, model_args, limit, batch "
+                             "size or task folder differ; perplexity reads --windows x the longest length, so a "
+                             "longer --lengths changes it too: fix it with --metadata ppl_tokens=N). Use another "
+                             f"--out, or delete {out}.")
+    stamp.write_text(json.dumps({"fingerprint": fp, "settings": settings}, indent=1, default=str) + "\n")
+    tasks = settings["tasks"]
+    state = {"settings": settings, "schemes": [], "elapsed_s": {}}
+    t_all = time.perf_counter()
+    for sch in p["schemes"]:
+        sdir = out / "schemes" / sch["slug"]
+        cdir = sdir / "cells"
+        cdir.mkdir(parents=True, exist_ok=True)
+        done = {t: json.loads((cdir / f"{t}.json").read_text()) for t in tasks if (cdir / f"{t}.json").exists()}
+        missing = [t for t in tasks if t not in done]
+        if missing:
+            # rope_* tasks seed themselves; anything else (RULER) depends on the whole list: keep it whole then.
+            todo = missing if all(family(t)[0] for t in tasks) else tasks
+            log(f"[{sch['spec']}] running {len(todo)} task(s); {len(done)} cell(s) already done")
+            t0 = time.perf_counter()
+            if args.in_process:
+                run_in_process(settings, sch, todo, sdir, log)
+            else:
+                run_subprocess(lm_eval_argv(settings, sch, todo, sdir), args.launcher, log)
+            state["elapsed_s"][sch["spec"]] = round(time.perf_counter() - t0, 2)
+            new = read_cells(sdir, todo)
+            lost = [t for t in todo if t not in new]
+            if lost:
+                raise RuntimeError(f"lm-eval's results for {sch['spec']} lack {lost}")
+            for t, cell in new.items():
+                if t in missing:
+                    cell = {**cell, "scheme": sch["spec"], "fingerprint": fp}
+                    tmp = cdir / f".{t}.json.tmp"
+                    tmp.write_text(json.dumps(cell, indent=1, default=str) + "\n")
+                    os.replace(tmp, cdir / f"{t}.json")
+                    done[t] = cell
+        else:
+            log(f"[{sch['spec']}] all {len(tasks)} cells done: skipped")
+        state["schemes"].append({**sch, "cells": done})
+    state["elapsed_s"]["total"] = round(time.perf_counter() - t_all, 2)
+    state["paths"] = write_outputs(state, out, plots=not args.no_plots)
+    return state
+
+
+def run(args) -> int:
+    try:
+        state = sweep(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (FileNotFoundError, RuntimeError) as err:
+        print(f"rope-patch sweep: error: {err}", file=sys.stderr)
+        return 2
+    print(markdown(aggregate(state)))
+    print("Wrote " + ", ".join(str(p) for p in state["paths"].values()), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    sys.exit(main(["sweep", *sys.argv[1:]]))

@@ -1,0 +1,114 @@
+"""`rope-patch-lm-eval`: lm-eval's own command line, with the `rope_patch` model registered.
+
+lm-eval discovers no plugins, so `lm-eval --model rope_patch` does not know the model. This script imports the
+registration and hands over to lm-eval's CLI: every lm-eval flag and subcommand works unchanged.
+
+    rope-patch-lm-eval --model rope_patch --model_args pretrained=tiny,scheme=yarn,factor=4 \
+        --include_path eval/tasks --tasks rope_passkey --output_path out/
+    python -m rope_patch.lm_eval_cli ...                                   # the same
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.lm_eval_cli ...   # data parallel, CPU
+    accelerate launch -m rope_patch.lm_eval_cli ...                                      # data parallel, GPUs
+
+Three conveniences, each only when it cannot change the meaning of a plain lm-eval command line:
+- `--tasks rope_passkey` / `rope_ppl` / `rope_niah` with `--metadata lengths=[256,1024]` run
+  `rope_passkey_256 rope_passkey_1024` (the group YAMLs list fixed default lengths, and lm-eval cannot size a
+  group from `--metadata`);
+- when a `rope_*` task is asked for and no `--include_path` is given, the repository's eval/tasks is included;
+- with `--model rope_patch` and `pretrained=tiny|smollm2`, `--metadata tokenizer=<its folder>` is added unless
+  a tokenizer is given, so that tokenizer-sized tasks (RULER) find the tokenizer offline.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+GROUPS = ("rope_passkey", "rope_ppl", "rope_niah")
+
+
+def tasks_dir() -> Path | None:
+    """eval/tasks of the checkout this package lives in, or of the current directory."""
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        if (root / "eval" / "tasks" / "rope").is_dir():
+            return root / "eval" / "tasks"
+    return None
+
+
+def expand_tasks(tasks: list[str], lengths) -> list[str]:
+    """`rope_passkey` + lengths [256, 1024] -> rope_passkey_256, rope_passkey_1024 (other names unchanged)."""
+    if not lengths:
+        return list(tasks)
+    if isinstance(lengths, (int, str)):
+        lengths = [int(x) for x in str(lengths).replace("[", "").replace("]", "").replace("/", ",").split(",") if x]
+    out = []
+    for t in tasks:
+        out += [f"{t}_{int(n)}" for n in lengths] if t in GROUPS else [t]
+    return out
+
+
+def adjust(args) -> None:
+    """The conveniences of the module docstring, on lm-eval's parsed `run` arguments."""
+    if getattr(args, "command", None) != "run":
+        return
+    tasks = list(args.tasks or [])
+    metadata = dict(args.metadata or {})
+    if tasks:
+        args.tasks = expand_tasks(tasks, metadata.get("lengths"))
+    if any(t.startswith("rope_") for t in args.tasks or []) and not args.include_path:
+        found = tasks_dir()
+        if found is not None:
+            args.include_path = str(found)
+    model_args = args.model_args or {}
+    if args.model in ("rope_patch", "rope-patch") and isinstance(model_args, dict):
+        spec = model_args.get("pretrained", "tiny")
+        if spec in ("tiny", "smollm2") and not (model_args.get("tokenizer") or metadata.get("tokenizer")):
+            from .models import resolve_model_path
+
+            try:
+                metadata["tokenizer"] = str(resolve_model_path(spec))
+            except (FileNotFoundError, ValueError):
+                pass  # the model itself will say so, clearly
+            else:
+                args.metadata = metadata
+
+
+def main(argv: list[str] | None = None) -> None:
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    from . import lm_eval_model  # noqa: F401  (registers the `rope_patch` model)
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    sys.argv[0] = "rope-patch-lm-eval"
+    setup_logging()
+    parser = HarnessCLI()
+    parser._parser.prog = "rope-patch-lm-eval"
+    args = parser.parse_args()
+    adjust(args)
+    if getattr(args, "command", None) == "run" and args.model in ("rope_patch", "rope-patch"):
+        error = check_model_args(args.model_args)
+        if error:
+            print(f"rope-patch-lm-eval: error: {error}", file=sys.stderr)
+            sys.exit(2)
+    parser.execute(args)
+
+
+def check_model_args(model_args) -> str | None:
+    """The error `--model_args` would raise when the model is built, found before lm-eval indexes its tasks
+    (which takes a while): same messages as `rope_patch.apply` / the model."""
+    from .lm_eval_model import validate_model_args
+
+    if not isinstance(model_args, dict):
+        return None
+    kw = {k: v for k, v in model_args.items() if k not in ("max_length", "exact_tokens", "dtype", "device")}
+    kw.setdefault("pretrained", "tiny")
+    try:
+        validate_model_args(**kw)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        return str(err)
+    return None
+
+
+if __name__ == "__main__":
+    main()

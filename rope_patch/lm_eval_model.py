@@ -1,0 +1,405 @@
+"""The `rope_patch` model for lm-evaluation-harness (0.4.x): Hugging Face `HFLM` + a position-encoding patch.
+
+    rope-patch-lm-eval --model rope_patch \
+        --model_args pretrained=tiny,scheme=yarn,factor=4 \
+        --include_path eval/tasks --tasks rope_passkey --output_path out/
+
+`--model_args` (all optional):
+
+| key | meaning |
+| --- | --- |
+| `pretrained` | `tiny`, `smollm2`, a local model folder, or a folder written by `rope_patch.save_pretrained` (its recorded patch is re-applied) |
+| `scheme` | a registered scheme name or alias (`rope-patch list`); applied with `rope_patch.apply` after loading |
+| any scheme parameter | `factor`, `original_max_position_embeddings`, `beta_fast`, `group_size`, `window_size`, ... (lists: `short_factor=1/1.5/2`) |
+| `adapter` | a peft adapter folder, or an adapter saved by `rope_patch.save_pretrained` (its recorded patch is re-applied; an explicit `scheme` replaces it) |
+| `max_length` | default: the patched window (`config.max_position_embeddings` after the patch), not HFLM's pre-patch fallback |
+| `exact_tokens` | default true: documents of the `rope_*` tasks that carry token ids are fed as those ids (see below) |
+| anything else | HFLM's own arguments (`dtype` (default float32 here), `batch_size`, `device`, `add_bos_token`, ...) and, beyond those, `from_pretrained` keyword arguments |
+
+Bad arguments fail before any model is loaded, with the errors of `rope_patch.apply` (unknown scheme or parameter,
+with "Did you mean"; bad values), or a `FileNotFoundError` naming a missing `pretrained` / `adapter` folder.
+
+Exact tokens. The `rope_passkey_*`, `rope_ppl_*` and `rope_niah_*` documents (eval/tasks/rope) carry the token ids
+they were built from (`prompt_ids` / `input_ids`). Decoding ids to text and encoding the text again does not give
+the same ids in general (a filler stretch that starts inside a word, a needle spliced at a token boundary), so this
+model evaluates those documents from the ids themselves, with exactly the procedure of `rope-patch compare`
+(`rope_patch.evaluation`): greedy decoding with a KV cache for `max_new_tokens` tokens, the dynamic-RoPE base set
+for the final length, and non-overlapping windows scored from position 0. That makes the numbers equal to
+`rope-patch compare` on the same samples. Such documents are evaluated at their full length even beyond
+`max_length` (they are length tests: truncating would delete the needle), with a loud warning. Any other model
+(`hf`, vLLM, ...) reads the `text` field like any lm-eval task. `exact_tokens=false` turns this off.
+
+Prompts longer than `max_length` on the ordinary (text) path are truncated from the left by HFLM, as always, but
+with a loud warning here instead of a silent cut.
+
+Data parallel: `ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.lm_eval_cli ...` on CPU,
+`accelerate launch -m rope_patch.lm_eval_cli ...` on GPUs. HFLM sets rank and world size only when more than one
+GPU is visible; this class takes them from the accelerator in every case.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+logger = logging.getLogger("rope_patch.lm_eval")
+
+MODEL_NAME = "rope_patch"
+_OWN_ARGS = ("pretrained", "scheme", "adapter", "max_length", "exact_tokens")
+_BANNER = "!" * 100
+
+
+def _hflm_args() -> set[str]:
+    return {n for n, p in inspect.signature(HFLM.__init__).parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD} - {"self"}
+
+
+def _all_scheme_params() -> set[str]:
+    from .registry import get_scheme_class, list_schemes
+
+    return {p for name in list_schemes() for p in get_scheme_class(name).param_names()}
+
+
+def _value(v):
+    """model_args values arrive as str/int/float/bool; `1/1.5/2` is a list (longrope factors), as in the CLI."""
+    if isinstance(v, str):
+        from .cli import _value as parse
+
+        return parse(v)
+    return v
+
+
+# `from_pretrained` keyword arguments that `--model_args` may pass through HFLM (anything else unknown is an error:
+# transformers would silently store it in the config).
+PASSTHROUGH = ("attn_implementation", "device_map", "low_cpu_mem_usage", "load_in_8bit", "load_in_4bit",
+               "cache_dir", "local_files_only", "use_safetensors", "variant", "token", "offload_state_dict")
+
+
+def split_model_args(scheme, kwargs: dict) -> tuple[dict, dict]:
+    """(scheme parameters, HFLM / from_pretrained kwargs) out of the remaining `--model_args`.
+
+    HFLM's own arguments and `PASSTHROUGH` (plus `bnb_*`) go to HFLM. With a scheme, every other key is a scheme
+    parameter, so that a typo or another scheme's parameter fails exactly as `apply(model, scheme, **params)`.
+    Without one, scheme parameters are an error (they would be ignored), and so is any other unknown key.
+    """
+    from .registry import did_you_mean
+
+    hflm = _hflm_args()
+    params, rest = {}, {}
+    for key, val in kwargs.items():
+        if key in hflm or key in PASSTHROUGH or key.startswith("bnb_"):
+            rest[key] = val
+        elif scheme is not None or key in _all_scheme_params():
+            params[key] = _value(val)
+        else:
+            known = sorted(hflm | set(PASSTHROUGH) | _all_scheme_params() | set(_OWN_ARGS))
+            raise TypeError(f"rope_patch model: unknown model_arg {key!r}.{did_you_mean(key, known)} It is neither "
+                            "an HFLM argument nor a scheme parameter (scheme parameters need scheme=NAME).")
+    return params, rest
+
+
+def _manifest(path) -> dict | None:
+    from .export import MANIFEST
+
+    p = Path(path) / MANIFEST
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _check_adapter(adapter) -> Path:
+    path = Path(str(adapter)).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"adapter={str(adapter)!r}: no such folder. Pass a peft adapter folder or one written "
+                                "by rope_patch.save_pretrained.")
+    manifest = _manifest(path)
+    if not (path / "adapter_config.json").is_file():
+        if manifest is not None:
+            raise ValueError(f"adapter={str(adapter)!r} holds a full model saved by rope_patch.save_pretrained, not an "
+                             "adapter: pass it as pretrained= instead.")
+        raise FileNotFoundError(f"adapter={str(adapter)!r} is not an adapter folder (no adapter_config.json).")
+    return path
+
+
+def _window(model) -> int | None:
+    from .target import unwrap
+
+    cfg = getattr(unwrap(model), "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    value = getattr(cfg, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def validate_model_args(pretrained=None, scheme=None, adapter=None, **kwargs):
+    """Check `--model_args` without loading anything: (Scheme or None, adapter folder or None, HFLM kwargs).
+
+    Raises the errors of `rope_patch.apply` for the scheme and its parameters, FileNotFoundError / ValueError for a
+    missing model or adapter folder.
+    """
+    import rope_patch
+
+    from .models import resolve_model_path
+
+    if scheme is not None and not isinstance(scheme, rope_patch.Scheme):
+        from .registry import canonical_name
+
+        scheme = canonical_name(str(scheme))  # ValueError with "Did you mean" for unknown names
+    params, rest = split_model_args(None if isinstance(scheme, rope_patch.Scheme) else scheme, kwargs)
+    if scheme is None and params:
+        raise TypeError(f"Scheme parameters {sorted(params)} were given without scheme=: add scheme=NAME to "
+                        "--model_args (rope-patch list shows the schemes).")
+    scheme_obj = rope_patch.as_scheme(scheme, **params) if scheme is not None else None
+    if rest.get("peft") is not None:  # HFLM's own name for it: same handling (rope_patch manifests included)
+        if adapter is not None:
+            raise ValueError("Pass the adapter either as adapter= or as peft=, not both.")
+        adapter = rest.pop("peft")
+    adapter_path = _check_adapter(adapter) if adapter is not None else None
+    if isinstance(pretrained, str):
+        resolve_model_path(pretrained)
+    return scheme_obj, adapter_path, rest
+
+
+def _as_text(req):
+    """A copy of an lm-eval request without its document (so it takes the text path)."""
+    import copy
+
+    clone = copy.copy(req)
+    clone.doc = None
+    return clone
+
+
+@register_model(MODEL_NAME, "rope-patch")
+class RopePatchLM(HFLM):
+    """`HFLM` whose model carries a rope_patch scheme (see the module docstring for `--model_args`)."""
+
+    def __init__(self, pretrained="tiny", scheme=None, adapter=None, max_length=None, exact_tokens=True,
+                 dtype="float32", device=None, **kwargs):
+        if device is None:  # HFLM wants a string; "cuda" without a GPU would fail later
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        import rope_patch
+
+        from .models import resolve_model_path
+
+        # ---- validate everything before loading anything -------------------------------------------------------
+        self._scheme, adapter, rest = validate_model_args(scheme=scheme, adapter=adapter, **kwargs)
+        self._adapter = adapter
+        self._spec = pretrained
+        self.exact_tokens = bool(_value(exact_tokens))
+        self._warned: set = set()
+        if isinstance(pretrained, str):
+            pretrained = str(resolve_model_path(pretrained))
+            self._pretrained_manifest = _manifest(pretrained)
+        else:
+            self._pretrained_manifest = None
+
+        super().__init__(pretrained=pretrained, max_length=max_length, dtype=dtype, device=device, **rest)
+
+        if not isinstance(pretrained, str):  # a model object: HFLM skipped _create_model
+            self._patch_model()
+        self._setup_distributed()
+        if not self._max_length:
+            self._max_length = _window(self.model)
+        applied = rope_patch.current(self.model)
+        logger.info("rope_patch: %s, scheme %s, max_length %s", self._spec, applied, self._max_length)
+
+    # ---- loading -----------------------------------------------------------------------------------------------
+    def _create_model(self, pretrained, **kwargs):
+        from lm_eval.models.utils_hf import get_dtype
+
+        import rope_patch
+
+        if self._pretrained_manifest is not None:
+            # A folder written by rope_patch.save_pretrained: rebuild it with its patch (config.json of a native
+            # scheme already holds the scaled rope_parameters; the patch is defined relative to the original).
+            dtype = kwargs.get("dtype")
+            extra = {"dtype": get_dtype(dtype)} if dtype not in (None, "auto") else {}
+            self._model = rope_patch.from_pretrained(pretrained, **extra)
+        else:
+            super()._create_model(pretrained, **kwargs)
+        self._patch_model()
+
+    def _patch_model(self):
+        import rope_patch
+
+        if self._adapter is not None:
+            if _manifest(self._adapter) is not None:
+                self._model = rope_patch.from_pretrained(self._adapter, base_model=self._model)
+            else:
+                from peft import PeftModel
+
+                self._model = PeftModel.from_pretrained(self._model, str(self._adapter))
+        if self._scheme is not None:
+            recorded = rope_patch.current(self._model)
+            if recorded is not None:
+                logger.warning("rope_patch: the loaded model carries %s; scheme= replaces it with %s.", recorded,
+                               self._scheme)
+            rope_patch.apply(self._model, self._scheme)
+        self._model.eval()
+
+    def _setup_distributed(self):
+        """HFLM sets rank / world size only with >1 GPU; on CPU (torchrun) or 1 GPU per process take them from the
+        accelerator, so that each process evaluates its own share of the documents."""
+        acc = getattr(self, "accelerator", None)
+        if acc is None or acc.num_processes <= 1:
+            return
+        if getattr(self, "_world_size", 1) != acc.num_processes:
+            self._rank = acc.process_index
+            self._world_size = acc.num_processes
+            self._device = acc.device
+            if isinstance(self._model, torch.nn.Module) and next(self._model.parameters()).device != acc.device:
+                self._model.to(acc.device)
+            logger.info("rope_patch: data parallel rank %d of %d on %s", self._rank, self._world_size, self._device)
+
+    # ---- loud warnings instead of silent truncation -------------------------------------------------------------
+    def _warn_long(self, length: int, limit: int, truncated: bool) -> None:
+        key = (length, limit, truncated)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        what = ("HFLM TRUNCATES IT FROM THE LEFT (the beginning of the prompt, e.g. a needle, is lost)" if truncated
+                else "it is evaluated in full (an exact-token rope_* document), i.e. beyond the patched window")
+        window = _window(self.model)
+        origin = " (the patched window)" if limit == self.max_length == window else ""
+        msg = (f"rope_patch: a prompt of {length} tokens is longer than max_length={limit}{origin}; {what}. "
+               "Pass --model_args max_length=N (or a scheme whose window covers it) to change this.")
+        logger.warning("\n%s\n%s\n%s", _BANNER, msg, _BANNER)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
+        ids, mask = super().tok_batch_encode(strings, padding_side=padding_side, left_truncate_len=None,
+                                             truncation=truncation)
+        if left_truncate_len and ids.shape[1] > left_truncate_len:
+            self._warn_long(ids.shape[1], left_truncate_len, truncated=True)
+            ids, mask = ids[:, -left_truncate_len:], mask[:, -left_truncate_len:]
+        return ids, mask
+
+    def tok_encode(self, string, add_special_tokens=None, left_truncate_len=None, **kwargs):
+        ids = super().tok_encode(string, add_special_tokens=add_special_tokens, **kwargs)
+        if left_truncate_len and len(ids) > left_truncate_len:
+            self._warn_long(len(ids), left_truncate_len, truncated=True)
+            ids = ids[-left_truncate_len:]
+        return ids
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
+        for _, context_enc, continuation_enc in requests:
+            total = len(context_enc) + len(continuation_enc)
+            if total > self.max_length + 1:
+                self._warn_long(total - 1, self.max_length, truncated=True)
+        return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+
+    # ---- exact-token documents -------------------------------------------------------------------------------------
+    def _exact_ids(self, req, key: str, text: str):
+        """The document's token ids when this request can be evaluated from them, else None."""
+        doc = getattr(req, "doc", None)
+        if not self.exact_tokens or not isinstance(doc, dict) or key not in doc:
+            return None
+        ids = list(doc[key])
+        if self.tokenizer.decode(ids, skip_special_tokens=False) != text:
+            if "tokenizer-mismatch" not in self._warned:
+                self._warned.add("tokenizer-mismatch")
+                logger.warning("rope_patch: the prompts of %s differ from their documents' token ids (built with "
+                               "another tokenizer, or changed by a chat template, system instruction or few-shot "
+                               "examples); evaluating the prompt text instead of the ids.", req.task_name)
+            return None
+        return ids
+
+    def _chunk_size(self, default: int) -> int:
+        bs = self.batch_size
+        return int(bs) if str(bs).isdigit() and int(bs) > 1 else default
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        from .evaluation.retrieval import greedy_generate
+
+        results: list = [None] * len(requests)
+        exact, other = [], []
+        for i, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            ids = self._exact_ids(req, "prompt_ids", context)
+            if ids is not None and not (gen_kwargs or {}).get("do_sample"):
+                exact.append((i, req, ids, int(req.doc["max_new_tokens"])))
+            else:
+                other.append(i)
+        # Same batches as rope-patch compare: consecutive prompts of one length, at most 16 (or --batch_size) each.
+        groups: list[list] = []
+        for item in exact:
+            key = (len(item[2]), item[3], item[1].doc.get("depth"))
+            if groups and groups[-1][0] == key and len(groups[-1][1]) < self._chunk_size(16):
+                groups[-1][1].append(item)
+            else:
+                groups.append([key, [item]])
+        model = self.model
+        for (length, new, _), items in groups:
+            if length > self.max_length:
+                self._warn_long(length, self.max_length, truncated=False)
+            ids = torch.tensor([it[2] for it in items], dtype=torch.long, device=self.device)
+            out = greedy_generate(model, ids, new)
+            for (i, req, _, _), g in zip(items, out, strict=True):
+                text = self.tokenizer.decode(g.tolist(), skip_special_tokens=True)
+                results[i] = text
+                self.cache_hook.add_partial("generate_until", req.args, text)
+        if other:
+            texts = super().generate_until([requests[i] for i in other], disable_tqdm=disable_tqdm)
+            for i, text in zip(other, texts, strict=True):
+                results[i] = text
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        from .evaluation.common import prepare_rotary, token_nll
+        from .evaluation.perplexity import batch_size_for
+
+        results: list = [None] * len(requests)
+        exact, other = [], []
+        for i, req in enumerate(requests):
+            ids = self._exact_ids(req, "input_ids", req.args[0])
+            (exact if ids is not None else other).append((i, req, ids))
+        # Same procedure and batches as rope-patch compare: windows scored from position 0, 8192 tokens a batch.
+        by_len: dict[int, list] = {}
+        for item in exact:
+            by_len.setdefault(len(item[2]), []).append(item)
+        model = self.model
+        for length, items in by_len.items():
+            if length > self.max_length:
+                self._warn_long(length, self.max_length, truncated=False)
+            prepare_rotary(model, length)
+            step = self._chunk_size(batch_size_for(length))
+            for s in range(0, len(items), step):
+                chunk = items[s : s + step]
+                ids = torch.tensor([it[2] for it in chunk], dtype=torch.long, device=self.device)
+                nll = token_nll(model, ids)
+                for (i, req, _), row in zip(chunk, nll, strict=True):
+                    results[i] = -row.double().sum().item()
+                    self.cache_hook.add_partial("loglikelihood_rolling", req.args, results[i])
+        # HFLM's rolling path gathers window counts across ranks: every rank must enter it when any rank does.
+        need = bool(other)
+        if self.world_size > 1:
+            counts = self.all_gather(torch.tensor([len(other)], device=self.device))
+            need = int(counts.max()) > 0
+        if need and other:
+            lls = super().loglikelihood_rolling([requests[i] for i, _, _ in other], disable_tqdm=disable_tqdm)
+            for (i, _, _), ll in zip(other, lls, strict=True):
+                results[i] = ll
+        elif need and requests:  # nothing of ours on this rank: a stand-in, neither returned nor cached
+            from lm_eval.api.model import CacheHook
+
+            hook, self.cache_hook = self.cache_hook, CacheHook(None)
+            try:
+                super().loglikelihood_rolling([_as_text(requests[0])], disable_tqdm=True)
+            finally:
+                self.cache_hook = hook
+        return results
+
+    def get_model_info(self) -> dict:
+        import rope_patch
+
+        info = super().get_model_info()
+        applied = rope_patch.current(self.model)
+        info["rope_patch"] = {"model": str(self._spec), "scheme": None if applied is None else applied.name,
+                              "params": {} if applied is None else {k: list(v) if isinstance(v, tuple) else v
+                                                                    for k, v in applied.params().items()},
+                              "adapter": None if self._adapter is None else str(self._adapter),
+                              "max_length": self.max_length, "exact_tokens": self.exact_tokens}
+        return info

@@ -1,0 +1,142 @@
+"""The `rope_patch` lm-eval model: model_args, errors, max_length, loud truncation warnings, adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lmeval_helpers import WINDOW, assets_fixture, one_thread_fixture, tiny_llama  # noqa: F401  (fixtures)
+
+import rope_patch
+
+lm_eval = pytest.importorskip("lm_eval")
+
+
+def make(assets, **kw):
+    from rope_patch.lm_eval_model import RopePatchLM
+
+    return RopePatchLM(pretrained=str(assets["model"]), **kw)
+
+
+def apply_error(scheme, **params):
+    """The exception `rope_patch.apply` raises for these arguments on a tiny model."""
+    from transformers import AutoTokenizer
+
+    model = tiny_llama(AutoTokenizer.from_pretrained(str(_ASSETS["model"])))
+    with pytest.raises((ValueError, TypeError)) as info:
+        rope_patch.apply(model, scheme, **params)
+    return info.value
+
+
+_ASSETS: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _remember(assets):
+    _ASSETS.update(assets)
+
+
+def test_registered():
+    from lm_eval.api.registry import get_model
+
+    from rope_patch.lm_eval_model import RopePatchLM
+
+    assert get_model("rope_patch") is RopePatchLM
+
+
+@pytest.mark.parametrize("scheme, params", [
+    ("yarnn", {}),                              # unknown scheme: "Did you mean 'yarn'"
+    ("yarn", {"factor": 0.5}),                  # bad value
+    ("yarn", {"group_size": 4}),                # a parameter of another scheme
+    ("yarn", {"factr": 4}),                     # a typo of this scheme's parameter
+])
+def test_bad_scheme_args_fail_like_apply(assets, scheme, params):
+    expected = apply_error(scheme, **params)
+    with pytest.raises(type(expected)) as info:
+        make(assets, scheme=scheme, **params)
+    assert str(info.value) == str(expected)
+
+
+def test_scheme_params_without_scheme(assets):
+    with pytest.raises(TypeError, match="without scheme="):
+        make(assets, factor=4)
+
+
+def test_missing_adapter_and_model(assets, tmp_path):
+    with pytest.raises(FileNotFoundError, match="adapter="):
+        make(assets, adapter=str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="not an adapter"):
+        make(assets, adapter=str(tmp_path))
+    from rope_patch.lm_eval_model import RopePatchLM
+
+    with pytest.raises((FileNotFoundError, ValueError), match="nope"):
+        RopePatchLM(pretrained=str(tmp_path / "nope"))
+
+
+def test_max_length_is_the_patched_window(assets):
+    lm = make(assets, scheme="yarn", factor=4)
+    assert rope_patch.current(lm.model).name == "yarn"
+    assert lm.max_length == 4 * WINDOW
+    assert make(assets).max_length == WINDOW
+    assert make(assets, scheme="yarn", factor=4, max_length=100).max_length == 100
+    assert lm.model.dtype == torch.float32
+
+
+def test_string_values_and_lists_are_parsed(assets):
+    lm = make(assets, scheme="linear", factor="2")
+    assert rope_patch.current(lm.model).params()["factor"] == 2
+
+
+def test_truncation_warns_loudly(assets, caplog):
+    lm = make(assets)
+    long_text = "the morning walk was long and " * 40
+    with pytest.warns(RuntimeWarning, match="TRUNCATES IT FROM THE LEFT"):
+        ids, _ = lm.tok_batch_encode([long_text], left_truncate_len=WINDOW - 8)
+    assert ids.shape[1] == WINDOW - 8
+
+
+def test_adapter_saved_by_rope_patch(assets, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(assets["model"]))
+    peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    rope_patch.apply(peft_model, "yarn", factor=2)
+    rope_patch.save_pretrained(peft_model, tmp_path / "rp_adapter")
+    peft_model.save_pretrained(tmp_path / "plain_adapter")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        want = peft_model(ids).logits
+
+    lm = make(assets, adapter=str(tmp_path / "rp_adapter"))
+    assert rope_patch.current(lm.model).name == "yarn"  # the recorded patch is re-applied
+    assert lm.max_length == 2 * WINDOW
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids).logits, want)
+
+    lm = make(assets, adapter=str(tmp_path / "plain_adapter"), scheme="yarn", factor=2)
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids).logits, want)
+
+
+def test_model_saved_by_rope_patch(assets, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(assets["model"]))
+    rope_patch.apply(model, "yarn", factor=4)
+    rope_patch.save_pretrained(model, tmp_path / "saved")
+    AutoTokenizer.from_pretrained(str(assets["model"])).save_pretrained(tmp_path / "saved")
+    from rope_patch.lm_eval_model import RopePatchLM
+
+    lm = RopePatchLM(pretrained=str(tmp_path / "saved"))
+    assert rope_patch.current(lm.model).name == "yarn"
+    assert lm.max_length == 4 * WINDOW
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10] * 30])
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids).logits, model(ids).logits)
+
+
+def test_model_info_records_the_patch(assets):
+    info = make(assets, scheme="yarn", factor=4).get_model_info()
+    assert info["rope_patch"]["scheme"] == "yarn"
+    assert info["rope_patch"]["params"]["factor"] == 4
+    assert info["rope_patch"]["max_length"] == 4 * WINDOW

@@ -1,0 +1,100 @@
+"""`rope-patch sweep`: one lm-eval run per scheme, aggregation like compare, resume by (scheme, task) cell."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lmeval_helpers import TASKS, assets_fixture, one_thread_fixture  # noqa: F401  (fixtures)
+
+pytest.importorskip("lm_eval")
+
+
+def sweep_args(assets, out, **kw):
+    from rope_patch.cli import build_parser
+
+    argv = ["sweep", "--model", str(assets["model"]), "--schemes", "default", "yarn:2",
+            "--tasks", "rope_passkey", "rope_ppl", "--lengths", "128", "256", "--passkey-samples", "1",
+            "--depths", "0.5", "--heldout", str(assets["heldout"]), "--include-path", str(TASKS),
+            "--out", str(out), "--in-process", "--no-plots"]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", *v] if isinstance(v, list) else [f"--{k.replace('_', '-')}", v]
+    return build_parser().parse_args(argv)
+
+
+def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
+    import rope_patch.cli_sweep as S
+    from rope_patch.evaluation.compare import load_results
+
+    calls = []
+    real = S.run_in_process
+    monkeypatch.setattr(S, "run_in_process", lambda st, sch, tasks, d, log: (calls.append((sch["spec"], tasks)),
+                                                                              real(st, sch, tasks, d, log)))
+    out = tmp_path / "sweep"
+    state = S.sweep(sweep_args(assets, out), log=lambda m: None)
+    tasks = ["rope_passkey_128", "rope_passkey_256", "rope_ppl_128", "rope_ppl_256"]
+    assert calls == [("default", tasks), ("yarn:2", tasks)]  # same list, same order, once per scheme
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["format"] == "rope_patch.sweep/1"
+    assert len(result["rows"]) == 8
+    ppl = {(r["scheme"], r["length"]): r["value"] for r in result["rows"] if r["family"] == "rope_ppl"}
+    assert ppl[("default", 256)] != ppl[("yarn:2", 256)]  # the schemes really differ
+    assert all(v > 1 for v in ppl.values())
+    # separate response caches per scheme (lm-eval's cache key ignores the model)
+    assert (out / "schemes" / "default" / "cache").is_dir() and (out / "schemes" / "yarn-2" / "cache").is_dir()
+    cmp = load_results(out / "compare.json")
+    assert {(r["scheme"], r["length"]) for r in cmp["records"]} == set(ppl)
+    assert "| yarn×2 |" in (out / "sweep.md").read_text()
+    # the same numbers as `rope-patch compare` with the same settings
+    from rope_patch.evaluation.compare import run_compare
+    from rope_patch.models import load_model
+
+    model, tok = load_model(str(assets["model"]))
+    ref = run_compare(model, tok, ["default", "yarn:2"], [128, 256], depths=[0.5], passkey_samples=1,
+                      heldout=assets["heldout"])
+    for r in ref["records"]:
+        got = next(x for x in cmp["records"] if (x["scheme"], x["length"]) == (r["scheme"], r["length"]))
+        assert got["perplexity"] == pytest.approx(r["perplexity"], rel=1e-9)
+        assert got["passkey_accuracy"] == r["passkey_accuracy"]
+    assert state["paths"]["compare_markdown"].exists()
+
+    # resume: finished cells are skipped; a new length runs only its cells, for every scheme
+    calls.clear()
+    S.sweep(sweep_args(assets, out), log=lambda m: None)
+    assert calls == []
+    # an interrupted scheme (a cell missing) runs only what is missing
+    (out / "schemes" / "yarn-2" / "cells" / "rope_ppl_256.json").unlink()
+    S.sweep(sweep_args(assets, out), log=lambda m: None)
+    assert calls == [("yarn:2", ["rope_ppl_256"])]
+    again = {(r["scheme"], r["length"]): r["value"] for r in json.loads((out / "sweep.json").read_text())["rows"]
+             if r["family"] == "rope_ppl"}
+    assert again == pytest.approx(ppl)
+    # other settings (here: more perplexity tokens) are refused, not mixed in
+    with pytest.raises(ValueError, match="other settings"):
+        S.sweep(sweep_args(assets, out, windows="7"), log=lambda m: None)
+
+def test_sweep_refuses_other_settings_and_bad_schemes(assets, tmp_path):
+    import rope_patch.cli_sweep as S
+
+    with pytest.raises(ValueError, match="yarnn"):
+        S.sweep(sweep_args(assets, tmp_path / "a", schemes=["default", "yarnn:2"]), log=lambda m: None)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "sweep_settings.json").write_text(json.dumps({"fingerprint": "other"}))
+    with pytest.raises(ValueError, match="other settings"):
+        S.sweep(sweep_args(assets, tmp_path / "b"), log=lambda m: None)
+
+
+def test_expand_and_scheme_args():
+    from rope_patch.cli_sweep import expand_tasks, scheme_args
+
+    assert expand_tasks(["rope_passkey", "niah_single_1", "rope_ppl"], [256, 1024]) == [
+        "rope_passkey_256", "rope_passkey_1024", "niah_single_1", "rope_ppl_256", "rope_ppl_1024"]
+    assert scheme_args("yarn:4") == {"scheme": "yarn", "factor": 4}
+    assert scheme_args("default") == {"scheme": "default"}
+
+
+def test_sweep_rejects_lengths_without_tasks(assets, tmp_path):
+    import rope_patch.cli_sweep as S
+
+    with pytest.raises(ValueError, match="rope_passkey_300"):
+        S.sweep(sweep_args(assets, tmp_path / "c", lengths=["128", "300"]), log=lambda m: None)
