@@ -50,7 +50,7 @@ def scheme_label(spec: str) -> str:
     return spec.replace(":", "×", 1) if spec.count(":") == 1 and "=" not in spec else spec
 
 
-SUBCOMMANDS = ["rope_patch.cli_compare", "rope_patch.cli_models", "rope_patch.cli_plot", "rope_patch.cli_sweep"]  # module paths, each exposing add_parser(subparsers)
+SUBCOMMANDS = ["rope_patch.cli_compare", "rope_patch.cli_models", "rope_patch.cli_plot", "rope_patch.cli_export", "rope_patch.cli_sweep"]  # (module path) each exposing add_parser(subparsers)
 
 
 def build_parser() -> argparse.ArgumentParser:
