@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 WINDOW = 32  # max_position_embeddings of the tiny models; tests run past it
 VOCAB = 97
@@ -76,3 +77,15 @@ def ids():
 @pytest.fixture
 def llama():
     return tiny_model("llama")
+
+
+CHARS = "abcdefghijklmnopqrstuvwxyzTWPRK0123456789 .?"
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A real PreTrainedTokenizerFast with one token per character (vocab < 97) for tiny random models."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

@@ -6,18 +6,7 @@ import random
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
-CHARS = "abcdefghijklmnopqrstuvwxyzTWPRK0123456789 .?"
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+from conftest import CHARS, char_tokenizer  # noqa: F401  (re-exported for the evaluation tests)
 
 
 def filler_text(n_words: int = 3000, seed: int = 0) -> str:

@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from conftest import CHARS, char_tokenizer  # noqa: F401  (shared with tests/evaluation)
+from transformers import AutoConfig, AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 WINDOW = 32
-CHARS = "abcdefghijklmnopqrstuvwxyzTWPRK0123456789 .?"
 
 
 def load_recipe():
@@ -24,14 +23,6 @@ def load_recipe():
         sys.modules["finetune_lora"] = module
         spec.loader.exec_module(module)
     return sys.modules["finetune_lora"]
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
 def make_model_dir(path: Path, *, tie: bool = False, seed: int = 0) -> Path:
