@@ -560,12 +560,11 @@ def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> torch.Tensor:
     `get_slopes`): m_h = 2^(−max_bias·h/n), h = 1..n, for n a power of two (max_bias = 8 in the paper); otherwise the
     slopes of the nearest lower power of two c, then every other slope of 2c (odd h), up to n heads.
     The max_bias generalisation is BLOOM's / llama.cpp's; max_bias = 8 gives exactly the paper's slopes."""
+    from .schemes.bias import alibi_slopes as scheme_slopes  # the very slopes the alibi scheme installs
+
     n = check.integer("alibi", "num_heads", num_heads, ge=1)
     max_bias = check.number("alibi", "max_bias", max_bias, gt=0.0)
-    c = 2 ** math.floor(math.log2(n))
-    h = torch.arange(1, n + 1, dtype=torch.float64)
-    # first c heads: 2^(−max_bias·h/c); the rest: 2^(−max_bias·(2(h−c)−1)/(2c)) = odd entries of the 2c series
-    return torch.where(h <= c, 2.0 ** (-max_bias * h / c), 2.0 ** (-max_bias * (2 * (h - c) - 1) / (2 * c)))
+    return torch.tensor(scheme_slopes(n, max_bias), dtype=torch.float64)
 
 
 def attention_bias(scheme=None, distances=None, *, num_heads=None, model=None, config=None, **params) -> torch.Tensor:
