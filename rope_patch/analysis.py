@@ -600,6 +600,19 @@ def _seq_len_for(spec, d: torch.Tensor, seq_len):
     return seq_len if seq_len is not None else int(math.floor(d.max().item())) + 1
 
 
+def _at_distances(name, distances, scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_factor,
+                  model, config, layer_type, num_heads, params, seq_len, query_position):
+    """The steps every distance-based function shares: validated distances, the setup, θ′ at the length those
+    distances need (dynamic NTK / LongRoPE depend on it), and the effective distance the rotation sees."""
+    if distances is None:
+        raise TypeError(f"{name}: pass `distances` (relative distances Δ >= 0).")
+    d = _distances(distances)
+    s = _setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_factor, model, config,
+               layer_type, num_heads, params)
+    f = _frequencies(s, _seq_len_for(s.spec, d, seq_len))
+    return f, _effective(s.spec, d, query_position)
+
+
 def decay_bound(scheme=None, head_dim=None, distances=None, *, rope_theta=None, max_position_embeddings=None,
                 seq_len=None, normalize=False, partial_rotary_factor=None, model=None, config=None, layer_type=None,
                 query_position=None, **params) -> torch.Tensor:
@@ -613,13 +626,8 @@ def decay_bound(scheme=None, head_dim=None, distances=None, *, rope_theta=None, 
     the Δ = 0 value. The cos/sin scale (YaRN's temperature) is not included: it multiplies scores, see
     `expected_score`.
     """
-    if distances is None:
-        raise TypeError("decay_bound: pass `distances` (relative distances Δ >= 0).")
-    d = _distances(distances)
-    s = _setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_factor, model, config,
-               layer_type, None, params)
-    f = _frequencies(s, _seq_len_for(s.spec, d, seq_len))
-    delta = _effective(s.spec, d, query_position)
+    f, delta = _at_distances("decay_bound", distances, scheme, head_dim, rope_theta, max_position_embeddings,
+                             partial_rotary_factor, model, config, layer_type, None, params, seq_len, query_position)
     out = _decay(f.inv_freq.double(), delta)
     return out / decay_bound_at_zero(f.inv_freq.numel()) if normalize else out
 
@@ -638,13 +646,9 @@ def angles(scheme=None, head_dim=None, distances=None, *, rope_theta=None, max_p
            **params) -> torch.Tensor:
     """Rotation angle between a query and a key Δ apart, per pair: Δ_eff·θ′_i in radians (not wrapped),
     float64 [len(distances), pairs]. A pair has seen every angle in training once (L − 1)·θ_i ≥ 2π."""
-    if distances is None:
-        raise TypeError("angles: pass `distances`.")
-    d = _distances(distances)
-    s = _setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_factor, model, config,
-               layer_type, None, params)
-    f = _frequencies(s, _seq_len_for(s.spec, d, seq_len))
-    return _effective(s.spec, d, query_position)[:, None] * f.inv_freq.double()[None, :]
+    f, delta = _at_distances("angles", distances, scheme, head_dim, rope_theta, max_position_embeddings,
+                             partial_rotary_factor, model, config, layer_type, None, params, seq_len, query_position)
+    return delta[:, None] * f.inv_freq.double()[None, :]
 
 
 @dataclasses.dataclass(frozen=True)
