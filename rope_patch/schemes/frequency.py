@@ -252,9 +252,21 @@ class NTK(FrequencyScheme):
         return int(self.factor * ctx.max_position_embeddings)
 
 
+class _Windowed(FrequencyScheme):
+    """Schemes whose transformers form carries `original_max_position_embeddings` (default: the model's window)."""
+
+    def resolve(self, target):
+        if self.original_max_position_embeddings is None:
+            return self.replace(original_max_position_embeddings=int(target.config.max_position_embeddings))
+        return self
+
+    def window(self, ctx):
+        return int(self.factor * self.original_max_position_embeddings)
+
+
 @register_scheme
 @dataclasses.dataclass(frozen=True)
-class Dynamic(FrequencyScheme):
+class Dynamic(_Windowed):
     """Dynamic NTK (emozilla 2023, r/LocalLLaMA; YaRN paper §3.3): for current length ℓ > L,
     b′ = b·(s·ℓ/L − (s−1))^(d/(d−2)); unchanged for ℓ ≤ L. Frequencies follow the longest sequence seen, so keys
     already in a KV cache keep the base they were rotated with (transformers issue #25104); see README."""
@@ -269,31 +281,11 @@ class Dynamic(FrequencyScheme):
         self._set("factor", _factor(self.name, self.factor))
         self._set("original_max_position_embeddings", _original(self.name, self.original_max_position_embeddings))
 
-    def resolve(self, target):
-        if self.original_max_position_embeddings is None:
-            return self.replace(original_max_position_embeddings=int(target.config.max_position_embeddings))
-        return self
-
     def rope_parameters(self, ctx):
         return self._params(ctx, "dynamic", factor=self.factor)
 
-    def window(self, ctx):
-        return int(self.factor * self.original_max_position_embeddings)
-
     def init_window(self, ctx):
         return self.original_max_position_embeddings
-
-
-class _Windowed(FrequencyScheme):
-    """Schemes whose transformers form carries `original_max_position_embeddings` (default: the model's window)."""
-
-    def resolve(self, target):
-        if self.original_max_position_embeddings is None:
-            return self.replace(original_max_position_embeddings=int(target.config.max_position_embeddings))
-        return self
-
-    def window(self, ctx):
-        return int(self.factor * self.original_max_position_embeddings)
 
 
 @register_scheme
