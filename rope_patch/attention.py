@@ -11,8 +11,15 @@ Two functions are registered once, under names of our own (no existing key is to
                         materialised (training, padding, softcap, other devices): query blocks of ~BLOCK_ELEMENTS
                         scores that see all their keys at once, so they need no merging and autograd works.
 
-plus the same names in `AttentionMaskInterface` (transformers' own `sdpa_mask`: boolean, None when plain causal),
-without which `create_causal_mask` returns None and padding would be silently dropped.
+    rope_patch_flex     flex_attention: one `torch.nn.attention.flex_attention` call with a `score_mod` (the bias) under
+                        transformers' BlockMask (causal, padding, sliding window), or two calls (near band / far part)
+                        merged by log-sum-exp for the two-rotation schemes. Compiled like transformers' own flex.
+    rope_patch_fa2      flash-attention-2 with `alibi_slopes` (ALiBi only; `flash_attn` on CUDA). The name avoids the
+                        substring "flash": transformers rewrites such names to its kernel fallbacks.
+
+plus the same names in `AttentionMaskInterface` (transformers' own mask function of the backend each one stands in
+for: `sdpa_mask`, `flex_attention_mask`, `flash_attention_mask`), without which `create_causal_mask` returns None and
+padding would be silently dropped.
 
 The functions hold no scheme state. A patched model carries an `AttnState` on each of its attention modules (set
 through the undo log), so two models in one process run different schemes through the same registered name, and a
@@ -30,21 +37,29 @@ caches break the contiguity (keys are padded to the maximum length); the schemes
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
 from collections.abc import Callable
 
 import torch
 import transformers
 from torch import nn
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, flex_attention_mask, sdpa_mask
 
 DENSE = "rope_patch_dense"
 BLOCKED = "rope_patch_blocked"
+FLEX = "rope_patch_flex"
+FA2 = "rope_patch_fa2"
 STATE = "_rope_patch_attn"  # attribute on each attention module of a patched model
 
 # Scores per query block in the blocked function (b × heads × block × keys). 2**22 fp32 = 16 MiB: at L = 16384 with
 # 4 heads a block is 64 queries, few enough blocks that the Python loop costs nothing next to the matmuls.
 BLOCK_ELEMENTS = 1 << 22
 FAST_BLOCK: int | None = None  # query rows per block on the fused fast path; None: the scheme's choice
+# flex_attention through torch.compile (transformers' compiled singleton), as transformers' own flex backend does.
+# False runs flex eagerly: exact, but it materialises the scores (debugging / tests on CPU only).
+FLEX_COMPILE = True
+FLASH_DEVICES = ("cuda",)  # devices on which flash_attn's kernels run
 
 
 class ScoreMod:
@@ -68,6 +83,17 @@ class ScoreMod:
     def fast_rows(self, heads: int) -> int:
         """Query rows per block on the fast path (`heads` = batch × query heads)."""
         return 256
+
+    # flex_attention: `flex(call, block_mask)` → out (b, H, q, d). `flex_lse`: whether it merges partial softmaxes,
+    # which needs flex's log-sum-exp (not available from the compiled CPU kernel in torch ≤ 2.13).
+    flex_lse: bool = False
+
+    def flex(self, call: Call, block_mask) -> torch.Tensor:
+        raise NotImplementedError
+
+    def flash_slopes(self, device) -> torch.Tensor | None:
+        """(H,) float32 ALiBi slopes for flash_attn's `alibi_slopes`, or None: the scheme has no flash-attention form."""
+        return None
 
 
 def fit_rows(heads: int, extra: int, cap: int = 1024) -> int:
@@ -122,12 +148,15 @@ Partial = tuple  # (out (b, H, r, d) float32, lse (b, H, r) float32): softmax-we
 
 
 def merge(parts: list[Partial]) -> torch.Tensor:
-    """softmax over the union of disjoint key sets: Σ_p e^(lse_p − M)·out_p / Σ_p e^(lse_p − M)."""
+    """softmax over the union of disjoint key sets: Σ_p e^(lse_p − M)·out_p / Σ_p e^(lse_p − M). A row that no part
+    covers (a padding query under a flex BlockMask: every lse = −inf) comes out 0, not NaN."""
     if len(parts) == 1:
         return parts[0][0]
-    top = torch.stack([lse for _, lse in parts]).amax(0)  # finite: the diagonal part always has a key
+    top = torch.stack([lse for _, lse in parts]).amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weights = [torch.exp(lse - top)[..., None] for _, lse in parts]
-    return sum(w * o for w, (o, _) in zip(weights, parts, strict=True)) / sum(weights)
+    total = sum(weights)
+    return sum(w * o for w, (o, _) in zip(weights, parts, strict=True)) / total.clamp_min(torch.finfo(total.dtype).tiny)
 
 
 def _flash_lse_op():
@@ -197,25 +226,36 @@ def _mask_block(attention_mask, call: Call, rows: slice, e: int):
     return m.unsqueeze(2)
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                      *, dense: bool, **kwargs):
-    """transformers attention-function signature: query (b, H, q, d), key/value (b, Hkv, k, d) →
-    (out (b, q, H, d), weights (b, H, q, k) for the dense variant, else None)."""
+def _state(module) -> AttnState:
     state: AttnState | None = getattr(module, STATE, None)
     if state is None:
         raise RuntimeError(
             f"{type(module).__name__} runs the rope_patch attention function but carries no rope_patch state: the "
             "attention implementation was set by hand. Use rope_patch.apply(model, scheme) / rope_patch.remove(model)."
         )
+    return state
+
+
+def _call(module, query, key, value, scaling, softcap, position_ids) -> Call:
     b, h, q_len, d = query.shape
     hkv, k_len = key.shape[1], key.shape[2]
     if h % hkv:
         raise ValueError(f"{h} query heads cannot share {hkv} key/value heads")
+    q_slot = torch.arange(k_len - q_len, k_len, device=query.device)
+    return Call(module, query.view(b, hkv, h // hkv, q_len, d), key, value, scaling if scaling is not None else d**-0.5,
+                softcap, q_slot, _offsets(position_ids, q_slot))
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                      *, dense: bool, **kwargs):
+    """transformers attention-function signature: query (b, H, q, d), key/value (b, Hkv, k, d) →
+    (out (b, q, H, d), weights (b, H, q, k) for the dense variant, else None)."""
+    state = _state(module)
+    b, h, q_len, d = query.shape
+    hkv, k_len = key.shape[1], key.shape[2]
     if attention_mask is not None and attention_mask.shape[-1] != k_len:
         raise ValueError(f"attention mask covers {attention_mask.shape[-1]} keys but there are {k_len}")
-    q_slot = torch.arange(k_len - q_len, k_len, device=query.device)
-    call = Call(module, query.view(b, hkv, h // hkv, q_len, d), key, value, scaling if scaling is not None else d**-0.5,
-                softcap, q_slot, _offsets(kwargs.get("position_ids"), q_slot))
+    call = _call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
     state.scores.begin(call)
 
     budget = state.block_elements or BLOCK_ELEMENTS
@@ -270,17 +310,162 @@ def blocked_attention(module, query, key, value, attention_mask, **kwargs):
     return attention_forward(module, query, key, value, attention_mask, dense=False, **kwargs)
 
 
-# backend the model had -> (our function's name, what it computes like)
-BACKENDS = {"eager": DENSE, "sdpa": BLOCKED}
+# ---- flex_attention ---------------------------------------------------------------------------------------------
+def flex_available() -> bool:
+    return transformers.utils.is_torch_flex_attn_available()
+
+
+def flex_call(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, score_mod=None,
+              lse: bool = False):
+    """flex_attention of q (b, H, q, d) over k, v (b, Hkv, k, d) (GQA inside the kernel) with the call's scale and
+    softcap (before `score_mod`, as in `Call.qk`). Compiled through transformers' singleton (the same compiled
+    function its own flex backend uses) unless FLEX_COMPILE is off. Returns out (b, H, q, d), or the Partial
+    (out float32, lse float32) when `lse`; a row the mask excludes entirely comes back with out 0, lse −inf."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations.flex_attention import compile_friendly_flex_attention, get_flex_attention_lse_kwargs
+
+    softcap = call.softcap
+
+    def mod(score, b, h, qi, kv):
+        if softcap is not None:  # Gemma 2: c·tanh(s / c) before any bias, as the eager path
+            score = torch.tanh(score / softcap) * softcap
+        return score if score_mod is None else score_mod(score, b, h, qi, kv)
+
+    kwargs = dict(score_mod=mod, block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1],
+                  **get_flex_attention_lse_kwargs(lse))
+    if FLEX_COMPILE:
+        result = compile_friendly_flex_attention(q, k, v, training=call.module.training, **kwargs)
+    else:
+        result = flex_attention(q, k, v, **kwargs)
+    if not lse:
+        return result
+    out, aux = result
+    aux_lse = getattr(aux, "lse", aux)  # torch ≥ 2.9: AuxOutput(lse=...); before: the tensor itself
+    return out.float(), aux_lse.float()
+
+
+def causal_block_mask(call: Call):
+    """The BlockMask transformers would build for plain causal attention (queries are the last q slots)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q_len, k_len = call.query.shape[3], call.key.shape[2]
+    first = torch.tensor(k_len - q_len, device=call.key.device)
+
+    def causal(b, h, qi, kv):
+        return qi + first >= kv
+
+    return create_block_mask(causal, None, None, q_len, k_len, device=call.key.device)
+
+
+def restrict_block_mask(block_mask, call: Call, window: int, near: bool):
+    """`block_mask` ∧ (i − j < W if near else i − j ≥ W), i − j in key slots. The element rule is the mask_mod;
+    the block list is the original one minus the blocks that hold no element of the region (judged from each
+    block's smallest / largest distance), so the near call only visits the diagonal band and the far call the
+    rest. All kept blocks are partial (mask_mod evaluated): a block that was full may now be cut by the band."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    q_len, k_len = call.query.shape[3], call.key.shape[2]
+    dev = call.key.device
+    first, w = torch.tensor(k_len - q_len, device=dev), torch.tensor(window, device=dev)
+    base = block_mask.mask_mod
+
+    def mask_mod(b, h, qi, kv):
+        dist = qi + first - kv
+        return base(b, h, qi, kv) & ((dist < w) if near else (dist >= w))
+
+    qb, kb = block_mask.BLOCK_SIZE
+    dense = block_mask.to_dense().bool()  # (B, H, q blocks, kv blocks): partial ∪ full
+    q0 = torch.arange(dense.shape[-2], device=dev)[:, None] * qb + (k_len - q_len)
+    k0 = torch.arange(dense.shape[-1], device=dev)[None, :] * kb
+    region = (q0 - (k0 + kb - 1) < window) if near else (q0 + qb - 1 - k0 >= window)
+    dense = dense & region
+    num = dense.sum(-1, dtype=torch.int32)
+    order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, k_len))
+
+
+def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """transformers attention-function signature on top of flex_attention: `attention_mask` is transformers' BlockMask
+    (causal, padding, sliding window) from `flex_attention_mask`. Returns (out (b, q, H, d), None)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    state = _state(module)
+    if dropout and module.training:
+        raise ValueError("flex_attention does not support attention dropout (as in transformers): use model.eval() or "
+                         "set the config's attention_dropout to 0.")
+    if attention_mask is not None and not isinstance(attention_mask, BlockMask):
+        raise ValueError(f"the flex_attention backend expects a BlockMask, got {type(attention_mask).__name__}: pass "
+                         "a 2-D padding mask and let transformers build it, or use the sdpa backend for custom masks.")
+    call = _call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
+    state.scores.begin(call)
+    block_mask = attention_mask if attention_mask is not None else causal_block_mask(call)
+    out = state.scores.flex(call, block_mask)
+    return out.to(value.dtype).transpose(1, 2).contiguous(), None
+
+
+# ---- flash-attention-2 (ALiBi) ---------------------------------------------------------------------------------
+def flash_module():
+    """The `flash_attn` package, or None when it cannot be imported."""
+    if "flash_attn" in sys.modules:
+        return sys.modules["flash_attn"]
+    try:
+        return importlib.import_module("flash_attn")
+    except ImportError:
+        return None
+
+
+def _unpad(x: torch.Tensor, keep: torch.Tensor):
+    """x (b, n, heads, d), keep (b, n) bool → (rows (Σn, heads, d), flat indices, cu_seqlens int32, max_seqlen)."""
+    idx = keep.flatten().nonzero().squeeze(-1)
+    lens = keep.sum(-1, dtype=torch.int32)
+    cu = nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+    return x.reshape(-1, *x.shape[2:])[idx], idx, cu, int(lens.max())
+
+
+def fa2_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                sliding_window=None, **kwargs):
+    """ALiBi through flash-attention-2 (Dao 2023, arXiv:2307.08691; `alibi_slopes` as in flash_attn ≥ 2.4, which adds
+    −slope_h·|i + k_len − q_len − j| to the score of query i and key j, i.e. the same −m_h·(i − j) in key slots for
+    causal attention). `attention_mask` is transformers' `flash_attention_mask`: None without padding
+    (`flash_attn_func`), else the 2-D mask of real tokens (unpadded `flash_attn_varlen_func`, per sequence
+    bottom-right aligned, so left and right padding both keep slot distances). Returns (out (b, q, H, d), None)."""
+    state = _state(module)
+    fa = flash_module()
+    slopes = state.scores.flash_slopes(query.device)
+    b, h, q_len, d = query.shape
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # flash layout (b, n, heads, d)
+    common = dict(dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=True, alibi_slopes=slopes)
+    if sliding_window is not None and key.shape[2] > sliding_window:  # as transformers' flash path
+        common["window_size"] = (sliding_window - 1, sliding_window - 1)
+    if softcap is not None:
+        common["softcap"] = softcap
+    if attention_mask is None:
+        return fa.flash_attn_func(q, k, v, **common), None
+    keep_k = attention_mask[:, -key.shape[2]:].bool()
+    q_rows, q_idx, cu_q, max_q = _unpad(q, keep_k[:, -q_len:])
+    k_rows, _, cu_k, max_k = _unpad(k, keep_k)
+    v_rows = _unpad(v, keep_k)[0]
+    out = fa.flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                    max_seqlen_k=max_k, **common)
+    full = out.new_zeros(b * q_len, h, d)
+    full[q_idx] = out
+    return full.view(b, q_len, h, d), None
+
+
+# backend the model had -> our function's name
+BACKENDS = {"eager": DENSE, "sdpa": BLOCKED, "flex_attention": FLEX, "flash_attention_2": FA2}
+_FUNCTIONS = {DENSE: (dense_attention, sdpa_mask), BLOCKED: (blocked_attention, sdpa_mask),
+              FLEX: (flex_forward, flex_attention_mask), FA2: (fa2_forward, flash_attention_mask)}
 
 
 def register() -> None:
-    """Register both functions and their mask functions (idempotent; new keys only)."""
-    for name, fn in ((DENSE, dense_attention), (BLOCKED, blocked_attention)):
+    """Register our functions and their mask functions (idempotent; new keys only)."""
+    for name, (fn, mask) in _FUNCTIONS.items():
         if transformers.AttentionInterface._global_mapping.get(name) is not fn:
             transformers.AttentionInterface.register(name, fn)
-        if AttentionMaskInterface._global_mapping.get(name) is not sdpa_mask:
-            AttentionMaskInterface.register(name, sdpa_mask)
+        if AttentionMaskInterface._global_mapping.get(name) is not mask:
+            AttentionMaskInterface.register(name, mask)
 
 
 # ---- rotation helpers (deferred RoPE) -----------------------------------------------------------------------------
@@ -292,10 +477,12 @@ class Rotation:
 
     rotary_forward: Callable
     apply_rotary: Callable
+    layer_type: str | None = None  # per-layer-type rotaries (Gemma 3): which frequencies
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (b, heads, n, d) rotated to positions (b|1, n)."""
-        cos, sin = self.rotary_forward(x, positions)
+        extra = () if self.layer_type is None else (self.layer_type,)
+        cos, sin = self.rotary_forward(x, positions, *extra)
         return self.apply_rotary(x, x[:, :1], cos, sin)[0]  # the function rotates a (q, k) pair: k is a dummy
 
 

@@ -35,6 +35,11 @@ def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
     return power_of_two(closest) + alibi_slopes(2 * closest, max_bias)[0::2][: n_heads - closest]
 
 
+def _heads(q: torch.Tensor) -> torch.Tensor:
+    """(b, Hkv, G, q, d) → (b, H, q, d), query head h = kv head h // G (repeat_kv order)."""
+    return q.flatten(1, 2)
+
+
 class AlibiScores(attention.ScoreMod):
     def __init__(self, slopes: torch.Tensor):
         self.slopes = slopes  # (H,) float32, one per query head (GQA: not per kv head)
@@ -68,6 +73,19 @@ class AlibiScores(attention.ScoreMod):
         if c > 0:
             parts.append(attention.flash_partial(call, q_aug, k_aug[:, :, :c], v_aug[:, :, :c]))
         return [(out[..., :-1], lse - shift.reshape(1, -1, lse.shape[-1])) for out, lse in parts]
+
+    def flex(self, call, block_mask):
+        """One flex_attention call; the bias is a score_mod (nothing of size L×L): s − m_h·(i − j), i − j in slots."""
+        slopes = self.slopes.to(call.query.device)  # (H,): flex's head index is the query head
+        first = torch.tensor(call.key.shape[2] - call.query.shape[3], device=call.query.device)
+
+        def alibi(score, b, h, qi, kv):
+            return score - slopes[h] * (qi + first - kv)
+
+        return attention.flex_call(call, _heads(call.query), call.key, call.value, block_mask, alibi)
+
+    def flash_slopes(self, device):
+        return self.slopes.to(device=device, dtype=torch.float32)  # flash_attn: fp32 (H,), bias −slope·|i − j|
 
 
 @register_scheme
@@ -153,6 +171,19 @@ class RelativeBiasScores(attention.ScoreMod):
 
     def logits(self, call, rows, start, e):
         return call.qk(call.query[:, :, :, rows], call.key[:, :, start:e]) + self.bias(call, rows, start, e)
+
+    def flex(self, call, block_mask):
+        """One flex_attention call; the score_mod reads the per-call (H, k_len) bias-by-distance vector, so the
+        table lookup costs O(L), not O(L²). Future keys (masked anyway) read distance 0."""
+        k_len = call.key.shape[2]
+        bucket = t5_bucket(torch.arange(k_len, device=call.key.device), self.num_buckets, self.max_distance)
+        by_distance = self.table(call)[:, bucket].float()  # (H, k_len)
+        first = torch.tensor(k_len - call.query.shape[3], device=call.query.device)
+
+        def bias(score, b, h, qi, kv):
+            return score + by_distance[h, (qi + first - kv).clamp(min=0)]
+
+        return attention.flex_call(call, _heads(call.query), call.key, call.value, block_mask, bias)
 
     def fast(self, call, rows, e):
         """Keys at distance ≥ max_distance from every row of the block all fall in the last bucket: a per-head

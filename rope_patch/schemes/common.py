@@ -40,6 +40,11 @@ def decoder(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
+def _device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 def cache_arg(kwargs: dict):
     return kwargs.get("cache", kwargs.get("past_key_values"))
 
@@ -57,25 +62,36 @@ class AttentionScheme(Scheme):
         return None, None
 
     # ---- shared machinery ------------------------------------------------------------------------------------
-    def rotation(self, target: Target) -> attention.Rotation:
-        """The model's own RoPE for the deferred-RoPE schemes, or a clear error for layouts it cannot serve."""
+    def rotations(self, target: Target) -> tuple[dict[int, attention.Rotation], dict[int, int | None]]:
+        """The model's own RoPE for the deferred-RoPE schemes, per layer (`layer_idx` → Rotation; per-layer-type
+        rotaries such as Gemma 3's give each layer its layer type's frequencies), and each layer's sliding window
+        (None: full attention); or a clear error for layouts it cannot serve."""
         modules = attention_modules(target.model)
-        if target.layer_types != [None]:
-            raise ValueError(
-                f"{self.name}: {target.model_type} keeps one RoPE per layer type ({', '.join(target.layer_types)}); "
-                f"{self.name} supports models with a single rotary embedding (llama, mistral, qwen2/3, gemma, gemma2, phi3, ...)."
-            )
         fns = {getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None) for m in modules}
         params = inspect.signature(type(target.rotary).forward).parameters
         if len(fns) != 1 or None in fns or list(params)[:3] != ["self", "x", "position_ids"] or "mrope_section" in params:
             raise ValueError(
                 f"{self.name}: cannot re-apply the RoPE of {target.model_type} inside attention (no module-level "
                 "`apply_rotary_pos_emb(q, k, cos, sin)` / rotary `forward(x, position_ids)`). Supported: llama, "
-                "mistral, mixtral, qwen2/3, gemma, gemma2, phi3, olmo2, granite, starcoder2, ..."
+                "mistral, mixtral, qwen2/3, gemma, gemma2, gemma3_text, phi3, olmo2, granite, starcoder2, ..."
             )
-        return attention.Rotation(target.rotary.forward, fns.pop())
+        apply_rotary = fns.pop()
+        kinds = target.layer_types
+        layer_types = getattr(target.config, "layer_types", None)
+        if kinds != [None] and (layer_types is None or set(kinds) - set(layer_types) or "layer_type" not in params):
+            raise ValueError(
+                f"{self.name}: {target.model_type} keeps one RoPE per layer type ({', '.join(kinds)}) but its config's "
+                f"`layer_types` ({layer_types!r}) or its rotary forward does not say which layer uses which; "
+                "supported per-layer-type models: gemma3_text."
+            )
+        rotations, sliding = {}, {}
+        for m in modules:
+            kind = None if kinds == [None] else layer_types[m.layer_idx]
+            rotations[m.layer_idx] = attention.Rotation(target.rotary.forward, apply_rotary, kind)
+            sliding[m.layer_idx] = getattr(m, "sliding_window", None)
+        return rotations, sliding
 
-    def _check_backend(self, target: Target) -> str:
+    def _check_backend(self, target: Target, scores: attention.ScoreMod) -> str:
         impl = target.config._attn_implementation
         if impl not in attention.BACKENDS:
             raise ValueError(
@@ -83,6 +99,11 @@ class AttentionScheme(Scheme):
                 f"{', '.join(attention.BACKENDS)}. Call model.set_attn_implementation('sdpa') (memory-lean, query "
                 "blocks) or 'eager' (returns attention weights) before rope_patch.apply."
             )
+        device = _device(target.model)
+        if impl == "flex_attention":
+            self._check_flex(scores, device)
+        if impl == "flash_attention_2":
+            self._check_flash(scores, device)
         cache_impl = getattr(getattr(target.model, "generation_config", None), "cache_implementation", None)
         if cache_impl not in (None, "dynamic", "offloaded", "quantized"):
             raise ValueError(
@@ -91,9 +112,45 @@ class AttentionScheme(Scheme):
             )
         return attention.BACKENDS[impl]
 
+    def _check_flex(self, scores: attention.ScoreMod, device: torch.device) -> None:
+        if not attention.flex_available():
+            raise ValueError(f"{self.name}: attention backend 'flex_attention' needs torch.nn.attention.flex_attention "
+                             f"(torch ≥ 2.5), not found in torch {torch.__version__}. Use model.set_attn_implementation('sdpa').")
+        if type(scores).flex is attention.ScoreMod.flex:
+            raise ValueError(f"{self.name}: has no flex_attention form (its scores define no `flex`). Use "
+                             "model.set_attn_implementation('sdpa') before rope_patch.apply.")
+        if scores.flex_lse and attention.FLEX_COMPILE and device.type == "cpu":
+            # torch's compiled CPU flex kernel refuses return_lse ("torch.compile on CPU only supports inference and
+            # `return_lse` is not supported yet", torch 2.13); eager flex would materialise every score.
+            raise ValueError(
+                f"{self.name}: on the 'flex_attention' backend this scheme merges two flex_attention calls by their "
+                "log-sum-exp, which torch's compiled CPU flex kernel does not return (torch "
+                f"{torch.__version__}: 'return_lse is not supported yet' on CPU); found the model on {device}. Use "
+                "model.set_attn_implementation('sdpa') on CPU (the memory-lean blocked path), or run on CUDA."
+            )
+
+    def _check_flash(self, scores: attention.ScoreMod, device: torch.device) -> None:
+        if scores.flash_slopes(device) is None:
+            raise ValueError(
+                f"{self.name}: attention backend 'flash_attention_2' cannot run this scheme (flash-attention only adds "
+                "ALiBi slopes, no other bias or rotation; supported there: alibi, nope, sinusoidal, learned_absolute). "
+                "Use model.set_attn_implementation('sdpa') (or 'flex_attention' on CUDA) before rope_patch.apply."
+            )
+        if attention.flash_module() is None:
+            raise ValueError(
+                f"{self.name}: attention backend 'flash_attention_2' needs the `flash_attn` package, which cannot be "
+                "imported. Install flash-attn (CUDA), or use model.set_attn_implementation('sdpa')."
+            )
+        if device.type not in attention.FLASH_DEVICES:
+            raise ValueError(
+                f"{self.name}: attention backend 'flash_attention_2' runs on {' / '.join(attention.FLASH_DEVICES)} "
+                f"tensors; found the model on {device}. Move it with model.to('cuda') first, or use "
+                "model.set_attn_implementation('sdpa')."
+            )
+
     def prepare(self, target: Target) -> Install:
         scores, extra = self.build(target)  # everything computed here, so bad input fails before the model is touched
-        impl = self._check_backend(target) if scores is not None else None
+        impl = self._check_backend(target, scores) if scores is not None else None
         modules = attention_modules(target.model)
         if scores is not None and not modules:
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
@@ -111,9 +168,19 @@ class AttentionScheme(Scheme):
                 log.setattr(m, attention.STATE, state)
             handle = decoder(model).register_forward_pre_hook(_guard_cache(self.name), with_kwargs=True)
             log.push(handle.remove)
-            before = model.config._attn_implementation
+            # Undo restores each config's stored value instead of calling set_attn_implementation again: that would
+            # re-validate the original backend (flash_attn kernels, flex availability), and the value must come back
+            # as it was, not as transformers would re-resolve it today.
+            configs = {id(c): c for c in (getattr(m, "config", None) for m in (model, *model.modules()))
+                       if hasattr(c, "_attn_implementation_internal")}
+            before = {k: c._attn_implementation_internal for k, c in configs.items()}
             model.set_attn_implementation(impl)
-            log.push(lambda: model.set_attn_implementation(before))
+
+            def restore():
+                for k, c in configs.items():
+                    c._attn_implementation_internal = before[k]
+
+            log.push(restore)
 
         return install
 

@@ -4,6 +4,12 @@ All three split the (i, j) plane at a neighbour window W: for i − j < W the tr
 and k are rotated to other positions f_q(i), f_k(j). That needs the keys un-rotated, so the model's rotary is made
 the identity (the KV cache then holds raw keys) and both rotations happen inside the attention function
 ("deferred RoPE"), with the model's own rotary forward (inv_freq, attention_scaling) and `apply_rotary_pos_emb`.
+Models with one RoPE per layer type (Gemma 3: `sliding_attention` / `full_attention`) rotate each layer with its
+own layer type's frequencies. The scheme applies to every layer alike (r(i, j) is a function of the pair, the
+sliding window only hides pairs); on a sliding layer whose window S ≤ W no visible pair is W apart, so that layer
+is exactly vanilla RoPE, and it is run as such (no far rotation). That is the usual case (Gemma 3: S = 512/1024)
+and the intended one: sliding layers never see beyond the distances they were trained on, so they need no
+extension. A window S > W is taken as asked: pairs W ≤ i − j < S use the far positions there too.
 
 Per query block the two logit sets are merged element by element: far logits only for keys j ≤ i − W of some row,
 near logits only for the band j > i₀ − W, so a block costs one pass over the keys plus a (block × (block + W)) band,
@@ -26,10 +32,19 @@ Positions = Callable[[torch.Tensor], torch.Tensor]
 
 
 class TwoRegionScores(attention.ScoreMod):
-    """near (i − j < W): q at i, k at j.  far: q at far_q(i), k at far_k(j)."""
+    """near (i − j < W): q at i, k at j.  far: q at far_q(i), k at far_k(j).
 
-    def __init__(self, rotation: attention.Rotation, window: int, far_q: Positions, far_k: Positions):
-        self.rotation, self.window, self.far_q, self.far_k = rotation, window, far_q, far_k
+    `rotations[layer_idx]` is that layer's own RoPE (per-layer-type models such as Gemma 3 rotate sliding and full
+    layers with different frequencies). `sliding[layer_idx]` is the layer's sliding window S or None: a layer that
+    never sees a key S or more slots back has no far region when S ≤ W (every visible distance is < S ≤ W), so
+    it runs as exact RoPE at its true positions: what the scheme gives there anyway, without rotating far keys."""
+
+    flex_lse = True  # the flex form merges a near and a far call by log-sum-exp
+
+    def __init__(self, rotations: dict[int, attention.Rotation], window: int, far_q: Positions, far_k: Positions,
+                 sliding: dict[int, int | None] | None = None):
+        self.rotations, self.window, self.far_q, self.far_k = rotations, window, far_q, far_k
+        self.sliding = sliding or {}
 
     def fast_rows(self, heads):
         # two r × r masks for the mixed keys; r ≤ W keeps the four-way split (else the near band is materialised)
@@ -39,8 +54,18 @@ class TwoRegionScores(attention.ScoreMod):
     # keys (every block reads them). Nothing but k_far is held across blocks: memory stays near vanilla's.
     def begin(self, call):
         k_len = call.key.shape[2]
-        if k_len - 1 >= self.window:  # some key is ≥ W behind some query (else this is plain RoPE)
-            call.scratch["k_far"] = self.rotation(call.key, self.far_k(self._k_pos(call, 0, k_len)))
+        layer = call.module.layer_idx
+        call.scratch["rotation"] = self.rotations[layer]
+        s = self.sliding.get(layer)
+        # The window this call splits at; past every key (near only) when no visible key can be ≥ W slots back.
+        near_only = k_len - 1 < self.window or (s is not None and s <= self.window)
+        call.scratch["window"] = k_len + call.query.shape[3] if near_only else self.window
+        if not near_only:
+            call.scratch["k_far"] = self._rotate(call, call.key, self.far_k(self._k_pos(call, 0, k_len)))
+
+    @staticmethod
+    def _rotate(call, x, positions):
+        return call.scratch["rotation"](x, positions)
 
     def _k_pos(self, call, start, e):
         return torch.arange(start, e, device=call.key.device) + call.offset  # (b|1, e − start) true positions
@@ -49,13 +74,13 @@ class TwoRegionScores(attention.ScoreMod):
         b, hkv, g, _, d = call.query.shape
         q = call.query[:, :, :, rows].reshape(b, hkv * g, -1, d)
         pos = call.q_slot[rows] + call.offset
-        return self.rotation(q, self.far_q(pos) if far else pos).view(b, hkv, g, -1, d)
+        return self._rotate(call, q, self.far_q(pos) if far else pos).view(b, hkv, g, -1, d)
 
     def _k_near(self, call, start, e):
-        return self.rotation(call.key[:, :, start:e], self._k_pos(call, start, e))
+        return self._rotate(call, call.key[:, :, start:e], self._k_pos(call, start, e))
 
     def logits(self, call, rows, start, e):
-        w = self.window
+        w = call.scratch["window"]
         q_near = self._q(call, rows, far=False)
         first = call.first_slot(rows)
         far_end = max(start, min(e, first + (rows.stop - rows.start) - w))  # keys j < far_end: far for the last row
@@ -77,7 +102,7 @@ class TwoRegionScores(attention.ScoreMod):
             [c + r − W, c)              near for all rows      fused kernel, true rotation
             [c, c + r)                  near, diagonal         fused causal kernel
         (a block wider than W materialises its whole near band instead)."""
-        w, c, r = self.window, call.first_slot(rows), rows.stop - rows.start
+        w, c, r = call.scratch["window"], call.first_slot(rows), rows.stop - rows.start
         near_start = max(0, c - w + 1)
         parts = []
         if near_start > 0:
@@ -99,12 +124,28 @@ class TwoRegionScores(attention.ScoreMod):
         parts.append(attention.flash_causal_partial(call, q_near, k_near[:, :, c - near_start :], call.value[:, :, c:e]))
         return parts
 
+    def flex(self, call, block_mask):
+        """Two flex_attention calls under transformers' BlockMask, split at the window: the near band (true
+        rotations, i − j < W) and the far part (far rotations, i − j ≥ W), each with only the blocks it touches;
+        their partial softmaxes merge by log-sum-exp (`attention.merge`): exact, and no L×L tensor is held."""
+        all_rows = slice(0, call.query.shape[3])
+        q_near = self._q(call, all_rows, far=False).flatten(1, 2)
+        k_near = self._k_near(call, 0, call.key.shape[2])
+        if "k_far" not in call.scratch:  # no far region: plain RoPE at true positions, one call, no lse
+            return attention.flex_call(call, q_near, k_near, call.value, block_mask)
+        w = self.window
+        near = attention.restrict_block_mask(block_mask, call, w, near=True)
+        far = attention.restrict_block_mask(block_mask, call, w, near=False)
+        q_far = self._q(call, all_rows, far=True).flatten(1, 2)
+        return attention.merge([attention.flex_call(call, q_near, k_near, call.value, near, lse=True),
+                                attention.flex_call(call, q_far, call.scratch["k_far"], call.value, far, lse=True)])
+
     def _mixed_masks(self, call, rows, start, end):
         """Additive (1, Hkv, G, r, end − start) masks selecting far / near elements; the pattern depends only on the
         block's shape relative to W, so it is built once per call."""
         key = ("two_region_mixed", call.first_slot(rows) - start, rows.stop - rows.start, end - start)
         if key not in call.scratch:
-            is_near = call.distance(rows, start, end) < self.window
+            is_near = call.distance(rows, start, end) < call.scratch["window"]
             inf = torch.tensor(float("-inf"), dtype=call.query.dtype, device=call.query.device)
             zero = torch.zeros((), dtype=call.query.dtype, device=call.query.device)
             shape = (1, *call.query.shape[1:3], *is_near.shape)
@@ -123,7 +164,8 @@ class _Deferred(AttentionScheme):
         raise NotImplementedError
 
     def build(self, target):
-        return TwoRegionScores(self.rotation(target), self.window_size, *self.far_positions()), None
+        rotations, sliding = self.rotations(target)
+        return TwoRegionScores(rotations, self.window_size, *self.far_positions(), sliding), None
 
 
 @register_scheme

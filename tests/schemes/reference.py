@@ -25,9 +25,12 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def inv_freq(cfg, d):
-    theta = cfg.rope_parameters["rope_theta"]
-    return 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+def inv_freq(cfg, d, layer_type=None):
+    params = cfg.rope_parameters if layer_type is None else cfg.rope_parameters[layer_type]
+    freq = 1.0 / params["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+    if params.get("rope_type", "default") == "linear":  # position interpolation: every frequency / factor
+        freq = freq / params["factor"]
+    return freq
 
 
 def relative(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -73,14 +76,14 @@ def sinusoid_table(n: int, dim: int, theta: float = 10000.0) -> torch.Tensor:
     return pe
 
 
-def scores(scheme, p, model, layer_idx, q, k, pos):
+def scores(scheme, p, model, layer_idx, q, k, pos, scale=None, layer_type=None):
     """(b, H, L, L) pre-softmax logits; q (b, H, L, d), k (b, H, L, d) un-rotated, pos (b, L) true positions."""
     b, h, n, d = q.shape
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
     i, j = pos[:, :, None], pos[:, None, :]
     if scheme in ("rope", "rerope", "leaky_rerope", "self_extend"):
         r = relative(scheme, p, i, j)  # (b, L, L)
-        ang = r[..., None] * inv_freq(model.config, d)  # (b, L, L, d/2)
+        ang = r[..., None] * inv_freq(model.config, d, layer_type)  # (b, L, L, d/2)
         cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
         qi = q[:, :, :, None, :]  # (b, H, L, 1, d): q_i rotated by r(i, j) for every j
         q_rot = qi * cos[:, None] + rotate_half(qi) * sin[:, None]
@@ -131,3 +134,40 @@ def forward(model, ids, scheme, params, mask=None):
         x = x + a.o_proj(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(base.norm(x))
+
+
+@torch.no_grad()
+def gemma3_forward(model, ids, scheme, params, mask=None):
+    """Reference logits of a Gemma 3 text model (gemma3_text): scaled embeddings, q/k RMS norms before the rotation,
+    scale query_pre_attn_scalar^-1/2, sandwich norms, and per layer type its own RoPE frequencies
+    (`rope_parameters[layer_type]`) and, for sliding layers, the window i − j < sliding_window."""
+    cfg, base = model.config, model.model
+    b, n = ids.shape
+    pos = true_positions(mask, b, n)
+    x = base.embed_tokens(ids)
+    slot = torch.arange(n)
+    causal = (pos[:, :, None] >= pos[:, None, :]) & (slot[:, None] >= slot[None, :])
+    if mask is not None:
+        causal &= mask.bool()[:, None, :]
+    for layer_idx, layer in enumerate(base.layers):
+        a, layer_type = layer.self_attn, cfg.layer_types[layer_idx]
+        allowed = causal
+        if layer_type == "sliding_attention":
+            allowed = causal & (pos[:, :, None] - pos[:, None, :] < cfg.sliding_window)
+        hdn = layer.input_layernorm(x)
+        d = a.head_dim
+        q = a.q_norm(a.q_proj(hdn).view(b, n, -1, d).transpose(1, 2))
+        k = a.k_norm(a.k_proj(hdn).view(b, n, -1, d).transpose(1, 2))
+        v = a.v_proj(hdn).view(b, n, -1, d).transpose(1, 2)
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        s = scores(scheme, params, model, layer_idx, q, k, pos, cfg.query_pre_attn_scalar**-0.5, layer_type)
+        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        attn = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        o = (attn @ v).transpose(1, 2).reshape(b, n, -1)
+        x = x + layer.post_attention_layernorm(a.o_proj(o))
+        x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+    out = model.lm_head(base.norm(x))
+    if cfg.final_logit_softcapping is not None:
+        out = torch.tanh(out / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    return out
