@@ -5,17 +5,16 @@ rope-tiny is the test subject for position-encoding swaps: a real trained LlamaF
 context-extension scheme show up at 512 - 2048 tokens in seconds. It is trained to retrieve passkeys inside its
 window, so that retrieval beyond the window is a meaningful test.
 
-One launch runs one training stage. A first stage (config without ``init_from``) trains a byte-level BPE
-tokenizer on five novels (Persuasion is held out) and a freshly initialised model on random 256-token stretches of
-them, a share of which are replaced by passkey prompts followed by their answer (answer tokens up-weighted in the
-loss). A later stage (``init_from``: an earlier stage's output) continues that model with its own data mix and
-schedule. Each stage saves model, tokenizer, a training record of all stages so far and a model card with
-held-out measurements to ``output_dir``, and writes the held-out text to ``heldout_path``. rope-tiny is built in
-three stages (language model, then two of mostly passkey sequences; each config says why):
+One launch trains rope-tiny from scratch: a byte-level BPE tokenizer on five novels (Persuasion is held out),
+then a freshly initialised model on random 256-token stretches of them, a share of which are replaced by passkey
+prompts followed by their answer (answer tokens up-weighted in the loss; a curriculum from short prompts to
+prompts spanning the window, see `BatchSampler`). It saves model, tokenizer, a training record and a model card
+with held-out measurements to ``output_dir``, and writes the held-out text to ``heldout_path``:
 
     python recipes/pretrain_tiny.py --config recipes/configs/pretrain_tiny.yaml
-    python recipes/pretrain_tiny.py --config recipes/configs/pretrain_tiny_retrieval.yaml
-    python recipes/pretrain_tiny.py --config recipes/configs/pretrain_tiny_retrieval2.yaml
+
+A config with ``init_from`` (an earlier run's output folder) continues that model with its own data mix and
+schedule instead, as a further stage recorded in the same model card.
 
 Deterministic given the seeds on a given machine and torch version (one data RNG per stage, seeded torch, fixed
 thread count).
@@ -98,42 +97,52 @@ def build_model(cfg: dict, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausal
 class BatchSampler:
     """Training batches of ``seq_len`` tokens with per-token loss weights, all randomness from one RNG.
 
-    A row is either a random stretch of the training text, or (with probability ``passkey_fraction``) a passkey
-    prompt of random length with the needle at a uniform random depth, then the answer and EOS - or, with
-    ``passkey_pack``, as many such samples as fit - then text again to fill the row. Answer tokens get
-    ``answer_loss_weight``: they are 6 of 256 tokens, and without the extra weight retrieval is learned late or
-    not at all in a run this short.
+    A row is either a random stretch of the training text or, with the probability the current curriculum phase
+    gives, as many passkey samples as fit (a prompt of random length in the phase's range with the needle at a
+    uniform random depth, then the answer and EOS), then text again to fill the row. Answer tokens get
+    ``answer_loss_weight``: they are 6 of up to 256 tokens, and without the extra weight retrieval is learned late
+    or not at all in a run this short.
+
+    The curriculum (``passkey_curriculum``: phases ``{until_step, fraction, min_tokens, max_tokens}``) starts with
+    short prompts and ends with prompts that span the whole window. Retrieval in a small model appears as a
+    phase change (an induction-style copy circuit forms); short prompts pack many answers into a step and make
+    the lookup easy, so the circuit forms early, and the later phases stretch it to every distance inside the
+    window. A model only trained on short needle-to-question distances fails at longer ones even inside its
+    window: an earlier rope-tiny trained on prompts of at most 160 tokens missed nearly every needle placed
+    more than ~150 tokens before the question.
     """
 
     def __init__(self, tokenizer, stream: list[int], cfg: dict, rng: random.Random):
         self.tokenizer, self.stream, self.rng = tokenizer, stream, rng
         self.seq_len, self.batch_size = cfg["seq_len"], cfg["batch_size"]
-        self.passkey_fraction, self.pack = cfg["passkey_fraction"], cfg["passkey_pack"]
-        self.min_prompt, self.max_prompt = cfg["passkey_min_tokens"], cfg["passkey_max_tokens"]
+        self.curriculum = cfg["passkey_curriculum"]
         self.answer_weight = cfg["answer_loss_weight"]
+
+    def phase(self, step: int) -> dict:
+        """The curriculum phase that ``step`` (1-based) falls in; the last phase continues to the end."""
+        return next((p for p in self.curriculum if step <= p["until_step"]), self.curriculum[-1])
 
     def _text(self, n: int) -> list[int]:
         start = self.rng.randint(0, len(self.stream) - n)
         return self.stream[start : start + n]
 
-    def _row(self) -> tuple[list[int], list[float]]:
-        if self.rng.random() >= self.passkey_fraction:
+    def _row(self, phase: dict) -> tuple[list[int], list[float]]:
+        if self.rng.random() >= phase["fraction"]:
             return self._text(self.seq_len), [1.0] * self.seq_len
         ids, weights = [], []
         # 8 = room for the answer (space + 5 digits) and EOS, with a token to spare.
-        while (room := self.seq_len - len(ids) - 8) >= self.min_prompt:
-            length = self.rng.randint(self.min_prompt, min(self.max_prompt, room))
+        while (room := self.seq_len - len(ids) - 8) >= phase["min_tokens"]:
+            length = self.rng.randint(phase["min_tokens"], min(phase["max_tokens"], room))
             sample = make_passkey_sample(self.tokenizer, self.stream, length, self.rng.random(), self.rng)
             answer = sample["answer_ids"]
             ids += sample["prompt_ids"] + answer + [self.tokenizer.eos_token_id]
             weights += [1.0] * length + [self.answer_weight] * len(answer) + [1.0]
-            if not self.pack:
-                break
         rest = self.seq_len - len(ids)
         return ids + self._text(rest), weights + [1.0] * rest
 
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [self._row() for _ in range(self.batch_size)]
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        phase = self.phase(step)
+        rows = [self._row(phase) for _ in range(self.batch_size)]
         return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
 
@@ -162,16 +171,20 @@ def train(model, sampler: BatchSampler, cfg: dict, probe: Callable[[], str]) -> 
         optimizer, lambda s: cosine_with_warmup(s, cfg["warmup_steps"], steps, cfg["min_lr_ratio"])
     )
     tokens_per_step = cfg["batch_size"] * cfg["seq_len"]
-    curve, window_losses = [], []
+    curve, window_losses, answer_losses = [], [], []
     model.train()
     start = last = time.perf_counter()
     for step in range(1, steps + 1):
-        ids, weights = sampler()
+        ids, weights = sampler(step)
         logits = model(input_ids=ids).logits[:, :-1]
         # [b, s-1, vocab] -> [b*(s-1), vocab]: next-token loss, each target weighted.
         nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
         target_weights = weights[:, 1:].reshape(-1)
         loss = (nll * target_weights).sum() / target_weights.sum()
+        # Loss on the passkey answers alone: it drops from ~ln(10) per digit to ~0 when the copy circuit forms.
+        answers = target_weights > 1
+        if answers.any():
+            answer_losses.append(nll[answers].mean().item())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
@@ -185,12 +198,14 @@ def train(model, sampler: BatchSampler, cfg: dict, probe: Callable[[], str]) -> 
             curve.append((step, mean_loss))
             rate = len(window_losses) * tokens_per_step / (now - last)
             eta = (steps - step) * tokens_per_step / rate / 60
+            answer_loss = sum(answer_losses) / len(answer_losses) if answer_losses else float("nan")
             print(
-                f"step {step:5d}/{steps}  loss {mean_loss:.3f}  lr {schedule.get_last_lr()[0]:.2e}  "
+                f"step {step:5d}/{steps}  loss {mean_loss:.3f}  answer loss {answer_loss:.3f}  "
+                f"lr {schedule.get_last_lr()[0]:.2e}  "
                 f"{rate:,.0f} tok/s  elapsed {(now - start) / 60:.1f} min  eta {eta:.1f} min",
                 flush=True,
             )
-            window_losses, last = [], now
+            window_losses, answer_losses, last = [], [], now
         if step % cfg["eval_every"] == 0 and step != steps:
             model.eval()
             print(f"step {step:5d}/{steps}  held-out: {probe()}", flush=True)
@@ -217,6 +232,17 @@ def _loss_rows(curve: list[list[float]]) -> str:
     return "\n".join(f"| {step} | {loss:.3f} |" for step, loss in shown)
 
 
+def _curriculum_rows(curriculum: list[dict]) -> str:
+    rows, first = [], 1
+    for phase in curriculum:
+        rows.append(
+            f"  - steps {first}-{phase['until_step']}: {phase['fraction']:.0%} of sequences hold passkey samples, "
+            f"prompts of {phase['min_tokens']}-{phase['max_tokens']} tokens"
+        )
+        first = phase["until_step"] + 1
+    return "\n".join(rows)
+
+
 def _stage_section(number: int, stage: dict) -> str:
     t = stage["train"]
     tokens = t["steps"] * t["batch_size"] * t["seq_len"]
@@ -227,9 +253,12 @@ def _stage_section(number: int, stage: dict) -> str:
 - AdamW: lr {t["lr"]:g}, betas {tuple(t["betas"])}, weight decay {t["weight_decay"]:g} on weight matrices
 - {t["warmup_steps"]} linear warm-up steps, then cosine decay to {t["min_lr_ratio"]:g} x lr; gradient clipping {t["grad_clip"]:g}
 - {t["steps"]} steps x {t["batch_size"]} sequences x {t["seq_len"]} tokens = {tokens:,} tokens seen
-- passkey samples in {t["passkey_fraction"]:.0%} of sequences ({"as many as fit" if t["passkey_pack"] else "one"} per sequence, prompts of
-  {t["passkey_min_tokens"]}-{t["passkey_max_tokens"]} tokens), answer tokens weighted {t["answer_loss_weight"]:g}x
+- passkey curriculum (as many samples as fit in a passkey sequence), answer tokens weighted {t["answer_loss_weight"]:g}x:
+{_curriculum_rows(t["passkey_curriculum"])}
 - fp32, {t["threads"]} CPU thread(s), {stage["seconds"] / 60:.1f} min; seed {stage["seed"]}
+
+The weighted loss steps up where a curriculum phase starts: longer prompts mean fewer, harder answers per
+sequence and more prose, not a worse model.
 
 | step | training loss (weighted, mean over {t["log_every"]} steps) |
 | ---: | ---: |
@@ -339,8 +368,12 @@ def main() -> None:
 
     def probe() -> str:
         ppl = {n: perplexity(model, probe_ids, n) for n in (window, 4 * window)}
-        accuracy = passkey_accuracy(model, tokenizer, heldout_ids, window, n_samples=20)
-        return f"ppl@{window} {ppl[window]:.1f}  ppl@{4 * window} {ppl[4 * window]:.1f}  passkey@{window} {accuracy:.0%}"
+        # Half the window shows the copy circuit forming before it reaches the window's far end.
+        accuracy = {n: passkey_accuracy(model, tokenizer, heldout_ids, n, n_samples=20) for n in (window // 2, window)}
+        return (
+            f"ppl@{window} {ppl[window]:.1f}  ppl@{4 * window} {ppl[4 * window]:.1f}  "
+            + "  ".join(f"passkey@{n} {a:.0%}" for n, a in accuracy.items())
+        )
 
     curve, seconds = train(model, BatchSampler(tokenizer, stream, t, rng), t, probe)
     state["stages"].append(
