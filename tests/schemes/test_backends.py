@@ -13,7 +13,7 @@ from conftest import logits, tiny_model
 from reference import alibi_slopes as ref_slopes
 from reference import forward as reference_forward
 from reference import gemma3_forward
-from test_attention import PAD, batch, patched_model
+from test_attention import PAD, assert_cached_decoding_equals_recomputation, batch, patched_model
 
 import rope_patch
 from rope_patch import attention
@@ -214,10 +214,4 @@ def test_gemma3_cached_decoding_equals_recomputation():
     """Sliding layers keep window − 1 keys in their cache (still contiguous), full layers all of them."""
     model = tiny_model("gemma3_text", attn_implementation="sdpa", **GEMMA3)
     rope_patch.apply(model, "self_extend", group_size=2, window_size=4)
-    ids, kw = batch(True, n=20)
-    kw.pop("position_ids")
-    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
-    with torch.no_grad():
-        cached, full = (model.generate(ids, use_cache=c, **gen) for c in (True, False))
-    assert torch.equal(cached.sequences, full.sequences)
-    assert max((a - b).abs().max().item() for a, b in zip(cached.logits, full.logits, strict=True)) <= 1e-5
+    assert_cached_decoding_equals_recomputation(model)
