@@ -291,9 +291,9 @@ also trained to retrieve passkeys inside its window. It is a research fixture, n
 - Training: {", ".join(state["train_books"])} ({state["stream_tokens"]:,} tokens), from Debian's
   `r-cran-janeaustenr` (Project Gutenberg texts, public domain), read by `recipes/corpus.py`.
 - Held out: *{HELDOUT_TITLE}*, stored as `{heldout_path}`; never trained on.
-- Passkeys: a share of training sequences hold a passkey prompt (`rope_patch/evaluation/passkey.py`, after
-  Mohtashami & Jaggi 2023; prose filler from the training books, needle depth uniform in [0, 1]) followed by its
-  answer and EOS, the rest of the sequence filled with prose.
+- Passkeys: a share of training sequences hold as many passkey prompts as fit (`rope_patch/evaluation/passkey.py`,
+  after Mohtashami & Jaggi 2023; prose filler from the training books, needle depth uniform in [0, 1]), each
+  followed by its answer and EOS, the rest of the sequence filled with prose.
 
 ## Tokenizer
 - Byte-level BPE, vocabulary {config.vocab_size}, trained on the training books with the `tokenizers` library.
