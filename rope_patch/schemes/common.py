@@ -173,14 +173,9 @@ class AttentionScheme(Scheme):
             # as it was, not as transformers would re-resolve it today.
             configs = {id(c): c for c in (getattr(m, "config", None) for m in (model, *model.modules()))
                        if hasattr(c, "_attn_implementation_internal")}
-            before = {k: c._attn_implementation_internal for k, c in configs.items()}
+            for c in configs.values():
+                log.setattr(c, "_attn_implementation_internal", c._attn_implementation_internal)
             model.set_attn_implementation(impl)
-
-            def restore():
-                for k, c in configs.items():
-                    c._attn_implementation_internal = before[k]
-
-            log.push(restore)
 
         return install
 
