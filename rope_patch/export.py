@@ -19,6 +19,7 @@ import torch
 
 from .api import apply, as_scheme, current, original_config, patch_modules
 from .schemes.base import Scheme
+from .specs import parse_scheme_spec
 from .target import RopeContext, find_target, unwrap
 
 MANIFEST = "rope_patch.json"
@@ -52,8 +53,6 @@ def to_rope_parameters(scheme, *, model=None, head_dim: int | None = None, rope_
             raise TypeError("to_rope_parameters needs a scheme or a patched model=.")
         return native_config(model)["rope_parameters"]
     if isinstance(scheme, str):
-        from .cli import parse_scheme_spec
-
         scheme = parse_scheme_spec(scheme)
     scheme = as_scheme(scheme)
     _require_native(scheme)
@@ -61,11 +60,13 @@ def to_rope_parameters(scheme, *, model=None, head_dim: int | None = None, rope_
         target = find_target(model)
         ctx = next(iter(target.contexts().values()))
         return scheme.resolve(target).rope_parameters(ctx)
-    if scheme.name == "ntk" and head_dim is None:
-        raise ValueError("ntk's native form is a base change b·s^(d/(d−2)): pass head_dim= (and rope_theta=) or model=.")
+    theta = rope_theta or scheme.params().get("rope_theta")
+    if scheme.name == "ntk" and (head_dim is None or theta is None):
+        lacking = " and ".join(k for k, v in (("head_dim=", head_dim), ("rope_theta=", theta)) if v is None)
+        raise ValueError(f"ntk's native form is a base change b′ = b·s^(d/(d−2)), which needs the model's head_dim and "
+                         f"rope_theta: pass {lacking} (or model=).")
     if getattr(scheme, "original_max_position_embeddings", 0) is None:
         raise ValueError(f"{scheme.name}: pass original_max_position_embeddings (or model=) to export it.")
-    theta = rope_theta or scheme.params().get("rope_theta")
     ctx = RopeContext(head_dim=head_dim or 128, rotary_dim=head_dim or 128, rope_theta=theta or 10000.0,
                       max_position_embeddings=0, rope_parameters={})
     params = scheme.rope_parameters(ctx)

@@ -76,6 +76,18 @@ def test_to_rope_parameters_and_vllm_overrides():
     assert json.loads(vllm_overrides(got, 16384).split("'")[1]) == {"rope_parameters": got, "max_position_embeddings": 16384}
 
 
+@pytest.mark.parametrize("kwargs,lacking", [(dict(head_dim=16), "pass rope_theta="), (dict(rope_theta=1e4), "pass head_dim="),
+                                           ({}, "pass head_dim= and rope_theta=")])
+def test_ntk_export_needs_head_dim_and_rope_theta(kwargs, lacking):
+    """ntk's native form is a new rope_theta: without the model's theta the result would be a bare
+    {"rope_type": "default"}, i.e. the scheme silently lost."""
+    with pytest.raises(ValueError, match=f"base change.*{lacking} \\(or model=\\)"):
+        rope_patch.to_rope_parameters("ntk:4", **kwargs)
+    got = rope_patch.to_rope_parameters("ntk:4", head_dim=16, rope_theta=1e4)
+    assert got == {"rope_type": "default", "rope_theta": pytest.approx(1e4 * 4 ** (16 / 14))}
+    assert got == rope_patch.to_rope_parameters("ntk:4", model=tiny_model())  # tiny models: head_dim 16, theta 1e4
+
+
 def test_from_pretrained_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         rope_patch.from_pretrained(tmp_path / "missing")
