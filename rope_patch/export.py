@@ -6,11 +6,18 @@ parameters (relative-bias or position tables), `rope_patch.safetensors`. For a s
 form, config.json carries it, so plain `AutoModelForCausalLM.from_pretrained` reproduces the logits without
 rope_patch installed; for the others config.json keeps the unpatched RoPE and `rope_patch.from_pretrained`
 re-applies the scheme.
+
+Nothing is lost silently: a missing, corrupt, truncated or future-format file raises an error that names the file
+and says what to do. `save_pretrained` writes the manifest last (after the model and the learned parameters, each
+through a temporary file and `os.replace`), so a crash mid-save never leaves a manifest pointing at files that are
+not there; the manifest records the learned parameters' keys and sha256, so a weights file from another save is
+caught. Manifest formats: 1 (no "weights" entry) and 2 (this one).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,7 +31,10 @@ from .target import RopeContext, find_target, unwrap
 
 MANIFEST = "rope_patch.json"
 PATCH_WEIGHTS = "rope_patch.safetensors"
-FORMAT = 1
+FORMAT = 2  # 2: records the learned parameters ("weights": {"file", "keys", "sha256"}); 1 is still read
+REQUIRED_KEYS = ("format", "scheme", "params", "original")
+_FIX = ("Restore the folder from the original save, or load the model again and re-save it with "
+        "rope_patch.save_pretrained(model, dir).")
 
 
 def native_config(model) -> dict:
@@ -93,50 +103,151 @@ def _require_native(scheme: Scheme) -> None:
 
 
 def save_pretrained(model, save_directory, **kwargs) -> Path:
-    """Save `model` (a patched model, or a peft model: then the adapter) plus `rope_patch.json`."""
+    """Save `model` (a patched model, or a peft model: then the adapter) plus `rope_patch.json`.
+
+    Order: everything is computed first (a failure leaves the folder as it was); then the previous manifest is
+    removed, the model, config and learned parameters are written, and the manifest comes last. A crash mid-save
+    therefore leaves no manifest (or a complete save), never one that points at missing or foreign weights."""
     out = Path(save_directory)
-    out.mkdir(parents=True, exist_ok=True)
     base = unwrap(model)
     scheme = current(base)
     own = patch_modules(base)
-    own_keys = {f"{name}.{k}" for name, mod in own.items() for k in mod.state_dict()}
+    tables = _patch_tables(base, own)
     is_adapter = model is not base and hasattr(model, "peft_config")
-
-    if is_adapter:
-        model.save_pretrained(out, **kwargs)
-    else:
-        state = {k: v for k, v in base.state_dict().items() if k not in own_keys}
-        base.save_pretrained(out, state_dict=state, **kwargs)
-        _rewrite_config(out / "config.json", native_config(base) if scheme is not None and _is_native(scheme) else original_config(base))
-    if own:
-        from safetensors.torch import save_file
-
-        save_file({f"{n}.{k}": v.detach().contiguous().cpu() for n, m in own.items() for k, v in m.state_dict().items()}, out / PATCH_WEIGHTS)
+    native = scheme is not None and _is_native(scheme)
     manifest = {
         "format": FORMAT,
         "scheme": None if scheme is None else scheme.name,
         "params": {} if scheme is None else _jsonable(scheme.params()),
-        "native": scheme is not None and _is_native(scheme),
+        "native": native,
         "original": original_config(base),
         "adapter": is_adapter,
+        "weights": None,
         "versions": _versions(),
     }
+    json.dumps(manifest)  # not serialisable -> TypeError now, before anything is written
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # a manifest describes one complete save: the old one goes first
+    if is_adapter:
+        model.save_pretrained(out, **kwargs)
+    else:
+        state = {k: v for k, v in base.state_dict().items() if k not in tables}
+        base.save_pretrained(out, state_dict=state, **kwargs)
+        _rewrite_config(out / "config.json", native_config(base) if native else original_config(base))
+    if tables:
+        from safetensors.torch import save_file
+
+        tmp = out / (PATCH_WEIGHTS + ".tmp")
+        save_file(tables, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        manifest["weights"] = {"file": PATCH_WEIGHTS, "keys": sorted(tables), "sha256": _sha256(tmp)}
+        os.replace(tmp, out / PATCH_WEIGHTS)
+    else:
+        (out / PATCH_WEIGHTS).unlink(missing_ok=True)  # a previous save's tables would be foreign to this one
     _atomic_write(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return out
+
+
+def read_manifest(directory) -> dict | None:
+    """The checked `rope_patch.json` of a folder written by `save_pretrained`, or None where there is none.
+
+    Raises ValueError (naming the file and what to do) for a file that is not valid JSON (corrupt, truncated),
+    lacks a required key, has a value of the wrong type, or has a format newer than this rope_patch reads."""
+    file = Path(directory) / MANIFEST
+    if not file.is_file():
+        return None
+    try:
+        manifest = json.loads(file.read_bytes().decode("utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}, char {err.pos}): "
+                         f"the file is corrupt or truncated (an interrupted save or copy?). {_FIX}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start}): the file is corrupt. {_FIX}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{file}: expected a JSON object with keys {list(REQUIRED_KEYS)}, found a JSON "
+                         f"{type(manifest).__name__}: {_short(manifest)}. {_FIX}")
+    fmt = manifest.get("format")
+    if "format" in manifest and (not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1):
+        raise ValueError(f"{file}: 'format' must be a positive integer, found {_short(fmt)}. {_FIX}")
+    if isinstance(fmt, int) and fmt > FORMAT:  # before the key checks: a newer format may name its keys otherwise
+        from . import __version__
+
+        versions = manifest.get("versions")
+        writer = versions.get("rope_patch") if isinstance(versions, dict) else None
+        raise ValueError(f"{file} has format {fmt}, written by rope_patch {writer or '(version not recorded)'}; this "
+                         f"rope_patch {__version__} reads formats 1 to {FORMAT}. Upgrade rope_patch (pip install -U "
+                         f"rope_patch{'>=' + writer if isinstance(writer, str) and writer != __version__ else ''}) "
+                         "to load it.")
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing:
+        raise ValueError(f"{file} lacks the required key{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
+                         f"(a rope_patch.json holds {', '.join(REQUIRED_KEYS)}): it was not written by "
+                         f"rope_patch.save_pretrained or was edited. {_FIX}")
+
+    def bad(key, expected, value):
+        return ValueError(f"{file}: {key!r} must be {expected}, found {type(value).__name__} {_short(value)}. {_FIX}")
+
+    if manifest["scheme"] is not None and not isinstance(manifest["scheme"], str):
+        raise bad("scheme", "a scheme name (str) or null", manifest["scheme"])
+    if not isinstance(manifest["params"], dict):
+        raise bad("params", "a JSON object of scheme parameters", manifest["params"])
+    original = manifest["original"]
+    if not isinstance(original, dict):
+        raise bad("original", 'a JSON object {"rope_parameters": {...}, "max_position_embeddings": N}', original)
+    if not isinstance(original.get("rope_parameters"), dict):
+        raise bad("original.rope_parameters", "a JSON object", original.get("rope_parameters"))
+    window = original.get("max_position_embeddings")
+    if not isinstance(window, int) or isinstance(window, bool):
+        raise bad("original.max_position_embeddings", "an integer", window)
+    for key in ("native", "adapter"):
+        if key in manifest and not isinstance(manifest[key], bool):
+            raise bad(key, "true or false", manifest[key])
+    weights = manifest.get("weights")
+    if weights is not None:
+        ok = (isinstance(weights, dict) and isinstance(weights.get("file"), str) and weights["file"]
+              and Path(weights["file"]).name == weights["file"] and weights["file"] not in (".", "..")
+              and isinstance(weights.get("keys"), list) and all(isinstance(k, str) for k in weights["keys"])
+              and isinstance(weights.get("sha256", ""), str))
+        if not ok:
+            raise bad("weights", f'null or {{"file": "{PATCH_WEIGHTS}", "keys": [...], "sha256": "..."}} '
+                                 "(a file name inside the folder)", weights)
+    return manifest
 
 
 def from_pretrained(path, *, base_model=None, model_class=None, **kwargs):
     """Rebuild what `save_pretrained` wrote: base model (+ adapter) + patch (+ the patch's learned parameters).
 
     `base_model` (a path or a loaded model) overrides the adapter's recorded base. `kwargs` go to transformers'
-    `from_pretrained` (dtype, device_map, ...).
+    `from_pretrained` (dtype, device_map, ...). A folder without rope_patch.json loads as the plain model.
+    Raises FileNotFoundError for a missing config.json / adapter_config.json / rope_patch.safetensors and
+    ValueError for a corrupt, mismatched or future-format file (see `read_manifest`), naming the file.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"rope_patch.from_pretrained: {str(path)!r} is not a directory saved by rope_patch.save_pretrained.")
-    manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).exists() else None
+    manifest = read_manifest(path)
+    if manifest is None and (path / PATCH_WEIGHTS).is_file():
+        raise FileNotFoundError(f"{path / MANIFEST} is missing, though {path / PATCH_WEIGHTS} is there: the save was "
+                                "interrupted (save_pretrained writes the manifest last) or the manifest was deleted, "
+                                f"and loading would silently drop the patch. {_FIX}")
+    is_adapter = (path / "adapter_config.json").is_file()
+    if manifest is not None and manifest.get("adapter") and not is_adapter:
+        raise FileNotFoundError(f"{path / 'adapter_config.json'} is missing, though {path / MANIFEST} records an adapter: "
+                                f"the save is incomplete or the folder was copied in part. {_FIX}")
+    if not is_adapter and not (path / "config.json").is_file():
+        if manifest is not None:
+            raise FileNotFoundError(f"{path / 'config.json'} is missing, though {path / MANIFEST} is there: the save is "
+                                    f"incomplete or the folder was copied in part. {_FIX}")
+        raise FileNotFoundError(f"{path} holds no config.json (nor rope_patch.json or adapter_config.json): not a saved "
+                                "model. Pass a folder written by rope_patch.save_pretrained or by transformers' "
+                                "save_pretrained.")
+    recorded_weights = manifest.get("weights") if manifest else None
+    if recorded_weights and recorded_weights["keys"] and not (path / recorded_weights["file"]).is_file():
+        _missing_weights(path / recorded_weights["file"], manifest["scheme"], recorded_weights["keys"])  # before loading
     model_class = model_class or AutoModelForCausalLM
     original = manifest["original"] if manifest else None
 
@@ -145,11 +256,11 @@ def from_pretrained(path, *, base_model=None, model_class=None, **kwargs):
             return src
         config = AutoConfig.from_pretrained(src)
         if original:  # the scheme is defined relative to the unpatched model
-            config.rope_parameters = original["rope_parameters"]
+            config.rope_parameters = copy.deepcopy(original["rope_parameters"])
             config.max_position_embeddings = original["max_position_embeddings"]
         return model_class.from_pretrained(src, config=config, **kwargs)
 
-    if (path / "adapter_config.json").exists():
+    if is_adapter:
         from peft import PeftModel
 
         recorded = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
@@ -160,15 +271,94 @@ def from_pretrained(path, *, base_model=None, model_class=None, **kwargs):
     else:
         model = load_base(str(path))
     if manifest and manifest["scheme"]:
-        apply(model, manifest["scheme"], **manifest["params"])
-        if (path / PATCH_WEIGHTS).exists():
-            from safetensors.torch import load_file
-
-            weights = load_file(path / PATCH_WEIGHTS)
-            for name, module in patch_modules(model).items():
-                prefix = f"{name}."
-                module.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
+        _reapply(model, manifest, path / MANIFEST)
+        _load_patch_weights(model, manifest, path)
     return model
+
+
+def _reapply(model, manifest: dict, file: Path) -> None:
+    name, params = manifest["scheme"], manifest["params"]
+    try:
+        apply(model, name, **params)
+    except (ValueError, TypeError) as err:
+        versions = manifest.get("versions")
+        writer = versions.get("rope_patch") if isinstance(versions, dict) else None
+        msg = (f"{file}: the recorded scheme {name!r} with params {_short(params, 200)} cannot be re-applied: {err} "
+               "If it is a scheme of your own, call rope_patch.register_scheme before loading"
+               + (f"; it was saved by rope_patch {writer}: if that is newer, upgrade rope_patch." if writer else "."))
+        raise (TypeError if isinstance(err, TypeError) else ValueError)(msg) from err
+
+
+def _load_patch_weights(model, manifest: dict, path: Path) -> None:
+    """Load the learned parameters of the re-applied patch with `load_state_dict(strict=True)` semantics."""
+    own = patch_modules(model)
+    recorded = manifest.get("weights")  # format 2: {"file", "keys", "sha256"} or None; format 1: absent
+    file = path / (recorded["file"] if recorded else PATCH_WEIGHTS)
+    scheme = manifest["scheme"]
+    if not own:
+        if recorded and recorded["keys"]:
+            raise ValueError(f"{path / MANIFEST} records learned parameters {recorded['keys']} in {file}, but {scheme} "
+                             f"with params {_short(manifest['params'], 200)} attaches no modules here. {_FIX}")
+        return
+    expected = {f"{n}.{k}": t for n, m in own.items() for k, t in m.state_dict().items()}
+    if not file.is_file():
+        _missing_weights(file, scheme, expected)
+    if recorded and recorded.get("sha256"):
+        got = _sha256(file)
+        if got != recorded["sha256"]:
+            raise ValueError(f"{file} does not match {path / MANIFEST} (sha256 {got[:12]}…, recorded "
+                             f"{recorded['sha256'][:12]}…): it was modified, truncated, or comes from another save. "
+                             f"Copy the matching file from the original save. {_FIX}")
+    from safetensors.torch import load_file
+
+    try:
+        weights = load_file(file)
+    except Exception as err:  # safetensors raises its own SafetensorError / OSError, naming no file
+        raise ValueError(f"{file} cannot be read as safetensors ({type(err).__name__}: {err}): the file is corrupt or "
+                         f"truncated. {_FIX}") from err
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    shapes = [f"{k} (file {tuple(weights[k].shape)}, model {tuple(expected[k].shape)})"
+              for k in sorted(set(expected) & set(weights)) if weights[k].shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        parts = [f"{label}: {', '.join(keys)}" for label, keys in
+                 (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", shapes)) if keys]
+        raise ValueError(f"{file} does not match the learned parameters of the {scheme} patch "
+                         f"({'; '.join(parts)}): it holds tables of another scheme, parameters or model than "
+                         f"{path / MANIFEST} records. {_FIX}")
+    for name, module in own.items():
+        module.load_state_dict({k: weights[f"{name}.{k}"] for k in module.state_dict()}, strict=True)
+
+
+def _patch_tables(base, own: dict) -> dict:
+    """{"name.key": tensor} of the patch's learned parameters as the model uses them now. peft's `modules_to_save`
+    wraps a table and trains a copy (then `merge_and_unload` puts the copy in its place): save that copy, not the
+    original table the undo log points at, or the trained values are lost."""
+    tables = {}
+    root = find_target(base).model
+    for name, module in own.items():
+        try:
+            live = root.get_submodule(name)
+        except AttributeError:
+            live = module
+        if hasattr(live, "modules_to_save") and hasattr(live, "original_module"):  # peft ModulesToSaveWrapper
+            if getattr(live, "disable_adapters", False) or not hasattr(live, "unload_and_optionally_merge_module"):
+                live = live.original_module
+            else:  # peft's own choice of the module in effect (the active adapter's copy, else the original)
+                live = live.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
+        state = live.state_dict()
+        if set(state) != set(module.state_dict()):
+            state = module.state_dict()
+        tables.update({f"{name}.{k}": v.detach().contiguous().cpu() for k, v in state.items()})
+    return tables
+
+
+def _missing_weights(file: Path, scheme: str, keys) -> None:
+    raise FileNotFoundError(
+        f"{file} is missing: the {scheme} patch owns learned parameters ({', '.join(sorted(keys))}) that "
+        "rope_patch.save_pretrained wrote there; loading without it would give freshly initialised tables, not the "
+        f"saved ones. Copy the file back beside {MANIFEST} from the original save, or re-save the model with "
+        "rope_patch.save_pretrained(model, dir).")
 
 
 def _is_native(scheme: Scheme) -> bool:
@@ -182,9 +372,26 @@ def _rewrite_config(path: Path, rope: dict) -> None:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
+    """Write through `path.tmp` + fsync + `os.replace`: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _short(value, n: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def _jsonable(params: dict) -> dict:
