@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from rope_patch.cli import parse_scheme_spec
+    from rope_patch.specs import parse_scheme_spec
 
     loss_fn = _recipe().weighted_loss
     model, source = build(args.model)

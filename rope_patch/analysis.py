@@ -145,13 +145,13 @@ def _label(name: str, params: dict) -> str:
 
 
 def _parse_value(text: str):
-    from .cli import _value  # the command line's value parser, so specs mean the same everywhere
+    from .specs import _value  # the spec value parser, so specs mean the same everywhere
 
     return _value(text)
 
 
 def _positional(name: str) -> str:
-    from .cli import _POSITIONAL  # the parameter that `name:VALUE` sets
+    from .specs import _POSITIONAL  # the parameter that `name:VALUE` sets
 
     return _POSITIONAL.get(name, "factor")
 

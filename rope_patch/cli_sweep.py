@@ -295,7 +295,7 @@ def aggregate(state: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-    from .cli import scheme_label
+    from .specs import scheme_label
 
     tasks = result["settings"]["tasks"]
     by = {(r["scheme"], r["task"]): r for r in result["rows"]}
@@ -316,7 +316,7 @@ def markdown(result: dict) -> str:
 
 def compare_format(result: dict) -> dict | None:
     """The rope_ppl / rope_passkey cells as a `rope-patch compare` result (its table, CSV and plots)."""
-    from .cli import scheme_label
+    from .specs import scheme_label
     from .evaluation.compare import FORMAT as COMPARE_FORMAT
 
     rows = [r for r in result["rows"] if r["family"] in ("rope_ppl", "rope_passkey")]

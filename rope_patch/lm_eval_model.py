@@ -69,7 +69,7 @@ def _all_scheme_params() -> set[str]:
 def _value(v):
     """model_args values arrive as str/int/float/bool; `1/1.5/2` is a list (longrope factors), as in the CLI."""
     if isinstance(v, str):
-        from .cli import _value as parse
+        from .specs import _value as parse
 
         return parse(v)
     return v

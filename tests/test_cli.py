@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rope_patch.cli import main, parse_scheme_spec
+from rope_patch.cli import main
+from rope_patch.specs import parse_scheme_spec
 
 SPECS = [
     ("yarn:8", "yarn", dict(factor=8.0)),

@@ -1,0 +1,98 @@
+"""Scheme specs: the one-string form of a scheme that every command line, the evaluation and `apply()` accept.
+
+    yarn                                 name only (aliases allowed: pi, ntk_aware, ...)
+    yarn:8                               name:VALUE sets the scheme's positional parameter (factor for most)
+    default:500000                       ... rope_theta for default, group_size for self_extend, see _POSITIONAL
+    yarn:factor=8,beta_fast=16           name:key=value,... with transformers' rope_parameters keys
+    longrope:short_factor=1/1.5/2        a `/`-separated value is a list
+
+`parse_spec` gives (canonical name, params) without building anything; `parse_scheme_spec` builds the Scheme
+through the registry (the same class and the same validation as `apply()`). This module depends on the registry
+only, so that `api` can import it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .registry import canonical_name, get_scheme_class
+
+if TYPE_CHECKING:
+    from .schemes.base import Scheme
+
+# The parameter that the bare VALUE of `name:VALUE` sets; every other scheme: `factor`.
+_POSITIONAL = {"default": "rope_theta", "p_rope": "partial_rotary_factor", "alibi": "max_bias",
+               "self_extend": "group_size", "rerope": "window_size", "leaky_rerope": "window_size"}
+
+_FORMS = "Specs look like `yarn`, `yarn:8` or `yarn:factor=8,beta_fast=16`."
+
+
+def _value(text: str):
+    """`8` -> 8, `0.5` -> 0.5, `true` -> True, `1/1.5/2` -> [1, 1.5, 2]; anything else stays a string (the scheme's
+    own validation then says what it expected)."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if "/" in text:  # lists for longrope: short_factor=1/1.5/2
+        return [_value(t) for t in text.split("/")]
+    return text
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`yarn:8` -> ("yarn", {"factor": 8}); `pi:factor=4` -> ("linear", {"factor": 4}).
+
+    Checks the form (name, positional value, keys); the values are checked when the Scheme is built. Raises
+    ValueError (unknown name, with "Did you mean"; malformed items) or TypeError (not a string; a positional value
+    for a scheme that has no positional parameter).
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"A scheme spec must be a str such as 'yarn:8', got {type(spec).__name__} {spec!r}.")
+    name, _, rest = spec.strip().partition(":")
+    if not name.strip():
+        raise ValueError(f"Scheme spec {spec!r} has no scheme name. {_FORMS}")
+    name = canonical_name(name)
+    params: dict = {}
+    for item in (part.strip() for part in rest.split(",")):
+        if not item:
+            continue
+        key, eq, text = (s.strip() for s in item.partition("="))
+        if eq:
+            if not key:
+                raise ValueError(f"Scheme spec {spec!r}: {item!r} has no parameter name before '='. {_FORMS}")
+            if not text:
+                raise ValueError(f"Scheme spec {spec!r}: parameter {key!r} has no value after '='. {_FORMS}")
+        else:
+            key, text = _positional(spec, name), key
+        if key in params:
+            raise ValueError(f"Scheme spec {spec!r} sets {key!r} twice.")
+        params[key] = _value(text)
+    return name, params
+
+
+def _positional(spec: str, name: str) -> str:
+    key = _POSITIONAL.get(name, "factor")
+    known = get_scheme_class(name).param_names()
+    if key not in known:
+        raise TypeError(f"Scheme spec {spec!r}: {name} takes no positional value; "
+                        + (f"name the parameter, e.g. {name}:{known[0]}=... (parameters: {', '.join(known)})."
+                           if known else f"it has no parameters, write {name!r}."))
+    return key
+
+
+def parse_scheme_spec(spec: str) -> Scheme:
+    """`yarn`, `yarn:8` (factor), `yarn:factor=8,beta_fast=16`, `default:500000` (rope_theta) -> a Scheme.
+
+    Raises ValueError/TypeError with the same messages as `apply()` (unknown names and keys with "Did you mean").
+    """
+    name, params = parse_spec(spec)
+    return get_scheme_class(name).from_params(**params)
+
+
+def scheme_label(spec: str) -> str:
+    """Display form: `yarn:8` -> `yarn×8`; other specs as given."""
+    return spec.replace(":", "×", 1) if spec.count(":") == 1 and "=" not in spec else spec
