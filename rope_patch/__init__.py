@@ -6,7 +6,7 @@
 """
 
 from . import schemes  # noqa: F401  (registers the built-in schemes)
-from .api import apply, as_scheme, current, patched, remove
+from .api import apply, as_scheme, context_window, current, patched, remove
 from .export import from_pretrained, native_config, save_pretrained, to_rope_parameters
 from .registry import list_schemes, register_scheme
 from .schemes.base import Scheme
@@ -19,6 +19,7 @@ __all__ = [
     "Scheme",
     "apply",
     "as_scheme",
+    "context_window",
     "current",
     "from_pretrained",
     "list_schemes",

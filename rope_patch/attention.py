@@ -46,6 +46,8 @@ import transformers
 from torch import nn
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, flex_attention_mask, sdpa_mask
 
+from .rotary import unpatched_forward
+
 DENSE = "rope_patch_dense"
 BLOCKED = "rope_patch_blocked"
 FLEX = "rope_patch_flex"
@@ -109,6 +111,11 @@ def fit_rows(heads: int, extra: int, cap: int = 1024) -> int:
 class AttnState:
     scores: ScoreMod
     block_elements: int | None = None  # None: module-level BLOCK_ELEMENTS (read at call time, tests shrink it)
+
+    def __setstate__(self, state):
+        # A patched model unpickled in a fresh process (torch.load) finds its attention functions registered.
+        self.__dict__.update(state)
+        register()
 
 
 @dataclasses.dataclass
@@ -471,31 +478,20 @@ def register() -> None:
 # ---- rotation helpers (deferred RoPE) -----------------------------------------------------------------------------
 @dataclasses.dataclass
 class Rotation:
-    """The model's own RoPE, callable at any (also fractional) positions: its unpatched rotary forward (inv_freq,
-    attention_scaling, dynamic/longrope updates) and its modeling file's `apply_rotary_pos_emb` (rotate_half or
-    interleaved convention, partial rotary)."""
+    """The model's own RoPE, callable at any (also fractional) positions: its rotary module's own (class) forward
+    (inv_freq, attention_scaling, dynamic/longrope updates) and its modeling file's `apply_rotary_pos_emb`
+    (rotate_half or interleaved convention, partial rotary). Holds the module, not a bound method of an instance
+    override, so a copied or pickled model rotates with its own rotary."""
 
-    rotary_forward: Callable
+    rotary: nn.Module
     apply_rotary: Callable
     layer_type: str | None = None  # per-layer-type rotaries (Gemma 3): which frequencies
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (b, heads, n, d) rotated to positions (b|1, n)."""
         extra = () if self.layer_type is None else (self.layer_type,)
-        cos, sin = self.rotary_forward(x, positions, *extra)
+        cos, sin = unpatched_forward(self.rotary, x, positions, *extra)
         return self.apply_rotary(x, x[:, :1], cos, sin)[0]  # the function rotates a (q, k) pair: k is a dummy
-
-
-def identity_rotary(original: Callable) -> Callable:
-    """A rotary forward that returns the identity rotation (cos = 1, sin = 0) in the model's own shapes and dtype, so
-    the attention layers (and the KV cache) see un-rotated queries and keys."""
-
-    def forward(x, position_ids, *args, **kwargs):
-        cos, sin = original(x, position_ids, *args, **kwargs)
-        # broadcast views of one element: the identity costs no (L × d) tensors
-        return cos.new_ones(()).expand_as(cos), sin.new_zeros(()).expand_as(sin)
-
-    return forward
 
 
 def floor_div(x: torch.Tensor, g: int) -> torch.Tensor:

@@ -49,6 +49,8 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from .api import context_window
+
 logger = logging.getLogger("rope_patch.lm_eval")
 
 MODEL_NAME = "rope_patch"
@@ -126,12 +128,16 @@ def _check_adapter(adapter) -> Path:
 
 
 def _window(model) -> int | None:
-    from .target import unwrap
+    """The context the patched model serves (rope_patch.api.context_window; dynamic NTK's config keeps L)."""
+    try:
+        return context_window(model)
+    except TypeError:  # not a RoPE model rope_patch can read: whatever its config announces
+        from .target import unwrap
 
-    cfg = getattr(unwrap(model), "config", None)
-    cfg = getattr(cfg, "text_config", None) or cfg
-    value = getattr(cfg, "max_position_embeddings", None)
-    return int(value) if value else None
+        cfg = getattr(unwrap(model), "config", None)
+        cfg = getattr(cfg, "text_config", None) or cfg
+        value = getattr(cfg, "max_position_embeddings", None)
+        return int(value) if value else None
 
 
 def validate_model_args(pretrained=None, scheme=None, adapter=None, **kwargs):

@@ -19,9 +19,23 @@ class RopeContext:
     head_dim: int
     rotary_dim: int  # 2 × number of rotated pairs (head_dim × partial_rotary_factor)
     rope_theta: float
-    max_position_embeddings: int  # the unpatched model's window
+    max_position_embeddings: int  # the unpatched model's window (config.max_position_embeddings as loaded)
     rope_parameters: dict  # the unpatched model's rope_parameters for this layer type (a copy)
     layer_type: str | None = None
+    # The window the model was pre-trained on, where the loaded config records one (checkpoints that ship with
+    # scaling: Llama 3.1 `llama3` 8192 of 131072, gpt-oss `yarn` 4096, Phi-3 `longrope` 4096); None: the window.
+    original_max_position_embeddings: int | None = None
+
+    @property
+    def pretraining_window(self) -> int:
+        """L: what a scheme's `factor` multiplies and what `original_max_position_embeddings` defaults to."""
+        return self.original_max_position_embeddings or self.max_position_embeddings
+
+    @property
+    def shipped_scaling(self) -> str | None:
+        """The rope_type the checkpoint ships with when it is a scaling (not plain RoPE), else None."""
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        return None if rope_type == "default" else rope_type
 
 
 @dataclass
@@ -37,6 +51,12 @@ class Target:
         return sorted(rope_type) if isinstance(rope_type, dict) else [None]
 
     @property
+    def pretraining_window(self) -> int:
+        """The window the loaded model was pre-trained on (the shipped `original_max_position_embeddings` of a
+        checkpoint that ships with scaling, else `max_position_embeddings`)."""
+        return next(iter(self.contexts().values())).pretraining_window
+
+    @property
     def model_type(self) -> str:
         return getattr(self.config, "model_type", type(self.model).__name__)
 
@@ -49,13 +69,16 @@ class Target:
             params = cfg.rope_parameters[lt] if lt is not None else cfg.rope_parameters
             prefix = f"{lt}_" if lt else ""
             n_pairs = getattr(self.rotary, f"{prefix}inv_freq").numel()
+            window = int(cfg.max_position_embeddings)
+            original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
             out[lt] = RopeContext(
                 head_dim=head_dim,
                 rotary_dim=2 * n_pairs,
                 rope_theta=float(params["rope_theta"]),
-                max_position_embeddings=int(cfg.max_position_embeddings),
+                max_position_embeddings=window,
                 rope_parameters=dict(params),
                 layer_type=lt,
+                original_max_position_embeddings=int(original) if original and int(original) < window else None,
             )
         return out
 

@@ -1,68 +1,219 @@
-"""An undo log: every change a patch makes goes through it, so `remove()` (and a failed `apply()`) replays the
-inverse operations in reverse order and restores the very objects that were there (peft keeps the original
-module for `unload()` in the same spirit). Nothing is recomputed on undo, so logits come back bit-identical."""
+"""The undo log: every change a patch makes to a model goes through it, so `remove()` (and a failed `apply()`) replays
+the inverse operations in reverse order and restores the very objects that were there (peft keeps the original
+module for `unload()` in the same spirit). Nothing is recomputed on undo, so logits come back bit-identical.
+
+The log is data, not closures. Each record names the object it changed (a module or config object of the patched
+model) and holds the old and new values; the log itself is an `nn.Module` attached inside the model. So:
+
+- `copy.deepcopy(model)` copies the log with the model, and deepcopy's memo points every record of the copy at the
+  copy's own modules: the copy is an independent patched model that `remove()` restores on its own.
+- `pickle` / `torch.save(model)` store the log like any other module (every record and hook is a module-level
+  class); `torch.load(..., weights_only=False)` gives back a patched model.
+- The tensors a patch replaced are registered as (non-persistent) buffers of the log, so `model.to(dtype/device)`
+  and `model.half()` convert them exactly as they convert the model's own buffers: `remove()` after a move gives
+  the tensors that a never-patched model moved the same way would have.
+
+Records can also be replayed forwards (`redo`), which puts a patch back exactly (the same learned tables, the same
+hooks) after it was undone: how `apply()` restores the old patch when a replacement fails, and how `patched()`
+restores the scheme that was there before.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+import dataclasses
 
 import torch
 from torch import nn
 
 
-class UndoLog:
+@dataclasses.dataclass
+class SetAttr:
+    """`setattr(obj, name, new)`; undo restores the instance attribute, or deletes it when there was none (so a class
+    attribute such as a method shows through again)."""
+
+    obj: object
+    name: str
+    had: bool
+    old: object
+    new: object
+
+    def undo(self, log: UndoLog) -> None:
+        if self.had:
+            setattr(self.obj, self.name, self.old)
+        elif self.name in vars(self.obj):
+            delattr(self.obj, self.name)
+
+    def redo(self, log: UndoLog) -> None:
+        setattr(self.obj, self.name, self.new)
+
+
+@dataclasses.dataclass
+class SetBuffer:
+    """A replaced (or added) buffer. The old tensor is kept as a buffer of the log (`saved`), so model moves and casts
+    reach it; the new one (`new`, float32 frequencies) is kept as given, for `redo`."""
+
+    module: nn.Module
+    name: str
+    saved: str | None  # name of the log buffer holding the old tensor; None: the buffer did not exist
+    persistent: bool
+    new: torch.Tensor
+
+    def undo(self, log: UndoLog) -> None:
+        if self.saved is None:
+            self.module._buffers.pop(self.name, None)
+            self.module._non_persistent_buffers_set.discard(self.name)
+        else:
+            self.module.register_buffer(self.name, log._buffers[self.saved], persistent=self.persistent)
+
+    def redo(self, log: UndoLog) -> None:
+        device = log._buffers[self.saved].device if self.saved is not None else self.new.device
+        self.module.register_buffer(self.name, self.new.to(device, copy=True), persistent=False)
+
+
+@dataclasses.dataclass
+class AddModule:
+    """A module the patch attached (learned position or bias tables): optimizers and `state_dict` see it."""
+
+    parent: nn.Module
+    name: str
+    child: nn.Module
+
+    def undo(self, log: UndoLog) -> None:
+        self.parent._modules.pop(self.name, None)
+
+    def redo(self, log: UndoLog) -> None:
+        self.parent.add_module(self.name, self.child)
+
+
+@dataclasses.dataclass
+class AddHook:
+    """A forward pre-hook (an object of a module-level class, so it pickles). Kept by its id in the module's own hook
+    dicts rather than through a `RemovableHandle`, which holds a weak reference and does not survive a copy."""
+
+    module: nn.Module
+    hook: object
+    hook_id: int
+    with_kwargs: bool
+
+    def undo(self, log: UndoLog) -> None:
+        self.module._forward_pre_hooks.pop(self.hook_id, None)
+        self.module._forward_pre_hooks_with_kwargs.pop(self.hook_id, None)
+
+    def redo(self, log: UndoLog) -> None:
+        self.module._forward_pre_hooks[self.hook_id] = self.hook
+        if self.with_kwargs:
+            self.module._forward_pre_hooks_with_kwargs[self.hook_id] = True
+
+
+PATCH_ONLY_PREFIX = "rope_patch_"  # rope_patch's own attention-function names (rope_patch.attention)
+
+
+@dataclasses.dataclass
+class PrivateConfig:
+    """The patched model's modules get a private copy of their config object (transformers shares one object between
+    every model built from it, and with the caller). The patch then writes to the copy freely. Undo points the modules
+    back at the original object and carries over the fields the user changed while patched (those that differ from
+    what the patch left there, `baseline`), so a user's own edit of `model.config` survives `remove()`."""
+
+    holders: list
+    shared: object
+    private: object
+    baseline: dict | None = None
+
+    def undo(self, log: UndoLog) -> None:
+        base = self.baseline or {}
+        for key, value in vars(self.private).items():
+            if key not in base or not _same(base[key], value):
+                if isinstance(value, str) and value.startswith(PATCH_ONLY_PREFIX):
+                    continue  # one of rope_patch's own attention functions: it only runs under a patch
+                setattr(self.shared, key, value)
+        for holder in self.holders:
+            holder.config = self.shared
+
+    def redo(self, log: UndoLog) -> None:
+        for holder in self.holders:
+            holder.config = self.private
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # objects whose == is not a bool (tensors) or raises: judged by identity
+        return a is b
+
+
+Record = SetAttr | SetBuffer | AddModule | AddHook | PrivateConfig
+
+
+class UndoLog(nn.Module):
+    """The records of one patch, in the order they were made."""
+
     def __init__(self):
-        self._undo: list[Callable[[], None]] = []
-        self.added_modules: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, child): the patch's own
+        super().__init__()
+        self.records: list[Record] = []  # a plain list: records are not submodules
+        self._saved = 0
 
-    def push(self, undo: Callable[[], None]) -> None:
-        """Register the inverse of a change the caller has just made."""
-        self._undo.append(undo)
-
+    # ---- changes ---------------------------------------------------------------------------------------------------
     def setattr(self, obj, name: str, value) -> None:
-        """`setattr(obj, name, value)`; undo restores the instance attribute or deletes it if it was not one
-        (so a class attribute such as a method shows through again)."""
         own = name in vars(obj)
-        old = vars(obj)[name] if own else None
-
-        def undo():
-            if own:
-                setattr(obj, name, old)
-            elif name in vars(obj):
-                delattr(obj, name)
-
+        self._push(SetAttr(obj, name, own, vars(obj)[name] if own else None, value))
         setattr(obj, name, value)
-        self._undo.append(undo)
 
     def set_buffer(self, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-        """Replace (or add) a non-persistent buffer; undo puts the original tensor object back."""
-        old = module._buffers.get(name)
-        existed = name in module._buffers
-        persistent = name not in module._non_persistent_buffers_set
-
-        def undo():
-            if existed:
-                module.register_buffer(name, old, persistent=persistent)
-            else:
-                module._buffers.pop(name, None)
-                module._non_persistent_buffers_set.discard(name)
-
-        module.register_buffer(name, tensor, persistent=False)
-        self._undo.append(undo)
+        """Replace (or add) a non-persistent buffer; undo puts the original tensor back (moved/cast like the model)."""
+        saved = None
+        if name in module._buffers:
+            saved = f"saved_{self._saved}"
+            self._saved += 1
+            self.register_buffer(saved, module._buffers[name], persistent=False)
+        persistent = name in module._buffers and name not in module._non_persistent_buffers_set
+        self._push(SetBuffer(module, name, saved, persistent, tensor))
+        module.register_buffer(name, tensor.clone(), persistent=False)
 
     def add_module(self, parent: nn.Module, name: str, child: nn.Module) -> None:
-        """Attach a module (learned position tables, biases) so optimizers and state_dict see it."""
         if name in parent._modules or hasattr(parent, name):
             raise RuntimeError(f"{type(parent).__name__} already has an attribute {name!r}")
         parent.add_module(name, child)
-        self.added_modules.append((parent, name, child))
+        self._push(AddModule(parent, name, child))
 
-        def undo():
-            parent._modules.pop(name, None)
-            self.added_modules.remove((parent, name, child))
+    def add_hook(self, module: nn.Module, hook, *, with_kwargs: bool = False) -> None:
+        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        self._push(AddHook(module, hook, handle.id, with_kwargs))
 
-        self._undo.append(undo)
+    def private_config(self, model: nn.Module):
+        """Give every module of `model` that holds `model.config` a private deep copy of it; returns the copy."""
+        shared = model.config
+        holders = [m for m in model.modules() if vars(m).get("config") is shared]
+        private = copy.deepcopy(shared)
+        self._push(PrivateConfig(holders, shared, private))
+        for holder in holders:
+            holder.config = private
+        return private
 
+    def seal(self) -> None:
+        """Call once the patch is installed: what the patch left in the private config is its own; any later change
+        there is the user's and is carried back on undo."""
+        for record in self.records:
+            if isinstance(record, PrivateConfig):
+                record.baseline = copy.deepcopy(vars(record.private))
+
+    # ---- replay ------------------------------------------------------------------------------------------------------
     def undo(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        for record in reversed(self.records):
+            record.undo(self)
+
+    def redo(self) -> None:
+        for record in self.records:
+            record.redo(self)
+
+    @property
+    def added_modules(self) -> list[tuple[nn.Module, str, nn.Module]]:
+        """(parent, name, child) of the modules the patch attached."""
+        return [(r.parent, r.name, r.child) for r in self.records if isinstance(r, AddModule)]
+
+    def _push(self, record: Record) -> None:
+        self.records.append(record)
+
+    def extra_repr(self) -> str:
+        return f"{len(self.records)} changes"

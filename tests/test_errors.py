@@ -313,7 +313,6 @@ def test_check_kept_pairs_refuses_fractions_that_keep_nothing(fraction, n_pairs)
     assert f"partial_rotary_factor={1 / n_pairs:g}" in message and "partial_rotary_factor=0" in message
 
 
-@pytest.mark.xfail(strict=True, reason="call site pending: PRope.adjust must use check.check_kept_pairs (report)")
 def test_p_rope_that_keeps_no_pair_is_refused_at_apply(pristine):
     model, ids, before = _fresh(pristine)
     config = model.config.to_dict()
@@ -356,7 +355,6 @@ def test_check_table_memory_without_psutil(monkeypatch):
     assert check.check_table_memory("t", "rows", 8, 8, torch.float16) == 128
 
 
-@pytest.mark.xfail(strict=True, reason="call site pending: LearnedAbsolute.build must call check.check_table_memory (report)")
 def test_learned_table_beyond_memory_is_refused_before_allocating(pristine, monkeypatch):
     model, ids, before = _fresh(pristine)
     config = model.config.to_dict()

@@ -46,28 +46,57 @@ def token_positions(kwargs: dict, n: int, device) -> torch.Tensor:
     return torch.arange(past, past + n, device=device)[None]
 
 
+class EmbeddingHook:
+    """Forward pre-hook on the decoder that adds pe(position) to the input embeddings: it embeds the ids itself and
+    passes `inputs_embeds` + pe on (so user-given inputs_embeds get it too). `encode(positions (b|1, n), embeds
+    (b, n, hidden)) -> (b|1, n, hidden)`."""
+
+    def __init__(self, encode):
+        self.encode = encode
+
+    def __call__(self, module, args, kwargs):
+        kwargs = dict(kwargs)
+        ids = kwargs.pop("input_ids", None)
+        if args:
+            ids, args = args[0], args[1:]
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            embeds = module.get_input_embeddings()(ids)
+        positions = token_positions(kwargs, embeds.shape[1], embeds.device)
+        kwargs["inputs_embeds"] = embeds + self.encode(positions, embeds).to(embeds.dtype)
+        return args, kwargs
+
+
+class SinusoidalEncoding:
+    def __init__(self, theta: float):
+        self.theta = theta
+
+    def __call__(self, positions, like):
+        return sinusoid(positions, like.shape[-1], self.theta)
+
+
+class TableEncoding:
+    """Looks the table up on its owner at call time: peft's modules_to_save may have wrapped it since."""
+
+    def __init__(self, owner: nn.Module, size: int):
+        self.owner, self.size = owner, size
+
+    def __call__(self, positions, like):
+        top = int(positions.max()) if positions.numel() else 0
+        if top >= self.size:
+            raise ValueError(
+                f"learned_absolute: position {top} is beyond the table (max_position_embeddings={self.size}). "
+                "Re-apply with a larger max_position_embeddings."
+            )
+        return getattr(self.owner, MODULE_NAME)(positions.clamp(min=0))
+
+
 class _Additive(AttentionScheme):
-    """Adds pe(position) to the input embeddings: a forward pre-hook on the decoder embeds the ids itself and passes
-    `inputs_embeds` + pe on (so user-given inputs_embeds get it too). Removed through the undo log."""
+    """Adds pe(position) to the input embeddings through an `EmbeddingHook` on the decoder (removed by the undo log)."""
 
     @staticmethod
     def _attach_hook(log: UndoLog, target: Target, encode) -> None:
-        """encode(positions (b|1, n), embeds (b, n, hidden)) -> (b|1, n, hidden)."""
-
-        def hook(module, args, kwargs):
-            kwargs = dict(kwargs)
-            ids = kwargs.pop("input_ids", None)
-            if args:
-                ids, args = args[0], args[1:]
-            embeds = kwargs.get("inputs_embeds")
-            if embeds is None:
-                embeds = module.get_input_embeddings()(ids)
-            positions = token_positions(kwargs, embeds.shape[1], embeds.device)
-            kwargs["inputs_embeds"] = embeds + encode(positions, embeds).to(embeds.dtype)
-            return args, kwargs
-
-        handle = decoder(target.model).register_forward_pre_hook(hook, with_kwargs=True)
-        log.push(handle.remove)
+        log.add_hook(decoder(target.model), EmbeddingHook(encode), with_kwargs=True)
 
 
 @register_scheme
@@ -82,11 +111,11 @@ class Sinusoidal(_Additive):
     rope_theta: float = 10000.0
 
     def __post_init__(self):
-        self._set("rope_theta", check.number(self.name, "rope_theta", self.rope_theta, gt=1.0))
+        self._set("rope_theta", check.rope_theta(self.name, self.rope_theta))
 
     def build(self, target):
-        theta = self.rope_theta
-        return None, lambda log: self._attach_hook(log, target, lambda pos, like: sinusoid(pos, like.shape[-1], theta))
+        encode = SinusoidalEncoding(self.rope_theta)
+        return None, lambda log: self._attach_hook(log, target, encode)
 
 
 @register_scheme
@@ -104,34 +133,26 @@ class LearnedAbsolute(_Additive):
 
     def __post_init__(self):
         if self.max_position_embeddings is not None:
-            self._set("max_position_embeddings", check.integer(self.name, "max_position_embeddings", self.max_position_embeddings, ge=1))
+            self._set("max_position_embeddings", check.integer(
+                self.name, "max_position_embeddings", self.max_position_embeddings, ge=1, le=check.TABLE_ROWS_MAX,
+                hint="It is the number of rows of the learned table, the longest sequence it covers (default: the "
+                     "model's max_position_embeddings)."))
 
     def resolve(self, target):
         if self.max_position_embeddings is None:
-            return self.replace(max_position_embeddings=int(target.config.max_position_embeddings))
+            return self.replace(max_position_embeddings=target.pretraining_window)
         return self
 
     def build(self, target):
         if hasattr(target.model, MODULE_NAME):
             raise ValueError(f"{self.name}: the model already has an attribute {MODULE_NAME!r}.")
         hidden = target.config.hidden_size
-        table = nn.Embedding(self.max_position_embeddings, hidden)
-        with torch.no_grad():
-            table.weight.copy_(sinusoid(torch.arange(self.max_position_embeddings), hidden, 10000.0))
         param = next(target.model.parameters())
-        table.to(device=param.device, dtype=param.dtype)
-
-        size, owner = self.max_position_embeddings, target.model
-
-        def encode(positions, like):
-            top = int(positions.max()) if positions.numel() else 0
-            if top >= size:
-                raise ValueError(
-                    f"learned_absolute: position {top} is beyond the table (max_position_embeddings={size}). "
-                    "Re-apply with a larger max_position_embeddings."
-                )
-            # looked up at call time: peft's modules_to_save may have wrapped the table since
-            return getattr(owner, MODULE_NAME)(positions.clamp(min=0))
+        check.check_table_memory(self.name, "max_position_embeddings", self.max_position_embeddings, hidden, torch.float32)
+        init = sinusoid(torch.arange(self.max_position_embeddings), hidden, 10000.0)
+        # _weight= skips nn.Embedding's random init: applying a patch must not consume the global RNG
+        table = nn.Embedding(self.max_position_embeddings, hidden, _weight=init.to(device=param.device, dtype=param.dtype))
+        encode = TableEncoding(target.model, self.max_position_embeddings)
 
         def extra(log):
             log.add_module(target.model, MODULE_NAME, table)

@@ -58,6 +58,10 @@ class Scheme:
     def prepare(self, target: Target) -> Install:
         raise NotImplementedError
 
+    def served_window(self, target: Target) -> int | None:
+        """The context window this scheme extends the model to (None: unchanged); `target` is unpatched."""
+        return None
+
     def __str__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{self.name}({args})"

@@ -16,7 +16,7 @@ from .. import attention
 from .. import config as check
 from ..registry import register_scheme
 from ..target import Target
-from .common import AttentionScheme, attention_modules
+from .common import AttachModule, AttentionScheme, attention_modules
 
 MODULE_NAME = "rope_patch_relative_bias"  # attribute under which relative_bias attaches its table to the model
 
@@ -100,7 +100,11 @@ class Alibi(AttentionScheme):
     max_bias: float = 8.0
 
     def __post_init__(self):
-        self._set("max_bias", check.number(self.name, "max_bias", self.max_bias, gt=0.0))
+        # ≤ 64: the last head's slope 2^(−max_bias) stays a normal fp32 number (config.ALIBI_MAX_BIAS says why)
+        self._set("max_bias", check.number(
+            self.name, "max_bias", self.max_bias, gt=0.0, le=check.ALIBI_MAX_BIAS,
+            hint="Slopes are 2^(−max_bias·h/n); the paper and BLOOM use 8. Beyond ~126 the last heads' fp32 slopes "
+                 "underflow to 0 (NoPE on those heads)."))
 
     def build(self, target):
         n_heads = target.config.num_attention_heads
@@ -221,13 +225,16 @@ class RelativeBiasScheme(AttentionScheme):
 
     def __post_init__(self):
         n = self.name
-        self._set("num_buckets", check.integer(n, "num_buckets", self.num_buckets, ge=2))
-        self._set("max_distance", check.integer(n, "max_distance", self.max_distance, ge=1))
-        if self.max_distance <= self.num_buckets // 2:
-            raise ValueError(
-                f"{n}: parameter `max_distance` must be > num_buckets/2 = {self.num_buckets // 2} (where the "
-                f"log-spaced buckets start), got {self.max_distance}. Raise max_distance or lower num_buckets."
-            )
+        low, high = check.NUM_BUCKETS_RANGE
+        self._set("num_buckets", check.integer(n, "num_buckets", self.num_buckets, ge=low, le=high,
+                                               hint="Half are exact distances, half log-spaced (T5: 32)."))
+        # t5_bucket divides by ln(max_distance / (num_buckets // 2)): it must be > 0, so max_distance > num_buckets // 2
+        exact = self.num_buckets // 2
+        self._set("max_distance", check.integer(
+            n, "max_distance", self.max_distance, ge=exact + 1, le=check.POSITIONS_MAX,
+            hint=f"The log-spaced buckets run from num_buckets//2 = {exact} (where the exact ones end) to max_distance "
+                 "(T5: 128 for 32 buckets), farther distances share the last bucket. Raise max_distance or lower "
+                 "num_buckets."))
         self._set("init", check.choice(n, "init", self.init, ("zeros", "alibi")))
 
     def _table(self, target: Target) -> RelativeBias:
@@ -245,4 +252,4 @@ class RelativeBiasScheme(AttentionScheme):
             raise ValueError(f"{self.name}: the model already has an attribute {MODULE_NAME!r}.")
         table = self._table(target)  # one object: the scores read it, the model owns it (optimizer, state_dict)
         scores = RelativeBiasScores(target.model, self.num_buckets, self.max_distance)
-        return scores, lambda log: log.add_module(target.model, MODULE_NAME, table)
+        return scores, AttachModule(target.model, MODULE_NAME, table)

@@ -1,15 +1,15 @@
 """Shared machinery of the attention-side schemes (kind = "attention").
 
-Every attention scheme first removes the model's rotation: the rotary module's forward is overridden *on this
-instance* (through the undo log) to return cos = 1, sin = 0, which `apply_rotary_pos_emb` turns into the exact
-identity (q·1 + rotate_half(q)·0 = q). What a scheme adds on top:
+Every attention scheme first removes the model's rotation: the rotary module runs `PatchedRotaryForward` with
+`identity=True` (rope_patch/rotary.py), which returns cos = 1, sin = 0, and `apply_rotary_pos_emb` turns that into
+the exact identity (q·1 + rotate_half(q)·0 = q). What a scheme adds on top:
 
     build(target) -> (scores, extra)
         scores  a `ScoreMod` for the attention function (ALiBi, T5 bias, ReRoPE, Self-Extend), or None when the
                 model's own attention backend is kept (NoPE, sinusoidal, learned absolute)
         extra   None or `extra(undo_log)`: attaches modules and hooks (learned tables, embedding hooks)
-    Both are built at prepare time, so bad input fails before the model is touched, and a re-install (api's
-    rollback) re-attaches the very same learned table.
+    Both are built at prepare time, so bad input fails before the model is touched. Whatever ends up on the model
+    (scores, hooks) is an object of a module-level class, never a closure, so a patched model copies and pickles.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .. import attention
+from ..rotary import PatchedRotaryForward
 from ..target import Target
 from ..undo import UndoLog
 from .base import Install, Scheme
@@ -87,7 +88,7 @@ class AttentionScheme(Scheme):
         rotations, sliding = {}, {}
         for m in modules:
             kind = None if kinds == [None] else layer_types[m.layer_idx]
-            rotations[m.layer_idx] = attention.Rotation(target.rotary.forward, apply_rotary, kind)
+            rotations[m.layer_idx] = attention.Rotation(target.rotary, apply_rotary, kind)
             sliding[m.layer_idx] = getattr(m, "sliding_window", None)
         return rotations, sliding
 
@@ -155,9 +156,16 @@ class AttentionScheme(Scheme):
         if scores is not None and not modules:
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
         model, rotary = target.model, target.rotary
+        # The model's own frequencies, as float32 masters: the deferred-RoPE schemes rotate with them inside attention.
+        names = [f"{lt}_inv_freq" if lt else "inv_freq" for lt in target.layer_types]
 
         def install(log: UndoLog) -> None:
-            log.setattr(rotary, "forward", attention.identity_rotary(rotary.forward))
+            masters = {n: rotary._buffers[n].float() for n in names}
+            for n, master in masters.items():
+                log.set_buffer(rotary, n, master)
+            log.setattr(rotary, "forward", PatchedRotaryForward(
+                rotary, masters, identity=True, config=target.config, attn_implementation=impl,
+                allowed=tuple(attention.BACKENDS.values()), scheme=self.name))
             if extra is not None:
                 extra(log)
             if scores is None:
@@ -166,33 +174,38 @@ class AttentionScheme(Scheme):
             state = attention.AttnState(scores)
             for m in modules:
                 log.setattr(m, attention.STATE, state)
-            handle = decoder(model).register_forward_pre_hook(_guard_cache(self.name), with_kwargs=True)
-            log.push(handle.remove)
-            # Undo restores each config's stored value instead of calling set_attn_implementation again: that would
-            # re-validate the original backend (flash_attn kernels, flex availability), and the value must come back
-            # as it was, not as transformers would re-resolve it today.
-            configs = {id(c): c for c in (getattr(m, "config", None) for m in (model, *model.modules()))
-                       if hasattr(c, "_attn_implementation_internal")}
-            for c in configs.values():
-                log.setattr(c, "_attn_implementation_internal", c._attn_implementation_internal)
-            model.set_attn_implementation(impl)
+            log.add_hook(decoder(model), CacheGuard(self.name), with_kwargs=True)
+            model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
 
         return install
 
 
-def _guard_cache(name: str):
-    """Refuse caches whose key slots are not positions (static / hybrid caches), at forward time."""
+@dataclasses.dataclass
+class AttachModule:
+    """An `extra` install step: attach a learned table to the model."""
 
-    def hook(module, args, kwargs):
+    parent: nn.Module
+    name: str
+    child: nn.Module
+
+    def __call__(self, log: UndoLog) -> None:
+        log.add_module(self.parent, self.name, self.child)
+
+
+class CacheGuard:
+    """Forward pre-hook on the decoder: refuse caches whose key slots are not positions (static / hybrid caches)."""
+
+    def __init__(self, scheme: str):
+        self.scheme = scheme
+
+    def __call__(self, module, args, kwargs):
         cache = cache_arg(kwargs)
         layers = getattr(cache, "layers", None) or ()
         if any(getattr(layer, "is_compileable", False) for layer in layers):
             raise ValueError(
-                f"{name}: a static KV cache ({type(cache).__name__}) is not supported: it pads keys to its maximum "
-                "length, so key slots stop being positions. Use the default DynamicCache (generate's default)."
+                f"{self.scheme}: a static KV cache ({type(cache).__name__}) is not supported: it pads keys to its "
+                "maximum length, so key slots stop being positions. Use the default DynamicCache (generate's default)."
             )
-
-    return hook
 
 
 def sinusoid(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:

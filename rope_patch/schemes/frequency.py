@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import ClassVar
 
 import torch
@@ -19,6 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .. import config as check
 from ..registry import register_scheme
+from ..rotary import PatchedRotaryForward
 from ..target import RopeContext, Target
 from ..undo import UndoLog
 from .base import Install, Scheme
@@ -34,7 +36,7 @@ class FrequencyScheme(Scheme):
 
     def __post_init__(self):
         if self.rope_theta is not None:
-            self._set("rope_theta", check.number(self.name, "rope_theta", self.rope_theta, gt=1.0))
+            self._set("rope_theta", check.rope_theta(self.name, self.rope_theta))
 
     def _set(self, key, value):
         object.__setattr__(self, key, value)
@@ -47,6 +49,14 @@ class FrequencyScheme(Scheme):
     def window(self, ctx: RopeContext) -> int | None:
         """The extended context window this scheme targets (config.max_position_embeddings), None = unchanged."""
         return None
+
+    def public_window(self, ctx: RopeContext) -> int | None:
+        """`config.max_position_embeddings` that the patched model announces (generate, lm-eval, a plain
+        save_pretrained): the extended window, as a natively configured model of this scheme would have it."""
+        return self.window(ctx)
+
+    def served_window(self, target: Target) -> int | None:
+        return self.window(next(iter(target.contexts().values())))
 
     def init_window(self, ctx: RopeContext) -> int:
         """`max_position_embeddings` that transformers' init function must see (dynamic NTK reads L from it)."""
@@ -102,6 +112,14 @@ class FrequencyScheme(Scheme):
         if getattr(shadow, "head_dim", None) is None:  # Mixtral & co. set head_dim=None, which breaks
             shadow.head_dim = any_ctx.head_dim  # transformers' non-default init functions (getattr default unused)
         _validate_with_transformers(self, target, shadow)
+        shipped, new_window = any_ctx.shipped_scaling, self.public_window(any_ctx)
+        if shipped and new_window is not None and new_window < any_ctx.max_position_embeddings:
+            warnings.warn(
+                f"rope_patch: {self.name} replaces the {shipped!r} scaling this checkpoint ships with and serves "
+                f"{new_window} tokens, fewer than the shipped window of {any_ctx.max_position_embeddings} "
+                f"(factors are relative to the pre-training window {any_ctx.pretraining_window}).",
+                UserWarning, stacklevel=4,
+            )
 
         device = next(iter(target.rotary.buffers())).device
         buffers, scalings = {}, {}
@@ -111,14 +129,12 @@ class FrequencyScheme(Scheme):
             inv_freq, scaling = fn(shadow, **kwargs)
             buffers[lt] = self.adjust(inv_freq.float(), ctx).to(device)
             scalings[lt] = float(scaling)
-        window = self.window(any_ctx)
-
         def install(log: UndoLog) -> None:
-            rot, cfg = target.rotary, target.config
+            rot, cfg = target.rotary, target.config  # cfg: the model's private config (api.apply)
             log.setattr(rot, "config", shadow)
-            log.setattr(cfg, "rope_parameters", copy.deepcopy(public))
-            if window is not None:
-                log.setattr(cfg, "max_position_embeddings", window)
+            if self.native:  # else the public config keeps the unpatched RoPE, so a plain save reloads the unpatched model
+                cfg.rope_parameters = copy.deepcopy(public)
+                cfg.max_position_embeddings = self.public_window(any_ctx) or cfg.max_position_embeddings
             rope_types = {lt: p["rope_type"] for lt, p in params.items()}
             log.setattr(rot, "rope_type", rope_types if layered else rope_types[None])
             log.setattr(rot, "max_seq_len_cached", shadow.max_position_embeddings)
@@ -126,15 +142,17 @@ class FrequencyScheme(Scheme):
             # Single-rotary models keep one `attention_scaling`; per-layer-type ones one per prefix (and the
             # dynamic update also writes the unprefixed one).
             log.setattr(rot, "attention_scaling", scalings[any_ctx.layer_type])
+            masters = {}
             for lt, inv_freq in buffers.items():
                 prefix = f"{lt}_" if lt else ""
-                # fresh copies each install: longrope's run-time update writes into `inv_freq` in place
-                log.set_buffer(rot, f"{prefix}inv_freq", inv_freq.clone())
-                log.set_buffer(rot, f"{prefix}original_inv_freq", inv_freq.clone())
+                for name in (f"{prefix}inv_freq", f"{prefix}original_inv_freq"):
+                    log.set_buffer(rot, name, inv_freq)  # a fresh copy: longrope's update writes `inv_freq` in place
+                    masters[name] = inv_freq
                 log.setattr(rot, f"{prefix}long_inv_freq", None)  # longrope's cache of the long set
                 if lt:
                     log.setattr(rot, f"{prefix}attention_scaling", scalings[lt])
                     log.setattr(rot, f"{prefix}max_seq_len_cached", shadow.max_position_embeddings)
+            log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False))
 
         return install
 
@@ -177,16 +195,45 @@ def _validate_with_transformers(scheme: FrequencyScheme, target: Target, shadow)
         ) from None
 
 
-def _factor(scheme: str, value, *, required: bool = True):
+def _factor(scheme: str, value, *, required: bool = True, key: str = "factor"):
     if value is None:
         if required:
             raise TypeError(f"{scheme}: missing required parameter `factor` (the context extension ratio s = L′/L, e.g. factor=4).")
         return None
-    return check.number(scheme, "factor", value, ge=1.0, hint="A factor below 1 would shrink the context window.")
+    low, high = check.FACTOR_RANGE  # 1024: LongRoPE's 2048k-from-4k, the largest published extension, is 512×
+    return check.number(
+        scheme, key, value, ge=low, le=high,
+        hint=f"`{key}` is the context extension ratio s = L′/L (4 turns a 4k window into 16k): 1 changes nothing, a "
+             f"factor below 1 would shrink the context window, and {high:g} is the largest supported (LongRoPE's "
+             "2048k-from-4k is 512×).",
+    )
 
 
-def _original(scheme: str, value):
-    return None if value is None else check.integer(scheme, "original_max_position_embeddings", value, ge=1)
+def _original(scheme: str, value, *, ge: int = 1, why: str = ""):
+    if value is None:
+        return None
+    return check.integer(
+        scheme, "original_max_position_embeddings", value, ge=ge, le=check.POSITIONS_MAX,
+        hint=f"It is the window L the model was pretrained with (default: the model's max_position_embeddings); "
+             f"fp32 positions count exactly only up to 2^24 = {check.POSITIONS_MAX}.{why}",
+    )
+
+
+def _attention_factor(scheme: str, value):
+    if value is None:
+        return None
+    low, high = check.ATTENTION_FACTOR_RANGE
+    return check.number(
+        scheme, "attention_factor", value, ge=low, le=high,
+        hint="cos/sin are multiplied by it, attention logits by its square; leave it unset for the paper's default "
+             "(YaRN: 0.1·ln s + 1, at most ≈ 1.69).",
+    )
+
+
+def _rotations(scheme: str, key: str, value, usual):
+    low, high = check.ROTATIONS_RANGE
+    return check.number(scheme, key, value, ge=low, le=high,
+                        hint=f"It counts rotations/wavelengths within the original window (usual: {usual}).")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -202,6 +249,10 @@ class Default(FrequencyScheme):
 
     def rope_parameters(self, ctx):
         return self._params(ctx, "default")
+
+    def window(self, ctx):
+        # on a checkpoint that ships with scaling, `default` is unscaled RoPE: it serves the pre-training window
+        return ctx.pretraining_window if ctx.shipped_scaling else None
 
 
 @register_scheme
@@ -222,7 +273,7 @@ class Linear(FrequencyScheme):
         return self._params(ctx, "linear", factor=self.factor)
 
     def window(self, ctx):
-        return int(self.factor * ctx.max_position_embeddings)
+        return int(self.factor * ctx.pretraining_window)
 
 
 @register_scheme
@@ -241,7 +292,8 @@ class NTK(FrequencyScheme):
         super().__post_init__()
         if self.factor is not None and self.alpha is not None:
             raise TypeError("ntk: give `factor` or its synonym `alpha`, not both.")
-        self._set("factor", _factor(self.name, self.factor if self.alpha is None else self.alpha))
+        self._set("factor", _factor(self.name, self.factor if self.alpha is None else self.alpha,
+                                    key="factor" if self.alpha is None else "alpha"))
         self._set("alpha", None)
 
     def rope_parameters(self, ctx):
@@ -249,15 +301,25 @@ class NTK(FrequencyScheme):
         return self._params(ctx, "default") | {"rope_theta": self.theta(ctx) * self.factor ** (d / (d - 2))}
 
     def window(self, ctx):
-        return int(self.factor * ctx.max_position_embeddings)
+        return int(self.factor * ctx.pretraining_window)
 
 
 class _Windowed(FrequencyScheme):
     """Schemes whose transformers form carries `original_max_position_embeddings` (default: the model's window)."""
 
     def resolve(self, target):
-        if self.original_max_position_embeddings is None:
-            return self.replace(original_max_position_embeddings=int(target.config.max_position_embeddings))
+        """L defaults to the pre-training window the checkpoint records (Llama 3.1: 8192, not its shipped 131072),
+        else the model's window; a given L must not exceed the model's window (it is where the model was trained)."""
+        original = self.original_max_position_embeddings
+        if original is None:
+            return self.replace(original_max_position_embeddings=target.pretraining_window)
+        window = int(target.config.max_position_embeddings)
+        if original > window:
+            raise ValueError(
+                f"{self.name}: parameter `original_max_position_embeddings` is the window the model was pre-trained "
+                f"on and must be <= the model's max_position_embeddings = {window}, got {original}. Leave it unset "
+                f"(default {target.pretraining_window}) or pass the pre-training window."
+            )
         return self
 
     def window(self, ctx):
@@ -287,6 +349,10 @@ class Dynamic(_Windowed):
     def init_window(self, ctx):
         return self.original_max_position_embeddings
 
+    def public_window(self, ctx):
+        # transformers' dynamic NTK starts scaling at config.max_position_embeddings: the native form announces L
+        return self.original_max_position_embeddings
+
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
@@ -311,9 +377,14 @@ class Yarn(_Windowed):
         n = self.name
         self._set("factor", _factor(n, self.factor))
         self._set("original_max_position_embeddings", _original(n, self.original_max_position_embeddings))
-        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        for key, usual in (("beta_fast", 32), ("beta_slow", 1)):
             if getattr(self, key) is not None:
-                self._set(key, check.number(n, key, getattr(self, key), gt=0.0))
+                self._set(key, _rotations(n, key, getattr(self, key), usual))
+        self._set("attention_factor", _attention_factor(n, self.attention_factor))
+        for key in ("mscale", "mscale_all_dim"):
+            if getattr(self, key) is not None:
+                self._set(key, check.number(n, key, getattr(self, key), gt=0.0, le=check.MSCALE_MAX,
+                                            hint="It enters as 0.1·mscale·ln s + 1 (DeepSeek-V3: 1)."))
         if self.truncate is not None:
             check.boolean(n, "truncate", self.truncate)
         fast, slow = self.beta_fast or 32.0, self.beta_slow or 1.0
@@ -344,8 +415,8 @@ class Llama3(_Windowed):
         n = self.name
         self._set("factor", _factor(n, self.factor))
         self._set("original_max_position_embeddings", _original(n, self.original_max_position_embeddings))
-        self._set("low_freq_factor", check.number(n, "low_freq_factor", self.low_freq_factor, gt=0.0))
-        self._set("high_freq_factor", check.number(n, "high_freq_factor", self.high_freq_factor, gt=0.0))
+        self._set("low_freq_factor", _rotations(n, "low_freq_factor", self.low_freq_factor, 1))
+        self._set("high_freq_factor", _rotations(n, "high_freq_factor", self.high_freq_factor, 4))
         if self.low_freq_factor >= self.high_freq_factor:
             raise ValueError(f"llama3: `low_freq_factor` must be < `high_freq_factor`, got {self.low_freq_factor} >= {self.high_freq_factor}.")
 
@@ -375,11 +446,13 @@ class LongRope(_Windowed):
         for key in ("short_factor", "long_factor"):
             if getattr(self, key) is None:
                 raise TypeError(f"longrope: missing required parameter `{key}` (one rescale factor per rotary pair, head_dim/2 numbers).")
-            self._set(key, check.number_list(n, key, getattr(self, key), gt=0.0))
+            low, high = check.LONGROPE_FACTOR_RANGE
+            self._set(key, check.number_list(n, key, getattr(self, key), ge=low, le=high,
+                                             hint="Each is the rescale factor λ_i of one pair (θ′_i = θ_i / λ_i)."))
         self._set("factor", _factor(n, self.factor))
-        self._set("original_max_position_embeddings", _original(n, self.original_max_position_embeddings))
-        if self.attention_factor is not None:
-            self._set("attention_factor", check.number(n, "attention_factor", self.attention_factor, gt=0.0))
+        self._set("original_max_position_embeddings", _original(
+            n, self.original_max_position_embeddings, ge=2, why=" LongRoPE's attention factor divides by ln L."))
+        self._set("attention_factor", _attention_factor(n, self.attention_factor))
 
     def resolve(self, target):
         resolved = super().resolve(target)
@@ -416,12 +489,15 @@ class PRope(FrequencyScheme):
         super().__post_init__()
         if self.partial_rotary_factor is None:
             raise TypeError("p_rope: missing required parameter `partial_rotary_factor` (fraction of pairs that keep rotating, e.g. 0.75).")
-        self._set("partial_rotary_factor", check.number(self.name, "partial_rotary_factor", self.partial_rotary_factor, ge=0.0, le=1.0))
+        self._set("partial_rotary_factor", check.number(
+            self.name, "partial_rotary_factor", self.partial_rotary_factor, ge=0.0, le=1.0,
+            hint="It is the fraction p of rotary pairs that keep rotating: 1 is plain RoPE, 0 the paper's 0-RoPE."))
 
     def rope_parameters(self, ctx):
         return self._params(ctx, "default")
 
     def adjust(self, inv_freq, ctx):
-        keep = round(self.partial_rotary_factor * inv_freq.numel())  # θ_i descends with i: keep the first `keep`
+        # θ_i descends with i: keep the first `keep`; a p > 0 that keeps no pair is refused
+        keep = check.check_kept_pairs(self.name, "partial_rotary_factor", self.partial_rotary_factor, inv_freq.numel())
         return torch.where(torch.arange(inv_freq.numel()) < keep, inv_freq, torch.zeros_like(inv_freq))
 

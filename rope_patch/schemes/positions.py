@@ -31,6 +31,22 @@ from .common import AttentionScheme
 Positions = Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """Far positions p ↦ p/divisor + shift (⌊p/divisor⌋ with `floor`; divisor 0: the constant `shift`). A small
+    data class rather than a lambda, so the scores on a patched model pickle and deep-copy."""
+
+    divisor: float
+    shift: float
+    floor: bool = False
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        if self.divisor == 0:
+            return torch.full_like(p, self.shift)
+        scaled = attention.floor_div(p, self.divisor) if self.floor else p / self.divisor
+        return scaled + self.shift if self.shift else scaled
+
+
 class TwoRegionScores(attention.ScoreMod):
     """near (i − j < W): q at i, k at j.  far: q at far_q(i), k at far_k(j).
 
@@ -156,7 +172,9 @@ class TwoRegionScores(attention.ScoreMod):
 def _window(name: str, value) -> int:
     if value is None:
         raise TypeError(f"{name}: missing required parameter `window_size` (the neighbour window W in tokens, e.g. 512).")
-    return check.integer(name, "window_size", value, ge=1, hint="The neighbour window W counts tokens; use W >= 1.")
+    low, high = check.WINDOW_RANGE
+    return check.integer(name, "window_size", value, ge=low, le=high,
+                         hint="The neighbour window W counts tokens (e.g. 512); a W longer than the sequence is plain RoPE.")
 
 
 class _Deferred(AttentionScheme):
@@ -187,7 +205,9 @@ class SelfExtend(_Deferred):
         n = self.name
         if self.group_size is None:
             raise TypeError(f"{n}: missing required parameter `group_size` (positions beyond the window are floor-divided by it, e.g. 4).")
-        self._set("group_size", check.integer(n, "group_size", self.group_size, ge=1, hint="group_size=1 is plain RoPE."))
+        low, high = check.GROUP_SIZE_RANGE
+        self._set("group_size", check.integer(n, "group_size", self.group_size, ge=low, le=high,
+                                              hint="group_size=1 is plain RoPE; the paper uses 2 … 64."))
         self._set("window_size", _window(n, self.window_size))
         if self.window_size <= self.group_size:
             raise ValueError(
@@ -197,7 +217,7 @@ class SelfExtend(_Deferred):
 
     def far_positions(self):
         g, w = self.group_size, self.window_size
-        return (lambda p: attention.floor_div(p, g) + (w - w // g)), (lambda p: attention.floor_div(p, g))
+        return Affine(g, w - w // g, floor=True), Affine(g, 0, floor=True)
 
 
 @register_scheme
@@ -215,8 +235,7 @@ class ReRope(_Deferred):
         self._set("window_size", _window(self.name, self.window_size))
 
     def far_positions(self):
-        w = self.window_size
-        return (lambda p: torch.full_like(p, w)), torch.zeros_like
+        return Affine(0, self.window_size), Affine(0, 0)
 
 
 @register_scheme
@@ -236,8 +255,11 @@ class LeakyReRope(_Deferred):
         self._set("window_size", _window(n, self.window_size))
         if self.factor is None:
             raise TypeError(f"{n}: missing required parameter `factor` (k: distances beyond the window grow 1/k as fast, e.g. 16).")
-        self._set("factor", check.number(n, "factor", self.factor, ge=1.0, hint="factor=1 is plain RoPE; k < 1 would stretch distances."))
+        low, high = check.LEAKY_FACTOR_RANGE
+        self._set("factor", check.number(n, "factor", self.factor, ge=low, le=high,
+                                         hint="factor=1 is plain RoPE, k < 1 would stretch distances, a large k "
+                                              "approaches ReRoPE (use rerope for k → ∞); Su's post uses 16."))
 
     def far_positions(self):
         w, k = self.window_size, self.factor
-        return (lambda p: p / k + (w - w / k)), (lambda p: p / k)
+        return Affine(k, w - w / k), Affine(k, 0)

@@ -89,7 +89,9 @@ def test_dynamic_is_vanilla_inside_window_and_scales_beyond():
     short = torch.randint(3, 97, (1, L), generator=torch.Generator().manual_seed(2))
     before = logits(model, short)
     rope_patch.apply(model, "dynamic", factor=4.0)
-    assert model.config.max_position_embeddings == 4 * L  # announced window for generate / lm-eval
+    # transformers' native dynamic form: scaling starts at config.max_position_embeddings, so the config keeps L
+    # (a plain save_pretrained reloads to this very model); the served window is s·L
+    assert model.config.max_position_embeddings == L and rope_patch.context_window(model) == 4 * L
     assert torch.equal(logits(model, short), before)  # ℓ ≤ L: unchanged
     long = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(2))
     logits(model, long)

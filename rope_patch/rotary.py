@@ -1,0 +1,67 @@
+"""The forward that a patched model's rotary module runs: the one place where every patch runs on every forward.
+
+`PatchedRotaryForward` is installed as the instance attribute `forward` of the rotary module (through the undo
+log). It is an object of a module-level class, not a closure, so a patched model deep-copies and pickles. Per call:
+
+1. Frequencies stay float32. `model.to(torch.bfloat16)` / `.half()` cast every floating buffer, the patch's
+   `inv_freq` too; a bf16 `inv_freq` shifts the angles m·θ_i by up to m·θ_i·2⁻⁸ (whole turns at long context). The
+   patch keeps an fp32 master of each buffer it installed and puts it back (on the buffer's current device) when it
+   finds a cast one. The model's own `.to(device)` moves the buffers; the masters follow lazily.
+2. Attention-side schemes that run through their own attention function check that the model still uses it: after
+   `model.set_attn_implementation("sdpa")` the rotation is gone but the bias/regrouping would not run, i.e. the
+   model would silently be NoPE. The next forward raises instead.
+3. The model's own rotary forward (the class's, with `dynamic_rope_update`), then for the attention-side schemes the
+   identity rotation cos = 1, sin = 0 (q·1 + rotate_half(q)·0 = q exactly): attention layers and the KV cache see
+   un-rotated queries and keys.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BackendChanged(RuntimeError):
+    """The attention implementation of a patched model was changed behind the patch's back."""
+
+
+class PatchedRotaryForward:
+    def __init__(self, rotary: nn.Module, masters: dict[str, torch.Tensor], *, identity: bool, config=None,
+                 attn_implementation: str | None = None, allowed: tuple[str, ...] = (), scheme: str = ""):
+        self.rotary = rotary
+        self.masters = masters  # buffer name -> float32 tensor the patch installed
+        self.identity = identity
+        self.config = config  # the model's (private) config, whose backend is checked
+        self.attn_implementation = attn_implementation  # the backend the patch set; None: any backend is fine
+        self.allowed = allowed  # other names that run the patch too (its own functions for the other backends)
+        self.scheme = scheme
+
+    def __call__(self, x, position_ids, *args, **kwargs):
+        rotary = self.rotary
+        for name, master in self.masters.items():
+            live = rotary._buffers.get(name)
+            if live is not None and live.dtype != master.dtype:
+                rotary._buffers[name] = master.to(live.device, copy=True)
+                if hasattr(rotary, "original_max_seq_len"):  # dynamic NTK: recompute for the current length
+                    rotary.max_seq_len_cached = rotary.original_max_seq_len
+        if self.attn_implementation is not None:
+            found = self.config._attn_implementation
+            if found != self.attn_implementation and found not in self.allowed:
+                raise BackendChanged(
+                    f"rope_patch: this model is patched with {self.scheme!r}, which runs through its own attention "
+                    f"function {self.attn_implementation!r}, but the model's attention implementation is now "
+                    f"{found!r} (model.set_attn_implementation was called after rope_patch.apply); it would run "
+                    "without any position encoding. Re-apply the scheme for the new backend with "
+                    "rope_patch.apply(model, rope_patch.current(model)), or call rope_patch.remove(model)."
+                )
+        cos, sin = type(rotary).forward(rotary, x, position_ids, *args, **kwargs)
+        if not self.identity:
+            return cos, sin
+        # broadcast views of one element: the identity costs no (L × d) tensors
+        return cos.new_ones(()).expand_as(cos), sin.new_zeros(()).expand_as(sin)
+
+
+def unpatched_forward(rotary: nn.Module, x, position_ids, *args):
+    """The rotary module's own forward (its class's), whatever is installed on the instance: the deferred-RoPE
+    schemes rotate q and k inside attention with it."""
+    return type(rotary).forward(rotary, x, position_ids, *args)
