@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 from torch import nn
 
@@ -79,9 +80,14 @@ def apply(model, scheme="default", **params):
     use transformers' `rope_parameters` keys. Applying to a patched model replaces its scheme (schemes are defined
     relative to the model as loaded). On any error the model is left exactly as it was.
     """
+    return _apply(model, as_scheme(scheme, **params), temporary=False)
+
+
+def _apply(model, new: Scheme, *, temporary: bool):
+    """`apply`; `temporary` (patched()): the previous patch comes back afterwards, so its tables are not lost."""
     target = find_target(model)
-    new = as_scheme(scheme, **params)
     old = _state(target)
+    trained = patch_modules(model) if old is not None and not temporary else {}
     if old is not None:
         old.undo()
         _detach(target)
@@ -103,7 +109,25 @@ def apply(model, scheme="default", **params):
             _attach(target, old)
         raise
     _attach(target, state)
+    if trained:
+        _carry_tables(model, trained, keep=old.scheme == resolved)
     return model
+
+
+def _carry_tables(model, trained: dict[str, nn.Module], *, keep: bool) -> None:
+    """Re-applying the very scheme (e.g. after a backend switch) keeps its trained tables; another scheme or other
+    parameters start from fresh ones, and say so, since a trained table is work."""
+    fresh = patch_modules(model)
+    if keep:
+        for path, table in fresh.items():
+            table.load_state_dict(trained[path].state_dict())
+        return
+    warnings.warn(
+        f"rope_patch: the learned tables of the previous patch ({', '.join(sorted(trained))}) were discarded; the "
+        f"new patch starts from {'fresh tables' if fresh else 'none'}. Save them first with "
+        "rope_patch.save_pretrained, or re-apply the same scheme and parameters to keep them.",
+        UserWarning, stacklevel=3,
+    )
 
 
 def remove(model):
@@ -151,14 +175,33 @@ def patch_modules(model) -> dict[str, nn.Module]:
     if state is None:
         return {}
     names = {id(m): n for n, m in target.model.named_modules()}
-    return {f"{names[id(parent)]}.{name}".lstrip("."): child for parent, name, child in state.added_modules}
+    out = {}
+    for parent, name, child in state.added_modules:
+        path = f"{names[id(parent)]}.{name}".lstrip(".") if id(parent) in names else name
+        out[path] = _in_effect(target.model, path, child)
+    return out
+
+
+def _in_effect(root: nn.Module, path: str, recorded: nn.Module) -> nn.Module:
+    """The table the model uses now. peft's `modules_to_save` wraps a table and trains a copy (`merge_and_unload`
+    then puts the copy in its place): that copy, not the original the undo log recorded, holds the trained values."""
+    try:
+        live = root.get_submodule(path)
+    except AttributeError:
+        return recorded
+    if hasattr(live, "modules_to_save") and hasattr(live, "original_module"):  # peft ModulesToSaveWrapper
+        if getattr(live, "disable_adapters", False) or not hasattr(live, "unload_and_optionally_merge_module"):
+            live = live.original_module
+        else:  # peft's own choice of the module in effect (the active adapter's copy, else the original)
+            live = live.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
+    return live if set(live.state_dict()) == set(recorded.state_dict()) else recorded
 
 
 @contextlib.contextmanager
 def patched(model, scheme="default", **params):
     """`with patched(model, "yarn", factor=4): ...` applies, then restores what was there before (also on error)."""
     before = _state(find_target(model))
-    apply(model, scheme, **params)
+    _apply(model, as_scheme(scheme, **params), temporary=True)
     try:
         yield model
     finally:

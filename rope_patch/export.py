@@ -331,26 +331,9 @@ def _load_patch_weights(model, manifest: dict, path: Path) -> None:
 
 
 def _patch_tables(base, own: dict) -> dict:
-    """{"name.key": tensor} of the patch's learned parameters as the model uses them now. peft's `modules_to_save`
-    wraps a table and trains a copy (then `merge_and_unload` puts the copy in its place): save that copy, not the
-    original table the undo log points at, or the trained values are lost."""
-    tables = {}
-    root = find_target(base).model
-    for name, module in own.items():
-        try:
-            live = root.get_submodule(name)
-        except AttributeError:
-            live = module
-        if hasattr(live, "modules_to_save") and hasattr(live, "original_module"):  # peft ModulesToSaveWrapper
-            if getattr(live, "disable_adapters", False) or not hasattr(live, "unload_and_optionally_merge_module"):
-                live = live.original_module
-            else:  # peft's own choice of the module in effect (the active adapter's copy, else the original)
-                live = live.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
-        state = live.state_dict()
-        if set(state) != set(module.state_dict()):
-            state = module.state_dict()
-        tables.update({f"{name}.{k}": v.detach().contiguous().cpu() for k, v in state.items()})
-    return tables
+    """{"name.key": tensor} of the patch's learned parameters as the model uses them now (`patch_modules` gives the
+    tables in effect, peft's trained `modules_to_save` copies included)."""
+    return {f"{name}.{k}": v.detach().contiguous().cpu() for name, module in own.items() for k, v in module.state_dict().items()}
 
 
 def _missing_weights(file: Path, scheme: str, keys) -> None:

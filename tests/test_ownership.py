@@ -265,3 +265,19 @@ def test_learned_absolute_does_not_consume_the_global_rng():
     after = torch.rand(3)
     torch.manual_seed(7)
     assert torch.equal(after, torch.rand(3))
+
+
+@pytest.mark.parametrize("scheme,params", [("relative_bias", {}), ("learned_absolute", dict(max_position_embeddings=128))],
+                         ids=["relative_bias", "learned_absolute"])
+def test_reapplying_a_learned_scheme_keeps_its_trained_table_and_another_scheme_warns(scheme, params, ids):
+    model = tiny_model(attn_implementation="eager")
+    rope_patch.apply(model, scheme, **params)
+    (table,) = rope_patch.api.patch_modules(model).values()
+    with torch.no_grad():
+        next(table.parameters()).add_(0.5)  # "trained"
+    out = logits(model, ids)
+    model.set_attn_implementation("sdpa")
+    rope_patch.apply(model, rope_patch.current(model))  # e.g. after a backend switch: the same scheme
+    torch.testing.assert_close(logits(model, ids), out, atol=1e-5, rtol=0)
+    with pytest.warns(UserWarning, match="learned tables of the previous patch .* were discarded"):
+        rope_patch.apply(model, "alibi")

@@ -369,3 +369,37 @@ def test_tables_trained_through_peft_modules_to_save_survive_a_save(scheme, merg
     rope_patch.save_pretrained(trained, tmp_path / "saved")
     again = rope_patch.from_pretrained(tmp_path / "saved", attn_implementation="sdpa").eval()
     assert torch.equal(logits(again, ids), expected)
+
+
+PLAIN = [
+    ("default", dict(rope_theta=500_000.0), True),
+    ("linear", dict(factor=2), True),
+    ("ntk", dict(factor=4), True),
+    ("dynamic", dict(factor=4), True),
+    ("yarn", dict(factor=4), True),
+    ("llama3", dict(factor=4), True),
+    ("longrope", dict(factor=4, short_factor=[1.0] * 8, long_factor=[4.0] * 8), True),
+    ("p_rope", dict(partial_rotary_factor=0.5, rope_theta=500_000.0), False),
+    ("alibi", {}, False),
+    ("self_extend", dict(group_size=2, window_size=8), False),
+    ("relative_bias", {}, False),
+    ("sinusoidal", {}, False),
+    ("learned_absolute", dict(max_position_embeddings=4 * WINDOW), False),
+]
+
+
+@pytest.mark.parametrize("scheme,params,native", PLAIN, ids=[s for s, *_ in PLAIN])
+def test_plain_save_pretrained_reloads_the_patched_or_the_unpatched_model_never_a_third(scheme, params, native, tmp_path):
+    """`model.save_pretrained` (transformers', not rope_patch's) of a patched model, reloaded without rope_patch:
+    the patched model where transformers can express the scheme, else the unpatched one (dynamic NTK used to reload
+    with its window moved to s·L: a model that was neither)."""
+    ids = torch.randint(3, 97, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
+    model = tiny_model(attn_implementation="sdpa")
+    unpatched = logits(model, ids)
+    rope_patch.apply(model, scheme, **params)
+    patched_out = logits(model, ids)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    assert rope_patch.current(again) is None
+    expected = patched_out if native else unpatched
+    assert (logits(again, ids) - expected).abs().max().item() <= 1e-5
