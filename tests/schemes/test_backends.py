@@ -215,3 +215,16 @@ def test_gemma3_cached_decoding_equals_recomputation():
     model = tiny_model("gemma3_text", attn_implementation="sdpa", **GEMMA3)
     rope_patch.apply(model, "self_extend", group_size=2, window_size=4)
     assert_cached_decoding_equals_recomputation(model)
+
+
+def test_two_bias_schemes_compile_in_one_process_on_cpu():
+    """torch 2.13's CPU inductor failed with a C++ error ('cur_kvSplitSize') on the second score_mod of a process
+    once shapes went dynamic; rope_patch compiles CPU flex with static shapes."""
+    torch._dynamo.reset()
+    ids = torch.randint(3, 97, (1, 64), generator=torch.Generator().manual_seed(0))
+    for scheme in ("alibi", "relative_bias", "alibi"):
+        model = tiny_model("llama", attn_implementation="flex_attention")
+        rope_patch.apply(model, scheme)
+        for n in (64, 40):
+            assert torch.isfinite(logits(model, ids[:, :n])).all()
+    torch._dynamo.reset()
