@@ -1,68 +1,68 @@
-"""`rope-patch` command line. Subcommands live in their own modules and register here."""
+"""`rope-patch` command line. Subcommands live in their own modules (SUBCOMMANDS) and register here; `main` turns
+every error into one line on stderr (exit status 2; 130 when interrupted), or re-raises it under `--debug`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
-from .api import as_scheme
-from .schemes.base import Scheme
+DESCRIPTION = (
+    "Swap the position encoding of a loaded Hugging Face LLaMA-family model at runtime (RoPE scaling: linear/PI, "
+    "NTK, dynamic NTK, YaRN, llama3, LongRoPE; attention schemes: ALiBi, NoPE, Self-Extend, ReRoPE, ...) and "
+    "measure what each swap does to perplexity and passkey retrieval at long context.")
+EPILOG = """\
+examples:
+  rope-patch list                                       schemes, their parameters and aliases
+  rope-patch compare --schemes default yarn:8 ntk:8 --lengths 256 1024 --out results/
+  rope-patch sweep --schemes default yarn:4 --tasks rope_passkey rope_ppl --lengths 256 1024
+  rope-patch plot decay --schemes default yarn:8 linear:8 --out decay.png
+  rope-patch export saved_model/                        native rope_parameters and the vLLM argument
 
-# Positional value of `name:VALUE` specs: the parameter a bare number sets.
-_POSITIONAL = {"default": "rope_theta", "p_rope": "partial_rotary_factor", "alibi": "max_bias",
-               "self_extend": "group_size", "rerope": "window_size", "leaky_rerope": "window_size"}
+A scheme spec is `name`, `name:VALUE` (yarn:8 sets factor) or `name:key=value,...` (yarn:factor=8,beta_fast=16).
+`rope-patch COMMAND --help` describes each command. Errors are one line (exit status 2); `rope-patch --debug
+COMMAND ...` shows the traceback instead."""
 
-
-def _value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    if "/" in text:  # lists for longrope: short_factor=1/1.5/2
-        return [_value(t) for t in text.split("/")]
-    return text
-
-
-def parse_scheme_spec(spec: str) -> Scheme:
-    """`yarn`, `yarn:8` (factor), `yarn:factor=8,beta_fast=16`, `default:500000` (rope_theta) -> a Scheme.
-
-    Raises ValueError/TypeError with the same messages as `apply()`.
-    """
-    from .registry import canonical_name
-
-    name, _, rest = spec.partition(":")
-    name = canonical_name(name)
-    params = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, val = item.partition("=")
-        if not eq:
-            params[_POSITIONAL.get(name, "factor")] = _value(key)
-        else:
-            params[key.strip()] = _value(val.strip())
-    return as_scheme(name, **params)
+SUBCOMMANDS = ["rope_patch.cli_compare", "rope_patch.cli_models", "rope_patch.cli_plot", "rope_patch.cli_export",
+               "rope_patch.cli_sweep"]  # (module path) each exposing add_parser(subparsers)
 
 
-def scheme_label(spec: str) -> str:
-    return spec.replace(":", "×", 1) if spec.count(":") == 1 and "=" not in spec else spec
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (argparse prints the whole usage block first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-SUBCOMMANDS = ["rope_patch.cli_compare", "rope_patch.cli_models", "rope_patch.cli_plot", "rope_patch.cli_export", "rope_patch.cli_sweep"]  # (module path) each exposing add_parser(subparsers)
+def _add_debug(parser: argparse.ArgumentParser, default=False) -> None:
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="show the full traceback of an error instead of one line")
 
 
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(prog="rope-patch", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="rope-patch", description=textwrap.fill(DESCRIPTION, 100), epilog=EPILOG,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_debug(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     lst = sub.add_parser("list", help="list the registered schemes and their parameters")
     lst.set_defaults(func=_list)
     for module in SUBCOMMANDS:
         importlib.import_module(module).add_parser(sub)
+    _tag(sub)
     return parser
+
+
+def _tag(sub) -> None:
+    """Every (sub)command parser records its prog for the error prefix, and takes --debug after the command too
+    (SUPPRESS: it does not reset a --debug given before the command)."""
+    for p in set(sub.choices.values()):
+        p.set_defaults(prog=p.prog)
+        _add_debug(p, default=argparse.SUPPRESS)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _tag(action)
 
 
 def _list(args) -> int:
@@ -78,13 +78,47 @@ def _list(args) -> int:
     return 0
 
 
+def describe(err: BaseException) -> str:
+    """One line: the message (newlines folded), with what to do for the kinds that do not say it themselves."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, OSError) and err.strerror and err.filename is not None:  # "[Errno 13] ...: '/x'" -> plain
+        text = f"{err.strerror}: {err.filename}"
+        if isinstance(err, PermissionError):
+            text += " (choose a path you can write to, or fix its permissions)"
+    low = text.lower()
+    if "out of memory" in low or isinstance(err, MemoryError):
+        return (f"out of memory ({text}). Use shorter --lengths, fewer --passkey-samples / --windows, a smaller "
+                "--dtype (bfloat16), or a machine with more memory.")
+    if isinstance(err, (ValueError, TypeError, OSError)):
+        return text
+    if isinstance(err, RuntimeError):
+        return f"{text} (rerun with --debug for the traceback)"
+    return f"{type(err).__name__}: {text} (an unexpected error; rerun with --debug for the traceback and report it)"
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a usage error, already printed as one line (2)
+        return stop.code if isinstance(stop.code, int) else 0
+    if args.debug:
+        return args.func(args) or 0
+    prog = getattr(args, "prog", parser.prog)
     try:
         return args.func(args) or 0
-    except (ValueError, TypeError) as err:
-        print(f"rope-patch: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted.{_kept(args)}", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - the whole point: one line, not a traceback
+        print(f"{prog}: error: {describe(err)}{_kept(args)}", file=sys.stderr)
         return 2
+
+
+def _kept(args) -> str:
+    """What a long-running command had finished (and saved) when it stopped: it sets `args.kept` as it goes."""
+    kept = getattr(args, "kept", None)
+    return f" {kept}" if kept else ""
 
 
 if __name__ == "__main__":

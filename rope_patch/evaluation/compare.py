@@ -20,27 +20,36 @@ Result JSON (`compare.json`, format "rope_patch.compare/1"; `rope-patch plot res
                     "passkey_accuracy" (pooled over depths, null when not run), "passkey_n"}, ...],
       "passkey":  [{"scheme", "label", "length", "depth", "n", "correct", "accuracy", "answers", "outputs"}, ...],
       "buckets":  [{"scheme", "label", "length" (the longest), "start", "end", "n_tokens", "nll", "perplexity"}, ...],
-      "elapsed_s": {"total": ..., "<spec>": ...}
+      "elapsed_s": {"total": ..., "<spec>": ...},
+      "pending":  ["<spec>", ...]   # schemes not finished yet ([] in a complete result); a file written
+                                    # mid-resume still holds the earlier cells of these
     }
 
 `scheme` (the spec as given) is the key that ties records, passkey cells and buckets to `schemes`; `label` is for
 display. Perplexities are plain floats (inf when exp overflows, written as the JSON string "inf").
+
+`rope-patch compare` rewrites compare.json (atomically: a temporary file, then `os.replace`) after every finished
+scheme, so an interrupted or failed run leaves a valid file of the schemes that finished; `--resume` reads it back
+and evaluates only the scheme x length cells that are missing (`run_compare(..., resume=)`).
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from ..specs import parse_scheme_spec, scheme_label
 from .common import read_tokens, versions
 from .perplexity import evaluate_perplexity, perplexity_work
-from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey
+from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell
 
 FORMAT = "rope_patch.compare/1"
 DEFAULT_SCHEMES = ("default", "linear:4", "ntk:8", "dynamic:4", "yarn:8", "llama3:8")
@@ -48,15 +57,11 @@ DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 
 
 def _label(spec: str) -> str:
-    from ..cli import scheme_label
-
     return scheme_label(spec)
 
 
 def parse_schemes(specs: Sequence[str]) -> list[tuple[str, object]]:
     """Validate every spec before anything runs: [(spec, Scheme)]; ValueError/TypeError name the bad spec."""
-    from ..cli import parse_scheme_spec
-
     out, seen = [], set()
     for spec in specs:
         if spec in seen:
@@ -69,8 +74,73 @@ def parse_schemes(specs: Sequence[str]) -> list[tuple[str, object]]:
     return out
 
 
+def check_schemes(model, parsed: Sequence[tuple[str, object]]) -> None:
+    """Apply and remove each scheme once, so that a scheme this model refuses (a LongRoPE list of the wrong
+    length, a frequency scheme on a model whose config forbids it, ...) fails before the first evaluation instead
+    of after the schemes before it ran. The model is unpatched afterwards, also on error."""
+    import rope_patch
+
+    kind = getattr(model.config, "model_type", None) or type(model).__name__
+    for spec, scheme in parsed:
+        try:
+            with rope_patch.patched(model, scheme):
+                pass
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"Scheme {spec!r} cannot be applied to this model ({kind}): {err} "
+                            "Fix it or drop it from the schemes.") from None
+
+
+def check_passkey_prompts(tokenizer, token_ids, lengths, depths, seed) -> None:
+    """Build one passkey prompt per (length, depth): a length too short for the prompt fails now, not mid-run."""
+    for L in lengths:
+        for d in depths:
+            make_cell(tokenizer, token_ids, L, d, 1, seed)
+
+
 def _json_params(params: dict) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+
+
+# What must be equal for a cell of an earlier run to stand in a new one (the lengths and schemes may differ).
+_SAME_MODEL = ("path", "model_type", "window", "n_params", "dtype")
+_SAME_SETTINGS = ("depths", "passkey_samples", "seed", "ppl_tokens")
+
+
+def resume_mismatch(previous: dict, result: dict) -> str | None:
+    """Why the cells of `previous` (a compare result) cannot be reused in `result` (same shape), or None."""
+    if previous.get("format") != FORMAT:
+        return f"it is not a {FORMAT} result"
+    diffs = [f"model {k} {previous['model'].get(k)!r} -> {result['model'].get(k)!r}" for k in _SAME_MODEL
+             if previous.get("model", {}).get(k) != result["model"].get(k)]
+    diffs += [f"{k} {previous['settings'].get(k)!r} -> {result['settings'].get(k)!r}" for k in _SAME_SETTINGS
+              if previous.get("settings", {}).get(k) != result["settings"].get(k)]
+    old_text = {k: v for k, v in (previous.get("settings", {}).get("heldout") or {}).items() if k != "path"}
+    new_text = {k: v for k, v in result["settings"]["heldout"].items() if k != "path"}
+    if old_text != new_text:
+        diffs.append("held-out text")
+    return "; ".join(diffs) or None
+
+
+def _reusable(previous: dict | None, spec: str, params: dict) -> dict:
+    """The finished cells of `spec` in `previous`: {"ppl": {L: record}, "passkey": {L: [rows]}, "buckets": {L: rows},
+    "elapsed": s}; empty when the spec was not run or resolved to other parameters."""
+    cells = {"ppl": {}, "passkey": {}, "buckets": {}, "elapsed": 0.0}
+    if not previous:
+        return cells
+    old = next((s for s in previous.get("schemes", []) if s["spec"] == spec), None)
+    if old is None or old.get("params") != json.loads(json.dumps(_clean(params))):
+        return cells
+    for r in previous.get("records", []):
+        if r["scheme"] == spec and r.get("n_windows"):
+            cells["ppl"][r["length"]] = r
+    for r in previous.get("passkey", []):
+        if r["scheme"] == spec:
+            cells["passkey"].setdefault(r["length"], []).append(r)
+    for b in previous.get("buckets", []):
+        if b["scheme"] == spec:
+            cells["buckets"].setdefault(b["length"], []).append(b)
+    cells["elapsed"] = float(previous.get("elapsed_s", {}).get(spec, 0.0))
+    return cells
 
 
 @torch.no_grad()
@@ -79,11 +149,19 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                 passkey_samples: int = 4, windows_at_longest: int = 2, ppl_tokens: int | None = None, seed: int = 0,
                 heldout: str | Path | None = None, token_ids: Sequence[int] | None = None, model_spec: str = "",
                 model_path: str = "", progress: Callable[[int, str], None] | None = None,
+                resume: dict | None = None, on_scheme: Callable[[dict], None] | None = None,
                 ) -> dict:
     """Run perplexity and passkey for each scheme; returns the result dict described in the module docstring.
 
     `passkey_lengths` defaults to `lengths` (pass [] to skip passkey). `token_ids` overrides the held-out file.
     `progress(tokens_done, description)` is called as work completes; `work_units(...)` gives the total.
+
+    Everything that can be checked is checked before the first evaluation: the specs, each scheme applied to this
+    model, the held-out size and one passkey prompt per length. `on_scheme(result)` is called after each finished
+    scheme with the result so far (a complete, valid result of the schemes done; `pending` lists the rest): the
+    command line writes it to disk, so an interruption or a late error keeps what finished. `resume`: an earlier
+    result of the same model and settings (`resume_mismatch` says otherwise: ValueError); its scheme x length cells
+    are reused and only the missing ones are evaluated (`resumed_units` is the work they save).
     """
     import rope_patch
 
@@ -98,6 +176,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     if n_tokens > len(token_ids):
         raise ValueError(f"The held-out text has {len(token_ids)} tokens; {n_tokens} requested for perplexity.")
     window = int(getattr(model.config, "max_position_embeddings", 0)) or None
+    check_schemes(model, parsed)
+    check_passkey_prompts(tokenizer, token_ids, passkey_lengths, depths, seed)
 
     result = {
         "format": FORMAT,
@@ -110,7 +190,15 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                      "windows_at_longest": windows_at_longest, "heldout": held},
         "versions": versions(),
         "schemes": [], "records": [], "passkey": [], "buckets": [], "elapsed_s": {},
+        "pending": [spec for spec, _ in parsed],
     }
+    if resume is not None:
+        why = resume_mismatch(resume, result)
+        if why:
+            raise ValueError(f"The earlier results differ from this run ({why}), so their cells cannot be reused. "
+                             "Rerun with the same model and settings, or without --resume to start over.")
+    order = [s for s, _ in parsed]
+    depth_order = {float(d): i for i, d in enumerate(depths)}
     t_all = time.perf_counter()
     for spec, scheme in parsed:
         t0 = time.perf_counter()
@@ -122,17 +210,25 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
 
         with rope_patch.patched(model, scheme):
             applied = rope_patch.current(model)
-            name = applied.name
-            ppl = evaluate_perplexity(model, token_ids, lengths, n_tokens=n_tokens, window=window,
-                                      progress=tick)
-            pk = _passkey(model, tokenizer, token_ids, passkey_lengths, depths, passkey_samples, seed, tick)
-        result["schemes"].append({"spec": spec, "label": label, "name": name, "params": _json_params(applied.params())})
+            name, params = applied.name, _json_params(applied.params())
+            done = _reusable(resume, spec, params)
+            todo_ppl = [L for L in lengths if L not in done["ppl"]]
+            if lengths[-1] not in todo_ppl and lengths[-1] not in done["buckets"]:
+                todo_ppl.append(lengths[-1])  # the position buckets of the longest length were not kept
+            todo_pk = [L for L in passkey_lengths if L not in done["passkey"]]
+            ppl = evaluate_scheme_perplexity(model, token_ids, todo_ppl, n_tokens, window, tick)
+            pk = _passkey(model, tokenizer, token_ids, todo_pk, depths, passkey_samples, seed, tick)
+        ppl_rows = {**{L: r for L, r in done["ppl"].items() if L in lengths}, **{r["length"]: r for r in ppl["lengths"]}}
+        pk += [r for L in passkey_lengths if L not in todo_pk for r in done["passkey"][L]]
+        buckets = ppl["buckets"] if lengths[-1] in todo_ppl else done["buckets"][lengths[-1]]
+        result["schemes"].append({"spec": spec, "label": label, "name": name, "params": params})
         acc = accuracy_by_length(pk)
         n_by_len = {}
         for r in pk:
             n_by_len[r["length"]] = n_by_len.get(r["length"], 0) + r["n"]
-        for row in ppl["lengths"]:
-            L = row["length"]
+        keys = ("length", "n_windows", "n_tokens", "nll", "perplexity")
+        for L in lengths:
+            row = {k: ppl_rows[L][k] for k in keys}
             result["records"].append({"scheme": spec, "label": label, "name": name, **row,
                                       "passkey_accuracy": acc.get(L), "passkey_n": n_by_len.get(L, 0)})
         for L in passkey_lengths:  # passkey-only lengths still get a record
@@ -140,12 +236,44 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                 result["records"].append({"scheme": spec, "label": label, "name": name, "length": L,
                                           "perplexity": None, "nll": None, "n_windows": 0, "n_tokens": 0,
                                           "passkey_accuracy": acc.get(L), "passkey_n": n_by_len.get(L, 0)})
-        result["passkey"] += [{"scheme": spec, "label": label, **r} for r in pk]
-        result["buckets"] += [{"scheme": spec, "label": label, "length": lengths[-1], **b} for b in ppl["buckets"]]
-        result["elapsed_s"][spec] = round(time.perf_counter() - t0, 2)
-    result["records"].sort(key=lambda r: ([s for s, _ in parsed].index(r["scheme"]), r["length"]))
+        pk.sort(key=lambda r: (r["length"], depth_order.get(r["depth"], 0)))
+        result["passkey"] += [{"scheme": spec, "label": label, **{k: v for k, v in r.items() if k not in
+                                                                  ("scheme", "label")}} for r in pk]
+        result["buckets"] += [{"scheme": spec, "label": label, "length": lengths[-1],
+                               **{k: v for k, v in b.items() if k not in ("scheme", "label", "length")}}
+                              for b in buckets]
+        result["elapsed_s"][spec] = round(done["elapsed"] + time.perf_counter() - t0, 2)
+        result["records"].sort(key=lambda r: (order.index(r["scheme"]), r["length"]))
+        result["pending"].remove(spec)
+        result["elapsed_s"]["total"] = round(time.perf_counter() - t_all, 2)
+        if on_scheme is not None:
+            on_scheme(_with_earlier(result, resume, order))
     result["elapsed_s"]["total"] = round(time.perf_counter() - t_all, 2)
     return result
+
+
+def _with_earlier(result: dict, resume: dict | None, order: list[str]) -> dict:
+    """`result` plus the earlier run's rows of the schemes still pending, so that a file written mid-resume loses
+    none of the cells it was resumed from."""
+    carried = [s for s in (resume or {}).get("schemes", []) if s["spec"] in result["pending"]]
+    if not carried:
+        return result
+    keep = {s["spec"] for s in carried}
+    out = dict(result)
+    rank = {s: i for i, s in enumerate(order)}
+    out["schemes"] = sorted([*result["schemes"], *carried], key=lambda s: rank[s["spec"]])
+    for key in ("records", "passkey", "buckets"):
+        rows = [*result[key], *(r for r in resume.get(key, []) if r["scheme"] in keep)]
+        out[key] = sorted(rows, key=lambda r: rank[r["scheme"]]) if key != "records" else \
+            sorted(rows, key=lambda r: (rank[r["scheme"]], r["length"]))
+    return out
+
+
+def evaluate_scheme_perplexity(model, token_ids, lengths, n_tokens, window, tick) -> dict:
+    """Perplexity of the applied scheme at `lengths` (none: nothing to do); buckets of the longest of them."""
+    if not lengths:
+        return {"lengths": [], "buckets": []}
+    return evaluate_perplexity(model, token_ids, lengths, n_tokens=n_tokens, window=window, progress=tick)
 
 
 def _passkey(model, tokenizer, token_ids, lengths, depths, n_samples, seed, tick):
@@ -165,6 +293,23 @@ def work_units(n_schemes: int, token_count: int, lengths: Sequence[int], passkey
     ppl = perplexity_work(token_count, lengths, ppl_tokens, windows_at_longest)
     pk = sum(L * len(depths) * passkey_samples for L in set(passkey_lengths))
     return n_schemes * (ppl + pk)
+
+
+def resumed_units(resume: dict | None, specs: Sequence[str], token_count: int, lengths: Sequence[int],
+                  passkey_lengths: Sequence[int] | None = None, depths: Sequence[float] = DEFAULT_DEPTHS,
+                  passkey_samples: int = 4, windows_at_longest: int = 2, ppl_tokens: int | None = None) -> int:
+    """The part of `work_units` that `run_compare(..., resume=resume)` skips (cells already in `resume`)."""
+    if not resume:
+        return 0
+    passkey_lengths = lengths if passkey_lengths is None else passkey_lengths
+    n = ppl_tokens if ppl_tokens is not None else windows_at_longest * max(lengths)
+    ppl = {(r["scheme"], r["length"]) for r in resume.get("records", []) if r.get("n_windows")}
+    pk = {(r["scheme"], r["length"]) for r in resume.get("passkey", [])}
+    total = 0
+    for spec in specs:
+        total += sum((min(n, token_count) // L) * L for L in set(lengths) if (spec, L) in ppl)
+        total += sum(L * len(depths) * passkey_samples for L in set(passkey_lengths) if (spec, L) in pk)
+    return total
 
 
 # ---- writing results ---------------------------------------------------------------------------------------------
@@ -249,15 +394,48 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`: readers (and an interrupted
+    run) see the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    write_atomic(path, json.dumps(_clean(result), indent=1) + "\n")
+
+
+def check_writable(out_dir: str | Path) -> Path:
+    """Create `out_dir` and write and remove a probe file there, so that an unwritable --out fails before any
+    evaluation runs. Raises OSError with a message that names the folder."""
+    out = Path(out_dir)
+    probe = out / f".rope-patch-write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok\n")
+        probe.unlink()
+    except OSError as err:
+        raise OSError(f"cannot write results to --out {str(out)!r} ({err.strerror or err}); choose another folder "
+                      "or fix its permissions. Nothing has been evaluated yet.") from None
+    return out
+
+
 def write_csv(result: dict, path: str | Path) -> None:
     cols = ["scheme", "label", "name", "params", "length", "perplexity", "nll", "n_windows", "n_tokens",
             "passkey_accuracy", "passkey_n"]
     params = {s["spec"]: json.dumps(s["params"], sort_keys=True) for s in result["schemes"]}
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        for r in result["records"]:
-            w.writerow({**{k: r.get(k) for k in cols}, "params": params[r["scheme"]]})
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in result["records"]:
+        w.writerow({**{k: r.get(k) for k in cols}, "params": params[r["scheme"]]})
+    write_atomic(path, buf.getvalue())
 
 
 def plot_perplexity(result: dict, path: str | Path) -> None:
@@ -345,9 +523,9 @@ def write_results(result: dict, out_dir: str | Path, plots: bool = True) -> dict
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "compare.json", "csv": out / "compare.csv", "markdown": out / "compare.md"}
-    paths["json"].write_text(json.dumps(_clean(result), indent=1) + "\n")
+    write_json(result, paths["json"])
     write_csv(result, paths["csv"])
-    paths["markdown"].write_text(markdown_table(result))
+    write_atomic(paths["markdown"], markdown_table(result))
     if plots:
         paths["perplexity_plot"] = out / "perplexity.png"
         plot_perplexity(result, paths["perplexity_plot"])

@@ -17,6 +17,7 @@ from rope_patch.evaluation.compare import (
     load_results,
     markdown_table,
     parse_schemes,
+    resumed_units,
     rich_table,
     run_compare,
     work_units,
@@ -135,3 +136,139 @@ def test_perplexity_only(setup, tmp_path):
     assert "passkey_plot" not in write_results(res, tmp_path)
     with pytest.raises(ValueError, match="held-out text has"):
         run_compare(model, tok, ["default"], [32], token_ids=ids[:40])
+
+
+# ---- never throw finished work away: checks before the first evaluation, incremental JSON, --resume -------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny random model folder with its tokenizer, and a held-out file: what the command line loads."""
+    root = tmp_path_factory.mktemp("saved")
+    tiny_model("llama").save_pretrained(root / "m")
+    char_tokenizer().save_pretrained(root / "m")
+    (root / "heldout.txt").write_text(filler_text())
+    return root
+
+
+def compare_argv(saved, out, *schemes, extra=()):
+    return ["compare", "--model", str(saved / "m"), "--schemes", *(schemes or ("default", "ntk:2")),
+            "--lengths", "32", "64", "--passkey-lengths", "128", "--depths", "0.5", "--passkey-samples", "1",
+            "--windows", "1", "--heldout", str(saved / "heldout.txt"), "--out", str(out), "--no-plots", *extra]
+
+
+@pytest.fixture
+def evaluations(monkeypatch):
+    """Records (scheme name, "ppl" | "passkey", lengths) of every evaluation that runs; `fail_on[name] = exc` makes
+    the perplexity evaluation of that scheme raise instead."""
+    import rope_patch.evaluation.compare as C
+
+    calls, fail_on = [], {}
+    real_ppl, real_pk = C.evaluate_scheme_perplexity, C.evaluate_passkey
+
+    def ppl(model, token_ids, lengths, *a, **kw):
+        name = rope_patch.current(model).name
+        if name in fail_on:
+            raise fail_on[name]
+        if lengths:
+            calls.append((name, "ppl", list(lengths)))
+        return real_ppl(model, token_ids, lengths, *a, **kw)
+
+    def passkey(model, tokenizer, filler, lengths, *a, **kw):
+        calls.append((rope_patch.current(model).name, "passkey", list(lengths)))
+        return real_pk(model, tokenizer, filler, lengths, *a, **kw)
+
+    monkeypatch.setattr(C, "evaluate_scheme_perplexity", ppl)
+    monkeypatch.setattr(C, "evaluate_passkey", passkey)
+    return calls, fail_on
+
+
+def one_line(err: str) -> str:
+    """The command's error: the one line of stderr after the progress output, and no traceback."""
+    lines = [line for line in err.splitlines() if line.startswith("rope-patch compare: ")]
+    assert len(lines) == 1 and err.rstrip().endswith(lines[0]) and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_unwritable_out_fails_before_loading_or_evaluating(saved, tmp_path, evaluations, monkeypatch, capsys):
+    import rope_patch.models
+
+    monkeypatch.setattr(rope_patch.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "file").write_text("not a folder")
+    assert main(compare_argv(saved, tmp_path / "file" / "out")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "cannot write results to --out" in line and "file/out" in line and "Nothing has been evaluated" in line
+    assert evaluations[0] == []
+
+
+def test_a_refused_scheme_listed_last_fails_before_the_first_evaluation(saved, tmp_path, evaluations, capsys):
+    refused, match = "longrope:factor=2,short_factor=1/1,long_factor=1/1", "must have rotary_dim/2 = 8 entries"
+    assert main(compare_argv(saved, tmp_path / "out", "default", "ntk:2", refused)) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"Scheme {refused!r} cannot be applied to this model (llama)" in line and match in line
+    assert evaluations[0] == [] and not (tmp_path / "out" / "compare.json").exists()
+
+
+def test_a_late_error_keeps_the_finished_schemes_and_resume_runs_only_the_rest(saved, tmp_path, evaluations, capsys):
+    calls, fail_on = evaluations
+    out = tmp_path / "out"
+    fail_on["ntk"] = RuntimeError("boom on the second scheme")
+    assert main(compare_argv(saved, out)) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "boom on the second scheme" in line and "Kept 1 finished scheme(s)" in line and "--resume" in line
+    kept = load_results(out / "compare.json")
+    assert [s["spec"] for s in kept["schemes"]] == ["default"] and kept["pending"] == ["ntk:2"]
+    assert {r["scheme"] for r in kept["records"]} == {"default"} and (out / "compare.md").exists()
+    assert calls == [("default", "ppl", [32, 64]), ("default", "passkey", [128])]
+
+    calls.clear()
+    fail_on.clear()
+    assert main(compare_argv(saved, out, extra=["--resume"])) == 0
+    assert calls == [("ntk", "ppl", [32, 64]), ("ntk", "passkey", [128])]  # default's cells were reused
+    done = load_results(out / "compare.json")
+    assert [s["spec"] for s in done["schemes"]] == ["default", "ntk:2"] and done["pending"] == []
+    assert [r for r in done["records"] if r["scheme"] == "default"] == kept["records"]
+    assert len(done["records"]) == 2 * 3 and len(done["passkey"]) == 2 and len(done["buckets"]) == 2 * 2
+
+    calls.clear()
+    assert main(compare_argv(saved, out, extra=["--resume"])) == 0  # everything there: nothing runs
+    assert calls == []
+    assert load_results(out / "compare.json")["records"] == done["records"]
+
+
+def test_interrupt_exits_130_and_says_what_was_kept(saved, tmp_path, evaluations, capsys):
+    evaluations[1]["ntk"] = KeyboardInterrupt()
+    assert main(compare_argv(saved, tmp_path / "out")) == 130
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("rope-patch compare: interrupted. Kept 1 finished scheme(s)")
+    assert [s["spec"] for s in load_results(tmp_path / "out" / "compare.json")["schemes"]] == ["default"]
+
+
+def test_resume_refuses_other_settings(saved, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(compare_argv(saved, out, "default")) == 0
+    assert main(compare_argv(saved, out, "default", extra=["--resume", "--seed", "1"])) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "seed 0 -> 1" in line and "without --resume" in line
+
+
+def test_resume_reuses_cells_and_equals_a_fresh_run(setup, evaluations):
+    """Cell level: a new length and a new scheme run alone; the result equals one run of everything."""
+    model, tok, ids = setup
+    kw = dict(passkey_lengths=[128], depths=[0.5], passkey_samples=1, ppl_tokens=128, token_ids=ids)
+    first = run_compare(model, tok, ["default"], [32], **kw)
+    evaluations[0].clear()
+    resumed = run_compare(model, tok, ["default", "yarn:2"], [32, 64], **kw, resume=json.loads(json.dumps(first)))
+    assert evaluations[0] == [("default", "ppl", [64]), ("yarn", "ppl", [32, 64]), ("yarn", "passkey", [128])]
+    fresh = run_compare(model, tok, ["default", "yarn:2"], [32, 64], **kw)
+    for key in ("schemes", "records", "passkey", "buckets"):
+        assert resumed[key] == fresh[key], key
+    total = work_units(2, len(ids), [32, 64], [128], [0.5], 1, ppl_tokens=128)
+    skipped = resumed_units(first, ["default", "yarn:2"], len(ids), [32, 64], [128], [0.5], 1, ppl_tokens=128)
+    assert skipped == 128 + 128 and total - skipped > 0
+
+
+def test_on_scheme_sees_each_finished_scheme(setup):
+    model, tok, ids = setup
+    snapshots = []
+    run_compare(model, tok, SCHEMES, [32], passkey_lengths=[], windows_at_longest=1, token_ids=ids,
+                on_scheme=lambda r: snapshots.append((len(r["schemes"]), list(r["pending"]))))
+    assert snapshots == [(1, SCHEMES[1:]), (2, SCHEMES[2:]), (3, [])]

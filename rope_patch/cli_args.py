@@ -1,0 +1,58 @@
+"""argparse types shared by the `rope-patch` subcommands: a bad number fails while parsing, with one line that
+names the flag, the value and the allowed range (argparse adds `argument --flag:` in front)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def count(minimum: int = 1, maximum: int | None = None):
+    """An integer in [minimum, maximum]; `1e6` and `4096.0` are accepted when they are whole numbers."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            x = _number(text)
+            if not x.is_integer():
+                raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+            value = int(x)
+        if value < minimum or (maximum is not None and value > maximum):
+            span = f">= {minimum:,}" if maximum is None else f"between {minimum:,} and {maximum:,}"
+            raise argparse.ArgumentTypeError(f"must be an integer {span}, got {text}")
+        return value
+
+    parse.__name__ = "integer"  # argparse's "invalid <name> value" fallback
+    return parse
+
+
+def real(minimum: float | None = None, maximum: float | None = None, *, above: float | None = None):
+    """A finite float in [minimum, maximum] (or strictly above `above`)."""
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        if above is not None and not value > above:
+            raise argparse.ArgumentTypeError(f"must be a number > {above:g}, got {text}")
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            span = (f"in [{minimum:g}, {maximum:g}]" if minimum is not None and maximum is not None
+                    else f">= {minimum:g}" if minimum is not None else f"<= {maximum:g}")
+            raise argparse.ArgumentTypeError(f"must be a number {span}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+positive = count(1)
+fraction = real(0.0, 1.0)
