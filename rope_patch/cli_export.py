@@ -9,7 +9,6 @@ schemes without a native form (p_rope, attention schemes) it fails with the reas
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 
@@ -84,11 +83,7 @@ def _adapter_native(path: Path, manifest: dict | None, base) -> tuple[dict, int]
 
 
 def _export(args) -> int:
-    try:
-        info = export_info(args.dir, args.base)
-    except FileNotFoundError as err:  # the CLI's main() reports ValueError/TypeError; this one is ours
-        print(f"rope-patch export: error: {err}", file=sys.stderr)
-        return 2
+    info = export_info(args.dir, args.base)  # errors: one line from cli.main
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

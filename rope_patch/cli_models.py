@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("models", help="list the named models; fetch SmolLM2 into the cache")
@@ -33,10 +31,5 @@ def _list(args) -> int:
 def _fetch(args) -> int:
     from .models import fetch_smollm2
 
-    try:
-        path = fetch_smollm2(cache=args.cache, force=args.force)
-    except RuntimeError as err:
-        print(f"rope-patch models fetch: error: {err}", file=sys.stderr)
-        return 1
-    print(path)
+    print(fetch_smollm2(cache=args.cache, force=args.force))  # errors: one line from cli.main
     return 0

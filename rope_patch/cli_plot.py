@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import sys
-
 ANALYSIS_KINDS = ("decay", "wavelengths", "frequencies", "angles", "distance", "score")
 DEFAULT_SCHEMES = {"*": ["default", "yarn:8", "linear:8", "ntk:8"],
                    "distance": ["default", "rerope:512", "leaky_rerope:window_size=512,factor=16",
@@ -17,6 +15,8 @@ DEFAULT_SCHEMES = {"*": ["default", "yarn:8", "linear:8", "ntk:8"],
 
 
 def add_parser(subparsers) -> None:
+    from .cli_args import count, positive, real
+
     p = subparsers.add_parser(
         "plot", help="figures: decay bound, wavelengths, frequencies, angles, distance maps, scores, results",
         description="Draw the position-encoding theory for one or more schemes (numbers from rope_patch.analysis, "
@@ -33,36 +33,76 @@ def add_parser(subparsers) -> None:
                    help="scheme specs: name, name:value, name:key=value,... (default: default yarn:8 linear:8 ntk:8; for "
                    "distance: rerope, leaky_rerope, self_extend, alibi)")
     rope = p.add_argument_group("model RoPE (or --config)")
-    rope.add_argument("--head-dim", type=int, default=128, help="per-head dimension d (default: %(default)s)")
-    rope.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base b (default: %(default)s)")
-    rope.add_argument("--window", type=int, default=None, metavar="L",
+    rope.add_argument("--head-dim", type=count(2), default=128, help="per-head dimension d (default: %(default)s)")
+    rope.add_argument("--rope-theta", type=real(above=1.0), default=10000.0, help="RoPE base b (default: %(default)s)")
+    rope.add_argument("--window", type=positive, default=None, metavar="L",
                       help="original training window L = max_position_embeddings (default: 4096; for `results`: "
                       "the file's)")
-    rope.add_argument("--partial-rotary-factor", type=float, default=None, help="fraction of the head that rotates")
+    rope.add_argument("--partial-rotary-factor", type=real(maximum=1.0, above=0.0), default=None, help="fraction of the head that rotates")
     rope.add_argument("--config", default=None, metavar="DIR",
                       help="read head_dim, rope_theta, window, heads from a local model folder's config.json")
-    rope.add_argument("--seq-len", type=int, default=None,
+    rope.add_argument("--seq-len", type=positive, default=None,
                       help="current length for dynamic NTK / LongRoPE (default: the scheme's extended window)")
-    p.add_argument("--max-distance", type=int, default=None,
-                   help="largest distance (decay, score, distance) or the length N (angles); default max(4L, s·L)")
+    p.add_argument("--max-distance", type=positive, default=None,
+                   help="largest distance (decay, score, distance) or the length N (angles); default max(4L, s·L); "
+                   f"refused when the figure would need more than {MEMORY_LIMIT >> 30} GiB of memory")
     p.add_argument("--normalize", action="store_true", help="decay: divide by the value at Δ = 0")
     p.add_argument("--linear", action="store_true", help="decay: linear distance axis (like the RoFormer figure)")
     p.add_argument("--logits", action="store_true", help="score: a²·q·k/√d plus ALiBi's bias (what softmax sees)")
-    p.add_argument("--num-heads", type=int, default=None, help="heads for ALiBi slopes (default: config's or 8)")
+    p.add_argument("--num-heads", type=positive, default=None, help="heads for ALiBi slopes (default: config's or 8)")
     p.add_argument("--out", default=None, help="output file (default: <kind>.<format>)")
     p.add_argument("--format", choices=("png", "svg"), default=None, help="figure format (default: from --out, else png)")
-    p.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
+    p.add_argument("--dpi", type=count(1, 2400), default=150, help="PNG resolution (default: %(default)s)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    try:
-        path = _run(args)
-    except OSError as err:  # missing results file / model folder: a message, not a traceback
-        print(f"rope-patch plot: error: {err}", file=sys.stderr)
-        return 2
-    print(f"Wrote {path}")
+    print(f"Wrote {_run(args)}")
     return 0
+
+
+# Memory (bytes per plotted distance) that the dense figures need, measured on this code (peak RSS, 1e6 distances)
+# and rounded up: decay ~0.7 KB (d = 128, one scheme) - 1 KB (four); score ~4.6 KB (the [distances, samples]
+# matrices); distance ~0.35 KB. The estimate is refused above MEMORY_LIMIT, before anything is allocated.
+MEMORY_LIMIT = 1 << 30
+
+
+def plot_bytes(kind: str, n_distances: int, pairs: int, n_schemes: int, num_heads: int = 8,
+               num_samples: int = 256) -> int:
+    """Estimated peak memory of `rope-patch plot KIND` over `n_distances` distances (0 for the small figures)."""
+    per_scheme = 64 * n_schemes + 64
+    per = {"decay": 16 * pairs + per_scheme,
+           "score": 8 * (pairs + 2 * num_samples) + per_scheme,
+           "distance": 16 * num_heads + per_scheme}.get(kind)
+    return 0 if per is None else n_distances * per
+
+
+def check_size(args, schemes, rope) -> None:
+    """Refuse a figure whose arrays would not fit (e.g. `plot decay --max-distance 1e8`) with the estimate."""
+    if args.kind not in ("decay", "score", "distance"):
+        return
+    from . import plots
+
+    cfg = rope.get("config")
+    if cfg is not None:
+        window = getattr(cfg, "max_position_embeddings", None)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        partial = getattr(cfg, "partial_rotary_factor", None) or 1.0
+    else:
+        window, head_dim = rope["max_position_embeddings"], rope["head_dim"]
+        partial = rope.get("partial_rotary_factor") or 1.0
+    n = args.max_distance
+    if n is None:
+        n = (4 * window if window else 16384) if args.kind == "distance" else \
+            plots._default_max_distance(plots._specs(schemes), window)
+    heads = args.num_heads or rope.get("_num_heads") or 8
+    need = plot_bytes(args.kind, n, int(head_dim * partial) // 2, len(schemes), num_heads=heads)
+    if need > MEMORY_LIMIT:
+        per = need / n
+        flag = f"--max-distance {n:,}" if args.max_distance is not None else f"the default distance range ({n:,})"
+        raise ValueError(f"`rope-patch plot {args.kind}` with {flag} needs about {need / 2**30:.1f} GiB of memory "
+                         f"({n:,} distances x {len(schemes)} scheme(s)), over the {MEMORY_LIMIT / 2**30:.0f} GiB "
+                         f"limit; pass --max-distance {int(MEMORY_LIMIT / per)} or less.")
 
 
 def _run(args):
@@ -80,6 +120,7 @@ def _run(args):
                              "give schemes with --schemes.")
         schemes = args.schemes or DEFAULT_SCHEMES.get(args.kind, DEFAULT_SCHEMES["*"])
         rope = _rope(args)
+        check_size(args, schemes, rope)
         kw = {}
         if args.kind in ("decay", "score", "distance") and args.max_distance is not None:
             kw["max_distance"] = args.max_distance

@@ -30,6 +30,7 @@ with `rope-patch plot results`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -57,6 +58,8 @@ def compare_defaults() -> dict:
 
 
 def add_parser(subparsers) -> None:
+    from .cli_args import count, fraction, positive, real
+
     d = compare_defaults()
 
     p = subparsers.add_parser(
@@ -68,20 +71,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tasks", nargs="+", default=["rope_passkey", "rope_ppl"], metavar="TASK",
                    help="rope_passkey / rope_ppl / rope_niah (expanded per length) and any lm-eval task "
                    "(default: %(default)s)")
-    p.add_argument("--lengths", nargs="+", type=int, default=d["lengths"], metavar="N",
-                   help="context lengths in tokens (default: %(default)s)")
-    p.add_argument("--depths", nargs="+", type=float, default=d["depths"], metavar="D",
-                   help="needle depths (default: %(default)s)")
-    p.add_argument("--passkey-samples", type=int, default=d["samples"], metavar="N",
-                   help="prompts per (length, depth) cell (default: %(default)s)")
-    p.add_argument("--windows", type=int, default=d["windows"], metavar="N",
+    p.add_argument("--lengths", nargs="+", type=count(8), default=d["lengths"], metavar="N",
+                   help="context lengths in tokens, each >= 8 (default: %(default)s)")
+    p.add_argument("--depths", nargs="+", type=fraction, default=d["depths"], metavar="D",
+                   help="needle depths in [0, 1] (default: %(default)s)")
+    p.add_argument("--passkey-samples", type=positive, default=d["samples"], metavar="N",
+                   help="prompts per (length, depth) cell, >= 1 (default: %(default)s)")
+    p.add_argument("--windows", type=positive, default=d["windows"], metavar="N",
                    help="perplexity reads N x the longest length tokens at every length (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d["seed"], help="passkey / niah seed (default: %(default)s)")
     p.add_argument("--heldout", default=None, help="held-out text (default: eval/data/heldout.txt)")
     p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra --model_args for every scheme (dtype=..., max_length=..., adapter=...)")
     p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="extra lm-eval --metadata")
-    p.add_argument("--limit", type=float, default=None, help="lm-eval --limit (per task)")
+    p.add_argument("--limit", type=real(above=0.0), default=None,
+                   help="lm-eval --limit (per task): a count, or a fraction of the task when below 1")
     p.add_argument("--batch-size", default="1", help="lm-eval --batch_size (default: %(default)s)")
     p.add_argument("--include-path", default=None, help="task folder (default: the repository's eval/tasks)")
     p.add_argument("--launcher", default=None, metavar="CMD",
@@ -159,6 +163,7 @@ def plan(args) -> dict:
             raise ValueError(f"No task YAML for {', '.join(absent)} in {include}: the rope_* tasks exist for lengths "
                              "64, 128, ..., 131072 (powers of two); add others to LADDER in "
                              "eval/tasks/rope/rope_tasks_utils.py and run eval/tasks/rope/make_tasks.py.")
+    check_task_names([t for t in tasks if not family(t)[0]], include)
     from .models import model_name
 
     settings = {"model": args.model, "name": model_name(args.model), "model_path": path, "tasks": tasks,
@@ -167,6 +172,43 @@ def plan(args) -> dict:
                 "include_path": include}
     return {"settings": settings, "schemes": [{"spec": s, "slug": slug(s), "args": scheme_args(s)}
                                               for s in args.schemes]}
+
+
+def _own_tasks(include) -> list[str]:
+    """The rope_* task and group names in the task folder (file stems, as the YAMLs are generated)."""
+    names = set(FAMILIES)
+    if include:
+        names |= {p.stem for p in Path(include).rglob("rope_*.yaml")}
+    return sorted(names)
+
+
+@functools.lru_cache(maxsize=4)
+def lm_eval_task_names(include) -> frozenset[str]:
+    """Every task, group and tag lm-eval knows, with the task folder included (lm-eval's own index: it reads all
+    of lm-eval's task YAMLs, ~10-20 s, so it is only built when a non-rope task is asked for)."""
+    from lm_eval.tasks import TaskManager
+
+    return frozenset(TaskManager(include_path=include).all_tasks)
+
+
+def check_task_names(tasks, include) -> None:
+    """Unknown task names fail before any scheme runs (lm-eval would fail in every scheme's run), with a "Did you
+    mean"; rope_* names are checked against the task folder alone, others against lm-eval's index."""
+    from .registry import did_you_mean
+
+    own = _own_tasks(include)
+    for task in tasks:
+        if task in own:
+            continue
+        if task.startswith("rope_"):
+            raise ValueError(f"Unknown task {task!r}: no {task}.yaml in {include or 'the task folder'}."
+                             f"{did_you_mean(task, own)} rope-patch's tasks: {', '.join(FAMILIES)} (one per "
+                             "--lengths entry) and their _<length> forms.")
+        known = lm_eval_task_names(include)
+        if task not in known:
+            raise ValueError(f"Unknown task {task!r}: neither a rope_* task nor one lm-eval knows."
+                             f"{did_you_mean(task, [*own, *known])} rope-patch's tasks: {', '.join(FAMILIES)}; "
+                             "`rope-patch-lm-eval ls tasks` lists lm-eval's.")
 
 
 def fingerprint(settings: dict) -> str:
@@ -316,8 +358,8 @@ def markdown(result: dict) -> str:
 
 def compare_format(result: dict) -> dict | None:
     """The rope_ppl / rope_passkey cells as a `rope-patch compare` result (its table, CSV and plots)."""
-    from .specs import scheme_label
     from .evaluation.compare import FORMAT as COMPARE_FORMAT
+    from .specs import scheme_label
 
     rows = [r for r in result["rows"] if r["family"] in ("rope_ppl", "rope_passkey")]
     if not rows:
@@ -378,8 +420,8 @@ def write_outputs(state: dict, out: Path, plots: bool = True) -> dict[str, Path]
 # ---- the command ------------------------------------------------------------------------------------------------
 def sweep(args, log=print) -> dict:
     out = Path(args.out)
+    p = plan(args)  # specs, lengths, task names: checked before anything is created or run
     out.mkdir(parents=True, exist_ok=True)
-    p = plan(args)
     settings = p["settings"]
     fp = fingerprint(settings)
     stamp = out / "sweep_settings.json"
@@ -391,6 +433,8 @@ def sweep(args, log=print) -> dict:
                              "longer --lengths changes it too: fix it with --metadata ppl_tokens=N). Use another "
                              f"--out, or delete {out}.")
     stamp.write_text(json.dumps({"fingerprint": fp, "settings": settings}, indent=1, default=str) + "\n")
+    args.kept = (f"Finished (scheme, task) cells stay in {out / 'schemes'}; rerun the same command to run only "
+                 "the missing ones.")
     tasks = settings["tasks"]
     state = {"settings": settings, "schemes": [], "elapsed_s": {}}
     t_all = time.perf_counter()
@@ -430,11 +474,8 @@ def sweep(args, log=print) -> dict:
 
 
 def run(args) -> int:
-    try:
-        state = sweep(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except (FileNotFoundError, RuntimeError) as err:
-        print(f"rope-patch sweep: error: {err}", file=sys.stderr)
-        return 2
+    state = sweep(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))  # errors: one line (cli.main)
+    args.kept = None
     print(markdown(aggregate(state)))
     print("Wrote " + ", ".join(str(p) for p in state["paths"].values()), file=sys.stderr)
     return 0

@@ -1,42 +1,149 @@
-"""`rope-patch` command line: scheme specs and `list`."""
+"""`rope-patch` command line: `list`, the help text, and errors as one line (exit 2; 130 when interrupted)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 from rope_patch.cli import main
 from rope_patch.specs import parse_scheme_spec
 
-SPECS = [
-    ("yarn:8", "yarn", dict(factor=8.0)),
-    ("YaRN:factor=8,beta_fast=16", "yarn", dict(factor=8.0, beta_fast=16.0)),
-    ("default:500000", "default", dict(rope_theta=500000.0)),
-    ("pi:4", "linear", dict(factor=4.0)),
-    ("p_rope:0.75", "p_rope", dict(partial_rotary_factor=0.75)),
-    ("yarn:factor=4,truncate=false", "yarn", dict(factor=4.0, truncate=False)),
-    ("longrope:factor=2,short_factor=1/1,long_factor=2/3", "longrope", dict(factor=2.0, short_factor=(1.0, 1.0), long_factor=(2.0, 3.0))),
-    ("default", "default", {}),
-]
-
-
-@pytest.mark.parametrize("spec,name,params", SPECS, ids=[s for s, *_ in SPECS])
-def test_parse_scheme_spec(spec, name, params):
-    scheme = parse_scheme_spec(spec)
-    assert scheme.name == name and scheme.params() == params
-
-
-@pytest.mark.parametrize("spec,exc,match", [
-    ("yran:8", ValueError, "Did you mean 'yarn'"),
-    ("yarn:fctor=8", TypeError, "Did you mean 'factor'"),
-    ("yarn:abc", TypeError, "must be a number"),
-    ("linear:0.5", ValueError, "shrink"),
-])
-def test_bad_specs(spec, exc, match):
-    with pytest.raises(exc, match=match):
-        parse_scheme_spec(spec)
-
 
 def test_list_command(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "yarn" in out and "beta_fast" in out and "frequency" in out and "pi" in out
+
+
+def test_spec_parsing_lives_in_the_library():
+    import rope_patch.cli
+
+    assert parse_scheme_spec("pi:4").name == "linear"
+    assert not hasattr(rope_patch.cli, "parse_scheme_spec") and not hasattr(rope_patch.cli, "scheme_label")
+
+
+def test_help_is_for_users(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Swap the position encoding" in out and "examples:" in out and "--debug" in out
+    assert "Subcommands live in" not in out and "register here" not in out
+
+
+def error_line(capsys) -> str:
+    """stderr holds exactly one line and no traceback; stdout nothing."""
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and out == "", err
+    return lines[0]
+
+
+BAD_ARGS = [
+    (["compare", "--threads", "-3"], "rope-patch compare: error: argument --threads: must be an integer >= 1, got -3"),
+    (["compare", "--threads", "2.5"], "argument --threads: expected a whole number, got '2.5'"),
+    (["compare", "--passkey-samples", "0"], "argument --passkey-samples: must be an integer >= 1, got 0"),
+    (["compare", "--lengths", "256", "0"], "argument --lengths: must be an integer >= 8, got 0"),
+    (["compare", "--passkey-lengths", "-5"], "argument --passkey-lengths: must be an integer >= 8"),
+    (["compare", "--windows", "two"], "argument --windows: expected a number, got 'two'"),
+    (["compare", "--depths", "1.5"], "argument --depths: must be a number in [0, 1], got 1.5"),
+    (["compare", "--depths", "nan"], "expected a finite number"),
+    (["compare", "--bogus"], "unrecognized arguments: --bogus"),
+    (["sweep", "--lengths", "-1"], "rope-patch sweep: error: argument --lengths: must be an integer >= 8"),
+    (["sweep", "--passkey-samples", "0"], "argument --passkey-samples: must be an integer >= 1"),
+    (["sweep", "--limit", "0"], "argument --limit: must be a number > 0"),
+    (["plot", "decay", "--max-distance", "0"], "rope-patch plot: error: argument --max-distance: must be an integer >= 1"),
+    (["plot", "decay", "--head-dim", "1"], "argument --head-dim: must be an integer >= 2"),
+    (["plot", "decay", "--rope-theta", "1"], "argument --rope-theta: must be a number > 1"),
+    (["plot", "decay", "--partial-rotary-factor", "1.5"], "argument --partial-rotary-factor: must be a number <= 1"),
+    (["plot", "decay", "--dpi", "1e9"], "argument --dpi: must be an integer between 1 and 2,400"),
+    (["plot", "nothing"], "argument kind: invalid choice: 'nothing'"),
+    ([], "rope-patch: error: the following arguments are required: COMMAND"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGS, ids=[" ".join(a) or "<none>" for a, _ in BAD_ARGS])
+def test_bad_arguments_are_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    line = error_line(capsys)
+    assert message in line and line.endswith("--help`)")
+
+
+def test_plot_refuses_a_figure_that_would_not_fit_before_allocating(monkeypatch, capsys):
+    import rope_patch.plots
+
+    monkeypatch.setattr(rope_patch.plots, "make", lambda *a, **k: pytest.fail("the figure was computed"))
+    assert main(["plot", "decay", "--max-distance", "1e8"]) == 2
+    line = error_line(capsys)
+    assert "--max-distance 100,000,000 needs about" in line and "GiB" in line and "over the 1 GiB limit" in line
+    limit = int(line.split("pass --max-distance ")[1].split()[0])
+    assert 100_000 < limit < 1_000_000
+    assert main(["plot", "score", "--window", "1000000"]) == 2  # the default range of a huge window, too
+    assert "the default distance range (8,000,000)" in error_line(capsys)
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("exc,code,message", [
+    (ValueError("bad\nvalue"), 2, "rope-patch list: error: bad value"),
+    (FileNotFoundError(2, "No such file or directory", "x.json"), 2, "No such file or directory: x.json"),
+    (PermissionError(13, "Permission denied", "/out"), 2, "Permission denied: /out"),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 2, "out of memory (CUDA out of memory."),
+    (RuntimeError("lm-eval exited with status 1"), 2, "lm-eval exited with status 1 (rerun with --debug"),
+    (Boom("unexpected"), 2, "Boom: unexpected (an unexpected error; rerun with --debug"),
+    (KeyboardInterrupt(), 130, "rope-patch list: interrupted."),
+])
+def test_errors_are_one_line(monkeypatch, capsys, exc, code, message):
+    import rope_patch.registry
+
+    def fail():
+        raise exc
+
+    monkeypatch.setattr(rope_patch.registry, "list_schemes", fail)
+    assert main(["list"]) == code
+    assert message in error_line(capsys)
+
+
+@pytest.mark.parametrize("argv", [["--debug", "plot", "results", "nowhere.json"],
+                                  ["plot", "results", "nowhere.json", "--debug"]])
+def test_debug_raises_the_error(tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError, match="nowhere.json"):
+        main(argv)
+
+
+def test_debug_prints_the_traceback_from_the_console(tmp_path):
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "rope_patch.cli", *argv], capture_output=True, text=True,
+                              cwd=tmp_path)
+
+    debug = run("--debug", "plot", "decay", "--schemes", "yran:8")
+    assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+    assert "Did you mean 'yarn'" in debug.stderr
+
+
+def sweep_argv(tmp_path, *tasks):
+    from conftest import tiny_config
+
+    tiny_config("llama").save_pretrained(tmp_path / "m")
+    return ["sweep", "--model", str(tmp_path / "m"), "--tasks", *tasks, "--out", str(tmp_path / "out")]
+
+
+def test_sweep_unknown_rope_task_did_you_mean(tmp_path, capsys):
+    assert main(sweep_argv(tmp_path, "rope_passkey", "rope_pasky")) == 2
+    line = error_line(capsys)
+    assert "Unknown task 'rope_pasky'" in line and "Did you mean 'rope_passkey'?" in line
+    assert not (tmp_path / "out").exists()  # nothing created, nothing run
+
+
+@pytest.mark.slow
+def test_sweep_unknown_lm_eval_task_did_you_mean(tmp_path, capsys):
+    """Checked against lm-eval's own task index (built in ~10-20 s)."""
+    pytest.importorskip("lm_eval")
+    assert main(sweep_argv(tmp_path, "rope_ppl", "no_such_task")) == 2
+    line = error_line(capsys)
+    assert "Unknown task 'no_such_task'" in line and "Did you mean" in line and "ls tasks" in line
+    assert main(sweep_argv(tmp_path, "arc_easyy")) == 2
+    assert "Did you mean 'arc_easy'?" in error_line(capsys)
