@@ -88,7 +88,11 @@ def run(args) -> int:
     previous = None
     if args.resume:
         if (out / "compare.json").is_file():
-            previous = load_results(out / "compare.json")
+            try:
+                previous = load_results(out / "compare.json")
+            except ValueError as err:  # not JSON, or another format
+                raise ValueError(f"cannot resume from {out / 'compare.json'}: {err} Move it away, or drop --resume "
+                                 "to start over.") from None
             console.print(f"Resuming: {len(previous['schemes'])} finished scheme(s) in {out / 'compare.json'}")
         else:
             console.print(f"Nothing to resume in {out} (no compare.json): starting from the beginning.")

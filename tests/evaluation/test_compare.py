@@ -250,6 +250,13 @@ def test_resume_refuses_other_settings(saved, tmp_path, capsys):
     assert "seed 0 -> 1" in line and "without --resume" in line
 
 
+def test_resume_from_a_broken_file_is_one_line(saved, tmp_path, evaluations, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "compare.json").write_text('{"format": "rope_patch.compare/1", "schem')
+    assert main(compare_argv(saved, tmp_path / "out", extra=["--resume"])) == 2
+    assert "cannot resume from" in one_line(capsys.readouterr().err) and evaluations[0] == []
+
+
 def test_resume_reuses_cells_and_equals_a_fresh_run(setup, evaluations):
     """Cell level: a new length and a new scheme run alone; the result equals one run of everything."""
     model, tok, ids = setup
