@@ -35,6 +35,8 @@ and evaluates only the scheme x length cells that are missing (`run_compare(...,
 
 from __future__ import annotations
 
+import contextlib
+
 import csv
 import io
 import json
@@ -46,27 +48,45 @@ from pathlib import Path
 
 import torch
 
+from ..api import original_config
 from ..specs import parse_scheme_spec, scheme_label
+from ..target import find_target
 from .common import read_tokens, versions
 from .perplexity import evaluate_perplexity, perplexity_work
 from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell
 
 FORMAT = "rope_patch.compare/1"
 DEFAULT_SCHEMES = ("default", "linear:4", "ntk:8", "dynamic:4", "yarn:8", "llama3:8")
+# The model as loaded, no patch: the baseline row. Added first on a checkpoint that ships with scaling (Llama 3.x
+# `llama3`, Qwen/gpt-oss `yarn`, Phi-3 `longrope`), where `default` is unscaled RoPE, not the model people run.
+AS_LOADED = "loaded"
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 
 
-def _label(spec: str) -> str:
+def _shipped_scaling(model) -> str | None:
+    """The rope_type a checkpoint ships with when it is a scaling, else None."""
+    return next(iter(find_target(model).contexts().values())).shipped_scaling
+
+
+def _row_label(spec: str, scheme, shipped: str | None) -> str:
+    if scheme is None:
+        return f"as loaded ({shipped or 'RoPE'})"
+    if shipped and scheme.name == "default":
+        return "unscaled RoPE" + (f" θ={scheme.rope_theta:g}" if scheme.rope_theta is not None else "")
     return scheme_label(spec)
 
 
 def parse_schemes(specs: Sequence[str]) -> list[tuple[str, object]]:
-    """Validate every spec before anything runs: [(spec, Scheme)]; ValueError/TypeError name the bad spec."""
+    """Validate every spec before anything runs: [(spec, Scheme or None for `loaded`)]; ValueError/TypeError name
+    the bad spec."""
     out, seen = [], set()
     for spec in specs:
         if spec in seen:
             raise ValueError(f"Scheme {spec!r} is listed twice.")
         seen.add(spec)
+        if spec == AS_LOADED:
+            out.append((spec, None))
+            continue
         try:
             out.append((spec, parse_scheme_spec(spec)))
         except (ValueError, TypeError) as err:
@@ -82,6 +102,8 @@ def check_schemes(model, parsed: Sequence[tuple[str, object]]) -> None:
 
     kind = getattr(model.config, "model_type", None) or type(model).__name__
     for spec, scheme in parsed:
+        if scheme is None:  # the model as loaded
+            continue
         try:
             with rope_patch.patched(model, scheme):
                 pass
@@ -166,6 +188,9 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     import rope_patch
 
     parsed = parse_schemes(schemes)
+    shipped = _shipped_scaling(model)
+    if shipped and AS_LOADED not in [spec for spec, _ in parsed]:
+        parsed.insert(0, (AS_LOADED, None))
     lengths = sorted(set(int(x) for x in lengths))
     passkey_lengths = lengths if passkey_lengths is None else sorted(set(int(x) for x in passkey_lengths))
     if token_ids is None:
@@ -175,7 +200,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     n_tokens = ppl_tokens if ppl_tokens is not None else windows_at_longest * lengths[-1]
     if n_tokens > len(token_ids):
         raise ValueError(f"The held-out text has {len(token_ids)} tokens; {n_tokens} requested for perplexity.")
-    window = int(getattr(model.config, "max_position_embeddings", 0)) or None
+    # the window the model was trained on (a shipped-scaling checkpoint's pre-training window): buckets, stars
+    window = find_target(model).pretraining_window
     check_schemes(model, parsed)
     check_passkey_prompts(tokenizer, token_ids, passkey_lengths, depths, seed)
 
@@ -202,15 +228,18 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     t_all = time.perf_counter()
     for spec, scheme in parsed:
         t0 = time.perf_counter()
-        label = _label(spec)
+        label = _row_label(spec, scheme, shipped)
 
         def tick(n, _label=label):
             if progress is not None:
                 progress(n, _label)
 
-        with rope_patch.patched(model, scheme):
+        with rope_patch.patched(model, scheme) if scheme is not None else contextlib.nullcontext():
             applied = rope_patch.current(model)
-            name, params = applied.name, _json_params(applied.params())
+            if applied is None:
+                name, params = AS_LOADED, _json_params(original_config(model)["rope_parameters"])
+            else:
+                name, params = applied.name, _json_params(applied.params())
             done = _reusable(resume, spec, params)
             todo_ppl = [L for L in lengths if L not in done["ppl"]]
             if lengths[-1] not in todo_ppl and lengths[-1] not in done["buckets"]:
@@ -545,8 +574,7 @@ def rich_table(result: dict):
     table.add_column("scheme")
     for L in lengths:
         table.add_column(f"{L}" + (" *" if window and L > window else ""), justify="right")
-    base = {r["length"]: r["perplexity"] for r in result["records"] if r["name"] == "default"
-            and r["scheme"] == result["schemes"][0]["spec"]}
+    base = {r["length"]: r["perplexity"] for r in result["records"] if r["scheme"] == result["schemes"][0]["spec"]}
     ref = min((v for v in base.values() if v), default=None)
     for sch in result["schemes"]:
         cells = []

@@ -279,3 +279,22 @@ def test_on_scheme_sees_each_finished_scheme(setup):
     run_compare(model, tok, SCHEMES, [32], passkey_lengths=[], windows_at_longest=1, token_ids=ids,
                 on_scheme=lambda r: snapshots.append((len(r["schemes"]), list(r["pending"]))))
     assert snapshots == [(1, SCHEMES[1:]), (2, SCHEMES[2:]), (3, [])]
+
+
+def test_shipped_scaling_baseline_is_the_model_as_loaded(setup):
+    """On a checkpoint that ships with scaling the first row is the model as loaded, labelled with its rope type,
+    and `default` is labelled unscaled RoPE (it throws the shipped scaling away)."""
+    _, tok, ids = setup
+    model = tiny_model("llama", max_position_embeddings=128, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    with pytest.warns(UserWarning, match="shipped window"):
+        res = run_compare(model, tok, ["default", "yarn:8"], [32, 64], passkey_lengths=[], windows_at_longest=1,
+                          token_ids=ids, model_spec="llama3-shipped")
+    assert [(s["spec"], s["label"]) for s in res["schemes"]] == [
+        ("loaded", "as loaded (llama3)"), ("default", "unscaled RoPE"), ("yarn:8", "yarn×8")]
+    assert res["model"]["window"] == 32  # the pre-training window: buckets and the "beyond" marks
+    loaded = {r["length"]: r["perplexity"] for r in res["records"] if r["scheme"] == "loaded"}
+    plain = run_compare(model, tok, ["loaded"], [32, 64], passkey_lengths=[], windows_at_longest=1, token_ids=ids)
+    assert loaded == {r["length"]: r["perplexity"] for r in plain["records"]}
+    assert res["schemes"][0]["params"]["rope_type"] == "llama3" and rope_patch.current(model) is None
