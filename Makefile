@@ -24,7 +24,7 @@ demo: $(STAMP)
 		--lengths 256 512 1024 2048 --out results/
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
