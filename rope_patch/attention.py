@@ -59,7 +59,8 @@ STATE = "_rope_patch_attn"  # attribute on each attention module of a patched mo
 BLOCK_ELEMENTS = 1 << 22
 FAST_BLOCK: int | None = None  # query rows per block on the fused fast path; None: the scheme's choice
 # flex_attention through torch.compile (transformers' compiled singleton), as transformers' own flex backend does.
-# False runs flex eagerly: exact, but it materialises the scores (debugging / tests on CPU only).
+# False runs flex eagerly: exact, but it materialises the scores (debugging / tests on CPU, where the compiled kernel
+# is refused at apply(): schemes/common.py).
 FLEX_COMPILE = True
 FLASH_DEVICES = ("cuda",)  # devices on which flash_attn's kernels run
 
@@ -340,9 +341,7 @@ def flex_call(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blo
 
     kwargs = dict(score_mod=mod, block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1],
                   **get_flex_attention_lse_kwargs(lse))
-    if FLEX_COMPILE and q.device.type == "cpu":
-        result = _cpu_compiled_flex()(q, k, v, **kwargs)
-    elif FLEX_COMPILE:
+    if FLEX_COMPILE:
         result = compile_friendly_flex_attention(q, k, v, training=call.module.training, **kwargs)
     else:
         result = flex_attention(q, k, v, **kwargs)
@@ -351,21 +350,6 @@ def flex_call(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blo
     out, aux = result
     aux_lse = getattr(aux, "lse", aux)  # torch ≥ 2.9: AuxOutput(lse=...); before: the tensor itself
     return out.float(), aux_lse.float()
-
-
-_CPU_FLEX = []  # the compiled function, made on first use
-
-
-def _cpu_compiled_flex():
-    """flex_attention compiled with static shapes for CPU. torch 2.13's CPU inductor miscompiles flex once a second
-    score_mod or a new length makes dynamo recompile with dynamic shapes (C++ error "'cur_kvSplitSize0' was not
-    declared", also with transformers' own flex backend); static shapes compile each shape on its own, and past
-    dynamo's recompile limit it runs unfused (exact, slower)."""
-    if not _CPU_FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _CPU_FLEX.append(torch.compile(flex_attention, dynamic=False))
-    return _CPU_FLEX[0]
 
 
 def causal_block_mask(call: Call):

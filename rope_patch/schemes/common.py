@@ -120,14 +120,19 @@ class AttentionScheme(Scheme):
         if type(scores).flex is attention.ScoreMod.flex:
             raise ValueError(f"{self.name}: has no flex_attention form (its scores define no `flex`). Use "
                              "model.set_attn_implementation('sdpa') before rope_patch.apply.")
-        if scores.flex_lse and attention.FLEX_COMPILE and device.type == "cpu":
-            # torch's compiled CPU flex kernel refuses return_lse ("torch.compile on CPU only supports inference and
-            # `return_lse` is not supported yet", torch 2.13); eager flex would materialise every score.
+        if attention.FLEX_COMPILE and device.type == "cpu":
+            # torch 2.13's compiled CPU flex kernel refuses return_lse ("torch.compile on CPU only supports inference
+            # and `return_lse` is not supported yet"), fails to compile once recompiles make shapes dynamic (C++
+            # error "'cur_kvSplitSize0' was not declared", transformers' own flex backend too), and with static
+            # shapes returned NaN after a few recompiles in one process. Eager flex would materialise every score.
+            why = ("merges two flex_attention calls by their log-sum-exp, which torch's compiled CPU flex kernel does "
+                   "not return ('return_lse is not supported yet' on CPU)" if scores.flex_lse else
+                   "would run through torch's compiled CPU flex kernel, which miscompiles score_mods that change "
+                   "between calls (C++ compile errors, NaN outputs after recompiles)")
             raise ValueError(
-                f"{self.name}: on the 'flex_attention' backend this scheme merges two flex_attention calls by their "
-                "log-sum-exp, which torch's compiled CPU flex kernel does not return (torch "
-                f"{torch.__version__}: 'return_lse is not supported yet' on CPU); found the model on {device}. Use "
-                "model.set_attn_implementation('sdpa') on CPU (the memory-lean blocked path), or run on CUDA."
+                f"{self.name}: on the 'flex_attention' backend this scheme {why}; torch {torch.__version__}, found the "
+                f"model on {device}. Use model.set_attn_implementation('sdpa') on CPU (the memory-lean blocked path, "
+                "exact), or run flex_attention on CUDA."
             )
 
     def _check_flash(self, scores: attention.ScoreMod, device: torch.device) -> None:
