@@ -7,7 +7,7 @@ has nothing to fix. This script measures both on the saved model and exits non-z
 - passkey accuracy at 256 tokens >= 90% (greedy decoding, exact match of the first generated number);
 - held-out perplexity at 1024 tokens >= 1.5 x perplexity at 256 (non-overlapping windows, same tokens).
 
-    python recipes/check_tiny.py [--model models/rope-tiny] [--heldout eval/data/heldout.txt]
+    python recipes/check_tiny.py [--model rope_patch/data/rope-tiny] [--heldout rope_patch/data/heldout.txt]
 
 ``recipes/pretrain_tiny.py`` imports the two measurements from here for the model card.
 """
@@ -79,8 +79,8 @@ def passkey_accuracy(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="models/rope-tiny")
-    parser.add_argument("--heldout", default="eval/data/heldout.txt")
+    parser.add_argument("--model", default="rope_patch/data/rope-tiny")
+    parser.add_argument("--heldout", default="rope_patch/data/heldout.txt")
     parser.add_argument("--samples", type=int, default=50, help="passkey prompts per length")
     parser.add_argument("--tokens", type=int, default=65536, help="held-out tokens scored (divisible by 8 x window)")
     args = parser.parse_args()

@@ -98,7 +98,7 @@ SCHEMA: dict = {
 }
 POSE_SCHEMA = {"target_length": REQUIRED, "n_chunks": 2}
 EVAL_SCHEMA = {
-    "heldout": "eval/data/heldout.txt",  # text never trained on (Persuasion for rope-tiny)
+    "heldout": "rope_patch/data/heldout.txt",  # text never trained on (Persuasion for rope-tiny)
     "perplexity_lengths": [],
     "perplexity_tokens": 16384,  # every length scores the same first tokens of the held-out text
     "passkey_lengths": [],

@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
                    help="perplexity windows at the longest length; every length reads the same N x longest tokens "
                    "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="passkey seed (default: %(default)s)")
-    p.add_argument("--heldout", default=None, help="held-out text (default: eval/data/heldout.txt)")
+    p.add_argument("--heldout", default=None, help="held-out text (default: rope_patch/data/heldout.txt)")
     p.add_argument("--dtype", default="float32", help="model dtype (default: %(default)s)")
     p.add_argument("--threads", type=positive, default=None, metavar="N",
                    help="torch threads, >= 1 (default: the cores not busy with other work, from the load average; "

@@ -80,14 +80,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--windows", type=positive, default=d["windows"], metavar="N",
                    help="perplexity reads N x the longest length tokens at every length (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d["seed"], help="passkey / niah seed (default: %(default)s)")
-    p.add_argument("--heldout", default=None, help="held-out text (default: eval/data/heldout.txt)")
+    p.add_argument("--heldout", default=None, help="held-out text (default: rope_patch/data/heldout.txt)")
     p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra --model_args for every scheme (dtype=..., max_length=..., adapter=...)")
     p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="extra lm-eval --metadata")
     p.add_argument("--limit", type=real(above=0.0), default=None,
                    help="lm-eval --limit (per task): a count, or a fraction of the task when below 1")
     p.add_argument("--batch-size", default="1", help="lm-eval --batch_size (default: %(default)s)")
-    p.add_argument("--include-path", default=None, help="task folder (default: the repository's eval/tasks)")
+    p.add_argument("--include-path", default=None, help="task folder (default: the repository's rope_patch/data/tasks)")
     p.add_argument("--launcher", default=None, metavar="CMD",
                    help='run each scheme under a launcher, e.g. "torchrun --nproc_per_node 2" (CPU: also set '
                    "ACCELERATE_USE_CPU=true) or \"accelerate launch\"")
@@ -162,7 +162,7 @@ def plan(args) -> dict:
         if absent:
             raise ValueError(f"No task YAML for {', '.join(absent)} in {include}: the rope_* tasks exist for lengths "
                              "64, 128, ..., 131072 (powers of two); add others to LADDER in "
-                             "eval/tasks/rope/rope_tasks_utils.py and run eval/tasks/rope/make_tasks.py.")
+                             "rope_patch/data/tasks/rope/rope_tasks_utils.py and run rope_patch/data/tasks/rope/make_tasks.py.")
     check_task_names([t for t in tasks if not family(t)[0]], include)
     from .models import model_name
 

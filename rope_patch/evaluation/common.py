@@ -10,25 +10,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-DEFAULT_HELDOUT = "eval/data/heldout.txt"
+from .. import resources
+
 # Bytes of fp32 logits materialised at once when computing a loss (the full 16k x 49152 logits are 3.2 GB).
 LOGITS_BUDGET_BYTES = 256 << 20
 
 
 def find_heldout(path: str | Path | None = None) -> Path:
-    """The held-out text: `path` if given, else eval/data/heldout.txt in the current directory or the checkout."""
+    """The held-out text: `path` if given, else the one shipped with the package (rope_patch/data/heldout.txt)."""
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_file():
             raise FileNotFoundError(f"Held-out text {p} does not exist.")
         return p
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        p = root / DEFAULT_HELDOUT
-        if p.is_file():
-            return p
-    raise FileNotFoundError(
-        f"No held-out text found ({DEFAULT_HELDOUT} in the current directory or the checkout); pass --heldout PATH."
-    )
+    p = resources.heldout_text()
+    if p.is_file():
+        return p
+    raise FileNotFoundError(f"The held-out text shipped with rope_patch ({p}) is missing from this install; pass --heldout PATH.")
 
 
 def read_tokens(tokenizer, path: str | Path | None = None, max_tokens: int | None = None) -> tuple[list[int], dict]:

@@ -30,11 +30,13 @@ def test_local_path_and_env_override(saved, monkeypatch, tmp_path):
         resolve_model_path("tiny")
 
 
-def test_tiny_is_found_from_the_checkout(monkeypatch, tmp_path):
+def test_tiny_is_the_package_data_whatever_the_cwd(monkeypatch, tmp_path):
     monkeypatch.delenv(models.TINY_ENV, raising=False)
-    monkeypatch.chdir(tmp_path)  # not from the cwd: from the package's own checkout
-    candidates = models.tiny_candidates()
-    assert candidates[0] == models.Path(models.__file__).resolve().parent.parent / "models" / "rope-tiny"
+    monkeypatch.chdir(tmp_path)  # not from the cwd: from the package itself (a wheel install ships it too)
+    assert models.tiny_candidates() == [models.Path(models.__file__).resolve().parent / "data" / "rope-tiny"]
+    assert resolve_model_path("tiny") == models.tiny_candidates()[0]
+    monkeypatch.setenv(models.TINY_ENV, str(tmp_path))  # the user's own path wins
+    assert models.tiny_candidates()[0] == tmp_path
 
 
 def test_errors(monkeypatch, tmp_path):

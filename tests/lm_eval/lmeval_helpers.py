@@ -19,14 +19,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[2]
-TASKS = REPO / "eval" / "tasks"
+TASKS = REPO / "rope_patch" / "data" / "tasks"
 WINDOW = 64
 BOS, EOS = "<|bos|>", "<|eos|>"
 
 
 def prose(n_words: int = 6000, seed: int = 0) -> str:
     """The repository's held-out text when present, else deterministic pseudo-prose (with digits)."""
-    held = REPO / "eval" / "data" / "heldout.txt"
+    held = REPO / "rope_patch" / "data" / "heldout.txt"
     if held.is_file():
         return held.read_text(encoding="utf-8")[:60_000]
     rng = random.Random(seed)
@@ -67,7 +67,7 @@ def metadata(assets, **extra) -> dict:
 
 
 def evaluate(model, tasks, assets, model_args=None, meta=None, include_path=None, **kw):
-    """lm_eval.simple_evaluate with the repository's eval/tasks (not lm-eval's own ~15 s task index) and the tiny
+    """lm_eval.simple_evaluate with the repository's rope_patch/data/tasks (not lm-eval's own ~15 s task index) and the tiny
     assets; samples are logged."""
     import lm_eval
     from lm_eval.tasks import TaskManager

@@ -1,4 +1,4 @@
-"""The offline task suite (eval/tasks/rope): scoring end to end, equality with `rope-patch compare`, determinism."""
+"""The offline task suite (rope_patch/data/tasks/rope): scoring end to end, equality with `rope-patch compare`, determinism."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_documents_are_deterministic_and_exact(assets):
 
 
 def test_task_files_are_generated(assets):
-    """eval/tasks/rope/*.yaml are what make_tasks.py writes (edit the templates / make_tasks.py, then rerun it)."""
+    """rope_patch/data/tasks/rope/*.yaml are what make_tasks.py writes (edit the templates / make_tasks.py, then rerun it)."""
     import make_tasks
 
     for name, text in make_tasks.files().items():
@@ -153,9 +153,9 @@ def test_ruler_offline_tasks_run(tmp_path_factory):
 
     from lmeval_helpers import REPO, tiny_llama, train_tokenizer
 
-    held = REPO / "eval" / "data" / "heldout.txt"
+    held = REPO / "rope_patch" / "data" / "heldout.txt"
     if not held.is_file():
-        pytest.skip("needs eval/data/heldout.txt to train a 4,000-token tokenizer")
+        pytest.skip("needs rope_patch/data/heldout.txt to train a 4,000-token tokenizer")
     root = tmp_path_factory.mktemp("ruler")
     tok = train_tokenizer(held.read_text(encoding="utf-8"), vocab_size=4000)
     tiny_llama(tok).save_pretrained(root)

@@ -25,10 +25,10 @@ def load_recipe():
     return sys.modules["finetune_lora"]
 
 
-def make_model_dir(path: Path, *, tie: bool = False, seed: int = 0) -> Path:
+def make_model_dir(path: Path, *, tie: bool = False, seed: int = 0, window: int = WINDOW) -> Path:
     """A 2-layer Llama (window 32, head_dim 16, vocab 64) + tokenizer, saved with save_pretrained."""
     cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=64, max_position_embeddings=WINDOW, pad_token_id=0,
+                               num_key_value_heads=2, vocab_size=64, max_position_embeddings=window, pad_token_id=0,
                                bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")

@@ -49,7 +49,7 @@ def test_adapter_rebuilds_the_native_form_from_its_base(tmp_path, capsys):
 
 def test_non_native_scheme_is_a_clear_error(tmp_path, capsys):
     model = tiny_model()
-    rope_patch.apply(model, "p_rope", partial_rotary_factor=0.5)
+    rope_patch.apply(model, "dynamic_yarn", factor=4)  # no native form (p_rope is transformers' proportional)
     rope_patch.save_pretrained(model, tmp_path)
     code, out, err = _run(capsys, tmp_path)
     assert code == 2 and out == ""

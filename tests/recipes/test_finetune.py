@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from recipe_helpers import ROOT, load_recipe, make_model_dir, make_text, tiny_cfg
+from recipe_helpers import ROOT, WINDOW, load_recipe, make_model_dir, make_text, tiny_cfg
 from transformers import AutoModelForCausalLM
 
 import rope_patch
@@ -184,7 +183,9 @@ def shrink(cfg: dict, assets, out: Path) -> dict:
         cfg["pose"]["target_length"] = int(target * scale)
     if cfg["rope_patch"] and "original_max_position_embeddings" in cfg["rope_patch"]:
         rp = cfg["rope_patch"]
-        rp["original_max_position_embeddings"] = max(8, int(rp["original_max_position_embeddings"] * scale))
+        rp["original_max_position_embeddings"] = original = max(8, int(rp["original_max_position_embeddings"] * scale))
+        if original > WINDOW:  # a tiny model pre-trained on that window: an original above the model's is refused
+            cfg["model"] = str(make_model_dir(out.parent / f"model_w{original}", window=original))
     return cfg
 
 

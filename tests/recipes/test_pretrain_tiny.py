@@ -11,7 +11,7 @@ import yaml
 from recipe_helpers import ROOT
 from transformers import AutoTokenizer
 
-TINY = ROOT / "models" / "rope-tiny"
+TINY = ROOT / "rope_patch" / "data" / "rope-tiny"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def pretrain():
 @pytest.fixture(scope="module")
 def sampler_parts():
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    text = (ROOT / "eval" / "data" / "heldout.txt").read_text(encoding="utf-8")[:200_000]
+    text = (ROOT / "rope_patch" / "data" / "heldout.txt").read_text(encoding="utf-8")[:200_000]
     return tokenizer, tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -1,6 +1,6 @@
-"""Write the per-length task YAMLs and the group YAMLs of eval/tasks/rope (run from anywhere; idempotent).
+"""Write the per-length task YAMLs and the group YAMLs of rope_patch/data/tasks/rope (run from anywhere; idempotent).
 
-    python eval/tasks/rope/make_tasks.py
+    python rope_patch/data/tasks/rope/make_tasks.py
 """
 
 from __future__ import annotations

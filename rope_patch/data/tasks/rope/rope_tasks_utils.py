@@ -1,6 +1,6 @@
 """Offline, deterministic long-context tasks for lm-eval: `rope_passkey_{L}`, `rope_ppl_{L}`, `rope_niah_{L}`.
 
-Used with `--include_path eval/tasks` (the `rope-patch-lm-eval` script adds it when it is missing). Every
+Shipped as package data; `rope-patch-lm-eval` adds `--include_path` for them when it is missing. Every
 document is generated here from the held-out text and a seed, measured in the model's own tokens: the tokenizer
 comes from the model arguments (`pretrained`: `tiny`, `smollm2` or a folder), or from `--metadata tokenizer=...`.
 
@@ -11,7 +11,7 @@ Settings (`--metadata key=value ...` or a JSON object; defaults are those of `ro
 | `depths` | compare's ([0.1, 0.5, 0.9]) | needle depths (passkey, niah) |
 | `samples` | compare's (4) | prompts per (length, depth) cell (passkey, niah) |
 | `seed` | compare's (0) | passkey / niah seed (the cell seeds of `rope_patch.evaluation.retrieval.cell_seed`) |
-| `heldout` | eval/data/heldout.txt | the text: filler, haystack, perplexity windows |
+| `heldout` | rope_patch/data/heldout.txt | the text: filler, haystack, perplexity windows |
 | `ppl_tokens` | `windows` x L | tokens of the text read at length L (`rope-patch compare` reads windows x the *longest* length at every length: pass `ppl_tokens` to match it) |
 | `windows` | compare's `windows_at_longest` | windows at length L when `ppl_tokens` is not given |
 | `niah_keys` | 4 | needles per niah prompt (one asked, the others distractors) |
