@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -19,6 +21,9 @@ from .schemes.base import Scheme
 from .specs import parse_spec
 from .target import Target, find_target
 from .undo import UndoLog
+
+M = TypeVar("M", bound=nn.Module)  # apply/remove return the object they were given (a peft wrapper stays one)
+SchemeLike = str | Scheme | type[Scheme]  # a name or spec string ("yarn:4"), a Scheme, or a Scheme class
 
 STATE = "rope_patch"  # child module of the rotary module holding the applied patch
 
@@ -42,7 +47,7 @@ def _original(target: Target) -> dict:
     return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": cfg.max_position_embeddings}
 
 
-def as_scheme(scheme, **params) -> Scheme:
+def as_scheme(scheme: SchemeLike, **params: Any) -> Scheme:
     """A `Scheme` from a name or spec string (`"yarn"`, `"yarn:4"`, `"self_extend:group_size=4,window_size=1024"`,
     the grammar of the command line) plus keyword parameters, or a `Scheme` object as it is."""
     if isinstance(scheme, Scheme):
@@ -73,7 +78,7 @@ def _detach(target: Target) -> None:
     target.rotary._modules.pop(STATE, None)
 
 
-def apply(model, scheme="default", **params):
+def apply(model: M, scheme: SchemeLike = "default", **params: Any) -> M:
     """Patch the position encoding of this one model instance; returns `model` (unchanged wrapper).
 
     `scheme` is a registered name (see `list_schemes()`), a spec string such as `"yarn:4"`, or a `Scheme`; `params`
@@ -83,7 +88,7 @@ def apply(model, scheme="default", **params):
     return _apply(model, as_scheme(scheme, **params), temporary=False)
 
 
-def _apply(model, new: Scheme, *, temporary: bool):
+def _apply(model: M, new: Scheme, *, temporary: bool) -> M:
     """`apply`; `temporary` (patched()): the previous patch comes back afterwards, so its tables are not lost."""
     target = find_target(model)
     old = _state(target)
@@ -130,7 +135,7 @@ def _carry_tables(model, trained: dict[str, nn.Module], *, keep: bool) -> None:
     )
 
 
-def remove(model):
+def remove(model: M) -> M:
     """Undo the patch exactly (logits bit-identical to before `apply`); a no-op on an unpatched model.
 
     The model's modules get their original config object back, with the changes the user made to `model.config`
@@ -143,14 +148,14 @@ def remove(model):
     return model
 
 
-def original_config(model) -> dict:
+def original_config(model: nn.Module) -> dict:
     """`rope_parameters` and `max_position_embeddings` of the model as it was before any patch."""
     target = find_target(model)
     state = _state(target)
     return copy.deepcopy(state.original) if state is not None else _original(target)
 
 
-def context_window(model) -> int:
+def context_window(model: nn.Module) -> int:
     """The number of positions the (patched) model is meant to serve: the scheme's extended window (factor × the
     pre-training window), else `config.max_position_embeddings`. Equal to `model.config.max_position_embeddings`
     except for `dynamic`, whose config keeps transformers' native form (scaling starts at max_position_embeddings)."""
@@ -161,13 +166,13 @@ def context_window(model) -> int:
     return int(target.config.max_position_embeddings)
 
 
-def current(model) -> Scheme | None:
+def current(model: nn.Module) -> Scheme | None:
     """The applied scheme (with model-derived defaults filled in), or None."""
     state = _state(find_target(model))
     return None if state is None else state.scheme
 
 
-def patch_modules(model) -> dict[str, nn.Module]:
+def patch_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Modules the applied scheme attached (learned position tables, bias tables), by qualified name in `model`'s
     unwrapped form; empty for frequency schemes."""
     target = find_target(model)
@@ -198,7 +203,7 @@ def _in_effect(root: nn.Module, path: str, recorded: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def patched(model, scheme="default", **params):
+def patched(model: M, scheme: SchemeLike = "default", **params: Any) -> Iterator[M]:
     """`with patched(model, "yarn", factor=4): ...` applies, then restores what was there before (also on error)."""
     before = _state(find_target(model))
     _apply(model, as_scheme(scheme, **params), temporary=True)

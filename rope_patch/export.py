@@ -21,10 +21,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
-from .api import apply, as_scheme, current, original_config, patch_modules
+from .api import SchemeLike, apply, as_scheme, current, original_config, patch_modules
 from .schemes.base import Scheme
 from .specs import parse_scheme_spec
 from .target import RopeContext, find_target, unwrap
@@ -37,7 +39,7 @@ _FIX = ("Restore the folder from the original save, or load the model again and 
         "rope_patch.save_pretrained(model, dir).")
 
 
-def native_config(model) -> dict:
+def native_config(model: nn.Module) -> dict:
     """{"rope_parameters", "max_position_embeddings"} that make a plain transformers model equal the patched one.
 
     Raises ValueError for schemes without a native form (p_rope and the attention schemes)."""
@@ -52,7 +54,8 @@ def native_config(model) -> dict:
     return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": window}
 
 
-def to_rope_parameters(scheme, *, model=None, head_dim: int | None = None, rope_theta: float | None = None) -> dict:
+def to_rope_parameters(scheme: SchemeLike | None, *, model: nn.Module | None = None, head_dim: int | None = None,
+                       rope_theta: float | None = None) -> dict:
     """The transformers / vLLM `rope_parameters` dict of a scheme, or a ValueError where none exists.
 
     `scheme` is a Scheme, a name or a spec ("yarn:4"); or pass only `model=` for the scheme applied to it. Without a
@@ -102,7 +105,7 @@ def _require_native(scheme: Scheme) -> None:
         )
 
 
-def save_pretrained(model, save_directory, **kwargs) -> Path:
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> Path:
     """Save `model` (a patched model, or a peft model: then the adapter) plus `rope_patch.json`.
 
     Order: everything is computed first (a failure leaves the folder as it was); then the previous manifest is
@@ -150,7 +153,7 @@ def save_pretrained(model, save_directory, **kwargs) -> Path:
     return out
 
 
-def read_manifest(directory) -> dict | None:
+def read_manifest(directory: str | os.PathLike) -> dict | None:
     """The checked `rope_patch.json` of a folder written by `save_pretrained`, or None where there is none.
 
     Raises ValueError (naming the file and what to do) for a file that is not valid JSON (corrupt, truncated),
@@ -216,7 +219,8 @@ def read_manifest(directory) -> dict | None:
     return manifest
 
 
-def from_pretrained(path, *, base_model=None, model_class=None, **kwargs):
+def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | nn.Module | None = None,
+                    model_class: Any = None, **kwargs: Any) -> nn.Module:
     """Rebuild what `save_pretrained` wrote: base model (+ adapter) + patch (+ the patch's learned parameters).
 
     `base_model` (a path or a loaded model) overrides the adapter's recorded base. `kwargs` go to transformers'

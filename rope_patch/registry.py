@@ -18,7 +18,8 @@ def did_you_mean(name: str, options) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def register_scheme(cls: type[Scheme] | None = None, *, name: str | None = None, aliases=(), override=False):
+def register_scheme(cls: type[Scheme] | None = None, *, name: str | None = None, aliases: tuple[str, ...] = (),
+                    override: bool = False):
     """Register a `Scheme` subclass under `name` (default: `cls.name`) and `aliases`.
 
     Usable as `@register_scheme` or `register_scheme(MyScheme, name="mine")`. Re-registering a taken name raises

@@ -36,7 +36,6 @@ and evaluates only the scheme x length cells that are missing (`run_compare(...,
 from __future__ import annotations
 
 import contextlib
-
 import csv
 import io
 import json
