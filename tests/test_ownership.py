@@ -33,6 +33,7 @@ ALL = [
     ("self_extend", dict(group_size=2, window_size=8)),
     ("rerope", dict(window_size=8)),
     ("leaky_rerope", dict(window_size=8, factor=4)),
+    ("dca", dict(chunk_size=12, local_size=3)),
     ("relative_bias", dict(init="alibi")),
     ("sinusoidal", {}),
     ("learned_absolute", dict(max_position_embeddings=4 * WINDOW)),
