@@ -23,7 +23,7 @@ A scheme spec is `name`, `name:VALUE` (yarn:8 sets factor) or `name:key=value,..
 `rope-patch COMMAND --help` describes each command. Errors are one line (exit status 2); `rope-patch --debug
 COMMAND ...` shows the traceback instead."""
 
-SUBCOMMANDS = ["rope_patch.cli_compare", "rope_patch.cli_models", "rope_patch.cli_plot", "rope_patch.cli_export",
+SUBCOMMANDS = ["rope_patch.cli_compare", "rope_patch.cli_models", "rope_patch.cli_plot", "rope_patch.cli_explain", "rope_patch.cli_export",
                "rope_patch.cli_sweep"]  # (module path) each exposing add_parser(subparsers)
 
 

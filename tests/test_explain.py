@@ -1,0 +1,52 @@
+"""`rope_patch.analysis.explain` / `rope-patch explain`: the numbers the README's scheme guide quotes (d = 128,
+b = 10 000, L = 4096, a Llama-2-7B-like RoPE) come from this command."""
+
+from __future__ import annotations
+
+import pytest
+
+from rope_patch import analysis
+from rope_patch.cli import main
+
+LLAMA2 = dict(head_dim=128, rope_theta=10000.0, max_position_embeddings=4096)
+# scheme, field, value quoted in the README
+QUOTED = [
+    ("default", "turns", 46),
+    ("default", "decay_at_zero", 32.5),
+    ("default", "decay_max", 11.4),
+    ("default", "decay_mean", 5.3),
+    ("default:500000", "turns", 32),
+    ("default:500000", "longest_wavelength", 2.56e6),
+    ("linear:8", "decay_mean", 8.1),
+    ("yarn:8", "decay_mean", 6.5),
+    ("yarn:8", "unchanged", 21),
+    ("yarn:8", "interpolated", 18),
+    ("yarn:8", "attention_scaling", 1.208),
+    ("llama3:8", "unchanged", 36),
+]
+
+
+@pytest.mark.parametrize("spec,field,quoted", QUOTED, ids=[f"{s}-{f}" for s, f, _ in QUOTED])
+def test_guide_numbers(spec, field, quoted):
+    value = getattr(analysis.explain(spec, **LLAMA2), field)
+    assert value == pytest.approx(quoted, rel=0.01 if isinstance(quoted, float) else 0)
+
+
+def test_pairs_split_into_kept_interpolated_and_blended():
+    e = analysis.explain("yarn:8", **LLAMA2)
+    assert e.n_pairs == 64 and e.unchanged + e.interpolated < e.n_pairs  # the rest is YaRN's ramp
+    assert analysis.explain("linear:8", **LLAMA2).interpolated == 64
+    assert analysis.explain("default", **LLAMA2).interpolated is None
+
+
+def test_cli_prints_them(capsys):
+    assert main(["explain", "yarn:8", "llama3:8"]) == 0
+    out = capsys.readouterr().out
+    assert "pairs unchanged (θ′ = θ): 21 of 64" in out and "pairs fully interpolated (θ′ = θ/s): 18 of 64" in out
+    assert "pairs unchanged (θ′ = θ): 36 of 64" in out and "logits × 1.459" in out
+
+
+def test_cli_bad_spec_is_one_line(capsys):
+    assert main(["explain", "yarnn:8"]) == 2
+    err = capsys.readouterr().err
+    assert "Did you mean 'yarn'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
