@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # The parameter that the bare VALUE of `name:VALUE` sets; every other scheme: `factor`.
 _POSITIONAL = {"default": "rope_theta", "p_rope": "partial_rotary_factor", "alibi": "max_bias",
-               "self_extend": "group_size", "rerope": "window_size", "leaky_rerope": "window_size"}
+               "self_extend": "group_size", "rerope": "window_size", "leaky_rerope": "window_size", "string": "shift_size"}
 
 _FORMS = "Specs look like `yarn`, `yarn:8` or `yarn:factor=8,beta_fast=16`."
 

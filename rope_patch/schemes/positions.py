@@ -1,7 +1,7 @@
-"""Schemes that rotate keys with positions other than their own: Self-Extend, ReRoPE, leaky ReRoPE.
+"""Schemes that rotate keys with positions other than their own: Self-Extend, ReRoPE, leaky ReRoPE, STRING.
 
-All three split the (i, j) plane at a neighbour window W: for i − j < W the true positions (exact RoPE); beyond it q
-and k are rotated to other positions f_q(i), f_k(j). That needs the keys un-rotated, so the model's rotary is made
+All four split the (i, j) plane at a window W (for STRING its shift size, which plays that role below): for
+i − j < W the true positions (exact RoPE); beyond it q and k are rotated to other positions f_q(i), f_k(j). That needs the keys un-rotated, so the model's rotary is made
 the identity (the KV cache then holds raw keys) and both rotations happen inside the attention function
 ("deferred RoPE"), with the model's own rotary forward (inv_freq, attention_scaling) and `apply_rotary_pos_emb`.
 Models with one RoPE per layer type (Gemma 3: `sliding_attention` / `full_attention`) rotate each layer with its
@@ -45,6 +45,17 @@ class Affine:
             return torch.full_like(p, self.shift)
         scaled = attention.floor_div(p, self.divisor) if self.floor else p / self.divisor
         return scaled + self.shift if self.shift else scaled
+
+
+@dataclasses.dataclass(frozen=True)
+class Shift:
+    """Far positions p ↦ p + offset, integer in, integer out (STRING's query at i − S + W, its keys at j): the far
+    rotation then uses exactly the angles vanilla RoPE uses at those positions."""
+
+    offset: int
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        return p + self.offset if self.offset else p
 
 
 class TwoRegionScores(attention.ScoreMod):
@@ -181,9 +192,13 @@ class _Deferred(AttentionScheme):
     def far_positions(self) -> tuple[Positions, Positions]:
         raise NotImplementedError
 
+    def split(self) -> int:
+        """Where the far region starts: i − j ≥ split."""
+        return self.window_size
+
     def build(self, target):
         rotations, sliding = self.rotations(target)
-        return TwoRegionScores(rotations, self.window_size, *self.far_positions(), sliding), None
+        return TwoRegionScores(rotations, self.split(), *self.far_positions(), sliding), None
 
 
 @register_scheme
@@ -263,3 +278,64 @@ class LeakyReRope(_Deferred):
     def far_positions(self):
         w, k = self.window_size, self.factor
         return Affine(k, w - w / k), Affine(k, 0)
+
+
+def _string_size(name: str, key: str, value, what: str) -> int:
+    if value is None:
+        raise TypeError(f"{name}: missing required parameter `{key}` ({what}).")
+    low, high = check.WINDOW_RANGE
+    return check.integer(name, key, value, ge=low, le=high, hint=f"It counts tokens: {what}.")
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class String(_Deferred):
+    """STRING, ShifTed Rotary position embeddING (An et al. 2024, "Why Does the Effective Context Length of LLMs Fall
+    Short?", arXiv:2410.18745, §4; reference code HKUNLP/STRING `string_for_llama.py`): the relative distance
+    d = i − j is kept for d < S (`shift_size`) and replaced by d − S + W for d ≥ S (`window_size` W < S), so the
+    largest distances, the least trained ones (the left-skewed position frequency of the paper's §2), are never
+    used: far tokens reuse the well-trained distances W, W + 1, ... Realised on the two-region scores: near region
+    d < S at the true positions, far region with the query at i − S + W and the key at j (integer positions, so the
+    far logits are exactly vanilla RoPE's at those positions). The paper uses S between N/3 and N/2 for a test
+    length N and W = 128 … 512. The distances it uses reach N − 1 − S + W, so on its own it cannot keep them below
+    the training window L once N ≥ 2L − W (with S ≤ N/2): it improves the use of the window (N ≤ L); beyond the
+    window combine it with a frequency scheme. rope_patch applies one scheme at a time, so that means a checkpoint
+    whose config ships the scaling (Llama 3.1's `llama3`, a `yarn` config): STRING rotates with the model's own
+    frequencies.
+
+    Where rope_patch and the authors' code differ (read at 216cc2f0):
+    - The boundary d = S. The code's prefill runs a flash-attention band with `window_size=[S, 0]` (distances
+      0 … S at true positions) and a far part over keys j ≤ i − S (distances ≥ S, shifted query), merged by
+      log-sum-exp: the key at d = S is counted in both partial softmaxes. Its decode path splits the cache at
+      kv_len − S, putting d = S in the far part only. rope_patch follows the paper's formula and the decode path:
+      d = S is far, in prefill and decoding alike (so cached decoding equals recomputation).
+    - The code multiplies cos/sin by 0.1·ln 2 + 1 (a YaRN-style temperature, logits × ≈ 1.14; its comment: to
+      sharpen the attention map that STRING smooths). rope_patch does not scale: the model's own cos/sin (and
+      `attention_scaling`) are used unchanged.
+    - The code takes S as a ratio of the test length (`shifted_ratio` 0.5 in its NIAH script, int(0.33·L) in its
+      README); rope_patch takes S in tokens."""
+
+    name = "string"
+    aliases = ("shifted_rope",)
+    shift_size: int | None = None
+    window_size: int | None = None
+
+    def __post_init__(self):
+        n = self.name
+        self._set("shift_size", _string_size(n, "shift_size", self.shift_size,
+                                             "S: distances d ≥ S are replaced by d − S + W; ⅓ … ½ of the test length, "
+                                             "an S at least the sequence length is plain RoPE"))
+        self._set("window_size", _string_size(n, "window_size", self.window_size,
+                                              "W: the smallest distance far tokens are moved to, 128 … 512 in the paper"))
+        if self.shift_size <= self.window_size:
+            raise ValueError(
+                f"{n}: parameter `shift_size` must be larger than `window_size` (distances d ≥ S become d − S + W, "
+                f"which must be shorter than d), got shift_size={self.shift_size}, window_size={self.window_size}. "
+                "Raise shift_size (⅓ … ½ of the test length) or lower window_size (128 … 512)."
+            )
+
+    def split(self):
+        return self.shift_size
+
+    def far_positions(self):
+        return Shift(self.window_size - self.shift_size), Shift(0)

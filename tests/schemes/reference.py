@@ -39,6 +39,9 @@ def relative(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Te
     if scheme == "rope":
         return d
     w = p["window_size"]
+    if scheme == "string":  # An et al. 2024 (STRING) §4: d for d < S, d − S + W for d ≥ S
+        shift = p["shift_size"]
+        return torch.where(d < shift, d, d - shift + w)
     if scheme == "rerope":
         return torch.clamp(d, max=w)
     if scheme == "leaky_rerope":
@@ -81,7 +84,7 @@ def scores(scheme, p, model, layer_idx, q, k, pos, scale=None, layer_type=None):
     b, h, n, d = q.shape
     scale = d**-0.5 if scale is None else scale
     i, j = pos[:, :, None], pos[:, None, :]
-    if scheme in ("rope", "rerope", "leaky_rerope", "self_extend"):
+    if scheme in ("rope", "rerope", "leaky_rerope", "self_extend", "string"):
         r = relative(scheme, p, i, j)  # (b, L, L)
         ang = r[..., None] * inv_freq(model.config, d, layer_type)  # (b, L, L, d/2)
         cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()

@@ -28,9 +28,11 @@ SCHEMES = [
     ("rerope", {"window_size": 16}),
     ("leaky_rerope", {"window_size": 16, "factor": 4.0}),
     ("rerope", {"window_size": 40}),  # window > block: the fast path's four-way key split
+    ("string", {"shift_size": 20, "window_size": 6}),  # split S = 20 < block: the band path
+    ("string", {"shift_size": 40, "window_size": 16}),  # split S = 40 > block: the four-way key split
 ]
 IDS = [f"{s}-{i}" for i, (s, _) in enumerate(SCHEMES)]
-CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope"}  # run through rope_patch's attention
+CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string"}  # run through rope_patch's attention
 BACKENDS = ["eager", "sdpa"]
 
 
@@ -98,7 +100,8 @@ VANILLA_SETUPS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "sdpa"), ("ge
     ("self_extend", {"group_size": 1, "window_size": 8}),
     ("rerope", {"window_size": L}),
     ("leaky_rerope", {"window_size": 8, "factor": 1.0}),
-], ids=["se-window", "se-group1", "rerope-window", "leaky-k1"])
+    ("string", {"shift_size": L, "window_size": 8}),  # S ≥ the sequence length: no distance is shifted
+], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift"])
 def test_degenerate_settings_equal_vanilla_rope(scheme, params, arch, backend):
     """cohere rotates interleaved pairs: the model's own apply_rotary_pos_emb is reused, so it works too."""
     model = tiny_model(arch, attn_implementation=backend)
@@ -215,6 +218,16 @@ BAD = [
     ("rerope", {}, TypeError, "window_size"),
     ("rerope", dict(window_size=2.5), TypeError, "window_size"),
     ("leaky_rerope", dict(window_size=8, factor=0.5), ValueError, "factor"),
+    ("string", dict(shift_size=8, window_size=8), ValueError, "`shift_size` must be larger than `window_size`"),
+    ("string", dict(shift_size=4, window_size=16), ValueError, "`shift_size` must be larger than `window_size`"),
+    ("string", dict(window_size=8), TypeError, "missing required parameter `shift_size`"),
+    ("string", dict(shift_size=32), TypeError, "missing required parameter `window_size`"),
+    ("string", dict(shift_size=0, window_size=8), ValueError, r"`shift_size` must be an integer in \[1, 100000000\]"),
+    ("string", dict(shift_size=10**9, window_size=8), ValueError, r"`shift_size` must be an integer in \[1, 100000000\]"),
+    ("string", dict(shift_size=32, window_size=-1), ValueError, r"`window_size` must be an integer in \[1, 100000000\]"),
+    ("string", dict(shift_size=32.5, window_size=8), TypeError, "`shift_size` must be an integer"),
+    ("string", dict(shift_size=32, window_size=float("nan")), TypeError, "`window_size` must be an integer"),
+    ("string", dict(shift_size=32, window_size=8, shift_ratio=0.5), TypeError, "unknown parameter"),
     ("alibi", dict(max_bias=0), ValueError, "max_bias"),
     ("alibi", dict(slope=1), TypeError, "unknown parameter"),
     ("relative_bias", dict(init="xavier"), ValueError, "init"),
@@ -336,7 +349,8 @@ def test_sliding_window_layers_keep_their_window(scheme, params):
 
 
 @pytest.mark.parametrize("scheme,params", [("relative_bias", {}), ("learned_absolute", {"max_position_embeddings": 64}),
-                                           ("self_extend", {"group_size": 2, "window_size": 8})])
+                                           ("self_extend", {"group_size": 2, "window_size": 8}),
+                                           ("string", {"shift_size": 16, "window_size": 4})])
 def test_save_and_reload_keeps_scheme_and_learned_tables(scheme, params, tmp_path):
     model = patched_model("llama", "sdpa", scheme, params)
     ids, _ = batch(False, n=40)
@@ -344,3 +358,40 @@ def test_save_and_reload_keeps_scheme_and_learned_tables(scheme, params, tmp_pat
     again = rope_patch.from_pretrained(tmp_path).eval()
     assert rope_patch.current(again) == rope_patch.current(model)
     assert torch.equal(logits(again, ids), logits(model, ids))
+
+
+TWO_REGION = [(s, p) for s, p in SCHEMES if s in ("self_extend", "rerope", "leaky_rerope", "string")]
+
+
+@pytest.mark.parametrize("scheme,params", TWO_REGION, ids=[f"{s}-{i}" for i, (s, _) in enumerate(TWO_REGION)])
+def test_backward_is_finite_and_equal_on_eager_and_sdpa(scheme, params):
+    """Training through the deferred-RoPE schemes (left-padded batch: the materialised block path on sdpa): the
+    dense and the blocked function give the same loss and the same gradient for every weight, and all are finite."""
+    ids, kw = batch(True)
+    labels = ids.masked_fill(kw["attention_mask"] == 0, -100)
+    labels[0, PAD] = -100  # predicted by the last pad position, whose (fully masked) row is arbitrary
+    grads, losses = [], []
+    for backend in BACKENDS:
+        model = patched_model("llama", backend, scheme, params).train()
+        loss = model(ids, labels=labels, **kw).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert torch.isfinite(losses[0]) and (losses[0] - losses[1]).abs().item() <= 1e-5
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert g is not None and torch.isfinite(g).all(), name
+        assert (g - grads[1][name]).abs().max().item() <= 1e-5, name
+    assert any(g.abs().sum() > 0 for n, g in grads[0].items() if "q_proj" in n)  # attention is differentiated
+
+
+@pytest.mark.parametrize("spec", ["string:32,window_size=8", "self_extend:4,window_size=16", "rerope:16"])
+def test_two_region_schemes_have_no_native_rope_parameters(spec):
+    with pytest.raises(ValueError, match=r"no native transformers/vLLM `rope_parameters` form \(it changes attention\)"):
+        rope_patch.to_rope_parameters(spec)
+
+
+def test_string_spec_value_is_the_shift_size():
+    model = tiny_model("llama", attn_implementation="sdpa")
+    rope_patch.apply(model, "string:48,window_size=12")
+    assert rope_patch.current(model) == rope_patch.as_scheme("string", shift_size=48, window_size=12)

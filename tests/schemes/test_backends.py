@@ -29,6 +29,7 @@ FLEX = [
     ("self_extend", {"group_size": 4, "window_size": 16}, False),
     ("rerope", {"window_size": 16}, False),
     ("leaky_rerope", {"window_size": 16, "factor": 4.0}, False),
+    ("string", {"shift_size": 20, "window_size": 6}, False),
 ]
 FLEX_IDS = [s for s, *_ in FLEX]
 
@@ -165,13 +166,14 @@ FLASH_REFUSED = [
     ("relative_bias", {}, True, ("cuda", "cpu"), "cannot run this scheme"),
     ("self_extend", {"group_size": 2, "window_size": 8}, True, ("cuda", "cpu"), "cannot run this scheme"),
     ("rerope", {"window_size": 8}, True, ("cuda", "cpu"), "cannot run this scheme"),
+    ("string", {"shift_size": 16, "window_size": 4}, True, ("cuda", "cpu"), "cannot run this scheme"),
     ("alibi", {}, False, ("cuda", "cpu"), "needs the `flash_attn` package"),
     ("alibi", {}, True, ("cuda",), "found the model on cpu"),
 ]
 
 
 @pytest.mark.parametrize("scheme,params,installed,devices,words", FLASH_REFUSED,
-                         ids=["relative_bias", "self_extend", "rerope", "no-package", "cpu"])
+                         ids=["relative_bias", "self_extend", "rerope", "string", "no-package", "cpu"])
 def test_flash_refusals_name_scheme_backend_and_remedy(scheme, params, installed, devices, words, fake_flash,
                                                        monkeypatch):
     monkeypatch.setattr(attention, "FLASH_DEVICES", devices)
@@ -194,6 +196,7 @@ GEMMA3_SCHEMES = [
     ("self_extend", {"group_size": 4, "window_size": 12}),  # W ≥ S: sliding layers run as vanilla RoPE
     ("rerope", {"window_size": 6}),
     ("leaky_rerope", {"window_size": 12, "factor": 4.0}),
+    ("string", {"shift_size": 12, "window_size": 4}),  # S > sliding window: sliding layers run as vanilla RoPE
 ]
 GEMMA3_IDS = [f"{s}-{p['window_size']}" for s, p in GEMMA3_SCHEMES]
 
