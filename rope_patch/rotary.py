@@ -10,7 +10,11 @@ log). It is an object of a module-level class, not a closure, so a patched model
 2. Attention-side schemes that run through their own attention function check that the model still uses it: after
    `model.set_attn_implementation("sdpa")` the rotation is gone but the bias/regrouping would not run, i.e. the
    model would silently be NoPE. The next forward raises instead.
-3. The model's own rotary forward (the class's, with `dynamic_rope_update`), then for the attention-side schemes the
+3. Length-dependent schemes that transformers has no rope type for (`dynamic_yarn`) carry an `update`: an object
+   of a module-level class, called as `update(rotary, x, position_ids, layer_type)` before the class forward, that
+   installs the frequencies and `attention_scaling` for the current length on the rotary module (as transformers'
+   `dynamic_rope_update` does for its own dynamic types, without registering anything global).
+4. The model's own rotary forward (the class's, with `dynamic_rope_update`), then for the attention-side schemes the
    identity rotation cos = 1, sin = 0 (q·1 + rotate_half(q)·0 = q exactly): attention layers and the KV cache see
    un-rotated queries and keys.
 """
@@ -27,7 +31,7 @@ class BackendChanged(RuntimeError):
 
 class PatchedRotaryForward:
     def __init__(self, rotary: nn.Module, masters: dict[str, torch.Tensor], *, identity: bool, config=None,
-                 attn_implementation: str | None = None, allowed: tuple[str, ...] = (), scheme: str = ""):
+                 attn_implementation: str | None = None, allowed: tuple[str, ...] = (), scheme: str = "", update=None):
         self.rotary = rotary
         self.masters = masters  # buffer name -> float32 tensor the patch installed
         self.identity = identity
@@ -35,6 +39,7 @@ class PatchedRotaryForward:
         self.attn_implementation = attn_implementation  # the backend the patch set; None: any backend is fine
         self.allowed = allowed  # other names that run the patch too (its own functions for the other backends)
         self.scheme = scheme
+        self.update = update  # None, or called with (rotary, x, position_ids, layer_type) before each forward
 
     def __call__(self, x, position_ids, *args, **kwargs):
         rotary = self.rotary
@@ -54,6 +59,8 @@ class PatchedRotaryForward:
                     "without any position encoding. Re-apply the scheme for the new backend with "
                     "rope_patch.apply(model, rope_patch.current(model)), or call rope_patch.remove(model)."
                 )
+        if self.update is not None:
+            self.update(rotary, x, position_ids, args[0] if args else kwargs.get("layer_type"))
         cos, sin = type(rotary).forward(rotary, x, position_ids, *args, **kwargs)
         if not self.identity:
             return cos, sin

@@ -105,18 +105,18 @@ def test_install_failure_rolls_back(monkeypatch):
 # scheme, other params that make the scheme valid, parameter, range as the message states it, low, high, kind
 # kind: "float" (closed [low, high]), "open" ((low, high]), "int" ([low, high] integers), "list" (one entry of a
 # per-pair list; the message names `key[3]`).
-FREQUENCY = ["default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "p_rope"]
+FREQUENCY = ["default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "p_rope", "dynamic_yarn"]
 PAIRS = 8  # rotary pairs of the tiny models (head_dim 16)
 _NEEDS = {"linear": dict(factor=2), "ntk": dict(factor=2), "dynamic": dict(factor=2), "yarn": dict(factor=2),
           "llama3": dict(factor=2), "longrope": dict(factor=2, short_factor=[1.0] * PAIRS, long_factor=[1.0] * PAIRS),
-          "p_rope": dict(partial_rotary_factor=0.5)}
+          "p_rope": dict(partial_rotary_factor=0.5), "dynamic_yarn": dict(factor=2)}
 BOUNDS = [
     *[(s, _NEEDS.get(s, {}), "rope_theta", "(1, 1e+12]", 1.0, 1e12, "open") for s in FREQUENCY],
     *[(s, {k: v for k, v in _NEEDS[s].items() if k != "factor"}, "factor", "[1, 1024]", 1.0, 1024.0, "float")
-      for s in ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")],
+      for s in ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "dynamic_yarn")],
     ("ntk", {}, "alpha", "[1, 1024]", 1.0, 1024.0, "float"),
     *[(s, _NEEDS[s], "original_max_position_embeddings", "[1, 16777216]", 1, 1 << 24, "int")
-      for s in ("dynamic", "yarn", "llama3")],
+      for s in ("dynamic", "yarn", "llama3", "dynamic_yarn")],
     ("longrope", _NEEDS["longrope"], "original_max_position_embeddings", "[2, 16777216]", 2, 1 << 24, "int"),
     ("yarn", dict(factor=4), "beta_fast", "[0.0001, 10000]", 1e-4, 1e4, "float"),
     ("yarn", dict(factor=4), "beta_slow", "[0.0001, 10000]", 1e-4, 1e4, "float"),
@@ -137,6 +137,8 @@ BOUNDS = [
     ("rerope", {}, "window_size", "[1, 100000000]", 1, 100_000_000, "int"),
     ("leaky_rerope", dict(factor=16), "window_size", "[1, 100000000]", 1, 100_000_000, "int"),
     ("leaky_rerope", dict(window_size=8), "factor", "[1, 10000]", 1.0, 1e4, "float"),
+    ("string", dict(window_size=1), "shift_size", "[1, 100000000]", 1, 100_000_000, "int"),
+    ("string", dict(shift_size=100_000_000), "window_size", "[1, 100000000]", 1, 100_000_000, "int"),
     ("sinusoidal", {}, "rope_theta", "(1, 1e+12]", 1.0, 1e12, "open"),
     ("learned_absolute", {}, "max_position_embeddings", "[1, 4194304]", 1, 1 << 22, "int"),
 ]
@@ -228,6 +230,10 @@ ACCEPTED = [  # the bounds themselves (or the nearest float inside an open bound
     ("rerope", dict(window_size=100_000_000)),
     ("leaky_rerope", dict(window_size=1, factor=1)),
     ("leaky_rerope", dict(window_size=4, factor=1e4)),
+    ("string", dict(shift_size=2, window_size=1)),
+    ("string", dict(shift_size=100_000_000, window_size=99_999_999)),
+    ("dynamic_yarn", dict(factor=1024, beta_fast=1e4, beta_slow=1e-4, attention_factor=10)),
+    ("dynamic_yarn", dict(factor=1, original_max_position_embeddings=1)),
     ("sinusoidal", dict(rope_theta=1e12)),
     ("sinusoidal", dict(rope_theta=NEXT_ABOVE_1)),
     ("learned_absolute", dict(max_position_embeddings=WINDOW + 8)),

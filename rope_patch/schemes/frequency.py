@@ -4,6 +4,8 @@ Each scheme maps the unpatched model's RoPE (a `RopeContext`) to a transformers 
 transformers has the scheme, its own init function (`ROPE_INIT_FUNCTIONS`) computes `inv_freq`, so the patched
 model equals a natively configured one bit for bit; `ntk` and `p_rope` are expressed through the default init
 plus a few lines here. Zero run-time cost: the model's own rotary module does the work with new buffers.
+`dynamic_yarn`, which transformers has no rope type for, recomputes YaRN for the current length through an
+`update` object the patched rotary forward calls (rope_patch/rotary.py).
 
 Notation (../shared/FORMULAS.md): head dim d, pair i, base b, θ_i = b^(−2i/d), factor s, original window L.
 """
@@ -66,6 +68,11 @@ class FrequencyScheme(Scheme):
         """Post-process the inverse frequencies (p-RoPE zeroes some); default: unchanged."""
         return inv_freq
 
+    def rotary_update(self, target: Target, shadow) -> LengthUpdate | None:
+        """For length-dependent schemes without a transformers rope type: the `update` object the patched rotary
+        forward calls before every forward (it also gives the frequencies installed at apply time). None: static."""
+        return None
+
     native: ClassVar[bool] = True  # does `rope_parameters` alone reproduce the scheme in plain transformers?
 
     # ---- shared machinery ------------------------------------------------------------------------------------
@@ -123,7 +130,12 @@ class FrequencyScheme(Scheme):
 
         device = next(iter(target.rotary.buffers())).device
         buffers, scalings = {}, {}
+        update = self.rotary_update(target, shadow)
         for lt, ctx in contexts.items():
+            if update is not None:  # the frequencies at ℓ ≤ L, i.e. before the first forward
+                inv_freq, scaling = update.start[lt]
+                buffers[lt], scalings[lt] = inv_freq.to(device, copy=True), scaling
+                continue
             fn = _init_fn(params[lt]["rope_type"], type(target.rotary))
             kwargs = {"layer_type": lt} if layered else {}
             inv_freq, scaling = fn(shadow, **kwargs)
@@ -152,7 +164,7 @@ class FrequencyScheme(Scheme):
                 if lt:
                     log.setattr(rot, f"{prefix}attention_scaling", scalings[lt])
                     log.setattr(rot, f"{prefix}max_seq_len_cached", shadow.max_position_embeddings)
-            log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False))
+            log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False, update=update))
 
         return install
 
@@ -394,6 +406,122 @@ class Yarn(_Windowed):
     def rope_parameters(self, ctx):
         keys = {k: getattr(self, k) for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")}
         return self._params(ctx, "yarn", **keys)
+
+
+class LengthUpdate:
+    """The per-forward step of a length-dependent scheme (`PatchedRotaryForward.update`). `start[layer_type]` holds
+    the (inv_freq fp32, attention_scaling) installed at apply time."""
+
+    start: dict
+
+    def __call__(self, rotary, x, position_ids, layer_type=None) -> None:
+        raise NotImplementedError
+
+
+class YarnLengthUpdate(LengthUpdate):
+    """`dynamic_yarn`'s step, run by the patched rotary forward before the class forward: ℓ = max(position_ids) + 1
+    over the batch (as transformers' `dynamic_rope_update` measures it), s = min(cap, max(1, ℓ/L)), and on the rotary
+    module (fp32 `inv_freq`, `attention_scaling`) for s = 1 the unscaled frequencies computed at apply time (`start`,
+    bit-identical to vanilla RoPE), else what transformers' own ROPE_INIT_FUNCTIONS["yarn"] gives for factor s on a
+    private copy of the config. Nothing happens while s and the installed tensor stay the same (ℓ ≤ L, ℓ ≥ cap·L, one
+    decode step after another at the cap); the last `CACHE` values of s are kept, so lengths that come back (a short
+    prompt after a long one, the same batch again) do not recompute either. A module-level class holding only
+    data, so a patched model deep-copies and pickles; the rotary module itself is passed in on each call."""
+
+    CACHE = 8
+
+    def __init__(self, config, window: int, cap: float, start: dict):
+        self.config = config  # private copy: rope_parameters (per layer type) hold YaRN's keys; `factor` is set per s
+        self.window = window  # L, where scaling starts
+        self.cap = cap  # the largest s (the scheme's `factor`)
+        self.start = start  # layer type -> (inv_freq fp32 on CPU, attention_scaling) at s = 1
+        self.cache: dict = {}  # (s, layer type) -> (inv_freq fp32 on CPU, attention_scaling)
+        self.installed: dict = {}  # layer type -> (s, the tensor put on the rotary module)
+
+    def scale(self, position_ids: torch.Tensor) -> float:
+        length = int(position_ids.max()) + 1
+        return min(self.cap, max(1.0, length / self.window))
+
+    def frequencies(self, s: float, layer_type=None) -> tuple[torch.Tensor, float]:
+        """(inv_freq fp32, attention_scaling) of YaRN with factor s (s = 1: the unscaled start values)."""
+        if s == 1.0:
+            return self.start[layer_type]
+        key = (s, layer_type)
+        if key not in self.cache:
+            params = self.config.rope_parameters if layer_type is None else self.config.rope_parameters[layer_type]
+            params["factor"] = s
+            kwargs = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](self.config, **kwargs)
+            while len(self.cache) >= self.CACHE:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[key] = (inv_freq.float(), float(scaling))
+        return self.cache[key]
+
+    def __call__(self, rotary, x, position_ids, layer_type=None) -> None:
+        s = self.scale(position_ids)
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        live = rotary._buffers[f"{prefix}inv_freq"]
+        done = self.installed.get(layer_type)
+        if done is not None and done[0] == s and done[1] is live:
+            return  # a cast, move or remove() replaces the tensor: then it is installed again
+        inv_freq, scaling = self.frequencies(s, layer_type)
+        fresh = inv_freq.to(live.device, copy=True)
+        rotary._buffers[f"{prefix}inv_freq"] = fresh
+        setattr(rotary, f"{prefix}attention_scaling", scaling)
+        self.installed[layer_type] = (s, fresh)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class DynamicYarn(Yarn):
+    """Dynamic YaRN: YaRN (Peng et al. 2023, arXiv:2309.00071) whose factor follows the sequence length, the paper's
+    "dynamic scaling" (§3.3, s = max(1, ℓ/L), introduced with dynamic NTK) applied to YaRN:
+    s(ℓ) = min(factor, max(1, ℓ/L)), ℓ = max(position_ids) + 1 over the batch (as transformers' dynamic types
+    measure it), L = `original_max_position_embeddings`. The cap `factor` is rope_patch's, not the paper's: beyond
+    factor·L it is static YaRN ×factor (and `rope_patch.context_window` reports factor·L). The other parameters are
+    YaRN's, validated as for `yarn`. For ℓ ≤ L the model runs unscaled RoPE (at `rope_theta`, default the model's),
+    bit for bit, also with an `attention_factor` given (it applies once s > 1); at a fixed ℓ > L it is static YaRN
+    with factor s(ℓ), computed by transformers' own `ROPE_INIT_FUNCTIONS["yarn"]` (rope_patch/rotary.py: the
+    patched rotary forward runs a `YarnLengthUpdate` before each forward).
+
+    transformers has no such rope type, so there is no native `rope_parameters` form: `to_rope_parameters` refuses,
+    a plain save_pretrained keeps the unpatched config (the unpatched model), `rope_patch.save_pretrained` records it.
+
+    KV cache: keys are cached rotated (transformers' layout), with the s of the step that wrote them, as with
+    transformers' `dynamic` (issue #25104). While s does not change during a generation (every length ≤ L, or the
+    prompt already ≥ factor·L) cached decoding equals recomputation. When the sequence grows across L (or between
+    L and factor·L), each decoding step rotates its query with the current s against keys rotated with earlier ones,
+    while recomputation re-rotates every key with the current s: logits differ (and greedy tokens can)."""
+
+    name = "dynamic_yarn"
+    aliases = ("yarn_dynamic", "dynamic-yarn")
+    native = False
+
+    def init_window(self, ctx):
+        return self.window(ctx)
+
+    def public_window(self, ctx):
+        return None  # not native: the public config keeps the unpatched window
+
+    def rotary_update(self, target, shadow):
+        rotary_cls, layered = type(target.rotary), target.layer_types != [None]
+        start = {}
+        for lt, ctx in target.contexts().items():  # s = 1: unscaled RoPE through the model's own default init
+            cfg = copy.deepcopy(shadow)
+            if layered:
+                cfg.rope_parameters[lt] = self._params(ctx, "default")
+            else:
+                cfg.rope_parameters = self._params(ctx, "default")
+            inv_freq, scaling = _init_fn("default", rotary_cls)(cfg, **({"layer_type": lt} if layered else {}))
+            start[lt] = (inv_freq.float(), float(scaling))
+        return YarnLengthUpdate(copy.deepcopy(shadow), self.original_max_position_embeddings, self.factor, start)
+
+    def inv_freq(self, ctx, rotary_cls=None, seq_len=None):
+        """At length `seq_len` (None: before the first forward, i.e. ℓ ≤ L) what the patched model installs."""
+        s = 1.0 if seq_len is None else min(self.factor, max(1.0, seq_len / self.original_max_position_embeddings))
+        if s == 1.0:
+            return Default(rope_theta=self.rope_theta).inv_freq(ctx, rotary_cls)
+        return Yarn(**{**self.params(), "factor": s}).inv_freq(ctx, rotary_cls)
 
 
 @register_scheme

@@ -195,3 +195,140 @@ def test_frequency_invariants_property(factor, theta, half):
             assert math.isclose(got[-1].item(), base[-1].item() / factor, rel_tol=1e-4), name
         if name in ("ntk", "yarn", "llama3"):
             assert math.isclose(got[0].item(), base[0].item(), rel_tol=1e-5), name
+
+
+# ---- dynamic_yarn ----------------------------------------------------------------------------------------------------
+def _yarn_native(model, unpatched: dict, factor: float):
+    """transformers' own yarn ×factor on the unpatched RoPE (phi & co. keep their partial_rotary_factor)."""
+    rope = {**unpatched, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": L}
+    return native_twin(model, rope, model.config.max_position_embeddings)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "phi", "cohere"])
+def test_dynamic_yarn_is_vanilla_inside_the_window_and_static_yarn_at_each_length(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(3, 97, (2, 5 * L), generator=torch.Generator().manual_seed(7))
+    vanilla = {n: logits(model, ids[:, :n]) for n in (L // 2, L)}
+    unpatched = dict(model.config.rope_parameters)
+    rope_patch.apply(model, "dynamic_yarn", factor=4.0)
+    for n, want in vanilla.items():  # ℓ ≤ L: s = 1, bit for bit
+        assert torch.equal(logits(model, ids[:, :n]), want)
+    for n, s in ((3 * L, 3.0), (L + 8, (L + 8) / L), (5 * L, 4.0)):  # s = ℓ/L, capped at factor
+        got = logits(model, ids[:, :n])
+        assert (got - logits(_yarn_native(model, unpatched, s), ids[:, :n])).abs().max().item() <= 1e-5, n
+    assert torch.equal(logits(model, ids[:, : L // 2]), vanilla[L // 2])  # back to s = 1 after longer inputs
+
+
+def test_dynamic_yarn_keeps_yarn_parameters_and_per_layer_type_rope():
+    model = tiny_model("gemma3_text")
+    ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(8))
+    ctxs = rope_patch.target.find_target(model).contexts()
+    rope_patch.apply(model, "dynamic_yarn", factor=8.0, beta_fast=16.0, attention_factor=1.1)
+    native = {lt: {"rope_type": "yarn", "rope_theta": ctx.rope_theta, "factor": 3.0, "beta_fast": 16.0,
+                   "attention_factor": 1.1, "original_max_position_embeddings": L} for lt, ctx in ctxs.items()}
+    twin = native_twin(model, native, model.config.max_position_embeddings)
+    assert (logits(model, ids) - logits(twin, ids)).abs().max().item() <= 1e-5
+
+
+def test_dynamic_yarn_window_export_and_config():
+    model = tiny_model()
+    rope_patch.apply(model, "dynamic_yarn", factor=4.0)
+    assert rope_patch.context_window(model) == 4 * L  # the cap × L
+    assert model.config.max_position_embeddings == L and model.config.rope_parameters["rope_type"] == "default"
+    for scheme in (rope_patch.current(model), "dynamic_yarn:4"):
+        with pytest.raises(ValueError, match="dynamic_yarn has no native transformers/vLLM `rope_parameters` form"):
+            rope_patch.to_rope_parameters(scheme)
+    with pytest.raises(ValueError, match="no native"):
+        rope_patch.native_config(model)
+
+
+def test_dynamic_yarn_analysis_frequencies_are_the_installed_ones():
+    from rope_patch.target import RopeContext
+
+    model = tiny_model()
+    rope_patch.apply(model, "dynamic_yarn", factor=4.0)
+    scheme, rot = rope_patch.current(model), model.model.rotary_emb
+    ctx = RopeContext(head_dim=HEAD_DIM, rotary_dim=HEAD_DIM, rope_theta=1e4, max_position_embeddings=L,
+                      rope_parameters={"rope_theta": 1e4})
+    for n in (L, 3 * L, 9 * L):
+        logits(model, torch.ones(1, n, dtype=torch.long))
+        inv_freq, scaling = scheme.inv_freq(ctx, type(rot), seq_len=n)
+        assert torch.equal(rot.inv_freq, inv_freq) and rot.attention_scaling == scaling, n
+    assert rot.attention_scaling == 0.1 * math.log(4.0) + 1
+
+
+@pytest.mark.parametrize("prompt,new", [(L // 2, 8), (4 * L + 3, 8)], ids=["inside-window", "beyond-cap"])
+def test_dynamic_yarn_cached_decoding_equals_recomputation_while_s_is_fixed(prompt, new):
+    """ℓ ≤ L for the whole generation (s = 1), or ℓ ≥ factor·L from the prompt on (s = factor)."""
+    model = tiny_model()
+    rope_patch.apply(model, "dynamic_yarn", factor=4.0)
+    ids, full = _greedy_without_cache(model, prompt, new)
+    out = _greedy_with_cache(model, prompt, new)
+    assert torch.equal(out.sequences, ids)
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, full, strict=True)) <= 1e-5
+
+
+def test_dynamic_yarn_cached_decoding_across_the_window_uses_stale_keys():
+    """Documented, not hidden: crossing L, cached keys keep the frequencies of the step that wrote them, so cached
+    logits differ from recomputation (which re-rotates every key with the current s)."""
+    model = tiny_model()
+    rope_patch.apply(model, "dynamic_yarn", factor=4.0)
+    _, full = _greedy_without_cache(model, L - 2, 8)
+    out = _greedy_with_cache(model, L - 2, 8)
+    drift = [(a - b).abs().max().item() for a, b in zip(out.logits, full, strict=True)]
+    assert max(drift[:2]) <= 1e-5  # ℓ ≤ L for the first two steps
+    assert max(drift[2:]) > 1e-4
+
+
+def _prompt(n):
+    return torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(9))
+
+
+def _greedy_with_cache(model, n, new):
+    return model.generate(_prompt(n), max_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)
+
+
+def _greedy_without_cache(model, n, new):
+    ids, full = _prompt(n), []
+    for _ in range(new):
+        step = logits(model, ids)[:, -1]
+        full.append(step)
+        ids = torch.cat([ids, step.argmax(-1, keepdim=True)], dim=1)
+    return ids, full
+
+
+def test_dynamic_yarn_save_and_reload(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(10))
+    vanilla = logits(model, ids)
+    rope_patch.apply(model, "dynamic_yarn", factor=4.0, beta_slow=2.0)
+    rope_patch.save_pretrained(model, tmp_path)
+    again = rope_patch.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert rope_patch.current(again) == rope_patch.current(model)
+    assert torch.equal(logits(again, ids), logits(model, ids))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()  # not native: RoPE
+    assert torch.equal(logits(plain, ids), vanilla)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dynamic_yarn_frequencies_stay_fp32_after_a_cast_and_remove_is_exact(dtype):
+    model, twin = tiny_model(), tiny_model()
+    ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(11))
+    rope_patch.apply(model, "dynamic_yarn", factor=4.0)
+    logits(model, ids)  # s = 3 installed
+    model.to(dtype)
+    twin.to(dtype)
+    loaded = tiny_model()  # weights in `dtype`, frequencies fp32: as from_pretrained(dtype=...) loads
+    for p in loaded.parameters():
+        p.data = p.data.to(dtype)
+    rope_patch.apply(loaded, "dynamic_yarn", factor=4.0)
+    assert torch.equal(logits(model, ids), logits(loaded, ids))
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    rope_patch.remove(model)
+    for name, buf in twin.model.rotary_emb._buffers.items():
+        assert torch.equal(model.model.rotary_emb._buffers[name], buf), name
+    assert model.model.rotary_emb.attention_scaling == 1.0
+    assert torch.equal(logits(model, ids), logits(twin, ids))
