@@ -38,7 +38,7 @@ def test_native_schemes_reload_without_rope_patch(scheme, params, ids, tmp_path)
 def test_non_native_scheme_keeps_plain_config_and_reloads_through_rope_patch(ids, tmp_path):
     model = tiny_model()
     vanilla = logits(model, ids)
-    rope_patch.apply(model, "p_rope", partial_rotary_factor=0.5)
+    rope_patch.apply(model, "dynamic_yarn", factor=4)  # transformers has no length-following YaRN
     rope_patch.save_pretrained(model, tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert torch.equal(logits(plain, ids), vanilla)  # transformers alone sees the unpatched model

@@ -379,7 +379,7 @@ PLAIN = [
     ("yarn", dict(factor=4), True),
     ("llama3", dict(factor=4), True),
     ("longrope", dict(factor=4, short_factor=[1.0] * 8, long_factor=[4.0] * 8), True),
-    ("p_rope", dict(partial_rotary_factor=0.5, rope_theta=500_000.0), False),
+    ("p_rope", dict(partial_rotary_factor=0.5, rope_theta=500_000.0), True),
     ("alibi", {}, False),
     ("self_extend", dict(group_size=2, window_size=8), False),
     ("relative_bias", {}, False),

@@ -2,9 +2,9 @@
 
 Each scheme maps the unpatched model's RoPE (a `RopeContext`) to a transformers `rope_parameters` dict. Where
 transformers has the scheme, its own init function (`ROPE_INIT_FUNCTIONS`) computes `inv_freq`, so the patched
-model equals a natively configured one bit for bit; `ntk` and `p_rope` are expressed through the default init
-plus a few lines here. Zero run-time cost: the model's own rotary module does the work with new buffers.
-`dynamic_yarn`, which transformers has no rope type for, recomputes YaRN for the current length through an
+model equals a natively configured one bit for bit; `ntk` is expressed through the default init with a new base,
+`p_rope` is transformers' `proportional`. Zero run-time cost: the model's own rotary module does the work with new
+buffers. `dynamic_yarn`, which transformers has no rope type for, recomputes YaRN for the current length through an
 `update` object the patched rotary forward calls (rope_patch/rotary.py).
 
 Notation (../shared/FORMULAS.md): head dim d, pair i, base b, θ_i = b^(−2i/d), factor s, original window L.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 from typing import ClassVar
 
@@ -65,7 +66,7 @@ class FrequencyScheme(Scheme):
         return self.window(ctx) or ctx.max_position_embeddings
 
     def adjust(self, inv_freq: torch.Tensor, ctx: RopeContext) -> torch.Tensor:
-        """Post-process the inverse frequencies (p-RoPE zeroes some); default: unchanged."""
+        """Post-process the inverse frequencies; default: unchanged."""
         return inv_freq
 
     def rotary_update(self, target: Target, shadow) -> LengthUpdate | None:
@@ -604,13 +605,23 @@ class LongRope(_Windowed):
 class PRope(FrequencyScheme):
     """p-RoPE (Barbero et al. 2024, "Round and Round We Go! What makes Rotary Positional Encodings useful?",
     arXiv:2410.06205): rotate only the highest-frequency fraction p = `partial_rotary_factor` of the pairs and set
-    θ_i = 0 for the rest, which become position-free "semantic" channels. Unlike transformers' own
-    `partial_rotary_factor` (rotate the first p·d coordinates with a re-spread spectrum), the kept frequencies are
-    exactly the model's original highest ones. No transformers equivalent: recorded in rope_patch.json."""
+    θ_i = 0 for the rest, which become position-free "semantic" channels; the kept pairs keep exactly the model's
+    θ_i = b^(−2i/d) (d the full head dimension).
+
+    This is transformers 5.x's native `proportional` rope type (Gemma 4; `ROPE_INIT_FUNCTIONS["proportional"]`), and
+    rope_patch computes it with that function: the patched model equals a natively configured `proportional` model,
+    `to_rope_parameters` exports {"rope_type": "proportional", "rope_theta", "partial_rotary_factor": p}, and a plain
+    save_pretrained reloads it without rope_patch. Pair count: k = ⌊p·d/2⌋ (transformers' `int(p * head_dim // 2)`),
+    rounded down; rope_patch used to round to nearest, which kept one more pair wherever round(p·d/2) > ⌊p·d/2⌋
+    (p = 0.7, d = 16: 5 pairs, formerly 6). A p > 0 that keeps no pair is refused.
+
+    Not the `partial_rotary_factor` that phi, stablelm, gpt-neox and glm carry in their config: there the key slices
+    the head (rotate the first p·d coordinates, with a spectrum re-spread over them, and pass the rest through),
+    fixed when the model is built. Both meanings cannot live in one `rope_parameters`, so p_rope is refused on such
+    models (rotary dim < head dim)."""
 
     name = "p_rope"
-    aliases = ("prope", "partial_rope", "partial")
-    native = False
+    aliases = ("prope", "partial_rope", "partial", "proportional")
     partial_rotary_factor: float | None = None
 
     def __post_init__(self):
@@ -621,11 +632,38 @@ class PRope(FrequencyScheme):
             self.name, "partial_rotary_factor", self.partial_rotary_factor, ge=0.0, le=1.0,
             hint="It is the fraction p of rotary pairs that keep rotating: 1 is plain RoPE, 0 the paper's 0-RoPE."))
 
+    def resolve(self, target):
+        for ctx in target.contexts().values():
+            if ctx.rotary_dim != ctx.head_dim:
+                factor = ctx.rope_parameters.get("partial_rotary_factor")
+                raise ValueError(
+                    f"p_rope: {target.model_type} rotates only part of each head (its config's partial_rotary_factor="
+                    f"{factor!r}: the first {ctx.rotary_dim} of {ctx.head_dim} coordinates, with frequencies spread over "
+                    "them), while p_rope / transformers' `proportional` rotate the whole head and zero the "
+                    "lowest-frequency pairs; both are written `partial_rotary_factor` in rope_parameters, so they "
+                    "cannot be combined. Use p_rope on a model that rotates the full head (llama, qwen2, gemma, ...)."
+                )
+            kept_pairs(self.partial_rotary_factor, ctx.head_dim)
+        return self
+
     def rope_parameters(self, ctx):
-        return self._params(ctx, "default")
+        return self._params(ctx, "proportional", partial_rotary_factor=self.partial_rotary_factor)
 
-    def adjust(self, inv_freq, ctx):
-        # θ_i descends with i: keep the first `keep`; a p > 0 that keeps no pair is refused
-        keep = check.check_kept_pairs(self.name, "partial_rotary_factor", self.partial_rotary_factor, inv_freq.numel())
-        return torch.where(torch.arange(inv_freq.numel()) < keep, inv_freq, torch.zeros_like(inv_freq))
 
+def kept_pairs(fraction: float, head_dim: int) -> int:
+    """k = ⌊p·d/2⌋, the pairs transformers' `proportional` keeps (its `int(p * head_dim // 2)`), refusing a p > 0
+    that keeps none (that would silently be p = 0; p = 0 itself is the paper's 0-RoPE)."""
+    n_pairs = head_dim // 2
+    kept = int(fraction * head_dim // 2)
+    if fraction > 0 and kept == 0:
+        smallest = 1 / n_pairs
+        while int(smallest * head_dim // 2) == 0:  # 1/n in floating point may floor to 0 pairs: the next float up
+            smallest = math.nextafter(smallest, 2.0)
+        raise ValueError(
+            f"p_rope: parameter `partial_rotary_factor` must be 0 or keep at least one of this model's {n_pairs} rotary "
+            f"pairs, i.e. 0 or in [{smallest:g}, 1] (⌊p × {head_dim} / 2⌋ >= 1, as transformers' proportional counts "
+            f"them), got {fraction!r}: ⌊{fraction!r} × {head_dim} / 2⌋ = 0 pairs keep rotating. Pass "
+            f"partial_rotary_factor={smallest!r} to keep one pair, or partial_rotary_factor=0 for no rotation at all "
+            "(0-RoPE)."
+        )
+    return kept

@@ -24,6 +24,8 @@ NATIVE = [
     ("llama3", dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0), None),
     ("longrope", dict(factor=4.0, short_factor=[1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
                       long_factor=[1.0 + 0.5 * i for i in range(HEAD_DIM // 2)]), None),
+    ("p_rope", dict(partial_rotary_factor=0.5), None),  # transformers' `proportional`
+    ("p_rope", dict(partial_rotary_factor=0.7), None),  # ⌊0.7·16/2⌋ = 5 pairs (round would keep 6)
 ]
 PARTIAL = {"phi", "stablelm", "gpt_neox", "glm"}  # rotary_dim < head_dim: longrope lists must match it
 
@@ -33,6 +35,8 @@ def _supported(arch, scheme):
         return scheme in PHI3_ONLY
     if scheme == "longrope" and arch in PARTIAL:
         return False  # covered separately with lists of the partial length
+    if scheme == "p_rope" and arch in PARTIAL:
+        return False  # refused there (test_p_rope_is_refused_on_models_that_slice_the_head)
     return True
 
 
@@ -142,7 +146,7 @@ def test_p_rope_matches_reference_rotation():
     torch.testing.assert_close(qr[0, 0] @ kr[0, 0].T, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scheme,params", [(s, p) for s, p, _ in NATIVE] + [("ntk", dict(factor=4.0)), ("p_rope", dict(partial_rotary_factor=0.5))])
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p, _ in NATIVE] + [("ntk", dict(factor=4.0))])
 def test_generate_with_cache_equals_full_recomputation(scheme, params):
     model = tiny_model()
     rope_patch.apply(model, scheme, **params)
@@ -195,6 +199,60 @@ def test_frequency_invariants_property(factor, theta, half):
             assert math.isclose(got[-1].item(), base[-1].item() / factor, rel_tol=1e-4), name
         if name in ("ntk", "yarn", "llama3"):
             assert math.isclose(got[0].item(), base[0].item(), rel_tol=1e-5), name
+
+
+# ---- p_rope = transformers' `proportional` --------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("fraction", [0.25, 0.7, 1.0])
+def test_p_rope_equals_natively_configured_proportional(arch, fraction):
+    """The twin is built by transformers from {"rope_type": "proportional", ...} written by hand, not from the
+    patched config: p_rope is that rope type, with transformers' pair count ⌊p·d/2⌋."""
+    model = tiny_model(arch)
+    ctxs = rope_patch.target.find_target(model).contexts()
+    rope_patch.apply(model, "p_rope", partial_rotary_factor=fraction)
+    native = {lt: {"rope_type": "proportional", "rope_theta": ctx.rope_theta, "partial_rotary_factor": fraction}
+              for lt, ctx in ctxs.items()}
+    native = native[None] if None in native else native
+    twin = native_twin(model, native, model.config.max_position_embeddings)
+    ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(4))
+    assert (logits(model, ids) - logits(twin, ids)).abs().max().item() <= 1e-5
+    rot = model.model.rotary_emb
+    for name, buf in rot.named_buffers():
+        if name.endswith("inv_freq") and not name.endswith("original_inv_freq"):
+            kept = int(fraction * HEAD_DIM // 2)
+            assert torch.all(buf[kept:] == 0) and torch.all(buf[:kept] > 0), name
+            assert torch.equal(buf, getattr(twin.model.rotary_emb, name)), name
+
+
+@pytest.mark.parametrize("name", ["p_rope", "proportional"])
+def test_p_rope_exports_and_plain_saves_as_proportional(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model()
+    rope_patch.apply(model, name, partial_rotary_factor=0.5)
+    assert rope_patch.current(model).name == "p_rope"
+    want = {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    assert rope_patch.to_rope_parameters(None, model=model) == want
+    assert rope_patch.to_rope_parameters("proportional:0.5", rope_theta=1e4) == want
+    assert model.config.rope_parameters == want
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # no rope_patch involved
+    ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(5))
+    assert rope_patch.current(plain) is None and plain.config.rope_parameters["rope_type"] == "proportional"
+    assert (logits(plain, ids) - logits(model, ids)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", sorted(PARTIAL))
+def test_p_rope_is_refused_on_models_that_slice_the_head(arch):
+    """phi / stablelm / gpt-neox / glm use `partial_rotary_factor` for another thing (rotate the first p·d coordinates
+    with a re-spread spectrum, fixed when the model is built): p_rope would have to write the same key."""
+    model = tiny_model(arch)
+    ids = torch.randint(3, 97, (1, L), generator=torch.Generator().manual_seed(6))
+    before, config = logits(model, ids), model.config.to_dict()
+    with pytest.raises(ValueError, match=r"p_rope: .* rotates only part of each head .*partial_rotary_factor"):
+        rope_patch.apply(model, "p_rope", partial_rotary_factor=0.5)
+    assert rope_patch.current(model) is None and model.config.to_dict() == config
+    assert torch.equal(logits(model, ids), before)
 
 
 # ---- dynamic_yarn ----------------------------------------------------------------------------------------------------
