@@ -291,15 +291,15 @@ def _string_size(name: str, key: str, value, what: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class String(_Deferred):
     """STRING, ShifTed Rotary position embeddING (An et al. 2024, "Why Does the Effective Context Length of LLMs Fall
-    Short?", arXiv:2410.18745, §4; reference code HKUNLP/STRING `string_for_llama.py`): the relative distance
+    Short?", arXiv:2410.18745; reference code HKUNLP/STRING `string_for_llama.py`): the relative distance
     d = i − j is kept for d < S (`shift_size`) and replaced by d − S + W for d ≥ S (`window_size` W < S), so the
-    largest distances, the least trained ones (the left-skewed position frequency of the paper's §2), are never
+    largest distances, the least trained ones (the paper's left-skewed position frequency distribution), are never
     used: far tokens reuse the well-trained distances W, W + 1, ... Realised on the two-region scores: near region
     d < S at the true positions, far region with the query at i − S + W and the key at j (integer positions, so the
-    far logits are exactly vanilla RoPE's at those positions). The paper uses S between N/3 and N/2 for a test
-    length N and W = 128 … 512. The distances it uses reach N − 1 − S + W, so on its own it cannot keep them below
-    the training window L once N ≥ 2L − W (with S ≤ N/2): it improves the use of the window (N ≤ L); beyond the
-    window combine it with a frequency scheme. rope_patch applies one scheme at a time, so that means a checkpoint
+    far logits are exactly vanilla RoPE's at those positions). The authors use S ≈ N/3 for a test length N (their
+    README suggests 0.25–0.4·N) and W = 128 … 512. The distances it uses reach N − 1 − S + W (and S − 1 in the near
+    region), at least (N + W)/2 − 1 whatever S: on its own it cannot keep them below the training window L once
+    N > 2L − W. It improves the use of the window (N ≤ L); beyond the window combine it with a frequency scheme. rope_patch applies one scheme at a time, so that means a checkpoint
     whose config ships the scaling (Llama 3.1's `llama3`, a `yarn` config): STRING rotates with the model's own
     frequencies.
 
@@ -323,15 +323,15 @@ class String(_Deferred):
     def __post_init__(self):
         n = self.name
         self._set("shift_size", _string_size(n, "shift_size", self.shift_size,
-                                             "S: distances d ≥ S are replaced by d − S + W; ⅓ … ½ of the test length, "
+                                             "S: distances d ≥ S are replaced by d − S + W; about ⅓ of the test length, "
                                              "an S at least the sequence length is plain RoPE"))
         self._set("window_size", _string_size(n, "window_size", self.window_size,
-                                              "W: the smallest distance far tokens are moved to, 128 … 512 in the paper"))
+                                              "W: the smallest distance far tokens are moved to, 128 … 512 in the paper's code"))
         if self.shift_size <= self.window_size:
             raise ValueError(
                 f"{n}: parameter `shift_size` must be larger than `window_size` (distances d ≥ S become d − S + W, "
                 f"which must be shorter than d), got shift_size={self.shift_size}, window_size={self.window_size}. "
-                "Raise shift_size (⅓ … ½ of the test length) or lower window_size (128 … 512)."
+                "Raise shift_size (about ⅓ of the test length) or lower window_size (128 … 512)."
             )
 
     def split(self):

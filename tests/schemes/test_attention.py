@@ -395,3 +395,20 @@ def test_string_spec_value_is_the_shift_size():
     model = tiny_model("llama", attn_implementation="sdpa")
     rope_patch.apply(model, "string:48,window_size=12")
     assert rope_patch.current(model) == rope_patch.as_scheme("string", shift_size=48, window_size=12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_string_rotates_with_the_scaling_the_checkpoint_ships(backend):
+    """Beyond the window STRING needs a frequency scheme with it: on a checkpoint whose config carries one (here
+    linear ×2) it rotates near and far with those frequencies (the reference applies θ/2 too)."""
+    params = {"shift_size": 20, "window_size": 6}
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    model = tiny_model("llama", attn_implementation=backend, rope_parameters=rope)
+    rope_patch.apply(model, "string", **params)
+    ids, kw = batch(True)
+    want = reference_forward(model, ids, "string", params, kw["attention_mask"])
+    assert model.config.rope_parameters["rope_type"] == "linear"
+    real = kw["attention_mask"].bool()
+    assert (logits(model, ids, **kw) - want)[real].abs().max().item() <= 1e-5
+    unscaled = reference_forward(tiny_model("llama"), ids, "string", params, kw["attention_mask"])
+    assert (unscaled - want)[real].abs().max().item() > 1e-3  # the shipped scaling is in effect
