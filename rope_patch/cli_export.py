@@ -3,7 +3,7 @@
 DIR is what `rope_patch.save_pretrained` (or the fine-tuning recipe) wrote: a full or merged model (config.json)
 or a peft adapter (adapter_config.json), each with rope_patch.json. Prints the `rope_parameters` dict, the
 `max_position_embeddings` that goes with it, and the matching `vllm serve ... --hf-overrides '...'` argument; for
-schemes without a native form (p_rope, attention schemes) it fails with the reason and what to do instead.
+schemes without a native form (dynamic_yarn, attention schemes) it fails with the reason and what to do instead.
 """
 
 from __future__ import annotations

@@ -167,22 +167,6 @@ def choice(scheme: str, key: str, value, options) -> str:
 
 
 # ---- checks that need the model (called from a scheme's resolve / build, still before the model is touched) -------
-def check_kept_pairs(scheme: str, key: str, fraction: float, n_pairs: int) -> int:
-    """The number of rotary pairs a fraction p keeps, round(p · n_pairs) (Python's round, as p-RoPE applies it),
-    refusing a p > 0 that keeps none: that would silently be p = 0. p = 0 itself is allowed (the paper's 0-RoPE,
-    every pair position-free). Returns the count."""
-    kept = round(fraction * n_pairs)
-    if fraction > 0 and kept == 0:
-        smallest = 1 / n_pairs
-        raise ValueError(
-            f"{_where(scheme, key)} must be 0 or keep at least one of this model's {n_pairs} rotary pairs, i.e. "
-            f"0 or in ({_fmt(0.5 / n_pairs)}, 1] (round(p × {n_pairs}) >= 1), got {_shown(fraction)}: "
-            f"round({fraction!r} × {n_pairs}) = 0 pairs keep rotating. Pass {key}={_fmt(smallest)} to keep one pair, "
-            f"or {key}=0 for no rotation at all (0-RoPE)."
-        )
-    return kept
-
-
 def physical_memory() -> int | None:
     """Bytes of physical memory of this machine, or None where it cannot be told."""
     try:

@@ -42,7 +42,7 @@ _FIX = ("Restore the folder from the original save, or load the model again and 
 def native_config(model: nn.Module) -> dict:
     """{"rope_parameters", "max_position_embeddings"} that make a plain transformers model equal the patched one.
 
-    Raises ValueError for schemes without a native form (p_rope and the attention schemes)."""
+    Raises ValueError for schemes without a native form (dynamic_yarn and the attention schemes)."""
     scheme = current(model)
     if scheme is None:
         return original_config(model)

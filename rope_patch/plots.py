@@ -70,7 +70,7 @@ def _is_vanilla(spec: A.AnalysisSpec) -> bool:
     return spec.name == "default" and spec.params.get("rope_theta") is None
 
 
-_LENGTH_DEPENDENT = ("dynamic", "longrope")
+_LENGTH_DEPENDENT = ("dynamic", "dynamic_yarn", "longrope")
 
 
 def _at_length(spec: A.AnalysisSpec, rope: dict, L) -> dict:

@@ -302,23 +302,6 @@ def test_number_lt_and_old_keywords():
         check.number_list("s", "k", [1, 3.5], gt=0.0, le=3.0)
 
 
-@pytest.mark.parametrize("fraction,n_pairs,kept", [(0.0, 8, 0), (1 / 8, 8, 1), (0.07, 8, 1), (0.5, 8, 4), (1.0, 8, 8),
-                                                   (0.01, 64, 1), (0.0, 1, 0), (1.0, 1, 1)])
-def test_check_kept_pairs_counts(fraction, n_pairs, kept):
-    assert check.check_kept_pairs("p_rope", "partial_rotary_factor", fraction, n_pairs) == kept
-
-
-@pytest.mark.parametrize("fraction,n_pairs", [(0.05, 8), (0.0625, 8), (1e-300, 8), (0.0078, 64), (0.4, 1)])
-def test_check_kept_pairs_refuses_fractions_that_keep_nothing(fraction, n_pairs):
-    """p > 0 with round(p · n) = 0 (Python rounds 0.5 to 0) would silently be 0-RoPE."""
-    with pytest.raises(ValueError) as err:
-        check.check_kept_pairs("p_rope", "partial_rotary_factor", fraction, n_pairs)
-    message = str(err.value)
-    assert message.startswith("p_rope: parameter `partial_rotary_factor` must be 0 or keep at least one")
-    assert f"of this model's {n_pairs} rotary pairs" in message and f"in ({0.5 / n_pairs:g}, 1]" in message
-    assert f"partial_rotary_factor={1 / n_pairs:g}" in message and "partial_rotary_factor=0" in message
-
-
 def test_p_rope_that_keeps_no_pair_is_refused_at_apply(pristine):
     model, ids, before = _fresh(pristine)
     config = model.config.to_dict()
