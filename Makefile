@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-fast bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15
+
+# The core guarantees only (apply/remove, ownership, shipped scaling, specs, frequency exactness): a quick check
+# while editing; `make test` is the full CI suite.
+FAST_TESTS := tests/test_api.py tests/test_ownership.py tests/test_shipped_scaling.py tests/test_specs.py \
+	tests/test_explain.py tests/schemes/test_frequency.py tests/test_rotation_math.py
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(FAST_TESTS)
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
