@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ._version import __version__
 from .api import SchemeLike, apply, as_scheme, current, original_config, patch_modules
 from .schemes.base import Scheme
 from .specs import parse_scheme_spec
@@ -96,6 +99,64 @@ def vllm_overrides(rope_parameters: dict, max_position_embeddings: int | None = 
     return "--hf-overrides '" + json.dumps(overrides, separators=(",", ":")) + "'"
 
 
+def export_info(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> dict:
+    """{"scheme", "rope_parameters", "max_position_embeddings", "vllm"} for a folder written by `save_pretrained` (a
+    full or merged model, or an adapter: `base` overrides its recorded base model); what `rope-patch export` prints.
+
+    Raises ValueError when the scheme has no native form, FileNotFoundError when the folder is not a saved model."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} is not a directory (expected a folder written by rope_patch.save_pretrained).")
+    manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else None
+    config_path, adapter_path = path / "config.json", path / "adapter_config.json"
+    if manifest is None and not config_path.is_file():
+        raise FileNotFoundError(f"{path} holds neither rope_patch.json nor config.json: not a saved model.")
+    scheme_name = manifest["scheme"] if manifest else None
+
+    if manifest and scheme_name and not manifest["native"]:
+        # Raises the library's error: why there is no native form and what to use instead.
+        to_rope_parameters(as_scheme(scheme_name, **manifest["params"]))
+        raise ValueError(f"{scheme_name} has no native rope_parameters form.")  # pragma: no cover
+
+    if config_path.is_file():
+        # A full or merged model: save_pretrained wrote the native form into config.json already.
+        cfg = json.loads(config_path.read_text())
+        rope, window = cfg.get("rope_parameters") or cfg.get("rope_scaling"), cfg.get("max_position_embeddings")
+        if rope is None:
+            raise ValueError(f"{config_path} has no rope_parameters: not a RoPE model.")
+    elif adapter_path.is_file():
+        rope, window = _adapter_native(path, manifest, base)
+    else:
+        raise FileNotFoundError(f"{path} has rope_patch.json but neither config.json nor adapter_config.json.")
+    return {"scheme": scheme_name, "rope_parameters": rope, "max_position_embeddings": window,
+            "vllm": vllm_overrides(rope, window)}
+
+
+def _adapter_native(path: Path, manifest: dict | None, base) -> tuple[dict, int]:
+    """Adapter folders carry no config.json: rebuild the base model's skeleton on the meta device (no weights),
+    apply the recorded scheme and read its native config."""
+    # transformers' auto classes (~1 s to import) only when an adapter is exported: `import rope_patch` stays fast.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    recorded = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    src = base or recorded
+    if not src:
+        raise ValueError(f"{path} is an adapter without a recorded base model: pass --base PATH.")
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except OSError as err:
+        raise FileNotFoundError(f"The adapter's base model {src!r} cannot be read ({err}); pass --base PATH.") from None
+    if manifest and manifest.get("original"):
+        config.rope_parameters = manifest["original"]["rope_parameters"]
+        config.max_position_embeddings = manifest["original"]["max_position_embeddings"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if manifest and manifest["scheme"]:
+        apply(model, manifest["scheme"], **manifest["params"])
+    native = native_config(model)
+    return native["rope_parameters"], native["max_position_embeddings"]
+
+
 def _require_native(scheme: Scheme) -> None:
     if scheme.kind != "frequency" or not getattr(scheme, "native", False):
         raise ValueError(
@@ -139,8 +200,6 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
         base.save_pretrained(out, state_dict=state, **kwargs)
         _rewrite_config(out / "config.json", native_config(base) if native else original_config(base))
     if tables:
-        from safetensors.torch import save_file
-
         tmp = out / (PATCH_WEIGHTS + ".tmp")
         save_file(tables, tmp)
         with open(tmp, "rb+") as f:
@@ -175,8 +234,6 @@ def read_manifest(directory: str | os.PathLike) -> dict | None:
     if "format" in manifest and (not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1):
         raise ValueError(f"{file}: 'format' must be a positive integer, found {_short(fmt)}. {_FIX}")
     if isinstance(fmt, int) and fmt > FORMAT:  # before the key checks: a newer format may name its keys otherwise
-        from . import __version__
-
         versions = manifest.get("versions")
         writer = versions.get("rope_patch") if isinstance(versions, dict) else None
         raise ValueError(f"{file} has format {fmt}, written by rope_patch {writer or '(version not recorded)'}; this "
@@ -228,6 +285,7 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     Raises FileNotFoundError for a missing config.json / adapter_config.json / rope_patch.safetensors and
     ValueError for a corrupt, mismatched or future-format file (see `read_manifest`), naming the file.
     """
+    # transformers' auto classes (~1 s to import) only when a model is loaded: `import rope_patch` stays fast.
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -265,7 +323,7 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
         return model_class.from_pretrained(src, config=config, **kwargs)
 
     if is_adapter:
-        from peft import PeftModel
+        from peft import PeftModel  # peft (~1.5 s to import) only for adapters
 
         recorded = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
         src = base_model if base_model is not None else recorded
@@ -313,8 +371,6 @@ def _load_patch_weights(model, manifest: dict, path: Path) -> None:
             raise ValueError(f"{file} does not match {path / MANIFEST} (sha256 {got[:12]}…, recorded "
                              f"{recorded['sha256'][:12]}…): it was modified, truncated, or comes from another save. "
                              f"Copy the matching file from the original save. {_FIX}")
-    from safetensors.torch import load_file
-
     try:
         weights = load_file(file)
     except Exception as err:  # safetensors raises its own SafetensorError / OSError, naming no file
@@ -386,8 +442,4 @@ def _jsonable(params: dict) -> dict:
 
 
 def _versions() -> dict:
-    import transformers
-
-    from . import __version__
-
     return {"rope_patch": __version__, "transformers": transformers.__version__, "torch": torch.__version__}

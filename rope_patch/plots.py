@@ -19,16 +19,22 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
 
 from . import analysis as A
+from .registry import did_you_mean
 
-__all__ = ["KINDS", "angles", "decay", "distance", "frequencies", "make", "read_results", "results", "save",
-           "score", "wavelengths"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# matplotlib (~1 s to import) is imported where a figure is built (_figure, _formatter, _color), so that the
+# `rope-patch` command line and `figure_memory` start without it.
+
+__all__ = ["KINDS", "MEMORY_LIMIT", "angles", "decay", "distance", "figure_memory", "frequencies", "make",
+           "plot_bytes", "read_results", "results", "save", "score", "wavelengths"]
 
 WINDOW_STYLE = dict(color="0.35", linestyle="--", linewidth=1.1, zorder=1)
 _ROPE_KEYS = ("head_dim", "rope_theta", "max_position_embeddings", "partial_rotary_factor", "model", "config",
@@ -51,7 +57,7 @@ def _specs(schemes) -> list[A.AnalysisSpec]:
 
 
 def _color(k: int):
-    from matplotlib import colormaps
+    from matplotlib import colormaps  # matplotlib: only when drawing (see the imports)
 
     cmap = colormaps["tab10"]
     return cmap(k % 10)
@@ -121,11 +127,19 @@ def _mark_window(ax, L, *, axis="x", text=True, upto=None):
                         fontsize=8, color="0.3")
 
 
+def _formatter(fn):
+    from matplotlib.ticker import FuncFormatter  # matplotlib: only when drawing (see the imports)
+
+    return FuncFormatter(fn)
+
+
 def _int_formatter():
-    return FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}")
+    return _formatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}")
 
 
 def _figure(ncols=1, width=6.6, height=4.3):
+    from matplotlib.figure import Figure  # matplotlib: only when drawing (see the imports)
+
     fig = Figure(figsize=(width * ncols if ncols > 1 else width, height), layout="constrained")
     axes = fig.subplots(1, ncols, squeeze=False)[0]
     return fig, list(axes)
@@ -213,8 +227,8 @@ def _plain_log_ticks(axis):
         narrow = lo > 0 and hi / lo < 30
         return f"{v:g}" if narrow or f"{v:.1g}"[0] in "25" else ""
 
-    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axis.set_minor_formatter(FuncFormatter(minor))
+    axis.set_major_formatter(_formatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(_formatter(minor))
 
 
 def _mark_pair(ax, f: A.Frequencies, text=True):
@@ -267,7 +281,7 @@ def wavelengths(schemes, window=None, **rope) -> Figure:
     ax2.set_ylabel(f"rᵢ = L / λ′ᵢ  (turns inside L = {L:,})")
     ax2.set_title("Full periods inside the original window", fontsize=10)
     _plain_log_ticks(ax2.yaxis)
-    ax2.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax2.yaxis.set_minor_formatter(_formatter(lambda v, _: ""))
     ax2.legend(fontsize=7, loc="lower left")
     for a in (ax, ax2):
         a.grid(True, which="both", alpha=0.25)
@@ -700,13 +714,52 @@ KINDS = {"decay": decay, "wavelengths": wavelengths, "frequencies": frequencies,
          "distance": distance, "score": score}
 
 
+# Memory (bytes per plotted distance) that the dense figures need, measured on this code (peak RSS, 1e6 distances)
+# and rounded up: decay ~0.7 KB (d = 128, one scheme) - 1 KB (four); score ~4.6 KB (the [distances, samples]
+# matrices); distance ~0.35 KB. `rope-patch plot` refuses an estimate above MEMORY_LIMIT before allocating anything.
+MEMORY_LIMIT = 1 << 30
+
+
+def plot_bytes(kind: str, n_distances: int, pairs: int, n_schemes: int, num_heads: int = 8,
+               num_samples: int = 256) -> int:
+    """Estimated peak memory of figure `kind` over `n_distances` distances (0 for the small figures)."""
+    per_scheme = 64 * n_schemes + 64
+    per = {"decay": 16 * pairs + per_scheme,
+           "score": 8 * (pairs + 2 * num_samples) + per_scheme,
+           "distance": 16 * num_heads + per_scheme}.get(kind)
+    return 0 if per is None else n_distances * per
+
+
+def figure_memory(kind: str, schemes, max_distance: int | None = None, num_heads: int | None = None,
+                  **rope) -> tuple[int, int]:
+    """(estimated peak bytes, number of distances) of `make(kind, schemes, max_distance=..., **rope)`, computed
+    without drawing or allocating: the distance range defaults as in the figure itself. (0, 0) for the figures
+    whose size does not grow with a distance range. `rope` as in `make`: head_dim, max_position_embeddings,
+    partial_rotary_factor, or config= (its num_attention_heads is the default `num_heads`)."""
+    if kind not in ("decay", "score", "distance"):
+        return 0, 0
+    cfg = rope.get("config")
+    if cfg is not None:
+        window = getattr(cfg, "max_position_embeddings", None)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        partial = getattr(cfg, "partial_rotary_factor", None) or 1.0
+        num_heads = num_heads or getattr(cfg, "num_attention_heads", None)
+    else:
+        window, head_dim = rope["max_position_embeddings"], rope["head_dim"]
+        partial = rope.get("partial_rotary_factor") or 1.0
+    n = max_distance
+    if n is None:
+        n = (4 * window if window else 16384) if kind == "distance" else \
+            _default_max_distance(_specs(schemes), window)
+    schemes = [schemes] if isinstance(schemes, (str, A.AnalysisSpec)) else list(schemes)
+    return plot_bytes(kind, n, int(head_dim * partial) // 2, len(schemes), num_heads=num_heads or 8), n
+
+
 def make(kind: str, schemes=None, **kw) -> Figure:
     """`make("decay", ["default", "yarn:8"], head_dim=128, ...)`; `make("results", path)` for result files."""
     if kind == "results":
         return results(schemes, window=kw.get("window"))
     if kind not in KINDS:
-        from .registry import did_you_mean
-
         raise ValueError(f"Unknown plot kind {kind!r}.{did_you_mean(kind, [*KINDS, 'results'])} Kinds: {', '.join([*KINDS, 'results'])}.")
     return KINDS[kind](schemes, **kw)
 

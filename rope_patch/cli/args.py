@@ -1,5 +1,6 @@
-"""argparse types shared by the `rope-patch` subcommands: a bad number fails while parsing, with one line that
-names the flag, the value and the allowed range (argparse adds `argument --flag:` in front)."""
+"""What the `rope-patch` subcommands share in parsing their arguments: argparse types (a bad number fails while
+parsing, with one line that names the flag, the value and the allowed range; argparse adds `argument --flag:` in
+front), and the RoPE layout that `plot` and `explain` read from --head-dim/--rope-theta/--window or --config."""
 
 from __future__ import annotations
 
@@ -56,3 +57,22 @@ def real(minimum: float | None = None, maximum: float | None = None, *, above: f
 
 positive = count(1)
 fraction = real(0.0, 1.0)
+
+
+def rope_layout(args) -> dict:
+    """The RoPE keyword arguments of rope_patch.analysis / rope_patch.plots from `--head-dim --rope-theta --window
+    --partial-rotary-factor [--seq-len]`, or `--config DIR` (then "_num_heads" too: the config's head count)."""
+    if args.config is not None:
+        # transformers' AutoConfig only here: the other commands (and --help) start without it.
+        from transformers import AutoConfig
+
+        if args.window is not None or args.partial_rotary_factor is not None:
+            raise ValueError("--config gives the window and rotary layout; drop --window / --partial-rotary-factor.")
+        cfg = AutoConfig.from_pretrained(args.config)  # a local folder: only config.json is read
+        rope = {"config": cfg, "_num_heads": getattr(cfg, "num_attention_heads", None)}
+    else:
+        rope = {"head_dim": args.head_dim, "rope_theta": args.rope_theta,
+                "max_position_embeddings": args.window or 4096, "partial_rotary_factor": args.partial_rotary_factor}
+    if args.seq_len is not None:
+        rope["seq_len"] = args.seq_len
+    return {k: v for k, v in rope.items() if v is not None or k == "_num_heads"}

@@ -6,15 +6,29 @@
 
 from __future__ import annotations
 
-import os
-import sys
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from .. import models
+from ..evaluation.common import auto_threads, read_tokens
+from ..evaluation.compare import (
+    DEFAULT_LENGTHS,
+    DEFAULT_SCHEMES,
+    check_writable,
+    load_results,
+    parse_schemes,
+    resumed_units,
+    rich_table,
+    run_compare,
+    work_units,
+    write_results,
+)
+from ..evaluation.retrieval import DEFAULT_DEPTHS
+from .args import count, fraction, positive
 
 
 def add_parser(subparsers) -> None:
-    from .cli_args import count, fraction, positive
-    from .evaluation.compare import DEFAULT_LENGTHS, DEFAULT_SCHEMES
-    from .evaluation.retrieval import DEFAULT_DEPTHS
-
     length = count(8)
     p = subparsers.add_parser(
         "compare", help="perplexity and passkey accuracy of several schemes x lengths on one model",
@@ -51,37 +65,7 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def auto_threads() -> int:
-    """torch's thread count, reduced to the cores that the 1-minute load average leaves free (at least 1)."""
-    import torch
-
-    n = torch.get_num_threads()
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return n
-    free = (os.cpu_count() or n) - load
-    return max(1, min(n, int(free + 0.5)))
-
-
 def run(args) -> int:
-    import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from .evaluation.common import read_tokens
-    from .evaluation.compare import (
-        check_writable,
-        load_results,
-        parse_schemes,
-        resumed_units,
-        rich_table,
-        run_compare,
-        work_units,
-        write_results,
-    )
-    from .models import load_model, model_name, resolve_model_path
-
     console = Console(stderr=True)
     parse_schemes(args.schemes)  # bad specs fail here, before the model loads
     out = check_writable(args.out)  # and an unwritable --out too
@@ -97,9 +81,9 @@ def run(args) -> int:
         else:
             console.print(f"Nothing to resume in {out} (no compare.json): starting from the beginning.")
     torch.set_num_threads(args.threads or auto_threads())
-    path = resolve_model_path(args.model)
+    path = models.resolve_model_path(args.model)
     console.print(f"Loading {args.model} from {path} ({torch.get_num_threads()} threads) ...")
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = models.load_model(args.model, dtype=args.dtype)
     token_ids, _ = read_tokens(tokenizer, args.heldout)
     passkey_lengths = args.lengths if args.passkey_lengths is None else args.passkey_lengths
     sizes = (len(token_ids), args.lengths, passkey_lengths, args.depths, args.passkey_samples, args.windows)
@@ -120,7 +104,7 @@ def run(args) -> int:
         result = run_compare(
             model, tokenizer, args.schemes, args.lengths, passkey_lengths=passkey_lengths, depths=args.depths,
             passkey_samples=args.passkey_samples, windows_at_longest=args.windows, seed=args.seed,
-            heldout=args.heldout, model_spec=model_name(args.model), model_path=str(path),
+            heldout=args.heldout, model_spec=models.model_name(args.model), model_path=str(path),
             progress=lambda n, label: bar.update(task, advance=n, description=label),
             resume=previous, on_scheme=save)
     Console().print(rich_table(result))
@@ -129,8 +113,3 @@ def run(args) -> int:
     console.print(f"{result['elapsed_s']['total']:.0f} s. Wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
-
-if __name__ == "__main__":
-    from .cli import main
-
-    sys.exit(main(["compare", *sys.argv[1:]]))

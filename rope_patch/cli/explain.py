@@ -6,13 +6,11 @@
 
 from __future__ import annotations
 
-from . import analysis
-from .cli_plot import _rope
+from .. import analysis
+from .args import count, positive, real, rope_layout
 
 
 def add_parser(subparsers) -> None:
-    from .cli_args import count, positive, real
-
     p = subparsers.add_parser(
         "explain", help="pair counts, wavelengths, temperature and decay bound of schemes",
         description="Print what a scheme does to the rotary frequencies of a RoPE layout: how many pairs complete a "
@@ -31,7 +29,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    rope = {k: v for k, v in _rope(args).items() if not k.startswith("_")}
+    rope = {k: v for k, v in rope_layout(args).items() if not k.startswith("_")}
     for spec in args.schemes:
         print("\n".join(analysis.explain(spec, **rope).lines()))
     return 0

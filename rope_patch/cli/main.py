@@ -7,6 +7,9 @@ import argparse
 import sys
 import textwrap
 
+from .. import registry
+from . import compare, explain, export, models, plot, sweep
+
 DESCRIPTION = (
     "Swap the position encoding of a loaded Hugging Face LLaMA-family model at runtime (RoPE scaling: linear/PI, "
     "NTK, dynamic NTK, YaRN, llama3, LongRoPE; attention schemes: ALiBi, NoPE, Self-Extend, ReRoPE, ...) and "
@@ -23,8 +26,7 @@ A scheme spec is `name`, `name:VALUE` (yarn:8 sets factor) or `name:key=value,..
 `rope-patch COMMAND --help` describes each command. Errors are one line (exit status 2); `rope-patch --debug
 COMMAND ...` shows the traceback instead."""
 
-SUBCOMMANDS = ["rope_patch.cli_compare", "rope_patch.cli_models", "rope_patch.cli_plot", "rope_patch.cli_explain", "rope_patch.cli_export",
-               "rope_patch.cli_sweep"]  # (module path) each exposing add_parser(subparsers)
+SUBCOMMANDS = (compare, models, plot, explain, export, sweep)  # each exposes add_parser(subparsers)
 
 
 class Parser(argparse.ArgumentParser):
@@ -40,8 +42,6 @@ def _add_debug(parser: argparse.ArgumentParser, default=False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
     parser = Parser(prog="rope-patch", description=textwrap.fill(DESCRIPTION, 100), epilog=EPILOG,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_debug(parser)
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     lst = sub.add_parser("list", help="list the registered schemes and their parameters")
     lst.set_defaults(func=_list)
     for module in SUBCOMMANDS:
-        importlib.import_module(module).add_parser(sub)
+        module.add_parser(sub)
     _tag(sub)
     return parser
 
@@ -66,13 +66,11 @@ def _tag(sub) -> None:
 
 
 def _list(args) -> int:
-    from .registry import aliases, get_scheme_class, list_schemes
-
     by_scheme: dict[str, list[str]] = {}
-    for alias, name in aliases().items():
+    for alias, name in registry.aliases().items():
         by_scheme.setdefault(name, []).append(alias)
-    for name in list_schemes():
-        cls = get_scheme_class(name)
+    for name in registry.list_schemes():
+        cls = registry.get_scheme_class(name)
         extra = f" (aliases: {', '.join(sorted(by_scheme.get(name, [])))})" if name in by_scheme else ""
         print(f"{name:<16} {cls.kind:<10} {', '.join(cls.param_names()) or '-'}{extra}")
     return 0
@@ -119,7 +117,3 @@ def _kept(args) -> str:
     """What a long-running command had finished (and saved) when it stopped: it sets `args.kept` as it goes."""
     kept = getattr(args, "kept", None)
     return f" {kept}" if kept else ""
-
-
-if __name__ == "__main__":
-    sys.exit(main())

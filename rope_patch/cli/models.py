@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .. import models
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("models", help="list the named models; fetch SmolLM2 into the cache")
@@ -16,11 +18,9 @@ def add_parser(subparsers) -> None:
 
 
 def _list(args) -> int:
-    from .models import MODELS, resolve_model_path
-
-    for name, info in MODELS.items():
+    for name, info in models.MODELS.items():
         try:
-            where = str(resolve_model_path(name))
+            where = str(models.resolve_model_path(name))
         except (FileNotFoundError, ValueError):
             where = "not available" + (" (rope-patch models fetch smollm2)" if name == "smollm2" else "")
         print(f"{name:<8} window {info.window:<5} {info.description}\n         {where}")
@@ -29,7 +29,5 @@ def _list(args) -> int:
 
 
 def _fetch(args) -> int:
-    from .models import fetch_smollm2
-
-    print(fetch_smollm2(cache=args.cache, force=args.force))  # errors: one line from cli.main
+    print(models.fetch_smollm2(cache=args.cache, force=args.force))  # errors: one line from cli.main
     return 0

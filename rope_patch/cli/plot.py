@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+from .. import plots
+from .args import count, positive, real, rope_layout
+
 ANALYSIS_KINDS = ("decay", "wavelengths", "frequencies", "angles", "distance", "score")
 DEFAULT_SCHEMES = {"*": ["default", "yarn:8", "linear:8", "ntk:8"],
                    "distance": ["default", "rerope:512", "leaky_rerope:window_size=512,factor=16",
@@ -15,8 +18,6 @@ DEFAULT_SCHEMES = {"*": ["default", "yarn:8", "linear:8", "ntk:8"],
 
 
 def add_parser(subparsers) -> None:
-    from .cli_args import count, positive, real
-
     p = subparsers.add_parser(
         "plot", help="figures: decay bound, wavelengths, frequencies, angles, distance maps, scores, results",
         description="Draw the position-encoding theory for one or more schemes (numbers from rope_patch.analysis, "
@@ -45,7 +46,7 @@ def add_parser(subparsers) -> None:
                       help="current length for dynamic NTK / LongRoPE (default: the scheme's extended window)")
     p.add_argument("--max-distance", type=positive, default=None,
                    help="largest distance (decay, score, distance) or the length N (angles); default max(4L, s·L); "
-                   f"refused when the figure would need more than {MEMORY_LIMIT >> 30} GiB of memory")
+                   f"refused when the figure would need more than {plots.MEMORY_LIMIT >> 30} GiB of memory")
     p.add_argument("--normalize", action="store_true", help="decay: divide by the value at Δ = 0")
     p.add_argument("--linear", action="store_true", help="decay: linear distance axis (like the RoFormer figure)")
     p.add_argument("--logits", action="store_true", help="score: a²·q·k/√d plus ALiBi's bias (what softmax sees)")
@@ -61,53 +62,20 @@ def run(args) -> int:
     return 0
 
 
-# Memory (bytes per plotted distance) that the dense figures need, measured on this code (peak RSS, 1e6 distances)
-# and rounded up: decay ~0.7 KB (d = 128, one scheme) - 1 KB (four); score ~4.6 KB (the [distances, samples]
-# matrices); distance ~0.35 KB. The estimate is refused above MEMORY_LIMIT, before anything is allocated.
-MEMORY_LIMIT = 1 << 30
-
-
-def plot_bytes(kind: str, n_distances: int, pairs: int, n_schemes: int, num_heads: int = 8,
-               num_samples: int = 256) -> int:
-    """Estimated peak memory of `rope-patch plot KIND` over `n_distances` distances (0 for the small figures)."""
-    per_scheme = 64 * n_schemes + 64
-    per = {"decay": 16 * pairs + per_scheme,
-           "score": 8 * (pairs + 2 * num_samples) + per_scheme,
-           "distance": 16 * num_heads + per_scheme}.get(kind)
-    return 0 if per is None else n_distances * per
-
-
 def check_size(args, schemes, rope) -> None:
     """Refuse a figure whose arrays would not fit (e.g. `plot decay --max-distance 1e8`) with the estimate."""
-    if args.kind not in ("decay", "score", "distance"):
-        return
-    from . import plots
-
-    cfg = rope.get("config")
-    if cfg is not None:
-        window = getattr(cfg, "max_position_embeddings", None)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        partial = getattr(cfg, "partial_rotary_factor", None) or 1.0
-    else:
-        window, head_dim = rope["max_position_embeddings"], rope["head_dim"]
-        partial = rope.get("partial_rotary_factor") or 1.0
-    n = args.max_distance
-    if n is None:
-        n = (4 * window if window else 16384) if args.kind == "distance" else \
-            plots._default_max_distance(plots._specs(schemes), window)
-    heads = args.num_heads or rope.get("_num_heads") or 8
-    need = plot_bytes(args.kind, n, int(head_dim * partial) // 2, len(schemes), num_heads=heads)
-    if need > MEMORY_LIMIT:
+    need, n = plots.figure_memory(args.kind, schemes, max_distance=args.max_distance,
+                                  num_heads=args.num_heads or rope.get("_num_heads"),
+                                  **{k: v for k, v in rope.items() if not k.startswith("_")})
+    if need > plots.MEMORY_LIMIT:
         per = need / n
         flag = f"--max-distance {n:,}" if args.max_distance is not None else f"the default distance range ({n:,})"
         raise ValueError(f"`rope-patch plot {args.kind}` with {flag} needs about {need / 2**30:.1f} GiB of memory "
-                         f"({n:,} distances x {len(schemes)} scheme(s)), over the {MEMORY_LIMIT / 2**30:.0f} GiB "
-                         f"limit; pass --max-distance {int(MEMORY_LIMIT / per)} or less.")
+                         f"({n:,} distances x {len(schemes)} scheme(s)), over the {plots.MEMORY_LIMIT / 2**30:.0f} "
+                         f"GiB limit; pass --max-distance {int(plots.MEMORY_LIMIT / per)} or less.")
 
 
 def _run(args):
-    from . import plots
-
     if args.kind == "results":
         if args.results_file is None:
             raise ValueError("`rope-patch plot results` needs the results file, e.g. results/compare.json.")
@@ -119,7 +87,7 @@ def _run(args):
             raise ValueError(f"`rope-patch plot {args.kind}` takes no file argument (got {args.results_file!r}); "
                              "give schemes with --schemes.")
         schemes = args.schemes or DEFAULT_SCHEMES.get(args.kind, DEFAULT_SCHEMES["*"])
-        rope = _rope(args)
+        rope = rope_layout(args)
         check_size(args, schemes, rope)
         kw = {}
         if args.kind in ("decay", "score", "distance") and args.max_distance is not None:
@@ -139,18 +107,3 @@ def _run(args):
     out = args.out or f"{args.kind}.{args.format or 'png'}"
     return plots.save(fig, out, args.format, dpi=args.dpi)
 
-
-def _rope(args) -> dict:
-    if args.config is not None:
-        from transformers import AutoConfig
-
-        if args.window is not None or args.partial_rotary_factor is not None:
-            raise ValueError("--config gives the window and rotary layout; drop --window / --partial-rotary-factor.")
-        cfg = AutoConfig.from_pretrained(args.config)  # a local folder: only config.json is read
-        rope = {"config": cfg, "_num_heads": getattr(cfg, "num_attention_heads", None)}
-    else:
-        rope = {"head_dim": args.head_dim, "rope_theta": args.rope_theta,
-                "max_position_embeddings": args.window or 4096, "partial_rotary_factor": args.partial_rotary_factor}
-    if args.seq_len is not None:
-        rope["seq_len"] = args.seq_len
-    return {k: v for k, v in rope.items() if v is not None or k == "_num_heads"}

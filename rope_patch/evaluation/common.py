@@ -1,16 +1,21 @@
-"""Pieces shared by the perplexity and passkey evaluations: held-out text, chunked loss, dynamic-RoPE state."""
+"""Pieces shared by the perplexity and passkey evaluations: held-out text, chunked loss, dynamic-RoPE state, the
+thread count."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import transformers
 
 from .. import resources
+from .._version import __version__
+from ..target import find_target
 
 # Bytes of fp32 logits materialised at once when computing a loss (the full 16k x 49152 logits are 3.2 GB).
 LOGITS_BUDGET_BYTES = 256 << 20
@@ -41,12 +46,20 @@ def read_tokens(tokenizer, path: str | Path | None = None, max_tokens: int | Non
 
 
 def versions() -> dict:
-    import transformers
-
-    import rope_patch
-
-    return {"rope_patch": rope_patch.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+    return {"rope_patch": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": sys.version.split()[0], "platform": platform.platform(), "threads": torch.get_num_threads()}
+
+
+def auto_threads() -> int:
+    """torch's thread count, reduced to the cores that the 1-minute load average leaves free (at least 1): on a
+    busy machine extra threads wait for cores and slow small models down several-fold."""
+    n = torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return n
+    free = (os.cpu_count() or n) - load
+    return max(1, min(n, int(free + 0.5)))
 
 
 # ---- chunked loss -----------------------------------------------------------------------------------------------
@@ -95,8 +108,6 @@ def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 # ---- dynamic RoPE -----------------------------------------------------------------------------------------------
 def _rotary(model):
-    from ..target import find_target
-
     try:
         return find_target(model).rotary
     except Exception:  # a model without a rotary module (e.g. pure ALiBi architectures): nothing to prepare

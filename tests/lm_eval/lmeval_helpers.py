@@ -72,7 +72,7 @@ def evaluate(model, tasks, assets, model_args=None, meta=None, include_path=None
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import rope_patch.lm_eval_model  # noqa: F401  (registers `rope_patch`)
+    import rope_patch.integrations.lm_eval.model  # noqa: F401  (registers `rope_patch`)
 
     tm = TaskManager(include_path=str(include_path or TASKS), include_defaults=False,
                      metadata=metadata(assets, **(meta or {})))

@@ -17,7 +17,7 @@ pytest.importorskip("lm_eval")
 def parse(monkeypatch, argv):
     from lm_eval._cli import HarnessCLI
 
-    from rope_patch.lm_eval_cli import adjust
+    from rope_patch.integrations.lm_eval.cli import adjust
 
     monkeypatch.setattr(sys, "argv", ["rope-patch-lm-eval", *argv])
     parser = HarnessCLI()
@@ -55,7 +55,7 @@ def _samples(out, task):
 @pytest.mark.slow
 def test_console_script_writes_lm_eval_results(assets, tmp_path):
     """The acceptance command, on the tiny assets (the group expanded to one short length)."""
-    exe = shutil.which("rope-patch-lm-eval") or f"{sys.executable} -m rope_patch.lm_eval_cli"
+    exe = shutil.which("rope-patch-lm-eval") or f"{sys.executable} -m rope_patch.integrations.lm_eval.cli"
     meta = json.dumps({"heldout": str(assets["heldout"]), "samples": 1, "lengths": [128]})
     cmd = (f"{exe} --model rope_patch --model_args pretrained={assets['model']},scheme=yarn,factor=4 "
            f"--include_path {TASKS} --tasks rope_passkey --output_path {tmp_path / 'out'} --metadata '{meta}'")
@@ -68,7 +68,7 @@ def test_console_script_writes_lm_eval_results(assets, tmp_path):
 
 def test_bad_model_args_fail_clearly_from_the_cli(assets, tmp_path):
     """Checked before lm-eval indexes its tasks: the error of apply(), at once, without a traceback."""
-    cmd = [sys.executable, "-m", "rope_patch.lm_eval_cli", "--model", "rope_patch", "--model_args",
+    cmd = [sys.executable, "-m", "rope_patch.integrations.lm_eval.cli", "--model", "rope_patch", "--model_args",
            f"pretrained={assets['model']},scheme=yarnn", "--tasks", "rope_passkey_128", "--include_path", str(TASKS)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
@@ -85,7 +85,7 @@ def test_two_processes_equal_one(assets, tmp_path):
     tasks = ["rope_passkey_128", "rope_ppl_128"]
     meta = {"heldout": str(assets["heldout"]), "samples": 3}
     args = {"pretrained": str(assets["model"]), "scheme": "yarn", "factor": 2}
-    cmd = [torchrun, "--nproc_per_node", "2", "-m", "rope_patch.lm_eval_cli", "--model", "rope_patch",
+    cmd = [torchrun, "--nproc_per_node", "2", "-m", "rope_patch.integrations.lm_eval.cli", "--model", "rope_patch",
            "--model_args", json.dumps(args), "--include_path", str(TASKS), "--tasks", ",".join(tasks),
            "--metadata", json.dumps(meta), "--output_path", str(tmp_path / "mp"), "--log_samples"]
     proc = subprocess.run(cmd, cwd=tmp_path, env={**_env(), "ACCELERATE_USE_CPU": "true"}, capture_output=True,
@@ -105,4 +105,4 @@ def test_two_processes_equal_one(assets, tmp_path):
 
 def test_repo_has_the_console_script_entry():
     text = (REPO / "pyproject.toml").read_text()
-    assert 'rope-patch-lm-eval = "rope_patch.lm_eval_cli:main"' in text
+    assert 'rope-patch-lm-eval = "rope_patch.integrations.lm_eval.cli:main"' in text

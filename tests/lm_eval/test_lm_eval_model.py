@@ -12,7 +12,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 
 def make(assets, **kw):
-    from rope_patch.lm_eval_model import RopePatchLM
+    from rope_patch.integrations.lm_eval.model import RopePatchLM
 
     return RopePatchLM(pretrained=str(assets["model"]), **kw)
 
@@ -38,7 +38,7 @@ def _remember(assets):
 def test_registered():
     from lm_eval.api.registry import get_model
 
-    from rope_patch.lm_eval_model import RopePatchLM
+    from rope_patch.integrations.lm_eval.model import RopePatchLM
 
     assert get_model("rope_patch") is RopePatchLM
 
@@ -66,7 +66,7 @@ def test_missing_adapter_and_model(assets, tmp_path):
         make(assets, adapter=str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="not an adapter"):
         make(assets, adapter=str(tmp_path))
-    from rope_patch.lm_eval_model import RopePatchLM
+    from rope_patch.integrations.lm_eval.model import RopePatchLM
 
     with pytest.raises((FileNotFoundError, ValueError), match="nope"):
         RopePatchLM(pretrained=str(tmp_path / "nope"))
@@ -125,7 +125,7 @@ def test_model_saved_by_rope_patch(assets, tmp_path):
     rope_patch.apply(model, "yarn", factor=4)
     rope_patch.save_pretrained(model, tmp_path / "saved")
     AutoTokenizer.from_pretrained(str(assets["model"])).save_pretrained(tmp_path / "saved")
-    from rope_patch.lm_eval_model import RopePatchLM
+    from rope_patch.integrations.lm_eval.model import RopePatchLM
 
     lm = RopePatchLM(pretrained=str(tmp_path / "saved"))
     assert rope_patch.current(lm.model).name == "yarn"

@@ -23,7 +23,7 @@ def sweep_args(assets, out, **kw):
 
 
 def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
-    import rope_patch.cli_sweep as S
+    import rope_patch.integrations.lm_eval.sweep as S
     from rope_patch.evaluation.compare import load_results
 
     calls = []
@@ -74,7 +74,7 @@ def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
         S.sweep(sweep_args(assets, out, windows="7"), log=lambda m: None)
 
 def test_sweep_refuses_other_settings_and_bad_schemes(assets, tmp_path):
-    import rope_patch.cli_sweep as S
+    import rope_patch.integrations.lm_eval.sweep as S
 
     with pytest.raises(ValueError, match="yarnn"):
         S.sweep(sweep_args(assets, tmp_path / "a", schemes=["default", "yarnn:2"]), log=lambda m: None)
@@ -85,7 +85,7 @@ def test_sweep_refuses_other_settings_and_bad_schemes(assets, tmp_path):
 
 
 def test_expand_and_scheme_args():
-    from rope_patch.cli_sweep import expand_tasks, scheme_args
+    from rope_patch.integrations.lm_eval.sweep import expand_tasks, scheme_args
 
     assert expand_tasks(["rope_passkey", "niah_single_1", "rope_ppl"], [256, 1024]) == [
         "rope_passkey_256", "rope_passkey_1024", "niah_single_1", "rope_ppl_256", "rope_ppl_1024"]
@@ -94,7 +94,7 @@ def test_expand_and_scheme_args():
 
 
 def test_sweep_rejects_lengths_without_tasks(assets, tmp_path):
-    import rope_patch.cli_sweep as S
+    import rope_patch.integrations.lm_eval.sweep as S
 
     with pytest.raises(ValueError, match="rope_passkey_300"):
         S.sweep(sweep_args(assets, tmp_path / "c", lengths=["128", "300"]), log=lambda m: None)

@@ -5,9 +5,9 @@ registration and hands over to lm-eval's CLI: every lm-eval flag and subcommand 
 
     rope-patch-lm-eval --model rope_patch --model_args pretrained=tiny,scheme=yarn,factor=4 \
         --tasks rope_passkey --output_path out/   # rope_* tasks ship with the package
-    python -m rope_patch.lm_eval_cli ...                                   # the same
-    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.lm_eval_cli ...   # data parallel, CPU
-    accelerate launch -m rope_patch.lm_eval_cli ...                                      # data parallel, GPUs
+    python -m rope_patch.integrations.lm_eval.cli ...                                   # the same
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.integrations.lm_eval.cli ...   # data parallel, CPU
+    accelerate launch -m rope_patch.integrations.lm_eval.cli ...                                      # data parallel, GPUs
 
 Three conveniences, each only when it cannot change the meaning of a plain lm-eval command line:
 - `--tasks rope_passkey` / `rope_ppl` / `rope_niah` with `--metadata lengths=[256,1024]` run
@@ -21,29 +21,13 @@ Three conveniences, each only when it cannot change the meaning of a plain lm-ev
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from . import resources
+from lm_eval._cli import HarnessCLI
+from lm_eval.utils import setup_logging
 
-GROUPS = ("rope_passkey", "rope_ppl", "rope_niah")
-
-
-def tasks_dir() -> Path | None:
-    """The rope_* task folder shipped as package data (rope_patch/data/tasks), None if the install lacks it."""
-    found = resources.tasks_dir()
-    return found if (found / "rope").is_dir() else None
-
-
-def expand_tasks(tasks: list[str], lengths) -> list[str]:
-    """`rope_passkey` + lengths [256, 1024] -> rope_passkey_256, rope_passkey_1024 (other names unchanged)."""
-    if not lengths:
-        return list(tasks)
-    if isinstance(lengths, (int, str)):
-        lengths = [int(x) for x in str(lengths).replace("[", "").replace("]", "").replace("/", ",").split(",") if x]
-    out = []
-    for t in tasks:
-        out += [f"{t}_{int(n)}" for n in lengths] if t in GROUPS else [t]
-    return out
+from ...models import resolve_model_path
+from .model import validate_model_args  # importing .model registers the `rope_patch` model with lm-eval
+from .tasks import expand_tasks, tasks_dir
 
 
 def adjust(args) -> None:
@@ -62,8 +46,6 @@ def adjust(args) -> None:
     if args.model in ("rope_patch", "rope-patch") and isinstance(model_args, dict):
         spec = model_args.get("pretrained", "tiny")
         if spec in ("tiny", "smollm2") and not (model_args.get("tokenizer") or metadata.get("tokenizer")):
-            from .models import resolve_model_path
-
             try:
                 metadata["tokenizer"] = str(resolve_model_path(spec))
             except (FileNotFoundError, ValueError):
@@ -73,11 +55,6 @@ def adjust(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lm_eval._cli import HarnessCLI
-    from lm_eval.utils import setup_logging
-
-    from . import lm_eval_model  # noqa: F401  (registers the `rope_patch` model)
-
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     sys.argv[0] = "rope-patch-lm-eval"
@@ -97,8 +74,6 @@ def main(argv: list[str] | None = None) -> None:
 def check_model_args(model_args) -> str | None:
     """The error `--model_args` would raise when the model is built, found before lm-eval indexes its tasks
     (which takes a while): same messages as `rope_patch.apply` / the model."""
-    from .lm_eval_model import validate_model_args
-
     if not isinstance(model_args, dict):
         return None
     kw = {k: v for k, v in model_args.items() if k not in ("max_length", "exact_tokens", "dtype", "device")}

@@ -32,13 +32,14 @@ for the final length, and non-overlapping windows scored from position 0. That m
 Prompts longer than `max_length` on the ordinary (text) path are truncated from the left by HFLM, as always, but
 with a loud warning here instead of a silent cut.
 
-Data parallel: `ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.lm_eval_cli ...` on CPU,
-`accelerate launch -m rope_patch.lm_eval_cli ...` on GPUs. HFLM sets rank and world size only when more than one
+Data parallel: `ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.integrations.lm_eval.cli ...` on CPU,
+`accelerate launch -m rope_patch.integrations.lm_eval.cli ...` on GPUs. HFLM sets rank and world size only when more than one
 GPU is visible; this class takes them from the accelerator in every case.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -46,10 +47,20 @@ import warnings
 from pathlib import Path
 
 import torch
+from lm_eval.api.model import CacheHook
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils_hf import get_dtype
 
-from .api import context_window
+import rope_patch
+
+from ...api import context_window
+from ...evaluation import common, perplexity, retrieval
+from ...export import MANIFEST
+from ...models import resolve_model_path
+from ...registry import canonical_name, did_you_mean, get_scheme_class, list_schemes
+from ...specs import _value as parse_value
+from ...target import unwrap
 
 logger = logging.getLogger("rope_patch.lm_eval")
 
@@ -63,17 +74,13 @@ def _hflm_args() -> set[str]:
 
 
 def _all_scheme_params() -> set[str]:
-    from .registry import get_scheme_class, list_schemes
-
     return {p for name in list_schemes() for p in get_scheme_class(name).param_names()}
 
 
 def _value(v):
     """model_args values arrive as str/int/float/bool; `1/1.5/2` is a list (longrope factors), as in the CLI."""
     if isinstance(v, str):
-        from .specs import _value as parse
-
-        return parse(v)
+        return parse_value(v)
     return v
 
 
@@ -90,8 +97,6 @@ def split_model_args(scheme, kwargs: dict) -> tuple[dict, dict]:
     parameter, so that a typo or another scheme's parameter fails exactly as `apply(model, scheme, **params)`.
     Without one, scheme parameters are an error (they would be ignored), and so is any other unknown key.
     """
-    from .registry import did_you_mean
-
     hflm = _hflm_args()
     params, rest = {}, {}
     for key, val in kwargs.items():
@@ -107,8 +112,6 @@ def split_model_args(scheme, kwargs: dict) -> tuple[dict, dict]:
 
 
 def _manifest(path) -> dict | None:
-    from .export import MANIFEST
-
     p = Path(path) / MANIFEST
     return json.loads(p.read_text()) if p.is_file() else None
 
@@ -132,8 +135,6 @@ def _window(model) -> int | None:
     try:
         return context_window(model)
     except TypeError:  # not a RoPE model rope_patch can read: whatever its config announces
-        from .target import unwrap
-
         cfg = getattr(unwrap(model), "config", None)
         cfg = getattr(cfg, "text_config", None) or cfg
         value = getattr(cfg, "max_position_embeddings", None)
@@ -146,13 +147,7 @@ def validate_model_args(pretrained=None, scheme=None, adapter=None, **kwargs):
     Raises the errors of `rope_patch.apply` for the scheme and its parameters, FileNotFoundError / ValueError for a
     missing model or adapter folder.
     """
-    import rope_patch
-
-    from .models import resolve_model_path
-
     if scheme is not None and not isinstance(scheme, rope_patch.Scheme):
-        from .registry import canonical_name
-
         scheme = canonical_name(str(scheme))  # ValueError with "Did you mean" for unknown names
     params, rest = split_model_args(None if isinstance(scheme, rope_patch.Scheme) else scheme, kwargs)
     if scheme is None and params:
@@ -171,8 +166,6 @@ def validate_model_args(pretrained=None, scheme=None, adapter=None, **kwargs):
 
 def _as_text(req):
     """A copy of an lm-eval request without its document (so it takes the text path)."""
-    import copy
-
     clone = copy.copy(req)
     clone.doc = None
     return clone
@@ -186,9 +179,6 @@ class RopePatchLM(HFLM):
                  dtype="float32", device=None, **kwargs):
         if device is None:  # HFLM wants a string; "cuda" without a GPU would fail later
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        import rope_patch
-
-        from .models import resolve_model_path
 
         # ---- validate everything before loading anything -------------------------------------------------------
         self._scheme, adapter, rest = validate_model_args(scheme=scheme, adapter=adapter, **kwargs)
@@ -214,10 +204,6 @@ class RopePatchLM(HFLM):
 
     # ---- loading -----------------------------------------------------------------------------------------------
     def _create_model(self, pretrained, **kwargs):
-        from lm_eval.models.utils_hf import get_dtype
-
-        import rope_patch
-
         if self._pretrained_manifest is not None:
             # A folder written by rope_patch.save_pretrained: rebuild it with its patch (config.json of a native
             # scheme already holds the scaled rope_parameters; the patch is defined relative to the original).
@@ -229,13 +215,11 @@ class RopePatchLM(HFLM):
         self._patch_model()
 
     def _patch_model(self):
-        import rope_patch
-
         if self._adapter is not None:
             if _manifest(self._adapter) is not None:
                 self._model = rope_patch.from_pretrained(self._adapter, base_model=self._model)
             else:
-                from peft import PeftModel
+                from peft import PeftModel  # peft (~1.5 s to import) only for a plain peft adapter
 
                 self._model = PeftModel.from_pretrained(self._model, str(self._adapter))
         if self._scheme is not None:
@@ -318,8 +302,6 @@ class RopePatchLM(HFLM):
         return int(bs) if str(bs).isdigit() and int(bs) > 1 else default
 
     def generate_until(self, requests, disable_tqdm: bool = False):
-        from .evaluation.retrieval import greedy_generate
-
         results: list = [None] * len(requests)
         exact, other = [], []
         for i, req in enumerate(requests):
@@ -342,7 +324,7 @@ class RopePatchLM(HFLM):
             if length > self.max_length:
                 self._warn_long(length, self.max_length, truncated=False)
             ids = torch.tensor([it[2] for it in items], dtype=torch.long, device=self.device)
-            out = greedy_generate(model, ids, new)
+            out = retrieval.greedy_generate(model, ids, new)  # (module attribute: tests swap the decoder)
             for (i, req, _, _), g in zip(items, out, strict=True):
                 text = self.tokenizer.decode(g.tolist(), skip_special_tokens=True)
                 results[i] = text
@@ -354,9 +336,6 @@ class RopePatchLM(HFLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        from .evaluation.common import prepare_rotary, token_nll
-        from .evaluation.perplexity import batch_size_for
-
         results: list = [None] * len(requests)
         exact, other = [], []
         for i, req in enumerate(requests):
@@ -370,12 +349,12 @@ class RopePatchLM(HFLM):
         for length, items in by_len.items():
             if length > self.max_length:
                 self._warn_long(length, self.max_length, truncated=False)
-            prepare_rotary(model, length)
-            step = self._chunk_size(batch_size_for(length))
+            common.prepare_rotary(model, length)
+            step = self._chunk_size(perplexity.batch_size_for(length))
             for s in range(0, len(items), step):
                 chunk = items[s : s + step]
                 ids = torch.tensor([it[2] for it in chunk], dtype=torch.long, device=self.device)
-                nll = token_nll(model, ids)
+                nll = common.token_nll(model, ids)
                 for (i, req, _), row in zip(chunk, nll, strict=True):
                     results[i] = -row.double().sum().item()
                     self.cache_hook.add_partial("loglikelihood_rolling", req.args, results[i])
@@ -389,8 +368,6 @@ class RopePatchLM(HFLM):
             for (i, _, _), ll in zip(other, lls, strict=True):
                 results[i] = ll
         elif need and requests:  # nothing of ours on this rank: a stand-in, neither returned nor cached
-            from lm_eval.api.model import CacheHook
-
             hook, self.cache_hook = self.cache_hook, CacheHook(None)
             try:
                 super().loglikelihood_rolling([_as_text(requests[0])], disable_tqdm=True)
@@ -399,8 +376,6 @@ class RopePatchLM(HFLM):
         return results
 
     def get_model_info(self) -> dict:
-        import rope_patch
-
         info = super().get_model_info()
         applied = rope_patch.current(self.model)
         info["rope_patch"] = {"model": str(self._spec), "scheme": None if applied is None else applied.name,

@@ -1,7 +1,10 @@
-"""`rope-patch sweep`: lm-eval tasks x position-encoding schemes on one model, one lm-eval run per scheme.
+"""lm-eval tasks x position-encoding schemes on one model, one lm-eval run per scheme (`rope-patch sweep`).
 
     rope-patch sweep --model tiny --schemes default yarn:4 dynamic:4 \
         --tasks rope_passkey rope_ppl --lengths 256 1024 --out results/sweep
+
+    from rope_patch.integrations.lm_eval.sweep import SweepOptions, sweep
+    state = sweep(SweepOptions(model="tiny", schemes=["default", "yarn:4"], lengths=[256, 1024], out="results/sweep"))
 
 Each scheme runs `rope-patch-lm-eval --model rope_patch --model_args pretrained=MODEL,scheme=...` (in a fresh
 process, or under `--launcher "torchrun --nproc_per_node 2"` / `"accelerate launch"`), with
@@ -30,8 +33,10 @@ with `rope-patch plot results`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -39,7 +44,17 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
+
+from ... import models
+from ...evaluation.compare import DEFAULT_LENGTHS, _clean, parse_schemes, run_compare, write_results
+from ...evaluation.compare import FORMAT as COMPARE_FORMAT
+from ...registry import did_you_mean
+from ...specs import scheme_label
+from .tasks import tasks_dir
 
 FORMAT = "rope_patch.sweep/1"
 FAMILIES = ("rope_passkey", "rope_ppl", "rope_niah")
@@ -48,55 +63,37 @@ MAIN_METRIC = {"rope_passkey": "acc", "rope_niah": "acc", "rope_ppl": "token_per
 
 def compare_defaults() -> dict:
     """`rope-patch compare`'s defaults, read from `run_compare` so that a sweep and compare agree."""
-    import inspect
-
-    from .evaluation.compare import DEFAULT_LENGTHS, run_compare
-
     p = inspect.signature(run_compare).parameters
     return {"samples": p["passkey_samples"].default, "windows": p["windows_at_longest"].default,
             "seed": p["seed"].default, "depths": list(p["depths"].default), "lengths": list(DEFAULT_LENGTHS)}
 
 
-def add_parser(subparsers) -> None:
-    from .cli_args import count, fraction, positive, real
+_COMPARE = compare_defaults()
 
-    d = compare_defaults()
 
-    p = subparsers.add_parser(
-        "sweep", help="lm-eval tasks x schemes on one model (one lm-eval run per scheme; resumable)",
-        description=__doc__.split("\n\n")[0] + " Writes sweep.json/.md (+ compare-format files and plots) to --out.")
-    p.add_argument("--model", default="tiny", help="tiny, smollm2, or a local model folder (default: tiny)")
-    p.add_argument("--schemes", nargs="+", default=["default", "yarn:4"], metavar="SPEC",
-                   help="scheme specs as in compare: name, name:factor, name:key=value,... (default: %(default)s)")
-    p.add_argument("--tasks", nargs="+", default=["rope_passkey", "rope_ppl"], metavar="TASK",
-                   help="rope_passkey / rope_ppl / rope_niah (expanded per length) and any lm-eval task "
-                   "(default: %(default)s)")
-    p.add_argument("--lengths", nargs="+", type=count(8), default=d["lengths"], metavar="N",
-                   help="context lengths in tokens, each >= 8 (default: %(default)s)")
-    p.add_argument("--depths", nargs="+", type=fraction, default=d["depths"], metavar="D",
-                   help="needle depths in [0, 1] (default: %(default)s)")
-    p.add_argument("--passkey-samples", type=positive, default=d["samples"], metavar="N",
-                   help="prompts per (length, depth) cell, >= 1 (default: %(default)s)")
-    p.add_argument("--windows", type=positive, default=d["windows"], metavar="N",
-                   help="perplexity reads N x the longest length tokens at every length (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d["seed"], help="passkey / niah seed (default: %(default)s)")
-    p.add_argument("--heldout", default=None, help="held-out text (default: rope_patch/data/heldout.txt)")
-    p.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="extra --model_args for every scheme (dtype=..., max_length=..., adapter=...)")
-    p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="extra lm-eval --metadata")
-    p.add_argument("--limit", type=real(above=0.0), default=None,
-                   help="lm-eval --limit (per task): a count, or a fraction of the task when below 1")
-    p.add_argument("--batch-size", default="1", help="lm-eval --batch_size (default: %(default)s)")
-    p.add_argument("--include-path", default=None, help="task folder (default: the repository's rope_patch/data/tasks)")
-    p.add_argument("--launcher", default=None, metavar="CMD",
-                   help='run each scheme under a launcher, e.g. "torchrun --nproc_per_node 2" (CPU: also set '
-                   "ACCELERATE_USE_CPU=true) or \"accelerate launch\"")
-    p.add_argument("--in-process", action="store_true",
-                   help="run lm-eval in this process (faster start; no launcher; one scheme's global state may "
-                   "outlive its run)")
-    p.add_argument("--out", default="results/sweep", help="output folder (default: %(default)s)")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.set_defaults(func=run)
+@dataclasses.dataclass
+class SweepOptions:
+    """What `sweep` reads: the `rope-patch sweep` options under the names of their flags (the CLI passes its
+    argparse Namespace, which has the same attributes). Defaults: those of the command, i.e. compare's."""
+
+    model: str = "tiny"  # tiny, smollm2, or a local model folder
+    schemes: list[str] = dataclasses.field(default_factory=lambda: ["default", "yarn:4"])  # scheme specs
+    tasks: list[str] = dataclasses.field(default_factory=lambda: ["rope_passkey", "rope_ppl"])
+    lengths: list[int] = dataclasses.field(default_factory=lambda: list(_COMPARE["lengths"]))
+    depths: list[float] = dataclasses.field(default_factory=lambda: list(_COMPARE["depths"]))
+    passkey_samples: int = _COMPARE["samples"]
+    windows: int = _COMPARE["windows"]  # perplexity reads windows x the longest length tokens at every length
+    seed: int = _COMPARE["seed"]
+    heldout: str | None = None  # held-out text (default: the packaged one)
+    model_args: list[str] = dataclasses.field(default_factory=list)  # extra KEY=VALUE model_args
+    metadata: list[str] = dataclasses.field(default_factory=list)  # extra KEY=VALUE lm-eval metadata
+    limit: float | None = None  # lm-eval --limit
+    batch_size: str = "1"
+    include_path: str | None = None  # task folder (default: the packaged rope_patch/data/tasks)
+    launcher: str | None = None  # e.g. "torchrun --nproc_per_node 2" or "accelerate launch"
+    in_process: bool = False  # run lm-eval in this process (no launcher)
+    out: str = "results/sweep"
+    no_plots: bool = False
 
 
 # ---- planning -------------------------------------------------------------------------------------------------
@@ -119,7 +116,7 @@ def family(task: str) -> tuple[str | None, int | None]:
 
 
 def _kv(items) -> dict:
-    from lm_eval._cli.utils import key_val_to_dict
+    from lm_eval._cli.utils import key_val_to_dict  # lm_eval: optional (the `lm-eval` extra), imported when used
 
     out = {}
     for item in items:
@@ -129,22 +126,19 @@ def _kv(items) -> dict:
 
 def scheme_args(spec: str) -> dict:
     """`yarn:4` -> {"scheme": "yarn", "factor": 4} (validated: same errors as apply())."""
-    from .evaluation.compare import parse_schemes
-
     ((_, scheme),) = parse_schemes([spec])
     return {"scheme": scheme.name, **{k: list(v) if isinstance(v, tuple) else v for k, v in scheme.params().items()}}
 
 
 def plan(args) -> dict:
-    from .evaluation.compare import parse_schemes
-    from .models import resolve_model_path
-
+    """Settings and schemes of a sweep (`args`: SweepOptions or the CLI's Namespace), everything checked: scheme
+    specs, lengths, task names (before anything is created or run)."""
     parse_schemes(args.schemes)  # bad specs fail before anything runs
     if any(L < 8 for L in args.lengths):
         raise ValueError(f"--lengths must be at least 8 tokens each, got {args.lengths}.")
     lengths = sorted(set(args.lengths))
     tasks = expand_tasks(args.tasks, lengths)
-    path = str(resolve_model_path(args.model))
+    path = str(models.resolve_model_path(args.model))
     metadata = {"tokenizer": path, "depths": [float(d) for d in args.depths], "samples": args.passkey_samples,
                 "seed": args.seed, "ppl_tokens": args.windows * lengths[-1], "max_seq_lengths": lengths}
     if args.heldout:
@@ -153,8 +147,6 @@ def plan(args) -> dict:
     model_args = {"pretrained": path, **_kv(args.model_args)}
     include = args.include_path
     if include is None:
-        from .lm_eval_cli import tasks_dir
-
         found = tasks_dir()
         include = str(found) if found else None
     if include:
@@ -164,9 +156,7 @@ def plan(args) -> dict:
                              "64, 128, ..., 131072 (powers of two); add others to LADDER in "
                              "rope_patch/data/tasks/rope/rope_tasks_utils.py and run rope_patch/data/tasks/rope/make_tasks.py.")
     check_task_names([t for t in tasks if not family(t)[0]], include)
-    from .models import model_name
-
-    settings = {"model": args.model, "name": model_name(args.model), "model_path": path, "tasks": tasks,
+    settings = {"model": args.model, "name": models.model_name(args.model), "model_path": path, "tasks": tasks,
                 "lengths": lengths, "metadata": metadata,
                 "model_args": model_args, "limit": args.limit, "batch_size": str(args.batch_size),
                 "include_path": include}
@@ -186,7 +176,7 @@ def _own_tasks(include) -> list[str]:
 def lm_eval_task_names(include) -> frozenset[str]:
     """Every task, group and tag lm-eval knows, with the task folder included (lm-eval's own index: it reads all
     of lm-eval's task YAMLs, ~10-20 s, so it is only built when a non-rope task is asked for)."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lm_eval: optional (the `lm-eval` extra), imported when used
 
     return frozenset(TaskManager(include_path=include).all_tasks)
 
@@ -194,8 +184,6 @@ def lm_eval_task_names(include) -> frozenset[str]:
 def check_task_names(tasks, include) -> None:
     """Unknown task names fail before any scheme runs (lm-eval would fail in every scheme's run), with a "Did you
     mean"; rope_* names are checked against the task folder alone, others against lm-eval's index."""
-    from .registry import did_you_mean
-
     own = _own_tasks(include)
     for task in tasks:
         if task in own:
@@ -235,13 +223,11 @@ def lm_eval_argv(settings: dict, scheme: dict, tasks: list[str], out_dir: Path) 
 
 def run_subprocess(argv: list[str], launcher: str | None, log) -> None:
     base = shlex.split(launcher) if launcher else [sys.executable]
-    cmd = [*base, "-m", "rope_patch.lm_eval_cli", *argv]
+    cmd = [*base, "-m", "rope_patch.integrations.lm_eval.cli", *argv]
     log("$ " + shlex.join(cmd))
     env = {**os.environ, "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"),
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     if launcher:
-        import torch
-
         if not torch.cuda.is_available():  # data parallel on CPU processes (HFLM's accelerator needs to be told)
             env.setdefault("ACCELERATE_USE_CPU", "true")
     proc = subprocess.run(cmd, env=env)
@@ -251,11 +237,12 @@ def run_subprocess(argv: list[str], launcher: str | None, log) -> None:
 
 def run_in_process(settings: dict, scheme: dict, tasks: list[str], out_dir: Path, log) -> None:
     """The same as the subprocess, in this process (tests, quick sweeps): simple_evaluate + lm-eval's writer."""
+    # lm_eval: optional (the `lm-eval` extra), imported when used; importing .model registers `rope_patch` with it.
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
-    from . import lm_eval_model  # noqa: F401
+    from . import model  # noqa: F401
 
     own = settings["include_path"] and all(
         any(Path(settings["include_path"]).rglob(f"{t}.yaml")) for t in tasks)
@@ -337,8 +324,6 @@ def aggregate(state: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-    from .specs import scheme_label
-
     tasks = result["settings"]["tasks"]
     by = {(r["scheme"], r["task"]): r for r in result["rows"]}
     lines = [f"Model `{result['settings'].get('name', result['settings']['model'])}`; lm-eval tasks x schemes (main metric of each task).", "",
@@ -358,9 +343,6 @@ def markdown(result: dict) -> str:
 
 def compare_format(result: dict) -> dict | None:
     """The rope_ppl / rope_passkey cells as a `rope-patch compare` result (its table, CSV and plots)."""
-    from .evaluation.compare import FORMAT as COMPARE_FORMAT
-    from .specs import scheme_label
-
     rows = [r for r in result["rows"] if r["family"] in ("rope_ppl", "rope_passkey")]
     if not rows:
         return None
@@ -404,8 +386,6 @@ def _window(path) -> int | None:
 
 
 def write_outputs(state: dict, out: Path, plots: bool = True) -> dict[str, Path]:
-    from .evaluation.compare import _clean, write_results
-
     result = aggregate(state)
     paths = {"json": out / "sweep.json", "markdown": out / "sweep.md"}
     paths["json"].write_text(json.dumps(_clean(result), indent=1) + "\n")
@@ -417,8 +397,11 @@ def write_outputs(state: dict, out: Path, plots: bool = True) -> dict[str, Path]
     return paths
 
 
-# ---- the command ------------------------------------------------------------------------------------------------
-def sweep(args, log=print) -> dict:
+# ---- the sweep --------------------------------------------------------------------------------------------------
+def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path], object] | None = None) -> dict:
+    """Run (or resume) a sweep: `args` is a SweepOptions (or the CLI's Namespace); `log` gets progress lines;
+    `on_start(out)` is called once the settings are checked and recorded in `out`, before the first scheme runs.
+    Returns the state: settings, schemes with their cells, elapsed_s, and "paths" of the files written."""
     out = Path(args.out)
     p = plan(args)  # specs, lengths, task names: checked before anything is created or run
     out.mkdir(parents=True, exist_ok=True)
@@ -433,8 +416,8 @@ def sweep(args, log=print) -> dict:
                              "longer --lengths changes it too: fix it with --metadata ppl_tokens=N). Use another "
                              f"--out, or delete {out}.")
     stamp.write_text(json.dumps({"fingerprint": fp, "settings": settings}, indent=1, default=str) + "\n")
-    args.kept = (f"Finished (scheme, task) cells stay in {out / 'schemes'}; rerun the same command to run only "
-                 "the missing ones.")
+    if on_start is not None:
+        on_start(out)
     tasks = settings["tasks"]
     state = {"settings": settings, "schemes": [], "elapsed_s": {}}
     t_all = time.perf_counter()
@@ -472,16 +455,3 @@ def sweep(args, log=print) -> dict:
     state["paths"] = write_outputs(state, out, plots=not args.no_plots)
     return state
 
-
-def run(args) -> int:
-    state = sweep(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))  # errors: one line (cli.main)
-    args.kept = None
-    print(markdown(aggregate(state)))
-    print("Wrote " + ", ".join(str(p) for p in state["paths"].values()), file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    from .cli import main
-
-    sys.exit(main(["sweep", *sys.argv[1:]]))

@@ -20,7 +20,7 @@ Settings (`--metadata key=value ...` or a JSON object; defaults are those of `ro
 Passkey prompts come from `rope_patch.evaluation.passkey.make_passkey_sample` through `retrieval.make_cell`: the
 samples of `rope-patch compare` with the same seed, depths and sample count. Perplexity windows are
 `rope_patch.evaluation.perplexity.windows`. Documents carry their token ids (`prompt_ids` / `input_ids`): the
-`rope_patch` model evaluates those ids (see rope_patch/lm_eval_model.py); other models read `text`.
+`rope_patch` model evaluates those ids (see rope_patch/integrations/lm_eval/model.py); other models read `text`.
 """
 
 from __future__ import annotations
