@@ -122,12 +122,17 @@ class PrivateConfig:
     baseline: dict | None = None
 
     def undo(self, log: UndoLog) -> None:
-        base = self.baseline or {}
+        if self.baseline is None:  # undone before the patch was complete (a failed apply): no user edits to keep
+            return self._restore()
+        base = self.baseline
         for key, value in vars(self.private).items():
             if key not in base or not _same(base[key], value):
                 if isinstance(value, str) and value.startswith(PATCH_ONLY_PREFIX):
                     continue  # one of rope_patch's own attention functions: it only runs under a patch
                 setattr(self.shared, key, value)
+        self._restore()
+
+    def _restore(self) -> None:
         for holder in self.holders:
             holder.config = self.shared
 

@@ -284,3 +284,29 @@ def test_reapplying_a_learned_scheme_keeps_its_trained_table_and_another_scheme_
     torch.testing.assert_close(logits(model, ids), out, atol=1e-5, rtol=0)
     with pytest.warns(UserWarning, match="learned tables of the previous patch .* were discarded"):
         rope_patch.apply(model, "alibi")
+
+
+@pytest.mark.parametrize("patched_first", [False, True], ids=["clean", "patched"])
+def test_an_apply_that_fails_midway_leaves_the_shared_config_untouched(patched_first, monkeypatch, ids):
+    """The install writes the private config before it fails: nothing of it may reach the user's config object."""
+    from rope_patch.undo import UndoLog
+
+    cfg, (a, b) = twins()
+    if patched_first:
+        rope_patch.apply(a, "ntk", factor=2)
+    before_cfg, before_a, before_b = copy.deepcopy(cfg.to_dict()), logits(a, ids), logits(b, ids)
+    real, calls = UndoLog.set_buffer, []
+
+    def flaky(self, module, name, tensor):
+        calls.append(name)
+        if len(calls) == 2:
+            raise RuntimeError("disk on fire")
+        return real(self, module, name, tensor)
+
+    monkeypatch.setattr(UndoLog, "set_buffer", flaky)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        rope_patch.apply(a, "yarn", factor=4)
+    monkeypatch.undo()
+    assert cfg.to_dict() == before_cfg
+    assert torch.equal(logits(a, ids), before_a) and torch.equal(logits(b, ids), before_b)
+    assert (a.config is cfg) == (not patched_first)
