@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import rope_patch
-from rope_patch.pose import pose_inputs
+from rope_patch.training.pose import pose_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCHEMES = ["linear:4", "ntk:4", "yarn:4", "llama3:4", "dynamic:4", "default:500000"]

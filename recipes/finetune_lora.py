@@ -18,7 +18,7 @@ arXiv:2309.00071) fine-tune briefly at the target length; LongLoRA (Chen et al. 
 that LoRA alone is not enough at long context unless embeddings and norms train too (PG19 perplexity at 32k:
 11.4-12.0 LoRA-only vs 8.1 with embed+norm) - put `modules_to_save: [embed_tokens, norm]` in the `lora:` block
 (peft matches module names by suffix, so `norm` covers every RMSNorm); PoSE (Zhu et al. 2024, arXiv:2309.10400)
-trains short rows with skipped position ids (rope_patch/pose.py, including the transformers mask trap).
+trains short rows with skipped position ids (rope_patch/training/pose.py, including the transformers mask trap).
 
 Determinism: every training row is a pure function of (seed, step, row index), so the data position is the step
 counter, a resumed run draws exactly the rows an uninterrupted one would, and N processes see the same global
@@ -222,7 +222,7 @@ def validate_config(cfg: dict, num_processes: int = 1) -> dict:
 
     target = t["seq_len"]
     if cfg["pose"] is not None:
-        from rope_patch.pose import validate_pose
+        from rope_patch.training.pose import validate_pose
 
         p = cfg["pose"]
         try:
@@ -389,7 +389,7 @@ class Rows:
         else:
             ids, weights = self._text(rng, n), [1.0] * n
         if self.cfg["pose"] is not None:
-            from rope_patch.pose import pose_position_ids
+            from rope_patch.training.pose import pose_position_ids
 
             p = self.cfg["pose"]
             positions = pose_position_ids(n, p["target_length"], p["n_chunks"], rng)
@@ -654,7 +654,7 @@ def _train(cfg: dict, accelerator, derived: dict, resume: bool) -> dict:
     from accelerate.utils import set_seed
 
     import rope_patch
-    from rope_patch.pose import pose_inputs
+    from rope_patch.training.pose import pose_inputs
 
     t = cfg["train"]
     path = resolve_model(cfg["model"])
@@ -739,7 +739,7 @@ def _train(cfg: dict, accelerator, derived: dict, resume: bool) -> dict:
             batch = rows.batch(step, indices)
             with accelerator.accumulate(model):
                 # pose_inputs adds the all-ones attention mask: with skipped position ids (PoSE) transformers would
-                # otherwise build a block-diagonal "packed sequences" mask (rope_patch/pose.py).
+                # otherwise build a block-diagonal "packed sequences" mask (rope_patch/training/pose.py).
                 inputs = pose_inputs(batch["input_ids"].to(accelerator.device), batch["position_ids"].to(accelerator.device))
                 logits = model(**inputs, use_cache=False).logits
                 loss = weighted_loss(logits, inputs["input_ids"], batch["weights"].to(accelerator.device))

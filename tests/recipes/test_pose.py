@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 from transformers import DynamicCache
 
-from rope_patch.pose import attends_across_skips, has_skips, pose_inputs, pose_position_ids, validate_pose
+from rope_patch.training.pose import attends_across_skips, has_skips, pose_inputs, pose_position_ids, validate_pose
 
 
 @pytest.mark.parametrize("n_chunks", [1, 2, 3, 5])

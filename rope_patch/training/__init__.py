@@ -1,0 +1,1 @@
+"""Fine-tuning helpers: PoSE position ids (pose.py)."""
