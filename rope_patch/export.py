@@ -173,32 +173,60 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     removed, the model, config and learned parameters are written, and the manifest comes last. A crash mid-save
     therefore leaves no manifest (or a complete save), never one that points at missing or foreign weights."""
     out = Path(save_directory)
-    base = unwrap(model)
-    scheme = current(base)
-    own = patch_modules(base)
-    tables = _patch_tables(base, own)
-    is_adapter = model is not base and hasattr(model, "peft_config")
-    native = scheme is not None and _is_native(scheme)
-    manifest = {
-        "format": FORMAT,
-        "scheme": None if scheme is None else scheme.name,
-        "params": {} if scheme is None else _jsonable(scheme.params()),
-        "native": native,
-        "original": original_config(base),
-        "adapter": is_adapter,
-        "weights": None,
-        "versions": _versions(),
-    }
-    json.dumps(manifest)  # not serialisable -> TypeError now, before anything is written
+    base, manifest, tables = _patch_record(model)
 
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # a manifest describes one complete save: the old one goes first
-    if is_adapter:
+    if manifest["adapter"]:
         model.save_pretrained(out, **kwargs)
     else:
         state = {k: v for k, v in base.state_dict().items() if k not in tables}
         base.save_pretrained(out, state_dict=state, **kwargs)
-        _rewrite_config(out / "config.json", native_config(base) if native else original_config(base))
+        _rewrite_config(out / "config.json", native_config(base) if manifest["native"] else original_config(base))
+    _write_patch_files(out, manifest, tables)
+    return out
+
+
+def save_patch(model: nn.Module, save_directory: str | os.PathLike) -> Path:
+    """Write only the patch's files (`rope_patch.json`, plus `rope_patch.safetensors` for learned tables) into a
+    folder that already holds the model's own save: a transformers Trainer checkpoint, or a folder written by
+    transformers' or peft's `save_pretrained`. The folder then loads with `from_pretrained` as if `save_pretrained`
+    had written it. The model's weight files are left as they are; for a full model (not an adapter) config.json,
+    where present, is rewritten as `save_pretrained` writes it (native `rope_parameters` where they exist, else the
+    unpatched RoPE). Same order as `save_pretrained`: the old manifest goes first, the new one comes last."""
+    out = Path(save_directory)
+    if not out.is_dir():
+        raise FileNotFoundError(f"rope_patch.save_patch: {str(out)!r} is not a directory; save_patch adds the patch's "
+                                "files to a folder that holds a saved model (use rope_patch.save_pretrained otherwise).")
+    base, manifest, tables = _patch_record(model)
+    (out / MANIFEST).unlink(missing_ok=True)
+    if not manifest["adapter"] and (out / "config.json").is_file():
+        _rewrite_config(out / "config.json", native_config(base) if manifest["native"] else original_config(base))
+    _write_patch_files(out, manifest, tables)
+    return out
+
+
+def _patch_record(model: nn.Module) -> tuple[nn.Module, dict, dict]:
+    """(unwrapped model, manifest without its "weights" entry, learned tables) of what a save must record."""
+    base = unwrap(model)
+    scheme = current(base)
+    tables = _patch_tables(base, patch_modules(base))
+    manifest = {
+        "format": FORMAT,
+        "scheme": None if scheme is None else scheme.name,
+        "params": {} if scheme is None else _jsonable(scheme.params()),
+        "native": scheme is not None and _is_native(scheme),
+        "original": original_config(base),
+        "adapter": model is not base and hasattr(model, "peft_config"),
+        "weights": None,
+        "versions": _versions(),
+    }
+    json.dumps(manifest)  # not serialisable -> TypeError now, before anything is written
+    return base, manifest, tables
+
+
+def _write_patch_files(out: Path, manifest: dict, tables: dict) -> None:
+    """The learned tables (through a temporary file + fsync + rename), then the manifest that records them."""
     if tables:
         tmp = out / (PATCH_WEIGHTS + ".tmp")
         save_file(tables, tmp)
@@ -209,7 +237,6 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     else:
         (out / PATCH_WEIGHTS).unlink(missing_ok=True)  # a previous save's tables would be foreign to this one
     _atomic_write(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    return out
 
 
 def read_manifest(directory: str | os.PathLike) -> dict | None:
