@@ -1,0 +1,99 @@
+"""Datasets for transformers' Trainer: documents packed into fixed-length rows, and the sample index on every example.
+
+The collators of this package draw per sample from (seed, index) (`seeding.py`), so each example must carry its
+index in the dataset: `PackedDataset` rows do; wrap any other map-style dataset (a torch `Dataset`, a `datasets`
+table) in `IndexedDataset`, or add the column yourself (`ds.map(lambda ex, i: {"index": i}, with_indices=True)`).
+Trainer drops the columns its model's `forward` does not take before the collator sees them: set
+`TrainingArguments(remove_unused_columns=False)`, or the collators raise an error that says so.
+
+Packing is a dataset, not a collator: a collator sees one batch of documents and cannot cut the whole corpus into
+rows of exactly `seq_len` tokens without dropping or padding, and Trainer needs the number of rows up front
+(epochs, `max_steps`, skipping on resume). `PackedDataset` is deterministic (no random draw), so a resume sees the
+same rows; Trainer's sampler shuffles them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+INDEX = "index"
+
+
+class IndexedDataset(Dataset):
+    """`dataset[i]` (a mapping, e.g. {"input_ids": [...]}) with `"index": i` added; length and items otherwise as
+    they are. Works for torch map-style datasets and `datasets.Dataset`."""
+
+    def __init__(self, dataset, key: str = INDEX):
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise TypeError(f"IndexedDataset needs a map-style dataset (with __getitem__ and __len__), got "
+                            f"{type(dataset).__name__}: an iterable dataset has no stable sample index to seed from.")
+        self.dataset, self.key = dataset, key
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        example = self.dataset[i]
+        if not isinstance(example, Mapping):
+            raise TypeError(f"IndexedDataset: item {i} is a {type(example).__name__}, expected a mapping such as "
+                            '{"input_ids": [...]}.')
+        if self.key in example and example[self.key] != i:
+            raise ValueError(f"IndexedDataset: item {i} already has a {self.key!r} field ({example[self.key]!r}); "
+                             "pass key= another name or drop the field.")
+        return {**example, self.key: int(i)}
+
+
+class PackedDataset(Dataset):
+    """Documents packed into rows of exactly `seq_len` tokens, as the recipe packs them.
+
+    The documents (token-id sequences) are joined into one stream `[BOS] doc [EOS] [BOS] doc [EOS] ...`
+    (`bos_token_id` / `eos_token_id` None: no such token) and cut into consecutive rows: row i is
+    `stream[i * seq_len : (i + 1) * seq_len]`. Every token of the stream is in exactly one row, in order; the tail
+    shorter than one row is dropped (`dropped_tokens`). Rows cross document boundaries (one causal sequence per row,
+    as in the recipe and most long-context fine-tunes). Item i: {"input_ids": LongTensor[seq_len], "index": i}.
+
+    `stream` (int64) is also the haystack for `PasskeyMixer(filler_ids=...)`.
+    """
+
+    def __init__(self, documents: Iterable[Sequence[int]], seq_len: int, *, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"PackedDataset: seq_len must be a positive integer, got {seq_len!r}.")
+        bos = [bos_token_id] if bos_token_id is not None else []
+        eos = [eos_token_id] if eos_token_id is not None else []
+        ids: list[int] = []
+        n_docs = 0
+        for doc in documents:
+            if isinstance(doc, str):
+                raise TypeError("PackedDataset takes token ids, got a str: tokenize first, or use "
+                                "PackedDataset.from_texts(texts, tokenizer, seq_len).")
+            ids += bos + [int(t) for t in doc] + eos
+            n_docs += 1
+        self.stream = torch.tensor(ids, dtype=torch.long)
+        self.seq_len, self.n_documents = seq_len, n_docs
+        self.n_rows = len(ids) // seq_len
+        self.dropped_tokens = len(ids) - self.n_rows * seq_len
+        if self.n_rows == 0:
+            raise ValueError(f"PackedDataset: {n_docs} document(s) give {len(ids)} tokens, fewer than one row of "
+                             f"seq_len={seq_len}.")
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], tokenizer: Any, seq_len: int) -> PackedDataset:
+        """Tokenize each text (no special tokens) and frame it with the tokenizer's BOS / EOS."""
+        docs = (tokenizer.encode(t, add_special_tokens=False) for t in texts)
+        return cls(docs, seq_len, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+
+    def __len__(self) -> int:
+        return self.n_rows
+
+    def __getitem__(self, i: int) -> dict:
+        if isinstance(i, bool) or not isinstance(i, int):
+            i = int(i)
+        if not -self.n_rows <= i < self.n_rows:
+            raise IndexError(f"PackedDataset has {self.n_rows} rows, index {i} is out of range.")
+        i %= self.n_rows
+        return {"input_ids": self.stream[i * self.seq_len : (i + 1) * self.seq_len].clone(), INDEX: i}

@@ -1,0 +1,65 @@
+"""PackedDataset packs exactly (every token once, in order, rows of seq_len); IndexedDataset adds the sample index."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from training_helpers import documents, packed
+
+from rope_patch.training import IndexedDataset, PackedDataset
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 64, 128, 525])
+@pytest.mark.parametrize("bos,eos", [(1, 2), (None, 2), (1, None), (None, None)])
+def test_packing_is_exact(seq_len, bos, eos):
+    docs = [list(range(10 + 3 * i, 10 + 3 * i + n)) for i, n in enumerate([5, 130, 1, 77, 300, 12])]
+    ds = PackedDataset(docs, seq_len, bos_token_id=bos, eos_token_id=eos)
+    stream = [t for d in docs for t in ([bos] if bos is not None else []) + d + ([eos] if eos is not None else [])]
+    rows = [ds[i] for i in range(len(ds))]
+    assert all(r["input_ids"].shape == (seq_len,) and r["input_ids"].dtype == torch.long for r in rows)
+    assert [r["index"] for r in rows] == list(range(len(ds)))
+    joined = torch.cat([r["input_ids"] for r in rows]).tolist() if rows else []
+    assert len(ds) == len(stream) // seq_len and ds.dropped_tokens == len(stream) % seq_len
+    assert joined == stream[: len(ds) * seq_len]  # every token once, in order; only the short tail is dropped
+    assert ds.stream.tolist() == stream and ds.n_documents == len(docs)
+
+
+def test_from_texts_frames_documents_with_bos_and_eos():
+    tok, ds = packed(seq_len=128)
+    texts = documents()
+    expected = [t for text in texts for t in [tok.bos_token_id, *tok.encode(text, add_special_tokens=False), tok.eos_token_id]]
+    assert ds.stream.tolist() == expected
+    assert ds[-1]["index"] == len(ds) - 1 and torch.equal(ds[-1]["input_ids"], ds[len(ds) - 1]["input_ids"])
+
+
+@pytest.mark.parametrize("args,error,match", [
+    (([[1, 2, 3]], 0), ValueError, "seq_len must be a positive integer"),
+    (([[1, 2, 3]], 8), ValueError, "fewer than one row"),
+    ((["some text"], 8), TypeError, "tokenize first"),
+])
+def test_packing_errors(args, error, match):
+    with pytest.raises(error, match=match):
+        PackedDataset(*args)
+
+
+def test_packed_index_out_of_range():
+    ds = PackedDataset([list(range(20))], 5)
+    with pytest.raises(IndexError, match="4 rows"):
+        ds[4]
+
+
+def test_indexed_dataset_adds_the_index():
+    base = [{"input_ids": [i] * 4} for i in range(5)]
+    ds = IndexedDataset(base)
+    assert len(ds) == 5 and ds[3] == {"input_ids": [3] * 4, "index": 3}
+    assert "index" not in base[3]  # the wrapped examples are not modified
+
+
+@pytest.mark.parametrize("dataset,error,match", [
+    (iter([{"input_ids": [1]}]), TypeError, "map-style"),
+    ([[1, 2, 3]], TypeError, "expected a mapping"),
+    ([{"input_ids": [1], "index": 7}], ValueError, "already has a 'index' field"),
+])
+def test_indexed_dataset_errors(dataset, error, match):
+    with pytest.raises(error, match=match):
+        IndexedDataset(dataset)[0]
