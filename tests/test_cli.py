@@ -147,3 +147,15 @@ def test_sweep_unknown_lm_eval_task_did_you_mean(tmp_path, capsys):
     assert "Unknown task 'no_such_task'" in line and "Did you mean" in line and "ls tasks" in line
     assert main(sweep_argv(tmp_path, "arc_easyy")) == 2
     assert "Did you mean 'arc_easy'?" in error_line(capsys)
+
+
+def test_the_command_line_starts_without_optional_or_heavy_imports():
+    """`import rope_patch` never imports lm_eval (an optional extra) nor the integrations; building the `rope-patch`
+    parser (every command starts with it) imports neither lm_eval nor matplotlib nor transformers' AutoConfig."""
+    code = ("import sys, rope_patch; "
+            "assert 'lm_eval' not in sys.modules and 'rope_patch.integrations' not in sys.modules; "
+            "import rope_patch.cli; rope_patch.cli.build_parser(); "
+            "heavy = [m for m in ('lm_eval', 'matplotlib', 'transformers.models.auto.configuration_auto') "
+            "if m in sys.modules]; assert not heavy, heavy")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
