@@ -74,6 +74,10 @@ class PoSECollator:
     same for that example whatever the batch, order, process count or resume. Returns {"input_ids", "position_ids",
     "attention_mask", "labels"}; the all-ones attention mask is required (without it transformers reads the skips
     as packed-sequence boundaries and builds a block-diagonal mask: see `pose.py`).
+
+    PoSE acts through `position_ids`: RoPE and the frequency schemes read them, and so do the additive absolute
+    schemes (`learned_absolute`, `sinusoidal`); the bias schemes (`alibi`, `relative_bias`) measure distance by
+    token order, so the skips do not reach them.
     """
 
     target_length: int

@@ -49,7 +49,8 @@ def pose_position_ids(train_length: int, target_length: int, n_chunks: int, rng:
     cuts = sorted(rng.sample(range(1, train_length), n_chunks - 1)) if n_chunks > 1 else []
     bounds = [0, *cuts, train_length]
     budget = target_length - train_length
-    ids, skip = [], 0
+    ids: list[int] = []
+    skip = 0
     for c in range(n_chunks):
         if c > 0:
             skip = rng.randint(skip, budget)

@@ -1,0 +1,200 @@
+"""rope_patch inside transformers' Trainer: the patch saved with every checkpoint and restored on resume.
+
+Trainer checkpoints hold the model's weights (or peft's adapter), optimizer, scheduler and RNG states, but nothing
+of a position-encoding patch: config.json keeps no attention-side scheme, and an adapter carries no
+position-encoding information at all. `RopePatchCallback` adds, on every checkpoint save, what
+`rope_patch.save_pretrained` adds to a save (`rope_patch.json`, and `rope_patch.safetensors` for learned tables,
+through `rope_patch.export.save_patch`), so that each `checkpoint-N` loads with `rope_patch.from_pretrained` and a
+resumed run gets its patch back:
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if resume:                                    # before get_peft_model: learned tables must exist to be wrapped
+        restore_patch(model, checkpoint)          # re-applies the checkpoint's patch and loads its tables
+    else:
+        rope_patch.apply(model, "relative_bias")
+    model = get_peft_model(model, LoraConfig(..., modules_to_save=learned_modules_to_save(model)))
+    trainer = Trainer(model, args, ..., callbacks=[RopePatchCallback()])
+    trainer.train(resume_from_checkpoint=checkpoint if resume else None)
+
+On `on_train_begin` of a resumed run the callback finds the checkpoint (its `resume_from_checkpoint=`, else
+`args.resume_from_checkpoint`, else `output_dir/checkpoint-{global_step}`) and checks the model against its
+`rope_patch.json`: an unpatched model gets the patch re-applied when the scheme has no learned parameters (frequency
+and parameter-free attention schemes); a patched one must carry the same scheme and parameters (ValueError
+otherwise). A scheme with learned tables cannot be re-applied there: Trainer has built the optimizer (and peft its
+`modules_to_save` copies) before `on_train_begin`, so new tables would not train; the callback raises and names
+`restore_patch`, which does it before the model is wrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from torch import nn
+from transformers import TrainerCallback
+
+from ..api import current, original_config, patch_modules
+from ..export import MANIFEST, _load_patch_weights, _reapply, read_manifest, save_patch
+from ..schemes.base import Scheme
+from ..target import unwrap
+
+logger = logging.getLogger(__name__)
+CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+
+
+def learned_modules_to_save(model: nn.Module) -> list[str]:
+    """Names to put in `peft.LoraConfig(modules_to_save=...)` so that the applied patch's learned tables
+    (`relative_bias`, `learned_absolute`) train and are saved with the adapter; [] for schemes without any.
+
+    Call it on the patched model before `get_peft_model` (peft wraps only modules that exist then). Without these
+    names peft freezes the tables at their initial values (peft freezes every base-model parameter)."""
+    return sorted(patch_modules(_unwrap(model)))
+
+
+def restore_patch(model: nn.Module, checkpoint: str | os.PathLike | None) -> Scheme | None:
+    """Give `model` the patch recorded in `checkpoint` (a Trainer `checkpoint-N` folder written with
+    `RopePatchCallback`, or any folder written by `rope_patch.save_pretrained`); returns the scheme now applied.
+
+    Unpatched model: the recorded scheme is applied. Patched model: it must be the recorded scheme with the
+    recorded parameters (ValueError naming both otherwise). In both cases the learned tables are loaded from
+    `rope_patch.safetensors` (checked against the manifest's keys and sha256). Call it before `get_peft_model` and
+    before building the Trainer. `checkpoint=None` (a fresh start) changes nothing."""
+    if checkpoint is None:
+        return current(_unwrap(model))
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise FileNotFoundError(f"restore_patch: {str(path)!r} is not a checkpoint folder.")
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise FileNotFoundError(f"{path / MANIFEST} is missing: the checkpoint was written without RopePatchCallback "
+                                "(or by an older run), so it does not say which patch the model was trained with. Apply "
+                                "the scheme yourself with rope_patch.apply, as in the run that wrote the checkpoint.")
+    if current(_unwrap(model)) is None:
+        if manifest["scheme"] is not None:
+            _reapply(model, manifest, path / MANIFEST)
+    else:
+        check_patch(model, manifest, path / MANIFEST)
+    if manifest["scheme"] is not None:
+        _load_patch_weights(model, manifest, path)
+    return current(_unwrap(model))
+
+
+def check_patch(model: nn.Module, manifest: dict, file: str | os.PathLike = MANIFEST) -> None:
+    """ValueError when `model`'s patch (scheme, parameters, pre-patch RoPE config) is not the one `manifest`
+    (a `read_manifest` result, from `file`) records."""
+    base = _unwrap(model)
+    scheme = current(base)
+    have = {"scheme": None if scheme is None else scheme.name, "params": {} if scheme is None else scheme.params()}
+    want = {"scheme": manifest["scheme"], "params": manifest["params"]}
+    if _normal(have) != _normal(want):
+        raise ValueError(f"{file} records the patch {_label(want)}, but the model carries {_label(have)}: resuming "
+                         "would continue training under another position encoding. Build the model as the run that "
+                         "wrote the checkpoint did (or leave it unpatched: the recorded patch is then re-applied).")
+    if _normal(original_config(base)) != _normal(manifest["original"]):
+        raise ValueError(f"{file} was written for a model whose unpatched RoPE config is {manifest['original']}, but "
+                         f"this model's is {original_config(base)}: it is another base model.")
+
+
+class RopePatchCallback(TrainerCallback):
+    """Writes the patch into every Trainer checkpoint (`on_save`) and restores / checks it on resume
+    (`on_train_begin`); see the module docstring.
+
+    Args:
+        resume_from_checkpoint: the checkpoint a resumed run starts from, when it is not
+            `output_dir/checkpoint-{global_step}` (Trainer does not tell callbacks which folder it resumed from).
+
+    Distributed runs: every process calls the callback; only the process that saves (`args.should_save`) writes.
+    Under DeepSpeed ZeRO-3 the learned tables are gathered for the write (a collective, on every process); FSDP is
+    not handled (frequency schemes, which own no tables, are unaffected).
+    """
+
+    def __init__(self, resume_from_checkpoint: str | os.PathLike | None = None):
+        self.resume_from_checkpoint = resume_from_checkpoint
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        checkpoint = self._resumed_checkpoint(args, state)
+        if checkpoint is None or model is None:
+            return
+        manifest = read_manifest(checkpoint)
+        if manifest is None:
+            logger.warning("%s has no %s (written without RopePatchCallback?): the model's position encoding is not "
+                           "checked against the run that wrote it.", checkpoint, MANIFEST)
+            return
+        base = _unwrap(model)
+        if current(base) is not None:
+            check_patch(base, manifest, checkpoint / MANIFEST)
+            return
+        if manifest["scheme"] is None:
+            return
+        if (manifest.get("weights") or {}).get("keys"):
+            raise ValueError(
+                f"{checkpoint / MANIFEST} records {manifest['scheme']} with learned tables "
+                f"({', '.join(manifest['weights']['keys'])}), but the model is not patched. Trainer has already built "
+                "the optimizer, so tables added now would not train: call rope_patch.training.restore_patch(model, "
+                f"{str(checkpoint)!r}) before get_peft_model and before building the Trainer.")
+        _reapply(model, manifest, checkpoint / MANIFEST)
+        logger.info("re-applied %s from %s", manifest["scheme"], checkpoint / MANIFEST)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            return
+        folder = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{state.global_step}"
+        with _gathered_tables(model):  # every process: the ZeRO-3 gather is a collective
+            if not args.should_save:
+                return
+            if not folder.is_dir():
+                logger.warning("RopePatchCallback: no checkpoint folder %s to write %s into (a hyperparameter-search "
+                               "run folder?): this checkpoint carries no patch.", folder, MANIFEST)
+                return
+            save_patch(model, folder)
+
+    def _resumed_checkpoint(self, args, state) -> Path | None:
+        if self.resume_from_checkpoint is not None:
+            return Path(self.resume_from_checkpoint)
+        if not state.global_step:
+            return None
+        given = getattr(args, "resume_from_checkpoint", None)
+        if isinstance(given, (str, os.PathLike)) and Path(given).is_dir():
+            return Path(given)
+        folder = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{state.global_step}"
+        if folder.is_dir():
+            return folder
+        logger.warning("RopePatchCallback: resumed at step %d but found no %s; pass RopePatchCallback("
+                       "resume_from_checkpoint=...) to check the patch.", state.global_step, folder)
+        return None
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """`target.unwrap` plus the FSDP wrapper Trainer hands callbacks under FSDP."""
+    while type(model).__name__ == "FullyShardedDataParallel" and hasattr(model, "module"):
+        model = model.module  # type: ignore[assignment]
+    return unwrap(model)
+
+
+@contextlib.contextmanager
+def _gathered_tables(model: nn.Module):
+    """Full learned tables inside the block under DeepSpeed ZeRO-3 (partitioned parameters carry `ds_id`)."""
+    base = _unwrap(model)
+    params = [p for m in patch_modules(base).values() for p in m.parameters()] if current(base) is not None else []
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed  # only under ZeRO-3, where it is installed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def _normal(value):
+    """JSON round trip (tuples -> lists, as the manifest stores them) for comparing recorded and live values."""
+    return json.loads(json.dumps(value, sort_keys=True, default=list))
+
+
+def _label(patch: dict) -> str:
+    if patch["scheme"] is None:
+        return "no patch"
+    params = ", ".join(f"{k}={v!r}" for k, v in sorted(patch["params"].items()))
+    return f"{patch['scheme']}({params})"
