@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import WINDOW, logits, tiny_config, tiny_model
-from training_helpers import packed
+from training_helpers import packed, single_thread  # noqa: F401  (autouse)
 from transformers import AutoModelForCausalLM
 
 import rope_patch
@@ -209,7 +209,6 @@ def run(out, *, patch: bool, resume=None, max_steps=4):
 
 
 def test_a_resumed_full_model_run_gets_its_patch_back(tmp_path):
-    torch.set_num_threads(1)
     full = run(tmp_path / "full", patch=True)
     for step in (2, 4):
         folder = tmp_path / "full" / f"checkpoint-{step}"

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_model
-from training_helpers import packed
+from training_helpers import packed, single_thread  # noqa: F401  (autouse)
 
 import rope_patch
 
@@ -90,7 +90,6 @@ def step_losses(trainer) -> dict[int, float]:
 
 @pytest.fixture(scope="module", params=list(SCHEMES))
 def runs(request, tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("trainer")
     full, resumed = interrupt_and_resume(root, request.param)
     return {"root": root / request.param, "scheme": request.param, "full": full, "resumed": resumed}
@@ -133,7 +132,6 @@ def test_resume_from_checkpoint_2_equals_the_uninterrupted_run(runs):
 def test_a_collator_with_its_own_generator_would_not_resume_exactly(tmp_path):
     """The control: the same script with a generator advanced batch by batch (Trainer skips the seen batches
     without calling the collator, so after the resume it draws the rows of steps 1-2 again)."""
-    torch.set_num_threads(1)
     full, resumed = interrupt_and_resume(tmp_path, "learned_absolute", pose=StatefulPoSE)  # PoSE reaches its table
     weights, losses = max_diff(full, resumed)
     assert weights > 1e-5 and losses > 1e-5

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
 from conftest import char_tokenizer
 
 from rope_patch.training import PackedDataset
@@ -24,3 +26,12 @@ def documents(n: int = 12, seed: int = 0) -> list[str]:
 def packed(seq_len: int = 128, n_docs: int = 12, seed: int = 0):
     tok = char_tokenizer()
     return tok, PackedDataset.from_texts(documents(n_docs, seed), tok, seq_len)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny models train fastest on one thread on a shared machine; the setting is restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
