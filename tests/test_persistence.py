@@ -306,14 +306,14 @@ def test_weights_without_manifest_are_an_interrupted_save(copy_of):
 def test_crash_while_writing_weights_leaves_no_manifest(copy_of, monkeypatch):
     """Saving over an earlier save: the old manifest goes first, the new one comes last, so a crash in between
     leaves none, and loading says the save was interrupted instead of pairing the old manifest with new files."""
-    import safetensors.torch
+    from rope_patch import export
 
     folder = copy_of("relative_bias")
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    monkeypatch.setattr(export, "save_file", crash)  # the writer of the learned tables
     with pytest.raises(OSError, match="disk full"):
         rope_patch.save_pretrained(patched_model("learned_absolute"), folder)
     assert not (folder / MANIFEST).exists()
