@@ -17,7 +17,6 @@ caught. Manifest formats: 1 (no "weights" entry) and 2 (this one).
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch import nn
 
 from ._version import __version__
 from .api import SchemeLike, apply, as_scheme, current, original_config, patch_modules
+from .files import sha256_file, write_text_atomic
 from .schemes.base import Scheme
 from .specs import parse_scheme_spec
 from .target import RopeContext, find_target, unwrap
@@ -232,11 +232,11 @@ def _write_patch_files(out: Path, manifest: dict, tables: dict) -> None:
         save_file(tables, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        manifest["weights"] = {"file": PATCH_WEIGHTS, "keys": sorted(tables), "sha256": _sha256(tmp)}
+        manifest["weights"] = {"file": PATCH_WEIGHTS, "keys": sorted(tables), "sha256": sha256_file(tmp)}
         os.replace(tmp, out / PATCH_WEIGHTS)
     else:
         (out / PATCH_WEIGHTS).unlink(missing_ok=True)  # a previous save's tables would be foreign to this one
-    _atomic_write(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
 def read_manifest(directory: str | os.PathLike) -> dict | None:
@@ -393,7 +393,7 @@ def _load_patch_weights(model, manifest: dict, path: Path) -> None:
     if not file.is_file():
         _missing_weights(file, scheme, expected)
     if recorded and recorded.get("sha256"):
-        got = _sha256(file)
+        got = sha256_file(file)
         if got != recorded["sha256"]:
             raise ValueError(f"{file} does not match {path / MANIFEST} (sha256 {got[:12]}…, recorded "
                              f"{recorded['sha256'][:12]}…): it was modified, truncated, or comes from another save. "
@@ -438,25 +438,7 @@ def _is_native(scheme: Scheme) -> bool:
 def _rewrite_config(path: Path, rope: dict) -> None:
     config = json.loads(path.read_text())
     config.update(copy.deepcopy(rope))
-    _atomic_write(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Write through `path.tmp` + fsync + `os.replace`: a reader sees the old file or the whole new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    write_text_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _short(value, n: int = 80) -> str:

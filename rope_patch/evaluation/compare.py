@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from ..api import original_config
+from ..files import write_text_atomic
 from ..specs import parse_scheme_spec, scheme_label
 from ..target import find_target
 from .common import read_tokens, versions
@@ -422,21 +423,8 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`: readers (and an interrupted
-    run) see the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_json(result: dict, path: str | Path) -> None:
-    write_atomic(path, json.dumps(_clean(result), indent=1) + "\n")
+    write_text_atomic(path, json.dumps(_clean(result), indent=1) + "\n")
 
 
 def check_writable(out_dir: str | Path) -> Path:
@@ -463,7 +451,7 @@ def write_csv(result: dict, path: str | Path) -> None:
     w.writeheader()
     for r in result["records"]:
         w.writerow({**{k: r.get(k) for k in cols}, "params": params[r["scheme"]]})
-    write_atomic(path, buf.getvalue())
+    write_text_atomic(path, buf.getvalue())
 
 
 def plot_perplexity(result: dict, path: str | Path) -> None:
@@ -553,7 +541,7 @@ def write_results(result: dict, out_dir: str | Path, plots: bool = True) -> dict
     paths = {"json": out / "compare.json", "csv": out / "compare.csv", "markdown": out / "compare.md"}
     write_json(result, paths["json"])
     write_csv(result, paths["csv"])
-    write_atomic(paths["markdown"], markdown_table(result))
+    write_text_atomic(paths["markdown"], markdown_table(result))
     if plots:
         paths["perplexity_plot"] = out / "perplexity.png"
         plot_perplexity(result, paths["perplexity_plot"])

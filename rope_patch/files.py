@@ -1,0 +1,30 @@
+"""File writes that a crash cannot leave half done, and checksums (used by saves, results and model fetching)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, fsync it, then rename it over `path`: a reader (and an
+    interrupted run) sees the old file or the whole new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
