@@ -6,7 +6,8 @@ log). It is an object of a module-level class, not a closure, so a patched model
 1. Frequencies stay float32. `model.to(torch.bfloat16)` / `.half()` cast every floating buffer, the patch's
    `inv_freq` too; a bf16 `inv_freq` shifts the angles m·θ_i by up to m·θ_i·2⁻⁸ (whole turns at long context). The
    patch keeps an fp32 master of each buffer it installed and puts it back (on the buffer's current device) when it
-   finds a cast one. The model's own `.to(device)` moves the buffers; the masters follow lazily.
+   finds the buffer replaced since the last forward: a cast, also one and back (`.to(bf16).float()` leaves fp32
+   buffers with rounded values), or a move. Replacements the forward itself makes (dynamic NTK) are kept.
 2. Attention-side schemes that run through their own attention function check that the model still uses it: after
    `model.set_attn_implementation("sdpa")` the rotation is gone but the bias/regrouping would not run, i.e. the
    model would silently be NoPE. The next forward raises instead.
@@ -40,12 +41,16 @@ class PatchedRotaryForward:
         self.allowed = allowed  # other names that run the patch too (its own functions for the other backends)
         self.scheme = scheme
         self.update = update  # None, or called with (rotary, x, position_ids, layer_type) before each forward
+        self.seen = self._buffers_now()  # the buffer tensors as the patch (or the last forward) left them
 
     def __call__(self, x, position_ids, *args, **kwargs):
         rotary = self.rotary
         for name, master in self.masters.items():
             live = rotary._buffers.get(name)
-            if live is not None and live.dtype != master.dtype:
+            # A buffer that is not the tensor this forward left there was replaced outside a forward: by a cast or
+            # move (.to(bf16), .half(), also .to(bf16).float(), which leaves fp32 buffers with bf16-rounded values).
+            # Replacements inside the forward (dynamic NTK's growth) are recorded at the end of the call.
+            if live is not None and live is not self.seen.get(name):
                 rotary._buffers[name] = master.to(live.device, copy=True)
                 if hasattr(rotary, "original_max_seq_len"):  # dynamic NTK: recompute for the current length
                     rotary.max_seq_len_cached = rotary.original_max_seq_len
@@ -62,10 +67,15 @@ class PatchedRotaryForward:
         if self.update is not None:
             self.update(rotary, x, position_ids, args[0] if args else kwargs.get("layer_type"))
         cos, sin = type(rotary).forward(rotary, x, position_ids, *args, **kwargs)
+        self.seen = self._buffers_now()
         if not self.identity:
             return cos, sin
         # broadcast views of one element: the identity costs no (L × d) tensors
         return cos.new_ones(()).expand_as(cos), sin.new_zeros(()).expand_as(sin)
+
+
+    def _buffers_now(self) -> dict:
+        return {name: self.rotary._buffers.get(name) for name in self.masters}
 
 
 def unpatched_forward(rotary: nn.Module, x, position_ids, *args):

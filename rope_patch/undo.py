@@ -137,6 +137,11 @@ class PrivateConfig:
             holder.config = self.shared
 
     def redo(self, log: UndoLog) -> None:
+        # The undo this follows (patched(), a failed replacement) carried the user's edits to the shared config
+        # already: what the private config holds now is the new baseline, or a later edit back to an old value
+        # would count as "unchanged" and the carried value would win on the next undo.
+        if self.baseline is not None:
+            self.baseline = copy.deepcopy(vars(self.private))
         for holder in self.holders:
             holder.config = self.private
 
