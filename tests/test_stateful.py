@@ -20,7 +20,10 @@ the unpatched cast model does; an unpatched cast model keeps its rounded buffers
 computes them anew). Only exact states are compared with fresh models / reloads.
 
 Bounded in CI (`derandomize=True`, no shrinking, under a minute on 2 cores); `ROPE_PATCH_STATEFUL_LONG=1` runs 10x
-the examples, randomised, and shrinks a failure to a minimal sequence. `test_stateful_counts` prints how many examples / states / rules ran (visible with `-s` or `-rA`).
+the examples, randomised, and shrinks a failure to a minimal sequence. `test_stateful_counts` prints how many
+examples / states / rules ran (shown by pytest's terminal even when output is captured).
+
+The plain tests at the end pin what the machine found.
 """
 
 from __future__ import annotations
@@ -282,8 +285,8 @@ class PatchingMachine(RuleBasedStateMachine):
         for path, table in self.tables(ref).items():
             table.load_state_dict(mine[path].state_dict())
         self.settle(self.model)
-        same(self.forward(model=ref), self.forward(), f"current() = {rope_patch.current(self.model)} applied to a fresh "
-             f"model vs the model, dtypes so far {self.dtypes}")
+        same(self.forward(model=ref), self.forward(),
+             f"current() = {rope_patch.current(self.model)} applied to a fresh model vs the model, dtypes {self.dtypes}")
 
     # ---- rules ---------------------------------------------------------------------------------------------------
     @rule(data=st.data(), spec=SPEC)
@@ -431,7 +434,8 @@ class PatchingMachine(RuleBasedStateMachine):
         if self.exact():
             COUNTS["save_reload-exact"] += 1
             diff = (again.float() - out.float()).abs().max().item()
-            assert diff <= 1e-5, f"reloaded logits differ by {diff:.3g}; {rope_patch.current(self.model)}, dtypes {self.dtypes}"
+            scheme = rope_patch.current(self.model)
+            assert diff <= 1e-5, f"reloaded logits differ by {diff:.3g}; {scheme}, dtypes {self.dtypes}"
         if continue_with and not _rounding(self.dtypes):
             COUNTS["save_reload-continue"] += 1
             self.model, self.shares = reloaded, False
@@ -539,7 +543,8 @@ class PatchingMachine(RuleBasedStateMachine):
         assert all(layer.self_attn.config is self.cfg for layer in b.model.layers)
         assert self.cfg._attn_implementation == self.shared_backend
         assert _cfg_dict(self.cfg) == self.cfg_before
-        same(logits(b, PROBE), _bystander_baseline(self.shared_backend), f"bystander ({self.shared_backend}) vs at start")
+        same(logits(b, PROBE), _bystander_baseline(self.shared_backend),
+             f"bystander ({self.shared_backend}) vs at start")
 
 
 TestStatefulPatching = PatchingMachine.TestCase
@@ -569,7 +574,8 @@ def test_cast_and_back_keeps_the_patch_frequencies_fp32(scheme, params):
     for p in ref.parameters():  # the same rounded weights, never-cast fp32 frequencies
         p.data = p.data.to(torch.bfloat16).float()
     rope_patch.apply(ref, scheme, **params)
-    same(logits(model, PROBE), logits(ref, PROBE), f"{scheme} patched, then .to(bf16).float(), vs patched on the same weights")
+    same(logits(model, PROBE), logits(ref, PROBE),
+         f"{scheme} patched, then .to(bf16).float(), vs patched on the same weights")
 
 
 @pytest.mark.parametrize("edit", ["use_cache", "backend"])
