@@ -39,6 +39,9 @@ class SetAttr:
     new: object
 
     def undo(self, log: UndoLog) -> None:
+        # what is there now is what redo puts back: run-time state the model changed since (dynamic NTK's
+        # max_seq_len_cached and attention_scaling after a long input) survives patched() and a failed replacement
+        self.new = getattr(self.obj, self.name, self.new)
         if self.had:
             setattr(self.obj, self.name, self.old)
         elif self.name in vars(self.obj):
@@ -58,8 +61,10 @@ class SetBuffer:
     saved: str | None  # name of the log buffer holding the old tensor; None: the buffer did not exist
     persistent: bool
     new: torch.Tensor
+    current: torch.Tensor | None = None  # the tensor there when undone, for redo
 
     def undo(self, log: UndoLog) -> None:
+        self.current = self.module._buffers.get(self.name)  # redo puts this very tensor back (see SetAttr.undo)
         if self.saved is None:
             self.module._buffers.pop(self.name, None)
             self.module._non_persistent_buffers_set.discard(self.name)
@@ -67,8 +72,11 @@ class SetBuffer:
             self.module.register_buffer(self.name, log._buffers[self.saved], persistent=self.persistent)
 
     def redo(self, log: UndoLog) -> None:
-        device = log._buffers[self.saved].device if self.saved is not None else self.new.device
-        self.module.register_buffer(self.name, self.new.to(device, copy=True), persistent=False)
+        current = self.current
+        if current is None:
+            device = log._buffers[self.saved].device if self.saved is not None else self.new.device
+            current = self.new.to(device, copy=True)
+        self.module.register_buffer(self.name, current, persistent=False)
 
 
 @dataclasses.dataclass
