@@ -41,7 +41,7 @@ def build(model_spec: str):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     try:
-        from rope_patch.models import resolve_model_path
+        from rope_patch.zoo import resolve_model_path
 
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_spec))
         source = str(resolve_model_path(model_spec))

@@ -418,7 +418,7 @@ def micro_batches(step: int, cfg: dict, rank: int, world: int, accumulation: int
 # ---------------------------------------------------------------------------------------------------------------
 def resolve_model(spec: str) -> str:
     """`tiny` / `smollm2` / a local folder -> its path; a hub id (`org/name`, not a local path) is passed through."""
-    from rope_patch.models import resolve_model_path
+    from rope_patch.zoo import resolve_model_path
 
     text = str(spec)
     local = Path(text).expanduser()
@@ -823,7 +823,7 @@ def _train(cfg: dict, accelerator, derived: dict, resume: bool) -> dict:
 def _write_manifest_only(model, directory: Path) -> None:
     """Under FSDP/DeepSpeed the adapter weights are saved from the gathered state dict; add rope_patch.json."""
     import rope_patch
-    from rope_patch.export import MANIFEST
+    from rope_patch.persistence import MANIFEST
 
     tmp = directory / ".manifest"
     rope_patch.save_pretrained(model, tmp)

@@ -8,7 +8,7 @@
 from . import schemes  # noqa: F401  (registers the built-in schemes)
 from ._version import __version__ as __version__
 from .api import apply, as_scheme, context_window, current, patched, remove
-from .export import from_pretrained, native_config, save_pretrained, to_rope_parameters
+from .persistence import from_pretrained, native_config, save_pretrained, to_rope_parameters
 from .registry import list_schemes, register_scheme
 from .schemes.base import Scheme
 from .schemes.frequency import FrequencyScheme

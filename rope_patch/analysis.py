@@ -47,13 +47,13 @@ import math
 import numpy as np
 import torch
 
-from . import config as check
+from . import validation as check
 from .api import as_scheme
 from .registry import aliases as _aliases
 from .registry import canonical_name, list_schemes
 from .schemes.base import Scheme
 from .schemes.frequency import FrequencyScheme
-from .target import RopeContext, Target, find_target
+from .discovery import RopeContext, PatchSite, find_target
 
 __all__ = [
     "ATTENTION_SCHEMES",
@@ -258,7 +258,7 @@ def _make_context(head_dim, rope_theta, window, partial_rotary_factor=1.0, param
                        max_position_embeddings=window, rope_parameters=rope_parameters, layer_type=layer_type)
 
 
-def _unpatched_view(target) -> tuple[Target, Scheme | None]:
+def _unpatched_view(target) -> tuple[PatchSite, Scheme | None]:
     """A read-only view of the model as it was before any patch, and the applied scheme (or None).
 
     Schemes are defined relative to the unpatched model, and a patch rewrites the very config fields that describe
@@ -274,7 +274,7 @@ def _unpatched_view(target) -> tuple[Target, Scheme | None]:
     cfg = copy.copy(target.config)
     cfg.rope_parameters = original["rope_parameters"]
     cfg.max_position_embeddings = original["max_position_embeddings"]
-    return Target(model=target.model, rotary=target.rotary, config=cfg), applied
+    return PatchSite(model=target.model, rotary=target.rotary, config=cfg), applied
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from torch import nn
 from .registry import get_scheme_class
 from .schemes.base import Scheme
 from .specs import parse_spec
-from .target import Target, find_target
+from .discovery import PatchSite, find_target
 from .undo import UndoLog
 
 M = TypeVar("M", bound=nn.Module)  # apply/remove return the object they were given (a peft wrapper stays one)
@@ -42,7 +42,7 @@ class PatchState(UndoLog):
         return f"{self.scheme}, {super().extra_repr()}"
 
 
-def _original(target: Target) -> dict:
+def _original(target: PatchSite) -> dict:
     cfg = target.config
     return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": cfg.max_position_embeddings}
 
@@ -65,16 +65,16 @@ def as_scheme(scheme: SchemeLike, **params: Any) -> Scheme:
     return get_scheme_class(scheme).from_params(**params)
 
 
-def _state(target: Target) -> PatchState | None:
+def _state(target: PatchSite) -> PatchState | None:
     state = target.rotary._modules.get(STATE)
     return state if isinstance(state, PatchState) else None
 
 
-def _attach(target: Target, state: PatchState) -> None:
+def _attach(target: PatchSite, state: PatchState) -> None:
     target.rotary._modules[STATE] = state
 
 
-def _detach(target: Target) -> None:
+def _detach(target: PatchSite) -> None:
     target.rotary._modules.pop(STATE, None)
 
 

@@ -9,7 +9,7 @@ import torch
 from conftest import WINDOW, logits, tiny_model
 
 import rope_patch
-from rope_patch import config as check
+from rope_patch import validation as check
 
 BAD = [
     # scheme, params, exception, message fragment

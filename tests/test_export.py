@@ -63,7 +63,7 @@ def test_adapter_round_trip(ids, tmp_path):
 
 
 def test_to_rope_parameters_and_vllm_overrides():
-    from rope_patch.export import vllm_overrides
+    from rope_patch.persistence import vllm_overrides
 
     got = rope_patch.to_rope_parameters("yarn:factor=4,original_max_position_embeddings=4096", rope_theta=500000.0)
     assert got == {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 4096}

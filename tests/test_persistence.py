@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import rope_patch
 from rope_patch.api import patch_modules
-from rope_patch.export import FORMAT, MANIFEST, PATCH_WEIGHTS, read_manifest
+from rope_patch.persistence import FORMAT, MANIFEST, PATCH_WEIGHTS, read_manifest
 from rope_patch.files import sha256_file
 
 RESAVE = r"re-save (it|the model) with rope_patch\.save_pretrained"  # the "what to do" of a damaged save
@@ -307,7 +307,7 @@ def test_weights_without_manifest_are_an_interrupted_save(copy_of):
 def test_crash_while_writing_weights_leaves_no_manifest(copy_of, monkeypatch):
     """Saving over an earlier save: the old manifest goes first, the new one comes last, so a crash in between
     leaves none, and loading says the save was interrupted instead of pairing the old manifest with new files."""
-    from rope_patch import export
+    from rope_patch import persistence as export
 
     folder = copy_of("relative_bias")
 
@@ -332,7 +332,7 @@ def test_crash_while_writing_the_model_leaves_the_folder_without_manifest(tmp_pa
 
 
 def test_unserialisable_params_fail_before_anything_is_written(saved, copy_of, monkeypatch):
-    import rope_patch.export as export
+    import rope_patch.persistence as export
 
     folder = copy_of("relative_bias")
     before = {p.name: p.read_bytes() for p in folder.iterdir()}

@@ -1,5 +1,5 @@
 """The `rope-patch` command line: one module per subcommand, each only parsing its arguments and calling the
-library (rope_patch.evaluation, rope_patch.plots, rope_patch.export, ...), which does the work.
+library (rope_patch.evaluation, rope_patch.plots, rope_patch.persistence, ...), which does the work.
 
     main.py      the parser, `rope-patch list`, errors as one line
     args.py      argparse types and the RoPE-layout options shared by `plot` and `explain`

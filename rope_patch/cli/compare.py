@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .. import models
+from .. import zoo as models
 from ..evaluation.common import auto_threads, read_tokens
 from ..evaluation.compare import (
     DEFAULT_LENGTHS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from ..export import export_info
+from ..persistence import export_info
 
 
 def add_parser(subparsers) -> None:

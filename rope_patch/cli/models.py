@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import models
+from .. import zoo as models
 
 
 def add_parser(subparsers) -> None:

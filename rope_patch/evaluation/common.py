@@ -15,7 +15,7 @@ import transformers
 
 from .. import resources
 from .._version import __version__
-from ..target import find_target
+from ..discovery import find_target
 
 # Bytes of fp32 logits materialised at once when computing a loss (the full 16k x 49152 logits are 3.2 GB).
 LOGITS_BUDGET_BYTES = 256 << 20

@@ -50,7 +50,7 @@ import torch
 from ..api import original_config
 from ..files import write_text_atomic
 from ..specs import parse_scheme_spec, scheme_label
-from ..target import find_target
+from ..discovery import find_target
 from .common import read_tokens, versions
 from .perplexity import evaluate_perplexity, perplexity_work
 from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell

@@ -11,9 +11,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from .. import config as check
+from .. import validation as check
 from ..registry import register_scheme
-from ..target import Target
+from ..discovery import PatchSite
 from ..undo import UndoLog
 from .common import AttentionScheme, cache_arg, decoder, sinusoid
 
@@ -95,7 +95,7 @@ class _Additive(AttentionScheme):
     """Adds pe(position) to the input embeddings through an `EmbeddingHook` on the decoder (removed by the undo log)."""
 
     @staticmethod
-    def _attach_hook(log: UndoLog, target: Target, encode) -> None:
+    def _attach_hook(log: UndoLog, target: PatchSite, encode) -> None:
         log.add_hook(decoder(target.model), EmbeddingHook(encode), with_kwargs=True)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from ..registry import did_you_mean
-from ..target import Target
+from ..discovery import PatchSite
 from ..undo import UndoLog
 
 Install = Callable[[UndoLog], None]
@@ -51,14 +51,14 @@ class Scheme:
     def replace(self, **changes) -> Scheme:
         return dataclasses.replace(self, **changes)
 
-    def resolve(self, target: Target) -> Scheme:
+    def resolve(self, target: PatchSite) -> Scheme:
         """Fill defaults that depend on the model and check what only the model can tell. Default: no-op."""
         return self
 
-    def prepare(self, target: Target) -> Install:
+    def prepare(self, target: PatchSite) -> Install:
         raise NotImplementedError
 
-    def served_window(self, target: Target) -> int | None:
+    def served_window(self, target: PatchSite) -> int | None:
         """The context window this scheme extends the model to (None: unchanged); `target` is unpatched."""
         return None
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from .. import attention
-from .. import config as check
+from .. import validation as check
 from ..registry import register_scheme
-from ..target import Target
+from ..discovery import PatchSite
 from .common import AttachModule, AttentionScheme, attention_modules
 
 MODULE_NAME = "rope_patch_relative_bias"  # attribute under which relative_bias attaches its table to the model
@@ -237,7 +237,7 @@ class RelativeBiasScheme(AttentionScheme):
                  "num_buckets."))
         self._set("init", check.choice(n, "init", self.init, ("zeros", "alibi")))
 
-    def _table(self, target: Target) -> RelativeBias:
+    def _table(self, target: PatchSite) -> RelativeBias:
         cfg = target.config
         table = RelativeBias(len(attention_modules(target.model)), cfg.num_attention_heads, self.num_buckets, self.max_distance)
         if self.init == "alibi":

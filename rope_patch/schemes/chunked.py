@@ -52,7 +52,7 @@ import dataclasses
 import torch
 
 from .. import attention
-from .. import config as check
+from .. import validation as check
 from ..registry import register_scheme
 from .common import AttentionScheme
 

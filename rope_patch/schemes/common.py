@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import attention
 from ..rotary import PatchedRotaryForward
-from ..target import Target
+from ..discovery import PatchSite
 from ..undo import UndoLog
 from .base import Install, Scheme
 
@@ -58,12 +58,12 @@ class AttentionScheme(Scheme):
         object.__setattr__(self, key, value)
 
     # ---- what a scheme defines -------------------------------------------------------------------------------
-    def build(self, target: Target) -> tuple[attention.ScoreMod | None, Callable[[UndoLog], None] | None]:
+    def build(self, target: PatchSite) -> tuple[attention.ScoreMod | None, Callable[[UndoLog], None] | None]:
         """(scores for the attention function or None to keep the model's backend, extra install step or None)."""
         return None, None
 
     # ---- shared machinery ------------------------------------------------------------------------------------
-    def rotations(self, target: Target) -> tuple[dict[int, attention.Rotation], dict[int, int | None]]:
+    def rotations(self, target: PatchSite) -> tuple[dict[int, attention.Rotation], dict[int, int | None]]:
         """The model's own RoPE for the deferred-RoPE schemes, per layer (`layer_idx` → Rotation; per-layer-type
         rotaries such as Gemma 3's give each layer its layer type's frequencies), and each layer's sliding window
         (None: full attention); or a clear error for layouts it cannot serve."""
@@ -92,7 +92,7 @@ class AttentionScheme(Scheme):
             sliding[m.layer_idx] = getattr(m, "sliding_window", None)
         return rotations, sliding
 
-    def _check_backend(self, target: Target, scores: attention.ScoreMod) -> str:
+    def _check_backend(self, target: PatchSite, scores: attention.ScoreMod) -> str:
         impl = target.config._attn_implementation
         if impl not in attention.BACKENDS:
             raise ValueError(
@@ -154,7 +154,7 @@ class AttentionScheme(Scheme):
                 "model.set_attn_implementation('sdpa')."
             )
 
-    def prepare(self, target: Target) -> Install:
+    def prepare(self, target: PatchSite) -> Install:
         scores, extra = self.build(target)  # everything computed here, so bad input fails before the model is touched
         impl = self._check_backend(target, scores) if scores is not None else None
         modules = attention_modules(target.model)

@@ -21,10 +21,10 @@ from typing import ClassVar
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .. import config as check
+from .. import validation as check
 from ..registry import register_scheme
 from ..rotary import PatchedRotaryForward
-from ..target import RopeContext, Target
+from ..discovery import RopeContext, PatchSite
 from ..undo import UndoLog
 from .base import Install, Scheme
 
@@ -58,7 +58,7 @@ class FrequencyScheme(Scheme):
         save_pretrained): the extended window, as a natively configured model of this scheme would have it."""
         return self.window(ctx)
 
-    def served_window(self, target: Target) -> int | None:
+    def served_window(self, target: PatchSite) -> int | None:
         return self.window(next(iter(target.contexts().values())))
 
     def init_window(self, ctx: RopeContext) -> int:
@@ -69,7 +69,7 @@ class FrequencyScheme(Scheme):
         """Post-process the inverse frequencies; default: unchanged."""
         return inv_freq
 
-    def rotary_update(self, target: Target, shadow) -> LengthUpdate | None:
+    def rotary_update(self, target: PatchSite, shadow) -> LengthUpdate | None:
         """For length-dependent schemes without a transformers rope type: the `update` object the patched rotary
         forward calls before every forward (it also gives the frequencies installed at apply time). None: static."""
         return None
@@ -104,7 +104,7 @@ class FrequencyScheme(Scheme):
         inv_freq, scaling = _init_fn(rope_type, rotary_cls)(cfg, **kwargs)
         return self.adjust(inv_freq.float(), ctx), float(scaling)
 
-    def prepare(self, target: Target) -> Install:
+    def prepare(self, target: PatchSite) -> Install:
         contexts = target.contexts()
         layered = target.layer_types != [None]
         params = {lt: self.rope_parameters(ctx) for lt, ctx in contexts.items()}
@@ -194,7 +194,7 @@ def _init_fn(rope_type: str, rotary_cls=None):
     return ROPE_INIT_FUNCTIONS[rope_type]
 
 
-def _validate_with_transformers(scheme: FrequencyScheme, target: Target, shadow) -> None:
+def _validate_with_transformers(scheme: FrequencyScheme, target: PatchSite, shadow) -> None:
     """Let the model's own config class veto the scheme (Phi-3 accepts only default/longrope)."""
     validate = getattr(shadow, "validate_rope", None)
     if validate is None:

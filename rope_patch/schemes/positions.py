@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from .. import attention
-from .. import config as check
+from .. import validation as check
 from ..registry import register_scheme
 from .common import AttentionScheme
 

@@ -4,7 +4,7 @@ Trainer checkpoints hold the model's weights (or peft's adapter), optimizer, sch
 of a position-encoding patch: config.json keeps no attention-side scheme, and an adapter carries no
 position-encoding information at all. `RopePatchCallback` adds, on every checkpoint save, what
 `rope_patch.save_pretrained` adds to a save (`rope_patch.json`, and `rope_patch.safetensors` for learned tables,
-through `rope_patch.export.save_patch`), so that each `checkpoint-N` loads with `rope_patch.from_pretrained` and a
+through `rope_patch.persistence.save_patch`), so that each `checkpoint-N` loads with `rope_patch.from_pretrained` and a
 resumed run gets its patch back:
 
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -37,9 +37,9 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..api import current, original_config, patch_modules
-from ..export import MANIFEST, _load_patch_weights, _reapply, read_manifest, save_patch
+from ..persistence import MANIFEST, _load_patch_weights, _reapply, read_manifest, save_patch
 from ..schemes.base import Scheme
-from ..target import unwrap
+from ..discovery import unwrap
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR

@@ -189,9 +189,9 @@ def one_line(err: str) -> str:
 
 
 def test_unwritable_out_fails_before_loading_or_evaluating(saved, tmp_path, evaluations, monkeypatch, capsys):
-    import rope_patch.models
+    import rope_patch.zoo
 
-    monkeypatch.setattr(rope_patch.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(rope_patch.zoo, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "file").write_text("not a folder")
     assert main(compare_argv(saved, tmp_path / "file" / "out")) == 2
     line = one_line(capsys.readouterr().err)

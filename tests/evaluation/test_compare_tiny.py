@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rope_patch.evaluation.compare import run_compare
-from rope_patch.models import load_model
+from rope_patch.zoo import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ import pytest
 from conftest import tiny_model
 from eval_helpers import char_tokenizer, single_thread  # noqa: F401 (autouse fixture)
 
-from rope_patch import models
+from rope_patch import zoo as models
 from rope_patch.cli import main
-from rope_patch.models import load_model, model_name, resolve_model_path
+from rope_patch.zoo import load_model, model_name, resolve_model_path
 
 
 @pytest.fixture

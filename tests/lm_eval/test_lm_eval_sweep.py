@@ -47,7 +47,7 @@ def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
     assert "| yarn×2 |" in (out / "sweep.md").read_text()
     # the same numbers as `rope-patch compare` with the same settings
     from rope_patch.evaluation.compare import run_compare
-    from rope_patch.models import load_model
+    from rope_patch.zoo import load_model
 
     model, tok = load_model(str(assets["model"]))
     ref = run_compare(model, tok, ["default", "yarn:2"], [128, 256], depths=[0.5], passkey_samples=1,

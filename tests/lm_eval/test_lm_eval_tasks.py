@@ -89,7 +89,7 @@ def test_exact_token_path_oracle(assets, monkeypatch):
 def test_equal_to_compare(assets, spec, params):
     """On the same samples, lm-eval's passkey outputs/accuracy and perplexity equal `rope-patch compare`'s."""
     from rope_patch.evaluation.compare import run_compare
-    from rope_patch.models import load_model
+    from rope_patch.zoo import load_model
 
     model, tok = load_model(str(assets["model"]))
     cmp = run_compare(model, tok, [spec], [128], passkey_lengths=[128], passkey_samples=2, heldout=assets["heldout"])

@@ -128,7 +128,7 @@ def test_train_save_reload_and_merge(assets, tmp_path):
     with torch.no_grad():
         assert (plain(ids).logits - again(ids).logits).abs().max().item() <= 1e-5
 
-    from rope_patch.export import export_info
+    from rope_patch.persistence import export_info
 
     for folder in (tmp_path / "run" / "merged", out):  # `rope-patch export` on the recipe's outputs
         info = export_info(folder)

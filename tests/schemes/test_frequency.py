@@ -69,7 +69,7 @@ def test_partial_rotary_longrope_matches_native(arch):
 def test_ntk_equals_default_with_scaled_base(arch, factor):
     """NTK-aware = vanilla RoPE with b′ = b·s^(d/(d−2)) (bloc97), d the rotary dimension."""
     model = tiny_model(arch)
-    contexts = rope_patch.target.find_target(model).contexts()
+    contexts = rope_patch.discovery.find_target(model).contexts()
     rope_patch.apply(model, "ntk", factor=factor)
     native = {}
     for lt, ctx in contexts.items():
@@ -183,7 +183,7 @@ def test_frequencies_stay_fp32_on_low_precision_models(dtype):
 def test_frequency_invariants_property(factor, theta, half):
     """For any factor/base/head_dim: θ′ ≤ θ (schemes only slow rotations), the highest frequency kept by NTK and
     NTK-by-parts schemes, the lowest divided by s for linear/ntk (and llama3 when its wavelength exceeds L)."""
-    from rope_patch.target import RopeContext
+    from rope_patch.discovery import RopeContext
 
     d = 2 * half
     ctx = RopeContext(head_dim=d, rotary_dim=d, rope_theta=theta, max_position_embeddings=4096, rope_parameters={"rope_theta": theta})
@@ -208,7 +208,7 @@ def test_p_rope_equals_natively_configured_proportional(arch, fraction):
     """The twin is built by transformers from {"rope_type": "proportional", ...} written by hand, not from the
     patched config: p_rope is that rope type, with transformers' pair count ⌊p·d/2⌋."""
     model = tiny_model(arch)
-    ctxs = rope_patch.target.find_target(model).contexts()
+    ctxs = rope_patch.discovery.find_target(model).contexts()
     rope_patch.apply(model, "p_rope", partial_rotary_factor=fraction)
     native = {lt: {"rope_type": "proportional", "rope_theta": ctx.rope_theta, "partial_rotary_factor": fraction}
               for lt, ctx in ctxs.items()}
@@ -280,7 +280,7 @@ def test_dynamic_yarn_is_vanilla_inside_the_window_and_static_yarn_at_each_lengt
 def test_dynamic_yarn_keeps_yarn_parameters_and_per_layer_type_rope():
     model = tiny_model("gemma3_text")
     ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(8))
-    ctxs = rope_patch.target.find_target(model).contexts()
+    ctxs = rope_patch.discovery.find_target(model).contexts()
     rope_patch.apply(model, "dynamic_yarn", factor=8.0, beta_fast=16.0, attention_factor=1.1)
     native = {lt: {"rope_type": "yarn", "rope_theta": ctx.rope_theta, "factor": 3.0, "beta_fast": 16.0,
                    "attention_factor": 1.1, "original_max_position_embeddings": L} for lt, ctx in ctxs.items()}
@@ -301,7 +301,7 @@ def test_dynamic_yarn_window_export_and_config():
 
 
 def test_dynamic_yarn_analysis_frequencies_are_the_installed_ones():
-    from rope_patch.target import RopeContext
+    from rope_patch.discovery import RopeContext
 
     model = tiny_model()
     rope_patch.apply(model, "dynamic_yarn", factor=4.0)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import rope_patch
 from rope_patch.api import patch_modules
-from rope_patch.export import MANIFEST, PATCH_WEIGHTS, save_patch
+from rope_patch.persistence import MANIFEST, PATCH_WEIGHTS, save_patch
 from rope_patch.training import PoSECollator, RopePatchCallback, learned_modules_to_save, restore_patch
 
 peft = pytest.importorskip("peft")

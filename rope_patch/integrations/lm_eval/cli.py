@@ -25,7 +25,7 @@ import sys
 from lm_eval._cli import HarnessCLI
 from lm_eval.utils import setup_logging
 
-from ...models import resolve_model_path
+from ...zoo import resolve_model_path
 from .model import validate_model_args  # importing .model registers the `rope_patch` model with lm-eval
 from .tasks import expand_tasks, tasks_dir
 

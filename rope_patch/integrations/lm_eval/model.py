@@ -56,11 +56,11 @@ import rope_patch
 
 from ...api import context_window
 from ...evaluation import common, perplexity, retrieval
-from ...export import MANIFEST
-from ...models import resolve_model_path
+from ...persistence import MANIFEST
+from ...zoo import resolve_model_path
 from ...registry import canonical_name, did_you_mean, get_scheme_class, list_schemes
 from ...specs import _value as parse_value
-from ...target import unwrap
+from ...discovery import unwrap
 
 logger = logging.getLogger("rope_patch.lm_eval")
 

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from ... import models
+from ... import zoo as models
 from ...evaluation.compare import DEFAULT_LENGTHS, _clean, parse_schemes, run_compare, write_results
 from ...evaluation.compare import FORMAT as COMPARE_FORMAT
 from ...registry import did_you_mean

@@ -74,7 +74,7 @@ def tokenizer_spec(kw: dict) -> str:
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
-    from rope_patch.models import MODELS, resolve_model_path
+    from rope_patch.zoo import MODELS, resolve_model_path
 
     path = resolve_model_path(spec) if spec in MODELS or Path(spec).expanduser().exists() else spec
     return AutoTokenizer.from_pretrained(str(path))

@@ -39,7 +39,7 @@ class RopeContext:
 
 
 @dataclass
-class Target:
+class PatchSite:
     model: nn.Module  # the unwrapped PreTrainedModel that was passed (ForCausalLM or bare decoder)
     rotary: nn.Module
     config: object  # model.config; the rotary module's own config is this object until a patch swaps it
@@ -106,7 +106,7 @@ def _is_rotary(module: nn.Module) -> bool:
     return False
 
 
-def find_target(model) -> Target:
+def find_target(model) -> PatchSite:
     """The model's rotary module, or a TypeError saying what was found and what is supported."""
     from .registry import list_schemes
 
@@ -134,4 +134,4 @@ def find_target(model) -> Target:
         )
     if getattr(base.config, "rope_parameters", None) is None:
         raise TypeError(f"{type(base).__name__} has a rotary module but its config has no `rope_parameters`.")
-    return Target(model=base, rotary=rotaries[0], config=base.config)
+    return PatchSite(model=base, rotary=rotaries[0], config=base.config)

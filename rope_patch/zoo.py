@@ -9,7 +9,7 @@
 |           | (default `~/.cache/rope_patch/smollm2`)                                                          |
 | a path    | any local `save_pretrained` folder of a LLaMA-family causal LM                                  |
 
-    from rope_patch.models import load_model
+    from rope_patch.zoo import load_model
     model, tokenizer = load_model("tiny")
 """
 

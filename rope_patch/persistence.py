@@ -32,7 +32,7 @@ from .api import SchemeLike, apply, as_scheme, current, original_config, patch_m
 from .files import sha256_file, write_text_atomic
 from .schemes.base import Scheme
 from .specs import parse_scheme_spec
-from .target import RopeContext, find_target, unwrap
+from .discovery import RopeContext, find_target, unwrap
 
 MANIFEST = "rope_patch.json"
 PATCH_WEIGHTS = "rope_patch.safetensors"
