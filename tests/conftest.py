@@ -1,71 +1,27 @@
-"""Tiny random models for every architecture the tests cover (built from configs: no hub)."""
+"""Fixtures for the whole suite. Shared code (model builder, tokenizers, references) lives in tests/helpers/."""
 
 from __future__ import annotations
 
-import copy
+import os
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from helpers.models import VOCAB, WINDOW, tiny_model
 
-WINDOW = 32  # max_position_embeddings of the tiny models; tests run past it
-VOCAB = 97
-
-_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=VOCAB, max_position_embeddings=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-# Per-architecture overrides: head_dim 16 everywhere so schemes have several pairs to differ on.
-ARCHS = {
-    "llama": {},
-    "mistral": {},
-    "mixtral": dict(head_dim=16, num_local_experts=2, num_experts_per_tok=1),
-    "qwen2": {},
-    "qwen3": dict(head_dim=16),
-    "qwen3_moe": dict(head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
-    "gemma": dict(head_dim=16),
-    "gemma2": dict(head_dim=16),
-    "gemma3_text": dict(head_dim=16, sliding_window=8),
-    "olmo2": {},
-    "granite": {},
-    "starcoder2": {},
-    "smollm3": {},
-    "phi3": {},
-    "phi": {},
-    "stablelm": {},
-    "gpt_neox": dict(num_key_value_heads=None),
-    "cohere": {},
-    "glm": dict(head_dim=16),
-}
-# Families whose config (or rotary layout) restricts the frequency schemes.
-PHI3_ONLY = {"default", "longrope"}
+# Nothing is downloaded at test time: a test that reaches for the hub fails at once instead of hanging.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def tiny_config(arch: str = "llama", **overrides):
-    kw = {**_BASE, **ARCHS[arch], **overrides}
-    kw = {k: v for k, v in kw.items() if v is not None}
-    return AutoConfig.for_model(arch, **kw)
-
-
-def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
-    cfg = tiny_config(arch, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=overrides.pop("attn_implementation", None) or "eager")
-    return model.eval()
-
-
-def native_twin(model, rope_parameters: dict, max_position_embeddings: int):
-    """A model built natively by transformers with this RoPE config and the same weights."""
-    cfg = copy.deepcopy(model.config)
-    cfg.rope_parameters = copy.deepcopy(rope_parameters)
-    cfg.max_position_embeddings = max_position_embeddings
-    twin = type(model)(cfg).eval()
-    twin.load_state_dict(model.state_dict())
-    return twin
-
-
-def logits(model, ids, **kw):
-    with torch.no_grad():
-        return model(ids, **kw).logits
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """The tiny models run fastest on one thread: on a shared 2-core machine a second thread makes every small
+    matmul wait for a core. Tests that spawn processes set their own thread counts."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -77,15 +33,3 @@ def ids():
 @pytest.fixture
 def llama():
     return tiny_model("llama")
-
-
-CHARS = "abcdefghijklmnopqrstuvwxyzTWPRK0123456789 .?"
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """A real PreTrainedTokenizerFast with one token per character (vocab < 97) for tiny random models."""
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

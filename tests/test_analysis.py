@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import WINDOW, tiny_model
+from helpers.models import WINDOW, tiny_model
 
 import rope_patch
 from rope_patch import analysis as A

@@ -125,7 +125,7 @@ def test_debug_prints_the_traceback_from_the_console(tmp_path):
 
 
 def sweep_argv(tmp_path, *tasks):
-    from conftest import tiny_config
+    from helpers.models import tiny_config
 
     tiny_config("llama").save_pretrained(tmp_path / "m")
     return ["sweep", "--model", str(tmp_path / "m"), "--tasks", *tasks, "--out", str(tmp_path / "out")]

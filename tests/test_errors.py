@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import WINDOW, logits, tiny_model
+from helpers.models import WINDOW, logits, tiny_model
 
 import rope_patch
 from rope_patch import validation as check

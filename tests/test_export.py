@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import WINDOW, logits, tiny_model
+from helpers.models import WINDOW, logits, tiny_model
 from transformers import AutoModelForCausalLM
 
 import rope_patch

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import VOCAB, WINDOW, logits, tiny_config, tiny_model
+from helpers.models import VOCAB, WINDOW, logits, tiny_config, tiny_model
 from transformers import LlamaForCausalLM
 
 import rope_patch

@@ -11,14 +11,14 @@ import shutil
 
 import pytest
 import torch
-from conftest import WINDOW, logits, tiny_model
+from helpers.models import WINDOW, logits, tiny_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import rope_patch
 from rope_patch.api import patch_modules
-from rope_patch.persistence import FORMAT, MANIFEST, PATCH_WEIGHTS, read_manifest
 from rope_patch.files import sha256_file
+from rope_patch.persistence import FORMAT, MANIFEST, PATCH_WEIGHTS, read_manifest
 
 RESAVE = r"re-save (it|the model) with rope_patch\.save_pretrained"  # the "what to do" of a damaged save
 LEARNED = {"relative_bias": "rope_patch_relative_bias.weight", "learned_absolute": "rope_patch_position_embeddings.weight"}

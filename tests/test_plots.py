@@ -200,7 +200,7 @@ def test_cli_svg_default_name_and_results(tmp_path, monkeypatch):
 
 
 def test_cli_reads_a_model_config(tmp_path):
-    from conftest import tiny_config
+    from helpers.models import tiny_config
 
     tiny_config("llama").save_pretrained(tmp_path / "model")
     assert main(["plot", "decay", "--schemes", "default", "yarn:4", "--config", str(tmp_path / "model"),

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers.models import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as apply_interleaved

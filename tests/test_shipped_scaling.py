@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import VOCAB, logits, native_twin, tiny_model
+from helpers.models import VOCAB, logits, native_twin, tiny_model
 
 import rope_patch
 

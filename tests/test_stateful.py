@@ -41,7 +41,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import VOCAB, WINDOW, logits, tiny_config
+from helpers.models import VOCAB, WINDOW, logits, tiny_config
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -187,16 +187,6 @@ def timed(fn):
             TIMES[fn.__name__] += time.perf_counter() - start
 
     return run
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on shared cores another process's OpenMP threads make every op
-    wait (forwards ~20x slower): run this module single-threaded, then restore."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class PatchingMachine(RuleBasedStateMachine):

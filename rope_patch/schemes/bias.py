@@ -14,8 +14,8 @@ from torch import nn
 
 from .. import attention
 from .. import validation as check
-from ..registry import register_scheme
 from ..discovery import PatchSite
+from ..registry import register_scheme
 from .common import AttachModule, AttentionScheme, attention_modules
 
 MODULE_NAME = "rope_patch_relative_bias"  # attribute under which relative_bias attaches its table to the model
@@ -40,21 +40,21 @@ def _heads(q: torch.Tensor) -> torch.Tensor:
     return q.flatten(1, 2)
 
 
-class AlibiScores(attention.ScoreMod):
+class AlibiScores(attention.AttentionRule):
     def __init__(self, slopes: torch.Tensor):
         self.slopes = slopes  # (H,) float32, one per query head (GQA: not per kv head)
 
     def _slopes(self, call):
         return self.slopes.to(call.query.device).view(1, *call.query.shape[1:3], 1, 1)  # (1, Hkv, G, 1, 1)
 
-    def logits(self, call, rows, start, e):
-        s = call.qk(call.query[:, :, :, rows], call.key[:, :, start:e])
-        return s - self._slopes(call) * call.distance(rows, start, e).float()  # score(i, j) −= m_h·(i − j)
+    def logits(self, call, rows, start, end):
+        s = call.qk(call.query[:, :, :, rows], call.key[:, :, start:end])
+        return s - self._slopes(call) * call.distance(rows, start, end).float()  # score(i, j) −= m_h·(i − j)
 
-    def fast_rows(self, heads):
-        return 1024  # nothing is materialised on the fast path
+    def fused_rows(self, heads):
+        return 1024  # nothing is materialised on the fused path
 
-    def fast(self, call, rows, e):
+    def fused(self, call, rows, end):
         """Fused kernels only: −m_h(i − j) = m_h(j − c) − m_h(i − c) with c the block's first slot. The first term is
         rank one (an extra q channel m_h/scale against a k channel j − c), the second is constant per row, so it only
         shifts that row's log-sum-exp. |m_h(j − c)| ≤ |m_h(i − j)| for every key before the block, so the channel
@@ -67,9 +67,9 @@ class AlibiScores(attention.ScoreMod):
             call.scratch["k_aug"] = torch.nn.functional.pad(call.key, (0, 1))
             call.scratch["v_aug"] = torch.nn.functional.pad(call.value, (0, 1))  # the kernel wants equal head sizes
         k_aug, v_aug = call.scratch["k_aug"], call.scratch["v_aug"]
-        k_aug[:, :, :e, -1] = (torch.arange(e, device=q.device) - c).to(k_aug.dtype)
+        k_aug[:, :, :end, -1] = (torch.arange(end, device=q.device) - c).to(k_aug.dtype)
         shift = (slopes * call.distance(rows, c, c + 1).float().view(1, 1, 1, -1, 1)).flatten(1, 3)  # m_h·(i − c)
-        parts = [attention.flash_causal_partial(call, q_aug, k_aug[:, :, c:e], v_aug[:, :, c:e])]
+        parts = [attention.flash_causal_partial(call, q_aug, k_aug[:, :, c:end], v_aug[:, :, c:end])]
         if c > 0:
             parts.append(attention.flash_partial(call, q_aug, k_aug[:, :, :c], v_aug[:, :, :c]))
         return [(out[..., :-1], lse - shift.reshape(1, -1, lse.shape[-1])) for out, lse in parts]
@@ -149,32 +149,32 @@ class RelativeBias(nn.Module):
         return f"layers={layers}, heads={heads}, num_buckets={buckets}, max_distance={self.max_distance}"
 
 
-class RelativeBiasScores(attention.ScoreMod):
+class RelativeBiasScores(attention.AttentionRule):
     def __init__(self, owner: nn.Module, num_buckets: int, max_distance: int):
         # The table is looked up on its owner at call time: peft may have replaced it by a wrapper since.
         self.owner, self.num_buckets, self.max_distance = owner, num_buckets, max_distance
 
-    def fast_rows(self, heads):
+    def fused_rows(self, heads):
         return attention.fit_rows(heads, self.max_distance)  # the band: r × (r + max_distance) bias + mask
 
     def table(self, call) -> torch.Tensor:
         return getattr(self.owner, MODULE_NAME)(call.module.layer_idx)  # (H, buckets)
 
-    def bias(self, call, rows, start, e) -> torch.Tensor:
-        """(1, Hkv, G, r, e − start) float32. Every full block of the fast path has the same distance pattern, so
+    def bias(self, call, rows, start, end) -> torch.Tensor:
+        """(1, Hkv, G, r, end − start) float32. Every full block of the fused path has the same distance pattern, so
         its band is built once per call and reused."""
-        dist = call.distance(rows, start, e)
+        dist = call.distance(rows, start, end)
         key = ("relative_bias", int(dist[0, 0]), *dist.shape)
         if key in call.scratch:
             return call.scratch[key]
         bucket = t5_bucket(dist, self.num_buckets, self.max_distance)  # (r, w)
         bias = self.table(call)[:, bucket].float().view(1, *call.query.shape[1:3], *bucket.shape)
-        if start > 0:  # a fast-path band (its pattern repeats); the materialised path's blocks never repeat
+        if start > 0:  # a fused-path band (its pattern repeats); the materialised path's blocks never repeat
             call.scratch[key] = bias
         return bias
 
-    def logits(self, call, rows, start, e):
-        return call.qk(call.query[:, :, :, rows], call.key[:, :, start:e]) + self.bias(call, rows, start, e)
+    def logits(self, call, rows, start, end):
+        return call.qk(call.query[:, :, :, rows], call.key[:, :, start:end]) + self.bias(call, rows, start, end)
 
     def flex(self, call, block_mask):
         """One flex_attention call; the score_mod reads the per-call (H, k_len) bias-by-distance vector, so the
@@ -189,17 +189,17 @@ class RelativeBiasScores(attention.ScoreMod):
 
         return attention.flex_call(call, _heads(call.query), call.key, call.value, block_mask, bias)
 
-    def fast(self, call, rows, e):
+    def fused(self, call, rows, end):
         """Keys at distance ≥ max_distance from every row of the block all fall in the last bucket: a per-head
         constant, i.e. plain attention through the fused kernel with that constant added to its log-sum-exp. Only
         the band of nearer keys (block + max_distance wide) is materialised with its buckets."""
         start = max(0, call.first_slot(rows) - self.max_distance + 1)
         q = call.query[:, :, :, rows]
-        key = ("relative_bias_band", start > 0, rows.stop - rows.start, e - start)
+        key = ("relative_bias_band", start > 0, rows.stop - rows.start, end - start)
         if key not in call.scratch:  # bias + causal mask of the band; the same for every full block of the call
-            future = call.distance(rows, start, e) < 0
-            call.scratch[key] = self.bias(call, rows, start, e).masked_fill(future, float("-inf")).to(q.dtype)
-        band = attention.flash_partial(call, q, call.key[:, :, start:e], call.value[:, :, start:e], mask=call.scratch[key])
+            future = call.distance(rows, start, end) < 0
+            call.scratch[key] = self.bias(call, rows, start, end).masked_fill(future, float("-inf")).to(q.dtype)
+        band = attention.flash_partial(call, q, call.key[:, :, start:end], call.value[:, :, start:end], mask=call.scratch[key])
         if start == 0:
             return [band]
         out, lse = attention.flash_partial(call, q, call.key[:, :, :start], call.value[:, :, :start])
@@ -239,7 +239,10 @@ class RelativeBiasScheme(AttentionScheme):
 
     def _table(self, target: PatchSite) -> RelativeBias:
         cfg = target.config
-        table = RelativeBias(len(attention_modules(target.model)), cfg.num_attention_heads, self.num_buckets, self.max_distance)
+        # one row per layer index (the table is looked up by `layer_idx`): hybrid models (qwen3_next) have attention
+        # modules on some layers only, and their rows for the other (linear-attention) layers stay unused
+        layers = 1 + max((m.layer_idx for m in attention_modules(target.model)), default=-1)
+        table = RelativeBias(layers, cfg.num_attention_heads, self.num_buckets, self.max_distance)
         if self.init == "alibi":
             slopes = torch.tensor(alibi_slopes(cfg.num_attention_heads))
             with torch.no_grad():

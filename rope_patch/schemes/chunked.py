@@ -22,7 +22,7 @@ is exactly RoPE (at most two chunks, no clipping); s ≥ N alone is not enough.
 
 Realised as deferred RoPE: the model's rotary is the identity (the cache holds un-rotated keys); per call the keys are
 rotated once to j mod c with the model's own rotary forward and `apply_rotary_pos_emb`, queries to their three
-positions per block. Chunks are counted in true positions (`Call.offset`), so left padding and sliding-window caches
+positions per block. Chunks are counted in true positions (`AttentionCall.offset`), so left padding and sliding-window caches
 do not move them.
 
 Where the paper, the authors' code and rope_patch differ:
@@ -75,7 +75,7 @@ def _merge_lse(parts: list[attention.Partial]) -> attention.Partial:
     return out, lse
 
 
-class DualChunkScores(attention.ScoreMod):
+class DualChunkScores(attention.AttentionRule):
     """The three DCA regions of every (query, key) pair, by the chunks of their true positions.
 
     `rotations[layer_idx]` is that layer's own RoPE (per-layer-type models rotate each layer with its frequencies).
@@ -89,8 +89,8 @@ class DualChunkScores(attention.ScoreMod):
         self.chunk = chunk_size - local_size  # c: tokens per chunk, the key positions' modulus
         self.inter_position = min(2 * self.chunk - 1, chunk_size)
 
-    def fast_rows(self, heads):
-        return 512  # nothing is materialised on the fast path; chunk boundaries split a block further
+    def fused_rows(self, heads):
+        return 512  # nothing is materialised on the fused path; chunk boundaries split a block further
 
     # ---- positions -------------------------------------------------------------------------------------------------
     def begin(self, call):
@@ -121,14 +121,14 @@ class DualChunkScores(attention.ScoreMod):
         """First key slot of chunk n in a row whose true positions are slot + offset (pads belong to chunk 0)."""
         return 0 if n <= 0 else max(0, n * self.chunk - offset)
 
-    def _ranges(self, call, rows: slice, e: int) -> list[tuple[int, int]]:
+    def _ranges(self, call, rows: slice, end: int) -> list[tuple[int, int]]:
         """Per region, a key-slot range [lo, hi) holding every key of that region for every row of the block and
         every sequence of the batch (host integers: the union over the batch's offsets)."""
         first, last = call.first_slot(rows), call.first_slot(rows) + (rows.stop - rows.start) - 1
         spans = {INTRA: [], SUCC: [], INTER: []}
         for off in call.scratch["offsets"]:
             n0, n1 = max(first + off, 0) // self.chunk, max(last + off, 0) // self.chunk
-            spans[INTRA].append((self._first_slot(n0, off), e))
+            spans[INTRA].append((self._first_slot(n0, off), end))
             if n1 >= 1:
                 spans[SUCC].append((self._first_slot(n0 - 1, off), self._first_slot(n1, off)))
             if n1 >= 2:
@@ -136,27 +136,27 @@ class DualChunkScores(attention.ScoreMod):
         return [(min(lo for lo, _ in s), max(hi for _, hi in s)) if s else (0, 0) for s in spans.values()]
 
     # ---- materialised (eager, training, padding) -----------------------------------------------------------------
-    def logits(self, call, rows, start, e):
+    def logits(self, call, rows, start, end):
         """Each region's logits over only its key range, combined element by element by the pair's region."""
-        ranges = [(r, max(lo, start), min(hi, e)) for r, (lo, hi) in enumerate(self._ranges(call, rows, e))]
+        ranges = [(r, max(lo, start), min(hi, end)) for r, (lo, hi) in enumerate(self._ranges(call, rows, end))]
         ranges = [(r, lo, hi) for r, lo, hi in ranges if lo < hi]
         k_rot = call.scratch["k_rot"]
         if len(ranges) == 1:  # one region (the whole call inside one chunk, or a block of one region)
-            return call.qk(self._q(call, rows, ranges[0][0]), k_rot[:, :, start:e])
-        slots = torch.arange(start, e, device=call.key.device)
+            return call.qk(self._q(call, rows, ranges[0][0]), k_rot[:, :, start:end])
+        slots = torch.arange(start, end, device=call.key.device)
         dn = self._chunk_of(call, call.q_slot[rows])[:, :, None] - self._chunk_of(call, slots)[:, None, :]
         region = ((dn >= 1).to(torch.int8) + (dn >= 2).to(torch.int8))[:, None, None]  # (b|1, 1, 1, r, w); future: 0
         s = None
         for r, lo, hi in ranges:
             part = call.qk(self._q(call, rows, r), k_rot[:, :, lo:hi])
             if s is None:
-                s = part.new_zeros(*part.shape[:-1], e - start)
+                s = part.new_zeros(*part.shape[:-1], end - start)
             a, z = lo - start, hi - start
             s[..., a:z] = torch.where(region[..., a:z] == r, part, s[..., a:z])
         return s
 
     # ---- fused (inference on CPU without mask) ---------------------------------------------------------------------
-    def fast(self, call, rows, e):
+    def fused(self, call, rows, end):
         """Rows are split at chunk boundaries; a group of rows in chunk n reads, each through one fused kernel with
         its own rotated queries over a contiguous key range:
             [first slot of n, group)        intra, full          [group]   intra, causal (the diagonal)

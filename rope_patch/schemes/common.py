@@ -5,7 +5,7 @@ Every attention scheme first removes the model's rotation: the rotary module run
 the exact identity (q·1 + rotate_half(q)·0 = q). What a scheme adds on top:
 
     build(target) -> (scores, extra)
-        scores  a `ScoreMod` for the attention function (ALiBi, T5 bias, ReRoPE, Self-Extend), or None when the
+        scores  an `AttentionRule` for the attention function (ALiBi, T5 bias, ReRoPE, Self-Extend), or None when the
                 model's own attention backend is kept (NoPE, sinusoidal, learned absolute)
         extra   None or `extra(undo_log)`: attaches modules and hooks (learned tables, embedding hooks)
     Both are built at prepare time, so bad input fails before the model is touched. Whatever ends up on the model
@@ -58,7 +58,7 @@ class AttentionScheme(Scheme):
         object.__setattr__(self, key, value)
 
     # ---- what a scheme defines -------------------------------------------------------------------------------
-    def build(self, target: PatchSite) -> tuple[attention.ScoreMod | None, Callable[[UndoLog], None] | None]:
+    def build(self, target: PatchSite) -> tuple[attention.AttentionRule | None, Callable[[UndoLog], None] | None]:
         """(scores for the attention function or None to keep the model's backend, extra install step or None)."""
         return None, None
 
@@ -92,7 +92,7 @@ class AttentionScheme(Scheme):
             sliding[m.layer_idx] = getattr(m, "sliding_window", None)
         return rotations, sliding
 
-    def _check_backend(self, target: PatchSite, scores: attention.ScoreMod) -> str:
+    def _check_backend(self, target: PatchSite, scores: attention.AttentionRule) -> str:
         impl = target.config._attn_implementation
         if impl not in attention.BACKENDS:
             raise ValueError(
@@ -113,14 +113,14 @@ class AttentionScheme(Scheme):
             )
         return attention.BACKENDS[impl]
 
-    def _check_flex(self, scores: attention.ScoreMod, device: torch.device) -> None:
+    def _check_flex(self, scores: attention.AttentionRule, device: torch.device) -> None:
         if not attention.flex_available():
             raise ValueError(f"{self.name}: attention backend 'flex_attention' needs torch.nn.attention.flex_attention "
                              f"(torch ≥ 2.5), not found in torch {torch.__version__}. Use model.set_attn_implementation('sdpa').")
-        if type(scores).flex is attention.ScoreMod.flex:
+        if type(scores).flex is attention.AttentionRule.flex:
             raise ValueError(f"{self.name}: has no flex_attention form (its scores define no `flex`). Use "
                              "model.set_attn_implementation('sdpa') before rope_patch.apply.")
-        if attention.FLEX_COMPILE and device.type == "cpu":
+        if attention.settings.FLEX_COMPILE and device.type == "cpu":
             # torch 2.13's compiled CPU flex kernel refuses return_lse ("torch.compile on CPU only supports inference
             # and `return_lse` is not supported yet"), fails to compile once recompiles make shapes dynamic (C++
             # error "'cur_kvSplitSize0' was not declared", transformers' own flex backend too), and with static
@@ -135,7 +135,7 @@ class AttentionScheme(Scheme):
                 "exact), or run flex_attention on CUDA."
             )
 
-    def _check_flash(self, scores: attention.ScoreMod, device: torch.device) -> None:
+    def _check_flash(self, scores: attention.AttentionRule, device: torch.device) -> None:
         if scores.flash_slopes(device) is None:
             raise ValueError(
                 f"{self.name}: attention backend 'flash_attention_2' cannot run this scheme (flash-attention only adds "
@@ -147,9 +147,9 @@ class AttentionScheme(Scheme):
                 f"{self.name}: attention backend 'flash_attention_2' needs the `flash_attn` package, which cannot be "
                 "imported. Install flash-attn (CUDA), or use model.set_attn_implementation('sdpa')."
             )
-        if device.type not in attention.FLASH_DEVICES:
+        if device.type not in attention.settings.FLASH_DEVICES:
             raise ValueError(
-                f"{self.name}: attention backend 'flash_attention_2' runs on {' / '.join(attention.FLASH_DEVICES)} "
+                f"{self.name}: attention backend 'flash_attention_2' runs on {' / '.join(attention.settings.FLASH_DEVICES)} "
                 f"tensors; found the model on {device}. Move it with model.to('cuda') first, or use "
                 "model.set_attn_implementation('sdpa')."
             )

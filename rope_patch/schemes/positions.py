@@ -58,7 +58,7 @@ class Shift:
         return p + self.offset if self.offset else p
 
 
-class TwoRegionScores(attention.ScoreMod):
+class TwoRegionScores(attention.AttentionRule):
     """near (i − j < W): q at i, k at j.  far: q at far_q(i), k at far_k(j).
 
     `rotations[layer_idx]` is that layer's own RoPE (per-layer-type models such as Gemma 3 rotate sliding and full
@@ -73,7 +73,7 @@ class TwoRegionScores(attention.ScoreMod):
         self.rotations, self.window, self.far_q, self.far_k = rotations, window, far_q, far_k
         self.sliding = sliding or {}
 
-    def fast_rows(self, heads):
+    def fused_rows(self, heads):
         # two r × r masks for the mixed keys; r ≤ W keeps the four-way split (else the near band is materialised)
         return attention.fit_rows(2 * heads, 0, cap=max(64, min(1024, self.window)))
 
@@ -94,8 +94,8 @@ class TwoRegionScores(attention.ScoreMod):
     def _rotate(call, x, positions):
         return call.scratch["rotation"](x, positions)
 
-    def _k_pos(self, call, start, e):
-        return torch.arange(start, e, device=call.key.device) + call.offset  # (b|1, e − start) true positions
+    def _k_pos(self, call, start, end):
+        return torch.arange(start, end, device=call.key.device) + call.offset  # (b|1, end − start) true positions
 
     def _q(self, call, rows, far: bool):
         b, hkv, g, _, d = call.query.shape
@@ -103,26 +103,26 @@ class TwoRegionScores(attention.ScoreMod):
         pos = call.q_slot[rows] + call.offset
         return self._rotate(call, q, self.far_q(pos) if far else pos).view(b, hkv, g, -1, d)
 
-    def _k_near(self, call, start, e):
-        return self._rotate(call, call.key[:, :, start:e], self._k_pos(call, start, e))
+    def _k_near(self, call, start, end):
+        return self._rotate(call, call.key[:, :, start:end], self._k_pos(call, start, end))
 
-    def logits(self, call, rows, start, e):
+    def logits(self, call, rows, start, end):
         w = call.scratch["window"]
         q_near = self._q(call, rows, far=False)
         first = call.first_slot(rows)
-        far_end = max(start, min(e, first + (rows.stop - rows.start) - w))  # keys j < far_end: far for the last row
+        far_end = max(start, min(end, first + (rows.stop - rows.start) - w))  # keys j < far_end: far for the last row
         if far_end == start:
-            return call.qk(q_near, self._k_near(call, start, e))
+            return call.qk(q_near, self._k_near(call, start, end))
         near_start = max(start, first - w + 1)  # keys j < near_start are far for every row of the block
         s = call.qk(self._q(call, rows, far=True), call.scratch["k_far"][:, :, start:far_end])
-        if far_end < e:
-            s = torch.cat((s, s.new_empty(*s.shape[:-1], e - far_end)), dim=-1)
-        near = call.qk(q_near, self._k_near(call, near_start, e))
-        is_near = call.distance(rows, near_start, e) < w  # keys j ≥ far_end are always near
+        if far_end < end:
+            s = torch.cat((s, s.new_empty(*s.shape[:-1], end - far_end)), dim=-1)
+        near = call.qk(q_near, self._k_near(call, near_start, end))
+        is_near = call.distance(rows, near_start, end) < w  # keys j ≥ far_end are always near
         s[..., near_start - start:] = torch.where(is_near, near, s[..., near_start - start:])
         return s
 
-    def fast(self, call, rows, e):
+    def fused(self, call, rows, end):
         """Split the keys of a block (first query slot c, r rows) by what every row sees:
             [0, c − W + 1)              far for all rows       fused kernel, far rotation
             [c − W + 1, c + r − W)      mixed                  materialised (r × r), per-element choice
@@ -136,9 +136,9 @@ class TwoRegionScores(attention.ScoreMod):
             k_far = call.scratch["k_far"][:, :, :near_start]
             parts.append(attention.flash_partial(call, self._q(call, rows, far=True), k_far, call.value[:, :, :near_start]))
         if r > w:
-            return [*parts, attention.band_partial(call, self.logits(call, rows, near_start, e), rows, near_start, e)]
+            return [*parts, attention.band_partial(call, self.logits(call, rows, near_start, end), rows, near_start, end)]
         mix_end = max(near_start, c + r - w)
-        q_near, k_near = self._q(call, rows, far=False), self._k_near(call, near_start, e)  # k_near[0] is near_start
+        q_near, k_near = self._q(call, rows, far=False), self._k_near(call, near_start, end)  # k_near[0] is near_start
         if mix_end > near_start:  # the mixed keys: two masked fused calls, far and near, complementary masks
             far_mask, near_mask = self._mixed_masks(call, rows, near_start, mix_end)
             v = call.value[:, :, near_start:mix_end]
@@ -148,7 +148,7 @@ class TwoRegionScores(attention.ScoreMod):
         if c > mix_end:
             k = k_near[:, :, mix_end - near_start : c - near_start]
             parts.append(attention.flash_partial(call, q_near, k, call.value[:, :, mix_end:c]))
-        parts.append(attention.flash_causal_partial(call, q_near, k_near[:, :, c - near_start :], call.value[:, :, c:e]))
+        parts.append(attention.flash_causal_partial(call, q_near, k_near[:, :, c - near_start :], call.value[:, :, c:end]))
         return parts
 
     def flex(self, call, block_mask):

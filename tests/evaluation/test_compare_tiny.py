@@ -15,7 +15,6 @@ while llama3 x8 keeps retrieving without fine-tuning.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rope_patch.evaluation.compare import run_compare
 from rope_patch.zoo import load_model
@@ -25,14 +24,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def result():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 4.2M model gains little from a second thread, and loses a lot on a busy machine
-    try:
-        model, tok = load_model("tiny")  # shipped in rope_patch/data/rope-tiny: a missing model is a failure, not a skip
-        yield run_compare(model, tok, ["default", "yarn:8", "ntk:8", "dynamic:4", "llama3:8"], [256, 2048],
-                          passkey_lengths=[256, 1024], depths=[0.1, 0.5, 0.9], passkey_samples=10, windows_at_longest=4)
-    finally:
-        torch.set_num_threads(before)
+    model, tok = load_model("tiny")  # shipped in rope_patch/data/rope-tiny: a missing model is a failure, not a skip
+    return run_compare(model, tok, ["default", "yarn:8", "ntk:8", "dynamic:4", "llama3:8"], [256, 2048],
+                       passkey_lengths=[256, 1024], depths=[0.1, 0.5, 0.9], passkey_samples=10, windows_at_longest=4)
 
 
 def _ppl(result, scheme, length):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_model
-from eval_helpers import char_tokenizer, single_thread  # noqa: F401 (autouse fixture)
+from helpers.models import tiny_model
+from helpers.text import char_tokenizer
 
 from rope_patch import zoo as models
 from rope_patch.cli import main

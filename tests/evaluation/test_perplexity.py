@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB, WINDOW, tiny_model
-from eval_helpers import single_thread  # noqa: F401 (autouse fixture)
+from helpers.models import VOCAB, WINDOW, tiny_model
 
 import rope_patch
 from rope_patch.evaluation import common

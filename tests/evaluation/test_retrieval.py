@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
-from eval_helpers import char_tokenizer, filler_text, single_thread  # noqa: F401 (autouse fixture)
+from helpers.models import tiny_model
+from helpers.text import char_tokenizer, filler_text
 
 import rope_patch
 from rope_patch.evaluation import retrieval

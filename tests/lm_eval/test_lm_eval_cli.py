@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from lmeval_helpers import REPO, TASKS, assets_fixture, by_doc, evaluate, one_thread_fixture  # noqa: F401  (fixtures)
+from helpers.lm_eval import REPO, TASKS, by_doc, evaluate
 
 pytest.importorskip("lm_eval")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lmeval_helpers import WINDOW, assets_fixture, one_thread_fixture, tiny_llama  # noqa: F401  (fixtures)
+from helpers.lm_eval import WINDOW, tiny_llama
 
 import rope_patch
 

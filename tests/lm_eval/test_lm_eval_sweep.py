@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from lmeval_helpers import TASKS, assets_fixture, one_thread_fixture  # noqa: F401  (fixtures)
+from helpers.lm_eval import TASKS
 
 pytest.importorskip("lm_eval")
 

@@ -7,7 +7,7 @@ import re
 import sys
 
 import pytest
-from lmeval_helpers import TASKS, assets_fixture, by_doc, evaluate, one_thread_fixture  # noqa: F401  (fixtures)
+from helpers.lm_eval import TASKS, by_doc, evaluate
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.model import LM  # noqa: E402
@@ -151,7 +151,8 @@ def test_ruler_offline_tasks_run(tmp_path_factory):
     pytest.importorskip("wonderwords")
     import os
 
-    from lmeval_helpers import REPO, tiny_llama, train_tokenizer
+    from helpers.lm_eval import REPO, tiny_llama
+    from helpers.text import bpe_tokenizer as train_tokenizer
 
     held = REPO / "rope_patch" / "data" / "heldout.txt"
     if not held.is_file():

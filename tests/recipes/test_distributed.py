@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from recipe_helpers import ROOT, load_recipe, make_model_dir, make_text, tiny_cfg
+from helpers.recipes import ROOT, load_recipe, make_model_dir, make_text, tiny_cfg
 
 ft = load_recipe()
 SCRIPT = str(ROOT / "recipes" / "finetune_lora.py")

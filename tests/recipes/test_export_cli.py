@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import WINDOW, tiny_model
+from helpers.models import WINDOW, tiny_model
 
 import rope_patch
 from rope_patch.cli import main

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from recipe_helpers import ROOT, WINDOW, load_recipe, make_model_dir, make_text, tiny_cfg
+from helpers.recipes import ROOT, WINDOW, load_recipe, make_model_dir, make_text, tiny_cfg
 from transformers import AutoModelForCausalLM
 
 import rope_patch

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers.models import tiny_model
 from transformers import DynamicCache
 
 from rope_patch.training.pose import attends_across_skips, has_skips, pose_inputs, pose_position_ids, validate_pose

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from recipe_helpers import ROOT
+from helpers.recipes import ROOT
 from transformers import AutoTokenizer
 
 TINY = ROOT / "rope_patch" / "data" / "rope-tiny"

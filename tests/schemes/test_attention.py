@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, logits, tiny_model
-from reference import alibi_slopes as ref_slopes
-from reference import forward as reference_forward
+from helpers.models import VOCAB, logits, tiny_model
+from helpers.reference import alibi_slopes as ref_slopes
+from helpers.reference import forward as reference_forward
 
 import rope_patch
 from rope_patch import attention
@@ -40,8 +40,8 @@ BACKENDS = ["eager", "sdpa"]
 def small_blocks(monkeypatch):
     """Several (uneven) query blocks per call even at test lengths, so the block loop is what gets tested (the
     fused fast path runs for inference without a padding mask, the materialised path otherwise)."""
-    monkeypatch.setattr(attention, "BLOCK_ELEMENTS", 2 * 4 * L * 11)
-    monkeypatch.setattr(attention, "FAST_BLOCK", 24)
+    monkeypatch.setattr(attention.settings, "BLOCK_ELEMENTS", 2 * 4 * L * 11)
+    monkeypatch.setattr(attention.settings, "FUSED_BLOCK", 24)
 
 
 def batch(padded: bool, n: int = L, seed: int = 0):

@@ -9,10 +9,10 @@ import types
 
 import pytest
 import torch
-from conftest import logits, tiny_model
-from reference import alibi_slopes as ref_slopes
-from reference import forward as reference_forward
-from reference import gemma3_forward
+from helpers.models import logits, tiny_model
+from helpers.reference import alibi_slopes as ref_slopes
+from helpers.reference import forward as reference_forward
+from helpers.reference import gemma3_forward
 from test_attention import PAD, assert_cached_decoding_equals_recomputation, batch, patched_model
 
 import rope_patch
@@ -46,7 +46,7 @@ def fresh_compile():
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("scheme,params,compiled", FLEX, ids=FLEX_IDS)
 def test_flex_matches_reference(scheme, params, compiled, padded, monkeypatch, fresh_compile):
-    monkeypatch.setattr(attention, "FLEX_COMPILE", compiled)
+    monkeypatch.setattr(attention.settings, "FLEX_COMPILE", compiled)
     model = patched_model("llama", "flex_attention", scheme, params)
     if scheme != "nope":  # nope keeps transformers' own flex function
         assert model.config._attn_implementation == attention.FLEX
@@ -58,7 +58,7 @@ def test_flex_matches_reference(scheme, params, compiled, padded, monkeypatch, f
 
 
 def test_flex_remove_restores_model_exactly(fresh_compile, monkeypatch):
-    monkeypatch.setattr(attention, "FLEX_COMPILE", False)
+    monkeypatch.setattr(attention.settings, "FLEX_COMPILE", False)
     model = tiny_model("llama", attn_implementation="flex_attention")
     ids, _ = batch(False)
     before = logits(model, ids)
@@ -134,7 +134,7 @@ def flash_model():
 @pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("params", [{}, {"max_bias": 4.0}], ids=["bias8", "bias4"])
 def test_flash_alibi_passes_slopes_and_matches_reference(params, padded, fake_flash, monkeypatch):
-    monkeypatch.setattr(attention, "FLASH_DEVICES", ("cuda", "cpu"))  # the fake runs on CPU
+    monkeypatch.setattr(attention.settings, "FLASH_DEVICES", ("cuda", "cpu"))  # the fake runs on CPU
     model = flash_model()
     rope_patch.apply(model, "alibi", **params)
     assert model.config._attn_implementation == attention.FA2
@@ -155,7 +155,7 @@ def test_flash_alibi_passes_slopes_and_matches_reference(params, padded, fake_fl
 
 
 def test_flash_left_padded_row_equals_sequence_alone(fake_flash, monkeypatch):
-    monkeypatch.setattr(attention, "FLASH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(attention.settings, "FLASH_DEVICES", ("cuda", "cpu"))
     model = flash_model()
     rope_patch.apply(model, "alibi")
     ids, kw = batch(True)
@@ -176,7 +176,7 @@ FLASH_REFUSED = [
                          ids=["relative_bias", "self_extend", "rerope", "string", "no-package", "cpu"])
 def test_flash_refusals_name_scheme_backend_and_remedy(scheme, params, installed, devices, words, fake_flash,
                                                        monkeypatch):
-    monkeypatch.setattr(attention, "FLASH_DEVICES", devices)
+    monkeypatch.setattr(attention.settings, "FLASH_DEVICES", devices)
     if not installed:
         monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn raises ImportError
     model = flash_model()
@@ -205,7 +205,7 @@ GEMMA3_IDS = [f"{s}-{p['window_size']}" for s, p in GEMMA3_SCHEMES]
                          ids=["eager-pad", "sdpa-pad", "sdpa-nopad"])
 @pytest.mark.parametrize("scheme,params", GEMMA3_SCHEMES, ids=GEMMA3_IDS)
 def test_gemma3_each_layer_type_uses_its_own_rope(scheme, params, backend, padded, monkeypatch):
-    monkeypatch.setattr(attention, "FAST_BLOCK", 8)  # several blocks at this length on the fused path
+    monkeypatch.setattr(attention.settings, "FUSED_BLOCK", 8)  # several blocks at this length on the fused path
     model = tiny_model("gemma3_text", attn_implementation=backend, **GEMMA3)
     ids, kw = batch(padded, n=40)
     vanilla = logits(model, ids, **kw)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import WINDOW, logits, tiny_config, tiny_model
-from reference_dca import forward as dca_reference
-from reference_dca import relative_matrix
+from helpers.models import WINDOW, logits, tiny_config, tiny_model
+from helpers.reference_dca import forward as dca_reference
+from helpers.reference_dca import relative_matrix
 from test_attention import PAD, assert_cached_decoding_equals_recomputation, batch
 
 import rope_patch
@@ -29,8 +29,8 @@ BACKENDS = ["eager", "sdpa"]
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     """Several uneven query blocks per call, crossing chunk boundaries, on the fused and the materialised path."""
-    monkeypatch.setattr(attention, "BLOCK_ELEMENTS", 2 * 4 * 96 * 11)
-    monkeypatch.setattr(attention, "FAST_BLOCK", 24)
+    monkeypatch.setattr(attention.settings, "BLOCK_ELEMENTS", 2 * 4 * 96 * 11)
+    monkeypatch.setattr(attention.settings, "FUSED_BLOCK", 24)
 
 
 def dca_model(arch="llama", backend="sdpa", seed=0, **params):
@@ -168,7 +168,7 @@ def test_backward_is_finite_and_eager_equals_sdpa(padded):
                          ids=["s12-l3-n60-nopad", "s16-l10-n60-pad"])
 def test_flex_matches_reference(chunk_size, local_size, n, padded, monkeypatch):
     """Three flex calls merged by log-sum-exp; on CPU through eager flex (the compiled CPU kernel has no lse)."""
-    monkeypatch.setattr(attention, "FLEX_COMPILE", False)
+    monkeypatch.setattr(attention.settings, "FLEX_COMPILE", False)
     model = dca_model("llama", "flex_attention", chunk_size=chunk_size, local_size=local_size)
     assert model.config._attn_implementation == attention.FLEX
     ids, kw = batch(padded, n=n)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import ARCHS, PHI3_ONLY, WINDOW, logits, native_twin, tiny_model
+from helpers.models import ARCHS, PHI3_ONLY, WINDOW, logits, native_twin, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

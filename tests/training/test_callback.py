@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import WINDOW, logits, tiny_config, tiny_model
-from training_helpers import packed, single_thread  # noqa: F401  (autouse)
+from helpers.models import WINDOW, logits, tiny_config, tiny_model
+from helpers.training import packed
 from transformers import AutoModelForCausalLM
 
 import rope_patch

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from training_helpers import packed
+from helpers.training import packed
 
 from rope_patch.evaluation.passkey import NEEDLE, QUESTION
 from rope_patch.training import CausalLMCollator, PasskeyMixer, PoSECollator, sample_generator, sample_rng, sample_seed

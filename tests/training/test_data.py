@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from training_helpers import documents, packed
+from helpers.training import documents, packed
 
 from rope_patch.training import IndexedDataset, PackedDataset
 

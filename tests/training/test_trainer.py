@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_model
-from training_helpers import packed, single_thread  # noqa: F401  (autouse)
+from helpers.models import tiny_model
+from helpers.training import packed
 
 import rope_patch
 

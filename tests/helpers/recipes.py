@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import random
 import sys
 from pathlib import Path
 
-import torch
-from conftest import CHARS, char_tokenizer  # noqa: F401  (shared with tests/evaluation)
-from transformers import AutoConfig, AutoModelForCausalLM
+from helpers.models import WINDOW, saved_model
+from helpers.text import char_tokenizer, filler_text
 
 ROOT = Path(__file__).resolve().parents[2]
-WINDOW = 32
 
 
 def load_recipe():
@@ -26,21 +23,13 @@ def load_recipe():
 
 
 def make_model_dir(path: Path, *, tie: bool = False, seed: int = 0, window: int = WINDOW) -> Path:
-    """A 2-layer Llama (window 32, head_dim 16, vocab 64) + tokenizer, saved with save_pretrained."""
-    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=64, max_position_embeddings=window, pad_token_id=0,
-                               bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    model.save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return path
+    """A 2-layer Llama (window 32, head_dim 16, vocab 64) + a character tokenizer, saved with save_pretrained."""
+    return saved_model(path, char_tokenizer(), seed=seed, vocab_size=64, max_position_embeddings=window,
+                       tie_word_embeddings=tie)
 
 
 def make_text(path: Path, n_words: int = 4000, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(n_words)]
-    path.write_text(" ".join(w + ("." if rng.random() < 0.1 else "") for w in words))
+    path.write_text(filler_text(n_words, seed))
     return path
 
 

@@ -16,7 +16,8 @@ materialised (b, H, L, L) scores; i and j are true positions (left padding skipp
 from __future__ import annotations
 
 import torch
-from reference import inv_freq, rotate_half, true_positions
+
+from helpers.reference import inv_freq, rotate_half, true_positions
 
 
 def paper_parameters(chunk_size: int, local_size: int) -> dict:

@@ -1,0 +1,141 @@
+"""The sdpa and eager stand-ins: `blocked_attention` (nothing of size L×L per head is ever held) and
+`dense_attention` (the same function with one block holding the whole score matrix, returning the weights as eager
+attention does).
+
+Two paths in the blocked function:
+    fused         inference on CPU, no padding mask / softcap / dropout: per query block, the keys are split into
+                  ranges that each need one fused flash-attention call (torch's CPU kernel, which also returns the
+                  log-sum-exp) plus a narrow materialised band where the scheme varies per element; the partial
+                  softmaxes are merged by log-sum-exp (`AttentionRule.fused`).
+    materialised  training, padding, softcap, other devices: query blocks of ~BLOCK_ELEMENTS scores that see all their
+                  keys at once, so they need no merging and autograd works (`AttentionRule.logits`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import settings
+from .protocol import AttentionCall, Partial, make_call, merge, module_state
+
+
+def _flash_lse_op():
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def flash_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  mask: torch.Tensor | None = None) -> Partial:
+    """Fused attention of q (b, Hkv, G, r, d′) over all of k, v (b, Hkv, n, d′): torch's CPU flash kernel, which
+    also returns the log-sum-exp. The rows are independent, so the G query heads of a kv head are folded into the
+    rows: GQA without repeating K/V. `mask`: additive float (1, Hkv, G, r, n) (−inf = excluded); a row it excludes
+    entirely comes back with lse = −inf, i.e. weight 0 in `merge`."""
+    b, hkv, g, r, dq = q.shape
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], hkv, g * r, -1)
+    out, lse = _flash_lse_op()(q.reshape(b, hkv, g * r, dq), k, v, attn_mask=mask,
+                               scale=call.scaling if scale is None else scale)[:2]
+    out, lse = out.float().reshape(b, hkv * g, r, -1), lse.float().reshape(b, hkv * g, r)
+    if mask is not None:  # the kernel reports a fully excluded row as lse = 0, out = 0: make its weight 0
+        lse = lse.masked_fill(torch.isneginf(mask).all(-1).reshape(mask.shape[0], hkv * g, r), float("-inf"))
+    return out, lse
+
+
+def flash_causal_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None) -> Partial:
+    """As `flash_partial` for the diagonal block (queries and keys are the same r slots): causal, square; the
+    kernel's causal mask needs one row per query, so K/V are repeated here (r keys only)."""
+    b, hkv, g, r, dq = q.shape
+    k, v = _repeat(k, g), _repeat(v, g)
+    out, lse = _flash_lse_op()(q.reshape(b, hkv * g, r, dq), k, v, is_causal=True,
+                               scale=call.scaling if scale is None else scale)[:2]
+    return out.float(), lse.float()
+
+
+def band_partial(call: AttentionCall, s: torch.Tensor, rows: slice, start: int, e: int) -> Partial:
+    """Materialised scores s (b, Hkv, G, r, e − start) of a narrow key band, causal-masked, as a Partial."""
+    b, hkv, g, r, w = s.shape
+    s = s.masked_fill(call.distance(rows, start, e) < 0, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).to(call.value.dtype)
+    out = torch.matmul(p.view(b, hkv, g * r, w), call.value[:, :, start:e]).view(b, hkv * g, r, -1)
+    return out.float(), lse.reshape(b, hkv * g, r)
+
+
+def _repeat(x: torch.Tensor, g: int) -> torch.Tensor:
+    """repeat_kv: (b, Hkv, n, d) → (b, Hkv·G, n, d), query head h reading kv head h // G."""
+    if g == 1:
+        return x
+    b, hkv, n, d = x.shape
+    return x[:, :, None].expand(b, hkv, g, n, d).reshape(b, hkv * g, n, d)
+
+
+def _mask_block(attention_mask, call: AttentionCall, rows: slice, e: int):
+    """(b|1, 1, 1, r, e) bool 'may attend' or float additive mask for one block; causal when no mask was built."""
+    if attention_mask is None:
+        return (call.distance(rows, 0, e) >= 0).view(1, 1, 1, -1, e)
+    m = attention_mask[:, :, rows, :e]
+    return m.unsqueeze(2)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                      *, dense: bool, **kwargs):
+    """transformers attention-function signature: query (b, H, q, d), key/value (b, Hkv, k, d) →
+    (out (b, q, H, d), weights (b, H, q, k) for the dense variant, else None)."""
+    state = module_state(module)
+    b, h, q_len, d = query.shape
+    hkv, k_len = key.shape[1], key.shape[2]
+    if attention_mask is not None and attention_mask.shape[-1] != k_len:
+        raise ValueError(f"attention mask covers {attention_mask.shape[-1]} keys but there are {k_len}")
+    call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
+    state.scores.begin(call)
+
+    budget = state.block_elements or settings.BLOCK_ELEMENTS
+    # The fused path (log-sum-exp merging) serves inference without padding mask, softcap or dropout on CPU;
+    # everything else takes the materialised-block path, which autograd can differentiate.
+    fused = (not dense and attention_mask is None and softcap is None and not (dropout and module.training)
+            and not torch.is_grad_enabled() and query.device.type == "cpu" and _flash_lse_op() is not None)
+    if dense:
+        block = q_len
+    elif fused:  # only a narrow band is materialised per block: the scheme picks the block that balances the two
+        block = min(q_len, settings.FUSED_BLOCK or state.scores.fused_rows(b * h))
+    else:
+        block = max(1, min(q_len, budget // max(1, b * h * k_len)))
+    out = query.new_empty(b, hkv, h // hkv, q_len, d)
+    weights = []
+    for r0 in range(0, q_len, block):
+        rows = slice(r0, min(q_len, r0 + block))
+        end = call.first_slot(rows) + (rows.stop - rows.start)  # causal: later keys are masked for the whole block
+        parts = state.scores.fused(call, rows, end) if fused else None
+        if parts is not None:
+            out[:, :, :, rows] = merge(parts).view(b, hkv, h // hkv, -1, d)
+            continue
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            end = k_len  # a custom additive mask may open any key
+        s = state.scores.logits(call, rows, 0, end)
+        m = _mask_block(attention_mask, call, rows, end)
+        if m.dtype == torch.bool:
+            # finfo.min rather than -inf: a fully masked row (a left-pad query) stays finite, as in transformers
+            s = s.masked_fill(~m, torch.finfo(s.dtype).min)
+        else:
+            s = s + m.float()
+        p = torch.softmax(s, dim=-1).to(value.dtype)
+        if dropout and module.training:
+            p = nn.functional.dropout(p, p=dropout, training=True)
+        pv = p.view(b, hkv, -1, end)  # (b, Hkv, G·r, end)
+        block_out = torch.matmul(pv, value[:, :, :end]).view(b, hkv, h // hkv, -1, d)
+        if dense:
+            out = block_out  # one block: no copy (and autograd sees no in-place write)
+            weights.append(p.reshape(b, h, -1, end))
+        else:
+            out[:, :, :, rows] = block_out
+        del s, p, pv
+    out = out.reshape(b, h, q_len, d).transpose(1, 2).contiguous()
+    return out, (weights[0] if dense else None)
+
+
+def dense_attention(module, query, key, value, attention_mask, **kwargs):
+    return attention_forward(module, query, key, value, attention_mask, dense=True, **kwargs)
+
+
+def blocked_attention(module, query, key, value, attention_mask, **kwargs):
+    return attention_forward(module, query, key, value, attention_mask, dense=False, **kwargs)

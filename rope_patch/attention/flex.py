@@ -1,0 +1,97 @@
+"""The flex_attention stand-in: one `torch.nn.attention.flex_attention` call with a `score_mod` (the bias) under
+transformers' BlockMask (causal, padding, sliding window), or two calls (near band / far part) merged by log-sum-exp
+for the two-rotation schemes. Compiled like transformers' own flex backend (settings.FLEX_COMPILE)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from transformers.integrations.flex_attention import compile_friendly_flex_attention, get_flex_attention_lse_kwargs
+
+from . import settings
+from .protocol import AttentionCall, make_call, module_state
+
+
+def flex_available() -> bool:
+    return transformers.utils.is_torch_flex_attn_available()
+
+
+def flex_call(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, score_mod=None,
+              lse: bool = False):
+    """flex_attention of q (b, H, q, d) over k, v (b, Hkv, k, d) (GQA inside the kernel) with the call's scale and
+    softcap (before `score_mod`, as in `AttentionCall.qk`). Compiled through transformers' singleton (the same compiled
+    function its own flex backend uses) unless settings.FLEX_COMPILE is off. Returns out (b, H, q, d), or the Partial
+    (out float32, lse float32) when `lse`; a row the mask excludes entirely comes back with out 0, lse −inf."""
+    softcap = call.softcap
+
+    def mod(score, b, h, qi, kv):
+        if softcap is not None:  # Gemma 2: c·tanh(s / c) before any bias, as the eager path
+            score = torch.tanh(score / softcap) * softcap
+        return score if score_mod is None else score_mod(score, b, h, qi, kv)
+
+    kwargs = dict(score_mod=mod, block_mask=block_mask, scale=call.scaling, enable_gqa=q.shape[1] != k.shape[1],
+                  **get_flex_attention_lse_kwargs(lse))
+    if settings.FLEX_COMPILE:
+        result = compile_friendly_flex_attention(q, k, v, training=call.module.training, **kwargs)
+    else:
+        result = flex_attention(q, k, v, **kwargs)
+    if not lse:
+        return result
+    out, aux = result
+    aux_lse = getattr(aux, "lse", aux)  # torch ≥ 2.9: AuxOutput(lse=...); before: the tensor itself
+    return out.float(), aux_lse.float()
+
+
+def causal_block_mask(call: AttentionCall):
+    """The BlockMask transformers would build for plain causal attention (queries are the last q slots)."""
+    q_len, k_len = call.query.shape[3], call.key.shape[2]
+    first = torch.tensor(k_len - q_len, device=call.key.device)
+
+    def causal(b, h, qi, kv):
+        return qi + first >= kv
+
+    return create_block_mask(causal, None, None, q_len, k_len, device=call.key.device)
+
+
+def restrict_block_mask(block_mask, call: AttentionCall, window: int, near: bool):
+    """`block_mask` ∧ (i − j < W if near else i − j ≥ W), i − j in key slots. The element rule is the mask_mod;
+    the block list is the original one minus the blocks that hold no element of the region (judged from each
+    block's smallest / largest distance), so the near call only visits the diagonal band and the far call the
+    rest. All kept blocks are partial (mask_mod evaluated): a block that was full may now be cut by the band."""
+    q_len, k_len = call.query.shape[3], call.key.shape[2]
+    dev = call.key.device
+    first, w = torch.tensor(k_len - q_len, device=dev), torch.tensor(window, device=dev)
+    base = block_mask.mask_mod
+
+    def mask_mod(b, h, qi, kv):
+        dist = qi + first - kv
+        return base(b, h, qi, kv) & ((dist < w) if near else (dist >= w))
+
+    qb, kb = block_mask.BLOCK_SIZE
+    dense = block_mask.to_dense().bool()  # (B, H, q blocks, kv blocks): partial ∪ full
+    q0 = torch.arange(dense.shape[-2], device=dev)[:, None] * qb + (k_len - q_len)
+    k0 = torch.arange(dense.shape[-1], device=dev)[None, :] * kb
+    region = (q0 - (k0 + kb - 1) < window) if near else (q0 + qb - 1 - k0 >= window)
+    dense = dense & region
+    num = dense.sum(-1, dtype=torch.int32)
+    order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, k_len))
+
+
+def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """transformers attention-function signature on top of flex_attention: `attention_mask` is transformers' BlockMask
+    (causal, padding, sliding window) from `flex_attention_mask`. Returns (out (b, q, H, d), None)."""
+    state = module_state(module)
+    if dropout and module.training:
+        raise ValueError("flex_attention does not support attention dropout (as in transformers): use model.eval() or "
+                         "set the config's attention_dropout to 0.")
+    if attention_mask is not None and not isinstance(attention_mask, BlockMask):
+        raise ValueError(f"the flex_attention backend expects a BlockMask, got {type(attention_mask).__name__}: pass "
+                         "a 2-D padding mask and let transformers build it, or use the sdpa backend for custom masks.")
+    call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
+    state.scores.begin(call)
+    block_mask = attention_mask if attention_mask is not None else causal_block_mask(call)
+    out = state.scores.flex(call, block_mask)
+    return out.to(value.dtype).transpose(1, 2).contiguous(), None

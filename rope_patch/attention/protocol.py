@@ -1,0 +1,138 @@
+"""The protocol between a scheme and the attention functions: `AttentionRule` (what a scheme changes in attention),
+`AttentionCall` (one attention call, laid out for GQA), `Partial` softmaxes and their log-sum-exp `merge`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from . import settings
+
+STATE = "_rope_patch_attn"  # attribute on each attention module of a patched model: its `AttnState`
+
+
+class AttentionRule:
+    """What a scheme changes in attention: pre-softmax logits for one block of queries.
+
+    Not a flex_attention `score_mod`: one rule serves every backend (blocked/dense through `logits` and `fused`,
+    flex through `flex`, flash-attention through `flash_slopes`).
+
+    `begin(call)` runs once per attention call (rotate the keys once, not once per block).
+    `logits(call, rows, start, end)` returns float32 scores (b, Hkv, G, len(rows), end − start) of the query rows
+    `rows` (a slice) against key slots [start, end), before the mask: scaling, softcapping and any additive bias applied.
+    `fused(call, rows, end)` (optional) returns the same attention as a list of `Partial`s, the long far-away part
+    through a fused kernel; None means "use logits"."""
+
+    def begin(self, call: AttentionCall) -> None:
+        pass
+
+    def logits(self, call: AttentionCall, rows: slice, start: int, end: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fused(self, call: AttentionCall, rows: slice, end: int) -> list[Partial] | None:
+        return None
+
+    def fused_rows(self, heads: int) -> int:
+        """Query rows per block on the fused path (`heads` = batch × query heads)."""
+        return 256
+
+    # flex_attention: `flex(call, block_mask)` → out (b, H, q, d). `flex_lse`: whether it merges partial softmaxes,
+    # which needs flex's log-sum-exp (not available from the compiled CPU kernel in torch ≤ 2.13).
+    flex_lse: bool = False
+
+    def flex(self, call: AttentionCall, block_mask) -> torch.Tensor:
+        raise NotImplementedError
+
+    def flash_slopes(self, device) -> torch.Tensor | None:
+        """(H,) float32 ALiBi slopes for flash_attn's `alibi_slopes`, or None: the scheme has no flash-attention form."""
+        return None
+
+
+def fit_rows(heads: int, extra: int, cap: int = 1024) -> int:
+    """The largest power-of-two block (64 ≤ r ≤ cap) whose materialised band, heads × r × (r + extra) numbers, fits
+    in settings.BLOCK_ELEMENTS: big blocks mean few kernel calls, the budget keeps the band small for many heads."""
+    r = 64
+    while r * 2 <= cap and heads * (r * 2) * (r * 2 + extra) <= settings.BLOCK_ELEMENTS:
+        r *= 2
+    return r
+
+
+@dataclasses.dataclass
+class AttentionCall:
+    """One attention call, laid out for GQA without expanding K/V: queries (b, Hkv, G, q, d)."""
+
+    module: nn.Module
+    query: torch.Tensor  # (b, Hkv, G, q, d)
+    key: torch.Tensor  # (b, Hkv, k, d)
+    value: torch.Tensor  # (b, Hkv, k, d)
+    scaling: float
+    softcap: float | None
+    q_slot: torch.Tensor  # (q,) key-slot index of each query row: k_len − q_len + r
+    offset: torch.Tensor  # (b|1, 1) true position minus slot index, per row (0 without left padding)
+    scratch: dict = dataclasses.field(default_factory=dict)  # per-call values a AttentionRule computes in begin()
+
+    def qk(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """q (b, Hkv, G, r, d) · k (b, Hkv, e, d)ᵀ → float32 (b, Hkv, G, r, e), scaled and softcapped. G is folded
+        into the row dimension so the kv heads are never repeated (repeat_kv semantics: head h reads kv head h // G)."""
+        b, hkv, g, r, d = q.shape
+        s = torch.matmul(q.reshape(b, hkv, g * r, d), k.transpose(-1, -2)).view(b, hkv, g, r, -1)
+        s = s.float() * self.scaling
+        if self.softcap is not None:  # Gemma 2: logits ← c·tanh(logits / c), before bias and mask
+            s = torch.tanh(s / self.softcap) * self.softcap
+        return s
+
+    def distance(self, rows: slice, start: int, end: int) -> torch.Tensor:
+        """(r, end − start) int64: i − j for query rows `rows` and key slots [start, end) (negative = future)."""
+        return self.q_slot[rows, None] - torch.arange(start, end, device=self.q_slot.device)
+
+    def first_slot(self, rows: slice) -> int:
+        return self.key.shape[2] - self.query.shape[3] + rows.start
+
+
+Partial = tuple  # (out (b, H, r, d) float32, lse (b, H, r) float32): softmax-weighted values over a subset of keys
+
+
+def merge(parts: list[Partial]) -> torch.Tensor:
+    """softmax over the union of disjoint key sets: Σ_p e^(lse_p − M)·out_p / Σ_p e^(lse_p − M). A row that no part
+    covers (a padding query under a flex BlockMask: every lse = −inf) comes out 0, not NaN."""
+    if len(parts) == 1:
+        return parts[0][0]
+    top = torch.stack([lse for _, lse in parts]).amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = [torch.exp(lse - top)[..., None] for _, lse in parts]
+    total = sum(weights)
+    return sum(w * o for w, (o, _) in zip(weights, parts, strict=True)) / total.clamp_min(torch.finfo(total.dtype).tiny)
+
+
+def module_state(module):
+    """The `AttnState` a patched attention module carries (registration.py), or a clear error for a module whose
+    attention implementation was set by hand."""
+    state = getattr(module, STATE, None)
+    if state is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs the rope_patch attention function but carries no rope_patch state: the "
+            "attention implementation was set by hand. Use rope_patch.apply(model, scheme) / rope_patch.remove(model)."
+        )
+    return state
+
+
+def _offsets(position_ids: torch.Tensor | None, q_slot: torch.Tensor) -> torch.Tensor:
+    """Per row: true position − slot index. Read at the row's largest position id (a real token under left padding,
+    where generate gives pads position 1, and under right padding)."""
+    if position_ids is None:
+        return torch.zeros(1, 1, dtype=torch.long, device=q_slot.device)
+    pos = position_ids.long().reshape(-1, position_ids.shape[-1])
+    r = pos.argmax(-1, keepdim=True)
+    return pos.gather(-1, r) - q_slot[r]
+
+
+def make_call(module, query, key, value, scaling, softcap, position_ids) -> AttentionCall:
+    b, h, q_len, d = query.shape
+    hkv, k_len = key.shape[1], key.shape[2]
+    if h % hkv:
+        raise ValueError(f"{h} query heads cannot share {hkv} key/value heads")
+    q_slot = torch.arange(k_len - q_len, k_len, device=query.device)
+    return AttentionCall(module, query.view(b, hkv, h // hkv, q_len, d), key, value, scaling if scaling is not None else d**-0.5,
+                softcap, q_slot, _offsets(position_ids, q_slot))

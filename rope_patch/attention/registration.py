@@ -1,0 +1,48 @@
+"""Registration with transformers: our functions under names of our own (no existing key is touched) in
+`AttentionInterface`, plus the same names in `AttentionMaskInterface` (transformers' own mask function of the backend
+each one stands in for: `sdpa_mask`, `flex_attention_mask`, `flash_attention_mask`), without which
+`create_causal_mask` returns None and padding would be silently dropped; and `AttnState`, what a patched attention
+module carries."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import transformers
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, flex_attention_mask, sdpa_mask
+
+from .blocked import blocked_attention, dense_attention
+from .flash import fa2_forward
+from .flex import flex_forward
+from .protocol import AttentionRule
+
+DENSE = "rope_patch_dense"
+BLOCKED = "rope_patch_blocked"
+FLEX = "rope_patch_flex"
+FA2 = "rope_patch_fa2"
+
+
+@dataclasses.dataclass
+class AttnState:
+    scores: AttentionRule
+    block_elements: int | None = None  # None: settings.BLOCK_ELEMENTS (read at call time, tests shrink it)
+
+    def __setstate__(self, state):
+        # A patched model unpickled in a fresh process (torch.load) finds its attention functions registered.
+        self.__dict__.update(state)
+        register()
+
+
+# backend the model had -> our function's name
+BACKENDS = {"eager": DENSE, "sdpa": BLOCKED, "flex_attention": FLEX, "flash_attention_2": FA2}
+_FUNCTIONS = {DENSE: (dense_attention, sdpa_mask), BLOCKED: (blocked_attention, sdpa_mask),
+              FLEX: (flex_forward, flex_attention_mask), FA2: (fa2_forward, flash_attention_mask)}
+
+
+def register() -> None:
+    """Register our functions and their mask functions (idempotent; new keys only)."""
+    for name, (fn, mask) in _FUNCTIONS.items():
+        if transformers.AttentionInterface._global_mapping.get(name) is not fn:
+            transformers.AttentionInterface.register(name, fn)
+        if AttentionMaskInterface._global_mapping.get(name) is not mask:
+            AttentionMaskInterface.register(name, mask)

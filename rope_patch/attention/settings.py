@@ -1,0 +1,11 @@
+"""Tunables of the attention functions, read at call time (so a test or a user can change them for one run)."""
+
+# Scores per query block in the blocked function (b × heads × block × keys). 2**22 fp32 = 16 MiB: at L = 16384 with
+# 4 heads a block is 64 queries, few enough blocks that the Python loop costs nothing next to the matmuls.
+BLOCK_ELEMENTS = 1 << 22
+FUSED_BLOCK: int | None = None  # query rows per block on the fused path; None: the scheme's choice
+# flex_attention through torch.compile (transformers' compiled singleton), as transformers' own flex backend does.
+# False runs flex eagerly: exact, but it materialises the scores (debugging / tests on CPU, where the compiled kernel
+# is refused at apply(): schemes/common.py).
+FLEX_COMPILE = True
+FLASH_DEVICES = ("cuda",)  # devices on which flash_attn's kernels run
