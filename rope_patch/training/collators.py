@@ -114,9 +114,10 @@ class PasskeyMixer:
     The mixed examples then go to `collator` (default `CausalLMCollator()`; chain `PoSECollator` for PoSE rows).
 
     `mix(example)` returns the example as training sees it; a passkey row carries a "passkey" field ({"answer",
-    "depth", "prompt_tokens", "needle_start", "needle_end"}) for inspection, which the collators ignore. The loss
-    treats every token alike: the recipe's `answer_loss_weight` needs per-token weights, which transformers' loss
-    does not take (raise `fraction` instead).
+    "depth", "prompt_tokens", "needle_start", "needle_end", "answer_start", "answer_end"}: token spans in the row)
+    for inspection, which the collators ignore. The model's own loss treats every token alike; to weigh the answer
+    tokens more (recipes/finetune_lora.py's `answer_loss_weight`) build per-token weights from
+    `answer_start:answer_end` and compute the loss yourself (a `Trainer.compute_loss` override, as the recipe does).
     """
 
     tokenizer: Any
@@ -160,7 +161,8 @@ class PasskeyMixer:
                              f"row of {n}: lower min_tokens.")
         ids += row[: n - len(ids)]
         info = {"answer": sample["answer"], "depth": sample["depth"], "prompt_tokens": length,
-                "needle_start": sample["needle_start"], "needle_end": sample["needle_end"]}
+                "needle_start": sample["needle_start"], "needle_end": sample["needle_end"],
+                "answer_start": length, "answer_end": length + len(sample["answer_ids"])}
         return {**example, "input_ids": torch.tensor(ids, dtype=torch.long), "passkey": info}
 
     def __call__(self, examples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
