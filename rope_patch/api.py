@@ -47,9 +47,17 @@ def _original(target: PatchSite) -> dict:
     return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": cfg.max_position_embeddings}
 
 
-def as_scheme(scheme: SchemeLike, **params: Any) -> Scheme:
+def as_scheme(scheme: SchemeLike | list | tuple, **params: Any) -> Scheme:
     """A `Scheme` from a name or spec string (`"yarn"`, `"yarn:4"`, `"self_extend:group_size=4,window_size=1024"`,
-    the grammar of the command line) plus keyword parameters, or a `Scheme` object as it is."""
+    the grammar of the command line) plus keyword parameters, or a `Scheme` object as it is. A list of those, or a
+    spec joined by `+` (`"yarn:4+logn"`), is a stack (schemes/stack.py); a list of one is that scheme."""
+    if isinstance(scheme, (list, tuple)) or (isinstance(scheme, str) and "+" in scheme and parse_spec(scheme)[0] == "stack"):
+        from .schemes.stack import Stack  # schemes import the API's foundation, not the other way round at load
+
+        if params:
+            raise TypeError(f"Pass each part's parameters in its own spec or Scheme when applying several schemes "
+                            f"(got keywords {sorted(params)} for {scheme!r}).")
+        return Stack.of(parse_spec(scheme)[1]["schemes"] if isinstance(scheme, str) else scheme)
     if isinstance(scheme, Scheme):
         if params:
             raise TypeError(f"Pass parameters either in the Scheme object or as keywords, not both (got {sorted(params)}).")

@@ -66,8 +66,11 @@ class PatchedRotaryForward:
                 )
         if self.update is not None:
             self.update(rotary, x, position_ids, args[0] if args else kwargs.get("layer_type"))
-        cos, sin = type(rotary).forward(rotary, x, position_ids, *args, **kwargs)
+        out = type(rotary).forward(rotary, x, position_ids, *args, **kwargs)
         self.seen = self._buffers_now()
+        if not isinstance(out, tuple):  # Llama 4: one complex tensor e^{i·m·θ}·attention_scaling, not (cos, sin)
+            return out.new_ones(()).expand_as(out) if self.identity else out
+        cos, sin = out
         if not self.identity:
             return cos, sin
         # broadcast views of one element: the identity costs no (L × d) tensors

@@ -5,6 +5,7 @@
     default:500000                       ... rope_theta for default, group_size for self_extend, see _POSITIONAL
     yarn:factor=8,beta_fast=16           name:key=value,... with transformers' rope_parameters keys
     longrope:short_factor=1/1.5/2        a `/`-separated value is a list
+    yarn:4+logn                          `+` stacks schemes (one frequency, one attention-side, modifiers)
 
 `parse_spec` gives (canonical name, params) without building anything; `parse_scheme_spec` builds the Scheme
 through the registry (the same class and the same validation as `apply()`). This module depends on the registry
@@ -13,6 +14,7 @@ only, so that `api` can import it.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from .registry import canonical_name, get_scheme_class
@@ -22,9 +24,12 @@ if TYPE_CHECKING:
 
 # The parameter that the bare VALUE of `name:VALUE` sets; every other scheme: `factor`.
 _POSITIONAL = {"default": "rope_theta", "p_rope": "partial_rotary_factor", "alibi": "max_bias",
-               "self_extend": "group_size", "rerope": "window_size", "leaky_rerope": "window_size", "string": "shift_size"}
+               "self_extend": "group_size", "rerope": "window_size", "leaky_rerope": "window_size", "string": "shift_size",
+               "logn": "kind"}
 
 _FORMS = "Specs look like `yarn`, `yarn:8` or `yarn:factor=8,beta_fast=16`."
+# `+` between two specs stacks them (yarn:4+logn); a `+` inside a number (default:1e+6) is followed by a digit.
+_JOIN = re.compile(r"\+(?=\s*[A-Za-z_])")
 
 
 def _value(text: str):
@@ -52,6 +57,13 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     """
     if not isinstance(spec, str):
         raise TypeError(f"A scheme spec must be a str such as 'yarn:8', got {type(spec).__name__} {spec!r}.")
+    parts = _JOIN.split(spec)
+    if len(parts) > 1:  # yarn:4+logn: a stack; each part is checked as a spec of its own
+        for part in parts:
+            if not part.strip():
+                raise ValueError(f"Scheme spec {spec!r} has an empty part around '+'. Stacks look like `yarn:4+logn`.")
+            parse_spec(part)
+        return "stack", {"schemes": [part.strip() for part in parts]}
     name, _, rest = spec.strip().partition(":")
     if not name.strip():
         raise ValueError(f"Scheme spec {spec!r} has no scheme name. {_FORMS}")
