@@ -8,6 +8,7 @@
 from . import schemes  # noqa: F401  (registers the built-in schemes)
 from ._version import __version__ as __version__
 from .api import apply, as_scheme, context_window, current, patched, remove
+from .lengths import LengthFix, fix_length, fixed_length
 from .persistence import from_pretrained, native_config, save_pretrained, to_rope_parameters
 from .registry import list_schemes, register_scheme
 from .schemes.base import Scheme
@@ -15,11 +16,14 @@ from .schemes.frequency import FrequencyScheme
 
 __all__ = [
     "FrequencyScheme",
+    "LengthFix",
     "Scheme",
     "apply",
     "as_scheme",
     "context_window",
     "current",
+    "fix_length",
+    "fixed_length",
     "from_pretrained",
     "list_schemes",
     "native_config",

@@ -3,10 +3,12 @@ thread count."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -15,7 +17,9 @@ import transformers
 
 from .. import resources
 from .._version import __version__
+from ..api import current
 from ..discovery import find_target
+from ..lengths import fix_length
 
 # Bytes of fp32 logits materialised at once when computing a loss (the full 16k x 49152 logits are 3.2 GB).
 LOGITS_BUDGET_BYTES = 256 << 20
@@ -106,6 +110,28 @@ def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# ---- length-dependent RoPE --------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def at_length(model, total_length: int) -> Iterator[None]:
+    """Run the block with a length-dependent RoPE (dynamic, dynamic_yarn, longrope) frozen at the frequencies of a
+    `total_length`-token forward (`rope_patch.fix_length`), whatever ran before; a no-op for every other scheme.
+
+    For generation pass prompt + new tokens: the prompt's cached keys and the generated tokens' queries then share
+    one set of frequencies (the one a full recompute of the final sequence uses) instead of mixing them in the KV
+    cache (transformers issue #25104). The fix that was there before (usually none) is put back afterwards. An
+    unpatched model whose own RoPE is dynamic NTK (a checkpoint that ships it) gets `prepare_rotary` instead."""
+    if current(model) is None:
+        prepare_rotary(model, total_length)
+        yield
+        return
+    fix = fix_length(model, total_length)
+    try:
+        yield
+    finally:
+        if fix.fixed or fix.previous is not None:
+            fix_length(model, fix.previous)
+
+
 # ---- dynamic RoPE -----------------------------------------------------------------------------------------------
 def _rotary(model):
     try:
@@ -116,7 +142,9 @@ def _rotary(model):
 
 def prepare_rotary(model, total_length: int) -> None:
     """Make a dynamic RoPE (transformers' `dynamic`, rope_patch's `dynamic`) independent of what ran before, with
-    the base of a `total_length`-token sequence; a no-op for every other scheme.
+    the base of a `total_length`-token sequence; a no-op for every other scheme. The evaluations use `at_length`
+    (`rope_patch.fix_length`, which also covers dynamic_yarn and longrope and holds the frequencies when a prompt
+    shorter than the window is decoded past it); this reset serves unpatched models and lm-eval's rolling loglikelihood.
 
     transformers' dynamic NTK grows its base with the longest sequence seen and never shrinks it while sequences
     stay beyond the window, so a 1024-token evaluation after a 2048-token one would silently use the 2048 base.

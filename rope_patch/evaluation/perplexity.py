@@ -9,8 +9,9 @@ perplexity at `length` is exp(mean NLL) over every predicted token of every wind
 Perplexity by position bucket inside the longest window shows *where* a scheme breaks down: a vanilla model is
 fine up to its training window and then diverges, a good extension scheme stays flat.
 
-Dynamic NTK: each window of `length` tokens is scored with the base for `length` (as the model would use for
-that whole sequence in one forward); see `common.prepare_rotary`.
+Length-dependent RoPE (dynamic NTK, dynamic YaRN, LongRoPE): each window of `length` tokens is scored with the
+frequencies of a `length`-token forward (as the model would use for that whole sequence in one forward, whatever
+ran before); see `common.at_length` / `rope_patch.fix_length`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .common import prepare_rotary, token_nll
+from .common import at_length, token_nll
 
 
 def default_buckets(longest: int, window: int | None) -> list[tuple[int, int]]:
@@ -52,12 +53,12 @@ def window_nll(model, token_ids: Sequence[int], length: int, n_tokens: int, *, t
                progress: Callable[[int], None] | None = None) -> torch.Tensor:
     """Per-token NLL [n_windows, length-1] over the windows of `length` tokens (see module docstring)."""
     ids = windows(token_ids, length, n_tokens).to(next(model.parameters()).device)
-    prepare_rotary(model, length)
     out = []
-    for batch in ids.split(batch_size_for(length, tokens_per_batch)):
-        out.append(token_nll(model, batch))
-        if progress is not None:
-            progress(batch.numel())
+    with at_length(model, length):
+        for batch in ids.split(batch_size_for(length, tokens_per_batch)):
+            out.append(token_nll(model, batch))
+            if progress is not None:
+                progress(batch.numel())
     return torch.cat(out)
 
 

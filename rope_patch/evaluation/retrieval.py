@@ -8,10 +8,11 @@ so a cell is one padding-free batch; decoding is greedy (argmax) with a KV cache
 tokens (the extra one catches "482130" for "48213"), and a sample is right when the first generated number is
 exactly the key (`passkey.score_passkey`).
 
-Dynamic NTK and the KV cache: the rotary is set, before the prefill, to the base of the final length
-(prompt + new tokens), so the cached prompt keys and the generated tokens' queries share one base - what a full
-recompute of the final sequence would use - instead of a cache that mixes bases (transformers #25104). See
-`common.prepare_rotary`.
+Length-dependent RoPE (dynamic NTK, dynamic YaRN, LongRoPE) and the KV cache: before the prefill the frequencies are
+frozen at those of the final length (prompt + new tokens) with `rope_patch.fix_length`, so the cached prompt keys and
+the generated tokens' queries share one set - what a full recompute of the final sequence would use - instead of a
+cache that mixes them (transformers #25104); `fixed_length=False` lets them follow the length (transformers'
+behaviour, or the scheme's `cache_rotation`). See `common.at_length`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .common import prepare_rotary
+from .common import at_length
 from .passkey import make_passkey_sample, score_passkey
 
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
@@ -38,11 +39,19 @@ def make_cell(tokenizer, filler_ids: Sequence[int], length: int, depth: float, n
 
 
 @torch.no_grad()
-def greedy_generate(model, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy continuation [batch, max_new_tokens] of equal-length prompts [batch, T], with a KV cache."""
+def greedy_generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, *, fixed_length: bool = True) -> torch.Tensor:
+    """Greedy continuation [batch, max_new_tokens] of equal-length prompts [batch, T], with a KV cache; with
+    `fixed_length` a length-dependent RoPE is frozen at the final length T + max_new_tokens (module docstring)."""
+    t = prompt_ids.shape[1]
+    if not fixed_length:
+        return _greedy(model, prompt_ids, max_new_tokens)
+    with at_length(model, t + max_new_tokens):
+        return _greedy(model, prompt_ids, max_new_tokens)
+
+
+def _greedy(model, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     b, t = prompt_ids.shape
     device = prompt_ids.device
-    prepare_rotary(model, t + max_new_tokens)
     mask = torch.ones(b, t, dtype=torch.long, device=device)
     out = model(input_ids=prompt_ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
     cache = out.cache
@@ -58,8 +67,9 @@ def greedy_generate(model, prompt_ids: torch.Tensor, max_new_tokens: int) -> tor
 @torch.no_grad()
 def evaluate_passkey(model, tokenizer, filler_ids: Sequence[int], lengths: Sequence[int],
                      depths: Sequence[float] = DEFAULT_DEPTHS, n_samples: int = 4, seed: int = 0,
-                     max_batch: int = 16, progress: Callable[[int], None] | None = None) -> list[dict]:
-    """Accuracy per (length, depth) cell.
+                     max_batch: int = 16, progress: Callable[[int], None] | None = None,
+                     fixed_length: bool = True) -> list[dict]:
+    """Accuracy per (length, depth) cell (`fixed_length`: see `greedy_generate`).
 
     Returns one record per cell: {"length", "depth", "n", "correct", "accuracy", "answers", "outputs"} with the
     keys and the decoded generations (for inspection), in the order lengths x depths.
@@ -74,7 +84,8 @@ def evaluate_passkey(model, tokenizer, filler_ids: Sequence[int], lengths: Seque
             for i in range(0, len(samples), max_batch):
                 chunk = samples[i : i + max_batch]
                 ids = torch.tensor([s["prompt_ids"] for s in chunk], dtype=torch.long, device=device)
-                gen = greedy_generate(model, ids, new)
+                gen = (greedy_generate(model, ids, new) if fixed_length
+                       else greedy_generate(model, ids, new, fixed_length=False))
                 outputs += [tokenizer.decode(g.tolist(), skip_special_tokens=True) for g in gen]
                 if progress is not None:
                     progress(len(chunk))

@@ -27,6 +27,8 @@ from ..rotary import PatchedRotaryForward
 from ..discovery import RopeContext, PatchSite
 from ..undo import UndoLog
 from .base import Install, Scheme
+from .cached import cache_rotation as _cache_rotation
+from .cached import prepare as _prepare_consistent
 
 # Keys of the unpatched rope_parameters that describe the model rather than a scaling scheme: kept under a patch.
 _MODEL_KEYS = ("partial_rotary_factor",)
@@ -132,6 +134,8 @@ class FrequencyScheme(Scheme):
         device = next(iter(target.rotary.buffers())).device
         buffers, scalings = {}, {}
         update = self.rotary_update(target, shadow)
+        # cache_rotation="consistent" (dynamic, dynamic_yarn, longrope): keys cached un-rotated, rotated in attention
+        consistent = _prepare_consistent(self.name, target) if getattr(self, "cache_rotation", None) else None
         for lt, ctx in contexts.items():
             if update is not None:  # the frequencies at ℓ ≤ L, i.e. before the first forward
                 inv_freq, scaling = update.start[lt]
@@ -165,7 +169,10 @@ class FrequencyScheme(Scheme):
                 if lt:
                     log.setattr(rot, f"{prefix}attention_scaling", scalings[lt])
                     log.setattr(rot, f"{prefix}max_seq_len_cached", shadow.max_position_embeddings)
-            log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False, update=update))
+            if consistent is not None:
+                consistent(log, masters, update)
+            else:
+                log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False, update=update))
 
         return install
 
@@ -344,17 +351,23 @@ class _Windowed(FrequencyScheme):
 class Dynamic(_Windowed):
     """Dynamic NTK (emozilla 2023, r/LocalLLaMA; YaRN paper §3.3): for current length ℓ > L,
     b′ = b·(s·ℓ/L − (s−1))^(d/(d−2)); unchanged for ℓ ≤ L. Frequencies follow the longest sequence seen, so keys
-    already in a KV cache keep the base they were rotated with (transformers issue #25104); see README."""
+    already in a KV cache keep the base they were rotated with (transformers issue #25104); see README.
+    `cache_rotation="consistent"` caches keys un-rotated and rotates them with each step's base instead
+    (schemes/cached.py)."""
 
     name = "dynamic"
     aliases = ("dynamic_ntk", "ntk_dynamic")
     factor: float | None = None
     original_max_position_embeddings: int | None = None
+    # "native" (None): transformers' behaviour, cached keys keep the rotation of the step that wrote them (#25104);
+    # "consistent": keys cached un-rotated, q and every cached key rotated with each step's frequencies (cached.py)
+    cache_rotation: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
         self._set("factor", _factor(self.name, self.factor))
         self._set("original_max_position_embeddings", _original(self.name, self.original_max_position_embeddings))
+        self._set("cache_rotation", _cache_rotation(self.name, self.cache_rotation))
 
     def rope_parameters(self, ctx):
         return self._params(ctx, "dynamic", factor=self.factor)
@@ -492,11 +505,20 @@ class DynamicYarn(Yarn):
     transformers' `dynamic` (issue #25104). While s does not change during a generation (every length ≤ L, or the
     prompt already ≥ factor·L) cached decoding equals recomputation. When the sequence grows across L (or between
     L and factor·L), each decoding step rotates its query with the current s against keys rotated with earlier ones,
-    while recomputation re-rotates every key with the current s: logits differ (and greedy tokens can)."""
+    while recomputation re-rotates every key with the current s: logits differ (and greedy tokens can).
+    `cache_rotation="consistent"` caches keys un-rotated and rotates them with the current s at every step
+    (schemes/cached.py); `rope_patch.fix_length(model, N)` freezes s at s(N) before the prefill."""
 
     name = "dynamic_yarn"
     aliases = ("yarn_dynamic", "dynamic-yarn")
     native = False
+    # "native" (None): transformers' behaviour, cached keys keep the rotation of the step that wrote them (#25104);
+    # "consistent": keys cached un-rotated, q and every cached key rotated with each step's frequencies (cached.py)
+    cache_rotation: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._set("cache_rotation", _cache_rotation(self.name, self.cache_rotation))
 
     def init_window(self, ctx):
         return self.window(ctx)
@@ -522,7 +544,8 @@ class DynamicYarn(Yarn):
         s = 1.0 if seq_len is None else min(self.factor, max(1.0, seq_len / self.original_max_position_embeddings))
         if s == 1.0:
             return Default(rope_theta=self.rope_theta).inv_freq(ctx, rotary_cls)
-        return Yarn(**{**self.params(), "factor": s}).inv_freq(ctx, rotary_cls)
+        yarn = {k: v for k, v in self.params().items() if k != "cache_rotation"}
+        return Yarn(**{**yarn, "factor": s}).inv_freq(ctx, rotary_cls)
 
 
 @register_scheme
@@ -568,6 +591,9 @@ class LongRope(_Windowed):
     factor: float | None = None
     original_max_position_embeddings: int | None = None
     attention_factor: float | None = None
+    # "native" (None): transformers' behaviour, cached keys keep the rotation of the step that wrote them (#25104);
+    # "consistent": keys cached un-rotated, q and every cached key rotated with each step's frequencies (cached.py)
+    cache_rotation: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -582,6 +608,7 @@ class LongRope(_Windowed):
         self._set("original_max_position_embeddings", _original(
             n, self.original_max_position_embeddings, ge=2, why=" LongRoPE's attention factor divides by ln L."))
         self._set("attention_factor", _attention_factor(n, self.attention_factor))
+        self._set("cache_rotation", _cache_rotation(n, self.cache_rotation))
 
     def resolve(self, target):
         resolved = super().resolve(target)

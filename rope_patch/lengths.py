@@ -1,0 +1,201 @@
+"""`fix_length(model, N)`: freeze a length-dependent RoPE at the frequencies of a known final length N.
+
+Three schemes change their frequencies with the current sequence length ℓ = max(position_ids) + 1:
+
+    dynamic       dynamic NTK (emozilla 2023): b′ = b·(s·ℓ/L − (s−1))^(d/(d−2)) for ℓ > L, b for ℓ ≤ L
+    dynamic_yarn  YaRN with s(ℓ) = min(factor, max(1, ℓ/L)) (YaRN §3.3 dynamic scaling)
+    longrope      LongRoPE (Ding et al. 2024): `short_factor` for ℓ ≤ L, `long_factor` for ℓ > L
+
+so a prompt prefilled at ℓ = n and decoded to N runs under up to N − n + 1 different sets of frequencies, and the
+KV cache mixes them (transformers #25104). When the final length N is known before the prefill (an evaluation that
+generates a fixed number of tokens, a batch of documents of one length), `fix_length(model, N)` installs the
+frequencies (and cos/sin scale) that a fresh length-N forward uses and stops them from following ℓ: every forward
+then runs with them, so a prefill of n ≤ N tokens gives exactly the first n positions of a length-N forward, and
+cached decoding up to N equals full recomputation at length N.
+
+How: the frozen frequencies are computed the way the model's own update would compute them for ℓ = N (transformers'
+ROPE_INIT_FUNCTIONS with `seq_len` for dynamic NTK and LongRoPE's long set, the `YarnLengthUpdate` for dynamic YaRN),
+then put on the rotary module through the patch's undo log: the `inv_freq` buffer (fp32, kept fp32 across casts by
+the patched rotary forward), the cos/sin scale, `rope_type` = "default" (so transformers' `dynamic_rope_update`
+leaves the buffers alone) and a copy of the patched rotary forward without its length update. `fix_length(model,
+None)` takes exactly those records back out; `rope_patch.remove(model)` undoes them with the rest of the patch
+(bit-identical logits); applying another scheme drops the fix with the old patch.
+
+A fresh length-N forward means one with no history: transformers' dynamic NTK never shrinks its base while
+sequences stay at or beyond L, so after a longer input its own frequencies for ℓ = N depend on what ran before; the
+frozen ones do not.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from . import validation as check
+from .api import _state, current
+from .discovery import find_target
+from .rotary import PatchedRotaryForward
+
+FIX = "_length_fix"  # attribute of the PatchState: (N, index of the fix's first record)
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthFix:
+    """What `fix_length` did: `fixed` (also the truth value) says whether frequencies were frozen, `length` the N they
+    are frozen at (None: not fixed), `previous` the N of the fix it replaced (None: there was none), `reason` why in
+    one line."""
+
+    length: int | None
+    fixed: bool
+    reason: str
+    previous: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.fixed
+
+
+def fixed_length(model) -> int | None:
+    """The N the model's frequencies are frozen at by `fix_length`, or None."""
+    state = _state(find_target(model))
+    fix = getattr(state, FIX, None) if state is not None else None
+    return None if fix is None else fix[0]
+
+
+def length_dependent(model) -> list[str]:
+    """The layer types ("" for a model with one rotary) whose frequencies follow the sequence length now."""
+    rotary = find_target(model).rotary
+    update = getattr(vars(rotary).get("forward"), "update", None)
+    return [lt or "" for lt, rt in _rope_types(rotary).items() if update is not None or _varies(rt)]
+
+
+def fix_length(model, length: int | None) -> LengthFix:
+    """Freeze the frequencies of a length-dependent scheme (`dynamic`, `dynamic_yarn`, `longrope`, also under
+    `cache_rotation="consistent"`) at those of a fresh `length`-token forward, before the prefill; returns a
+    `LengthFix`. `length=None` releases a fix (the frequencies follow the length again, as before the fix).
+
+    With the fix, a prefill of n ≤ N tokens equals the first n positions of a length-N forward, and cached decoding
+    to N equals recomputation at N. Longer inputs also run with the frozen frequencies (they are not rescaled for
+    their length). Reversible: `fix_length(model, None)` or `rope_patch.remove(model)` restore the model bit for bit;
+    a second `fix_length` replaces the first. For schemes whose frequencies do not depend on the length (every
+    other scheme, and an unpatched model with static RoPE) it changes nothing and says so (`fixed` False, `reason`).
+
+    Raises ValueError for N < 1 (TypeError for a non-integer) and for an unpatched model whose own RoPE depends on
+    the length (a checkpoint that ships `dynamic` or `longrope`): the fix is recorded in a patch's undo log, so apply
+    that scheme with rope_patch.apply first. The model is untouched on error.
+    """
+    if length is not None:
+        length = check.integer("fix_length", "length", length, ge=1, le=check.POSITIONS_MAX,
+                               hint="It is the final sequence length N (prompt + new tokens) the frequencies are "
+                                    "frozen for; pass None to release a fix.")
+    target = find_target(model)
+    state = _state(target)
+    rotary = target.rotary
+    if state is None:
+        varying = [lt or "" for lt, rt in _rope_types(rotary).items() if _varies(rt)]
+        if varying and length is not None:
+            rope_type = rotary.rope_type
+            raise ValueError(
+                f"fix_length: this unpatched model's own RoPE (rope_type {rope_type!r}) depends on the sequence length, "
+                "and fix_length records its change in a rope_patch patch's undo log, which an unpatched model does "
+                "not carry. Apply the scheme explicitly first (e.g. rope_patch.apply(model, 'dynamic', factor=...) "
+                "or rope_patch.apply(model, 'longrope', short_factor=..., long_factor=...)), then call fix_length."
+            )
+        return LengthFix(None, False, "the model is not patched and its RoPE does not depend on the sequence length: "
+                                      "nothing to fix")
+    previous = _release(state)
+    name = current(model).name
+    if length is None:
+        return LengthFix(None, False, f"released the fix at {previous}" if previous is not None else "nothing was fixed",
+                         previous)
+    forward = vars(rotary).get("forward")
+    update = getattr(forward, "update", None)
+    rope_types = _rope_types(rotary)
+    varying = [lt for lt, rt in rope_types.items() if update is not None or _varies(rt)]
+    if not varying or not isinstance(forward, PatchedRotaryForward):
+        return LengthFix(None, False, f"{name}'s frequencies do not depend on the sequence length: nothing to fix",
+                         previous)
+
+    try:  # nothing touched yet (a fix this one replaces comes back on error)
+        frozen = {lt: _frequencies_at(rotary, update, lt, rope_types[lt], length) for lt in varying}
+    except BaseException:
+        if previous is not None:
+            fix_length(model, previous)
+        raise
+    start = len(state.records)
+    try:
+        masters = dict(forward.masters)
+        for lt, (inv_freq, scaling) in frozen.items():
+            prefix = f"{lt}_" if lt else ""
+            state.set_buffer(rotary, f"{prefix}inv_freq", inv_freq)
+            state.setattr(rotary, f"{prefix}attention_scaling", scaling)
+            if f"{prefix}inv_freq" in masters:
+                masters[f"{prefix}inv_freq"] = inv_freq
+        new_types = {lt: ("default" if lt in frozen else rt) for lt, rt in rope_types.items()}
+        state.setattr(rotary, "rope_type", new_types if isinstance(rotary.rope_type, dict) else new_types[None])
+        fixed = copy.copy(forward)  # every setting of the patched forward kept, without the length update
+        fixed.masters, fixed.update = masters, None
+        fixed.seen = fixed._buffers_now()
+        state.setattr(rotary, "forward", fixed)
+    except BaseException:
+        _undo_from(state, start)
+        raise
+    setattr(state, FIX, (length, start))
+    kinds = "" if varying == [None] else f" (layer types {', '.join(varying)})"
+    return LengthFix(length, True, f"{name}: frequencies frozen at those of a {length}-token forward{kinds}", previous)
+
+
+def _rope_types(rotary) -> dict:
+    rope_type = rotary.rope_type
+    return dict(rope_type) if isinstance(rope_type, dict) else {None: rope_type}
+
+
+def _varies(rope_type: str) -> bool:
+    """transformers' `dynamic_rope_update` rule: the substring "dynamic", or "longrope"."""
+    return "dynamic" in str(rope_type) or rope_type == "longrope"
+
+
+def _frequencies_at(rotary, update, layer_type, rope_type: str, length: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq fp32, cos/sin scale) of a fresh forward over `length` tokens, as the model's own update computes them
+    (transformers 5.x `dynamic_rope_update`; rope_patch's `YarnLengthUpdate`)."""
+    prefix = f"{layer_type}_" if layer_type else ""
+    device = rotary._buffers[f"{prefix}inv_freq"].device
+    kw = {"layer_type": layer_type} if layer_type else {}
+    scaling = float(getattr(rotary, f"{prefix}attention_scaling"))
+    if update is not None:  # dynamic_yarn: s = min(cap, max(1, N/L)), exactly as one forward at ℓ = N sets it
+        inv_freq, scaling = update.frequencies(update.scale(torch.tensor([[length - 1]])), layer_type)
+    elif "dynamic" in rope_type:
+        # growth past the window: the init function with seq_len = max(position_ids) + 1 (a 0-d int64 tensor, as in
+        # the forward); at or below it the unscaled start frequencies
+        seq = {"seq_len": torch.tensor(length, dtype=torch.int64, device=device)} if length > rotary.original_max_seq_len else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](rotary.config, device, **seq, **kw)
+    else:  # longrope: the long set beyond original_max_position_embeddings, else the short one (the start buffer)
+        params = rotary.config.rope_parameters[layer_type] if layer_type else rotary.config.rope_parameters
+        original = params["original_max_position_embeddings"]
+        if length > original:
+            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](rotary.config, device, seq_len=original + 1, **kw)
+        else:
+            inv_freq = getattr(rotary, f"{prefix}original_inv_freq")
+    return inv_freq.float().to(device, copy=True), float(scaling)
+
+
+def _release(state) -> int | None:
+    fix = getattr(state, FIX, None)
+    if fix is None:
+        return None
+    _undo_from(state, fix[1])
+    setattr(state, FIX, None)
+    return fix[0]
+
+
+def _undo_from(state, start: int) -> None:
+    """Undo and drop the records from `start` on (the fix's), and the tensors they saved in the log."""
+    records = state.records[start:]
+    for record in reversed(records):
+        record.undo(state)
+        saved = getattr(record, "saved", None)
+        if saved is not None:
+            state._buffers.pop(saved, None)
+    del state.records[start:]
