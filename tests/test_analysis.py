@@ -438,27 +438,54 @@ def test_spec_parsing_positional_values_aliases_and_labels():
     assert A.as_spec("leaky_rerope:window_size=64,factor=8").label == "leaky_rerope (W=64, k=8)"
 
 
-def test_attention_schemes_work_before_they_are_registered(monkeypatch):
-    """Analysis handles the attention schemes by name + params, registered or not."""
-    registered = A.effective_distance("self_extend:group_size=4,window_size=64", range(300))
-    monkeypatch.setattr(A, "list_schemes", lambda: ["default", "yarn"])
-    monkeypatch.setattr(A, "_aliases", dict)
-    spec = A.as_spec("self_extend:group_size=4,window_size=64")
-    assert spec.scheme is None and spec.name == "self_extend"
-    assert torch.equal(A.effective_distance(spec, range(300)), registered)
-    assert A.leaky_rerope_distance([1000], 512, 16).item() == A.effective_distance("leaky_rerope:window_size=512,k=16", [1000]).item()
+def _string_reference(d, S, W):
+    return [x if x < S else x - S + W for x in d]
+
+
+def _dca_reference(i, j, chunk, local):
+    """Written from the paper's three cases (An et al. 2024, §3) with the authors' code's positions."""
+    c = chunk - local
+    gap = i // c - j // c
+    q = i % c if gap == 0 else (min(i % c + c, chunk) if gap == 1 else min(2 * c - 1, chunk))
+    return q - j % c
+
+
+def test_distances_come_from_the_schemes_and_match_their_formulas():
+    d = list(range(300))
+    assert A.string_distance(d, 100, 16).tolist() == _string_reference(d, 100, 16)
+    assert A.effective_distance("string:shift_size=100,window_size=16", d).tolist() == _string_reference(d, 100, 16)
+    i = 299
+    got = A.dca_distance(d, 96, 16, query_position=i).tolist()
+    assert got == [_dca_reference(i, i - x, 96, 16) for x in d]
+    assert max(got) <= 96 and min(got) >= 0
+    assert A.leaky_rerope_distance([1000], 512, 16).item() == A.effective_distance("leaky_rerope:window_size=512,factor=16", [1000]).item()
     with pytest.raises(TypeError, match="unknown parameter 'group_sise'. Did you mean 'group_size'"):
         A.as_spec("self_extend:window_size=5,group_sise=3")
     with pytest.raises(TypeError, match="missing required parameter `window_size`"):
         A.effective_distance("rerope", [3])
+    with pytest.raises(TypeError, match="dca: needs the original training window L"):
+        A.frequencies("dca", head_dim=64)
+    assert A.frequencies("dca", head_dim=64, max_position_embeddings=256).rotates
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Bad input → clear errors
 @dataclasses.dataclass(frozen=True)
 class _Mystery(Scheme):
+    """A user's own attention scheme: the analysis reads what it declares (no registry of its own)."""
+
     name = "mystery_analysis_test"
     kind = "attention"
+    keeps_rotation = False
+
+    def relative_position(self, i, j):
+        return (i - j) // 2
+
+
+def test_a_user_scheme_is_analysed_through_what_it_declares():
+    f = A.frequencies(_Mystery(), 64)
+    assert not f.rotates and bool((f.inv_freq == 0).all())
+    assert A.effective_distance(_Mystery(), [0, 1, 5, 8]).tolist() == [0, 0, 2, 4]
 
 
 ERRORS = [
@@ -489,7 +516,6 @@ ERRORS = [
     (lambda: A.alibi_slopes(0), ValueError, "num_heads"),
     (lambda: A.leaky_rerope_distance([1], 8, 0.5), ValueError, "factor"),
     (lambda: A.self_extend_distance([5], 4, 16, query_position=3), ValueError, "query_position"),
-    (lambda: A.frequencies(_Mystery(), 64), ValueError, "cannot tell what 'mystery_analysis_test' does"),
     (lambda: A.frequencies("default", model=object()), TypeError, "expects a transformers PreTrainedModel"),
 ]
 

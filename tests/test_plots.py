@@ -9,6 +9,7 @@ import pytest
 
 from rope_patch import plots
 from rope_patch.cli import main
+from rope_patch.evaluation.results import read_results
 
 ROPE = dict(head_dim=32, rope_theta=10000.0, max_position_embeddings=256)
 SCHEMES = ["default", "yarn:4", "linear:4", "dynamic:4"]
@@ -110,7 +111,7 @@ COMPARE = {
 def test_read_compare_json(tmp_path):
     path = tmp_path / "compare.json"
     path.write_text(json.dumps(COMPARE))
-    res = plots.read_results(path)
+    res = read_results(path)
     assert res["window"] == 256 and res["name"] == "tiny"
     assert res["schemes"] == [("default", "default"), ("yarn:8", "yarn×8")]
     assert res["records"][1]["perplexity"] == float("inf")
@@ -132,7 +133,7 @@ TOLERANT = [
 def test_read_results_is_tolerant(tmp_path, data):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(data))
-    res = plots.read_results(path)
+    res = read_results(path)
     assert res["records"] and res["schemes"]
     fig = plots.results(res)
     assert all(ax.get_xlabel() and ax.get_ylabel() for ax in fig.axes)
@@ -144,7 +145,7 @@ def test_read_jsonl_and_buckets_list(tmp_path):
             {"scheme": "yarn:8", "length": 1024, "perplexity": 32.0}]
     path = tmp_path / "sweep.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    res = plots.read_results(path)
+    res = read_results(path)
     assert [r["length"] for r in res["records"]] == [512, 1024] and len(res["buckets"]) == 2
 
 
@@ -159,13 +160,13 @@ def test_results_figure_panels_and_window():
 
 def test_results_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        plots.read_results(tmp_path / "missing.json")
+        read_results(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="neither JSON nor JSON Lines"):
-        plots.read_results(bad)
+        read_results(bad)
     with pytest.raises(ValueError, match="no records"):
-        plots.read_results([{"perplexity": 3}])
+        read_results([{"perplexity": 3}])
 
 
 # ------------------------------------------------------------------------------------------------------------------

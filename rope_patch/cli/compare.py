@@ -10,20 +10,11 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .. import plots
 from .. import zoo as models
 from ..evaluation.common import auto_threads, read_tokens
-from ..evaluation.compare import (
-    DEFAULT_LENGTHS,
-    DEFAULT_SCHEMES,
-    check_writable,
-    load_results,
-    parse_schemes,
-    resumed_units,
-    rich_table,
-    run_compare,
-    work_units,
-    write_results,
-)
+from ..evaluation.compare import DEFAULT_LENGTHS, DEFAULT_SCHEMES, parse_schemes, resumed_units, run_compare, work_units
+from ..evaluation.results import check_writable, load_results, rich_table, write_results
 from ..evaluation.retrieval import DEFAULT_DEPTHS
 from .args import count, fraction, positive
 
@@ -92,7 +83,7 @@ def run(args) -> int:
                  if (out / "compare.json").exists() else "No scheme had finished; nothing was written.")
 
     def save(partial: dict) -> None:
-        write_results(partial, out, plots=False)
+        write_results(partial, out)
         pending = partial["pending"]
         finished = [s for s in partial["schemes"] if s["spec"] not in pending]
         args.kept = (f"Kept {len(finished)} finished scheme(s) in {out / 'compare.json'}"
@@ -108,7 +99,9 @@ def run(args) -> int:
             progress=lambda n, label: bar.update(task, advance=n, description=label),
             resume=previous, on_scheme=save)
     Console().print(rich_table(result))
-    paths = write_results(result, out, plots=not args.no_plots)
+    paths = write_results(result, out)
+    if not args.no_plots:
+        paths.update(plots.write_figures(result, out))
     args.kept = None
     console.print(f"{result['elapsed_s']['total']:.0f} s. Wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

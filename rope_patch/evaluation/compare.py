@@ -36,11 +36,7 @@ and evaluates only the scheme x length cells that are missing (`run_compare(...,
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import json
-import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,14 +44,13 @@ from pathlib import Path
 import torch
 
 from ..api import original_config
-from ..files import write_text_atomic
-from ..specs import parse_scheme_spec, scheme_label
 from ..discovery import find_target
+from ..specs import parse_scheme_spec, scheme_label
 from .common import read_tokens, versions
 from .perplexity import evaluate_perplexity, perplexity_work
+from .results import FORMAT, json_safe
 from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell
 
-FORMAT = "rope_patch.compare/1"
 DEFAULT_SCHEMES = ("default", "linear:4", "ntk:8", "dynamic:4", "yarn:8", "llama3:8")
 # The model as loaded, no patch: the baseline row. Added first on a checkpoint that ships with scaling (Llama 3.x
 # `llama3`, Qwen/gpt-oss `yarn`, Phi-3 `longrope`), where `default` is unscaled RoPE, not the model people run.
@@ -150,7 +145,7 @@ def _reusable(previous: dict | None, spec: str, params: dict) -> dict:
     if not previous:
         return cells
     old = next((s for s in previous.get("schemes", []) if s["spec"] == spec), None)
-    if old is None or old.get("params") != json.loads(json.dumps(_clean(params))):
+    if old is None or old.get("params") != json.loads(json.dumps(json_safe(params))):
         return cells
     for r in previous.get("records", []):
         if r["scheme"] == spec and r.get("n_windows"):
@@ -339,243 +334,3 @@ def resumed_units(resume: dict | None, specs: Sequence[str], token_count: int, l
         total += sum((min(n, token_count) // L) * L for L in set(lengths) if (spec, L) in ppl)
         total += sum(L * len(depths) * passkey_samples for L in set(passkey_lengths) if (spec, L) in pk)
     return total
-
-
-# ---- writing results ---------------------------------------------------------------------------------------------
-def _clean(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
-def load_results(path: str | Path) -> dict:
-    """Read a compare.json back (string "inf"/"nan" perplexities become floats)."""
-    data = json.loads(Path(path).read_text())
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a rope-patch compare result (format {data.get('format')!r}, expected {FORMAT!r}).")
-    for key in ("records", "buckets", "passkey"):
-        for row in data.get(key, []):
-            for k in ("perplexity", "nll", "accuracy", "passkey_accuracy"):
-                if isinstance(row.get(k), str):
-                    row[k] = float(row[k])
-    return data
-
-
-def _fmt_ppl(x) -> str:
-    if x is None:
-        return "-"
-    if not math.isfinite(x):
-        return "inf"
-    return f"{x:.1f}" if x < 1000 else f"{x:.3g}"
-
-
-def _fmt_acc(x) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
-
-
-def _lengths(result) -> list[int]:
-    return sorted({r["length"] for r in result["records"]})
-
-
-def _cell(result, spec, length):
-    for r in result["records"]:
-        if r["scheme"] == spec and r["length"] == length:
-            return r
-    return None
-
-
-def markdown_table(result: dict) -> str:
-    """Markdown: perplexity / passkey accuracy per scheme x length, then perplexity by position bucket."""
-    lengths = _lengths(result)
-    m, s = result["model"], result["settings"]
-    lines = [
-        f"Model `{m['name']}` (window {m['window']}); perplexity on {s['ppl_tokens']} held-out tokens per length; "
-        f"passkey: {s['passkey_samples']} samples x depths {', '.join(f'{d:g}' for d in s['depths'])} per length, "
-        f"seed {s['seed']}.",
-        "",
-        "| scheme | " + " | ".join(f"{L}" for L in lengths) + " |",
-        "| --- | " + " | ".join("---:" for _ in lengths) + " |",
-    ]
-    for sch in result["schemes"]:
-        cells = []
-        for L in lengths:
-            r = _cell(result, sch["spec"], L)
-            cells.append("-" if r is None else f"{_fmt_ppl(r['perplexity'])} / {_fmt_acc(r['passkey_accuracy'])}")
-        lines.append(f"| {sch['label']} | " + " | ".join(cells) + " |")
-    lines += ["", "Cells: perplexity / passkey accuracy."]
-    if result["buckets"]:
-        spans = []
-        for b in result["buckets"]:
-            if (b["start"], b["end"]) not in spans:
-                spans.append((b["start"], b["end"]))
-        longest = result["buckets"][0]["length"]
-        lines += ["", f"Perplexity by position inside the {longest}-token windows:", "",
-                  "| scheme | " + " | ".join(f"{a}-{b}" for a, b in spans) + " |",
-                  "| --- | " + " | ".join("---:" for _ in spans) + " |"]
-        for sch in result["schemes"]:
-            by = {(b["start"], b["end"]): b for b in result["buckets"] if b["scheme"] == sch["spec"]}
-            lines.append(f"| {sch['label']} | " + " | ".join(_fmt_ppl(by[sp]["perplexity"]) if sp in by else "-"
-                                                           for sp in spans) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_json(result: dict, path: str | Path) -> None:
-    write_text_atomic(path, json.dumps(_clean(result), indent=1) + "\n")
-
-
-def check_writable(out_dir: str | Path) -> Path:
-    """Create `out_dir` and write and remove a probe file there, so that an unwritable --out fails before any
-    evaluation runs. Raises OSError with a message that names the folder."""
-    out = Path(out_dir)
-    probe = out / f".rope-patch-write-test-{os.getpid()}"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok\n")
-        probe.unlink()
-    except OSError as err:
-        raise OSError(f"cannot write results to --out {str(out)!r} ({err.strerror or err}); choose another folder "
-                      "or fix its permissions. Nothing has been evaluated yet.") from None
-    return out
-
-
-def write_csv(result: dict, path: str | Path) -> None:
-    cols = ["scheme", "label", "name", "params", "length", "perplexity", "nll", "n_windows", "n_tokens",
-            "passkey_accuracy", "passkey_n"]
-    params = {s["spec"]: json.dumps(s["params"], sort_keys=True) for s in result["schemes"]}
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols)
-    w.writeheader()
-    for r in result["records"]:
-        w.writerow({**{k: r.get(k) for k in cols}, "params": params[r["scheme"]]})
-    write_text_atomic(path, buf.getvalue())
-
-
-def plot_perplexity(result: dict, path: str | Path) -> None:
-    """Perplexity vs. length (log-log), one line per scheme; the training window as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for sch in result["schemes"]:
-        rows = [r for r in result["records"] if r["scheme"] == sch["spec"] and r["perplexity"] is not None]
-        xs = [r["length"] for r in rows]
-        ys = [min(r["perplexity"], 1e6) for r in rows]
-        ax.plot(xs, ys, marker="o", label=sch["label"])
-    window = result["model"].get("window")
-    if window:
-        ax.axvline(window, color="grey", linestyle="--", linewidth=1)
-        ax.text(window, ax.get_ylim()[1], " training window", color="grey", va="top", fontsize=8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(_lengths(result))
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    lo, hi = ax.get_ylim()
-    if hi / lo < 10:  # under a decade a log axis shows one labelled tick or none: use evenly spaced ones
-        ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=8))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("perplexity (held-out)")
-    ax.set_title(f"Perplexity vs. length - {result['model']['name']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_passkey(result: dict, path: str | Path) -> None:
-    """Passkey accuracy heatmaps, one panel per scheme: rows = needle depth, columns = prompt length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    schemes = result["schemes"]
-    lengths = sorted({p["length"] for p in result["passkey"]})
-    depths = sorted({p["depth"] for p in result["passkey"]})
-    n = len(schemes)
-    cols = min(n, 3)
-    rows = math.ceil(n / cols) if n else 1
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 0.8, 2.6 * rows + 0.6), squeeze=False,
-                             constrained_layout=True)
-    im = None
-    for k, sch in enumerate(schemes):
-        ax = axes[k // cols][k % cols]
-        grid = np.full((len(depths), len(lengths)), np.nan)
-        for p in result["passkey"]:
-            if p["scheme"] == sch["spec"]:
-                grid[depths.index(p["depth"]), lengths.index(p["length"])] = p["accuracy"]
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        for i in range(len(depths)):
-            for j in range(len(lengths)):
-                if not np.isnan(grid[i, j]):
-                    ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], fontsize=7)
-        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-        ax.set_title(sch["label"], fontsize=9)
-        if k % cols == 0:
-            ax.set_ylabel("needle depth")
-        if k // cols == rows - 1:
-            ax.set_xlabel("length (tokens)")
-    for k in range(n, rows * cols):
-        axes[k // cols][k % cols].axis("off")
-    if im is not None:
-        fig.colorbar(im, ax=axes, shrink=0.8, label="passkey accuracy")
-    fig.suptitle(f"Passkey retrieval - {result['model']['name']}", fontsize=10)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
-def write_results(result: dict, out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
-    """compare.json, compare.csv, compare.md, perplexity.png, passkey.png in `out_dir`; returns {kind: path}."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "compare.json", "csv": out / "compare.csv", "markdown": out / "compare.md"}
-    write_json(result, paths["json"])
-    write_csv(result, paths["csv"])
-    write_text_atomic(paths["markdown"], markdown_table(result))
-    if plots:
-        paths["perplexity_plot"] = out / "perplexity.png"
-        plot_perplexity(result, paths["perplexity_plot"])
-        if result["passkey"]:
-            paths["passkey_plot"] = out / "passkey.png"
-            plot_passkey(result, paths["passkey_plot"])
-    return paths
-
-
-def rich_table(result: dict):
-    """A rich Table: one row per scheme, one column per length, cells "perplexity  accuracy"."""
-    from rich.table import Table
-
-    lengths = _lengths(result)
-    window = result["model"].get("window")
-    table = Table(title=f"rope-patch compare - {result['model']['name']} (window {window}): perplexity / passkey")
-    table.add_column("scheme")
-    for L in lengths:
-        table.add_column(f"{L}" + (" *" if window and L > window else ""), justify="right")
-    base = {r["length"]: r["perplexity"] for r in result["records"] if r["scheme"] == result["schemes"][0]["spec"]}
-    ref = min((v for v in base.values() if v), default=None)
-    for sch in result["schemes"]:
-        cells = []
-        for L in lengths:
-            r = _cell(result, sch["spec"], L)
-            if r is None:
-                cells.append("-")
-                continue
-            p, a = r["perplexity"], r["passkey_accuracy"]
-            style = ""
-            if ref and p is not None:
-                style = "green" if p <= 1.2 * ref else ("yellow" if p <= 2 * ref else "red")
-            ptxt = f"[{style}]{_fmt_ppl(p)}[/]" if style else _fmt_ppl(p)
-            cells.append(f"{ptxt}  {_fmt_acc(a)}")
-        table.add_row(sch["label"], *cells)
-    table.caption = "* beyond the training window; colour: perplexity relative to the first scheme's best"
-    return table

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .. import validation as check
-from ..registry import register_scheme
 from ..discovery import PatchSite
+from ..registry import register_scheme
 from ..undo import UndoLog
 from .common import AttentionScheme, cache_arg, decoder, sinusoid
 
@@ -27,6 +27,7 @@ class NoPE(AttentionScheme):
     Information", arXiv:2203.16634; Kazemnejad et al. 2023, arXiv:2305.19466): no position encoding at all; the
     causal mask alone carries order. score(i, j) = q_i·k_j / √d."""
 
+    keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
     name = "nope"
     aliases = ("none", "no_pe", "no_position_encoding")
 
@@ -93,6 +94,8 @@ class TableEncoding:
 
 class _Additive(AttentionScheme):
     """Adds pe(position) to the input embeddings through an `EmbeddingHook` on the decoder (removed by the undo log)."""
+
+    keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
 
     @staticmethod
     def _attach_hook(log: UndoLog, target: PatchSite, encode) -> None:

@@ -16,11 +16,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import ClassVar
 
-from ..registry import did_you_mean
 from ..discovery import PatchSite
+from ..registry import did_you_mean
 from ..undo import UndoLog
 
-Install = Callable[[UndoLog], None]
+InstallStep = Callable[[UndoLog], None]  # what prepare() returns: writes the patch through the undo log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,9 @@ class Scheme:
     name: ClassVar[str] = ""
     aliases: ClassVar[tuple[str, ...]] = ()
     kind: ClassVar[str] = ""  # "frequency" or "attention"
+    # Whether queries and keys are still rotated (with the model's or the scheme's frequencies): False for the
+    # position-free encodings (ALiBi, NoPE, T5 bias, additive absolute), whose θ′ is 0.
+    keeps_rotation: ClassVar[bool] = True
 
     @classmethod
     def param_names(cls) -> list[str]:
@@ -55,8 +58,13 @@ class Scheme:
         """Fill defaults that depend on the model and check what only the model can tell. Default: no-op."""
         return self
 
-    def prepare(self, target: PatchSite) -> Install:
+    def prepare(self, target: PatchSite) -> InstallStep:
         raise NotImplementedError
+
+    def relative_position(self, i, j):
+        """The relative position the rotation sees for a query at true position i and a key at j ≤ i (tensors,
+        broadcast): i − j, unless the scheme remaps positions (Self-Extend, ReRoPE, STRING, DCA)."""
+        return i - j
 
     def served_window(self, target: PatchSite) -> int | None:
         """The context window this scheme extends the model to (None: unchanged); `target` is unpatched."""

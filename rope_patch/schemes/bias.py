@@ -95,6 +95,7 @@ class Alibi(AttentionScheme):
     head h adds −m_h·(i − j) to the logit of query i and key j, with geometric slopes m_h = 2^(−8h/n) (`max_bias`
     = 8) and the paper's rule for head counts that are not a power of two (`alibi_slopes`)."""
 
+    keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
     name = "alibi"
     aliases = ("attention_linear_bias",)
     max_bias: float = 8.0
@@ -217,6 +218,7 @@ class RelativeBiasScheme(AttentionScheme):
     ALiBi exactly for distances < num_buckets/2). The table is a trainable module `rope_patch_relative_bias` on the
     model; `remove` detaches it."""
 
+    keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
     name = "relative_bias"
     aliases = ("t5_bias", "relative_position_bias", "shaw")
     num_buckets: int = 32

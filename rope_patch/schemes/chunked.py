@@ -289,6 +289,24 @@ class DualChunk(AttentionScheme):
             raise ValueError(f"dca: {CONFIG_KEY} {config!r} lacks {', '.join(missing)}; it needs chunk_size and local_size.")
         return cls(chunk_size=values["chunk_size"], local_size=values["local_size"])
 
+    def relative_position(self, i, j):
+        """The table in the module docstring: keys at j mod c; the query at i mod c (same chunk), at
+        min(i mod c + c, s) (previous chunk) or at min(2c − 1, s) (earlier chunks)."""
+        s, c = self.chunk_size, self.chunk_size - self.local_size
+        if s is None:
+            raise TypeError("dca: chunk_size and local_size are needed (they default to ¾·L and L/8 of a model's window).")
+        gap = torch.floor(i / c) - torch.floor(j / c)
+        q = torch.where(gap == 0, i % c, torch.where(gap == 1, torch.clamp(i % c + c, max=s),
+                                                     torch.full_like(i * 1.0, min(2 * c - 1, s))))
+        return q - j % c
+
+    def with_window(self, window: int) -> DualChunk:
+        """The authors' defaults for a pre-training window L where a size is not given: ¾·L and L/8."""
+        chunk = self.chunk_size if self.chunk_size is not None else window * 3 // 4
+        local = self.local_size if self.local_size is not None else max(1, window // 8)
+        _check_pair(chunk, local)
+        return self.replace(chunk_size=chunk, local_size=local)
+
     def resolve(self, target):
         raw = getattr(target.config, CONFIG_KEY, None)
         values = {} if raw is None else _config_values(raw, f" (from the model config's {CONFIG_KEY})")

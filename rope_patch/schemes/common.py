@@ -27,7 +27,7 @@ from .. import attention
 from ..rotary import PatchedRotaryForward
 from ..discovery import PatchSite
 from ..undo import UndoLog
-from .base import Install, Scheme
+from .base import InstallStep, Scheme
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -154,7 +154,7 @@ class AttentionScheme(Scheme):
                 "model.set_attn_implementation('sdpa')."
             )
 
-    def prepare(self, target: PatchSite) -> Install:
+    def prepare(self, target: PatchSite) -> InstallStep:
         scores, extra = self.build(target)  # everything computed here, so bad input fails before the model is touched
         impl = self._check_backend(target, scores) if scores is not None else None
         modules = attention_modules(target.model)

@@ -26,7 +26,7 @@ from ..registry import register_scheme
 from ..rotary import PatchedRotaryForward
 from ..discovery import RopeContext, PatchSite
 from ..undo import UndoLog
-from .base import Install, Scheme
+from .base import InstallStep, Scheme
 from .cached import cache_rotation as _cache_rotation
 from .cached import prepare as _prepare_consistent
 
@@ -106,7 +106,7 @@ class FrequencyScheme(Scheme):
         inv_freq, scaling = _init_fn(rope_type, rotary_cls)(cfg, **kwargs)
         return self.adjust(inv_freq.float(), ctx), float(scaling)
 
-    def prepare(self, target: PatchSite) -> Install:
+    def prepare(self, target: PatchSite) -> InstallStep:
         contexts = target.contexts()
         layered = target.layer_types != [None]
         params = {lt: self.rope_parameters(ctx) for lt, ctx in contexts.items()}

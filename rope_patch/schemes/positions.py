@@ -196,6 +196,13 @@ class _Deferred(AttentionScheme):
         """Where the far region starts: i − j ≥ split."""
         return self.window_size
 
+    def relative_position(self, i, j):
+        """i − j in the near region, far query position − far key position beyond `split` (what the two-region
+        scores rotate with, read from the same `far_positions`)."""
+        far_q, far_k = self.far_positions()
+        d = i - j
+        return torch.where(d < self.split(), d, far_q(i) - far_k(j))
+
     def build(self, target):
         rotations, sliding = self.rotations(target)
         return TwoRegionScores(rotations, self.split(), *self.far_positions(), sliding), None

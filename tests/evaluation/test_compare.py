@@ -11,18 +11,10 @@ from helpers.models import tiny_model
 from helpers.text import char_tokenizer, filler_text
 
 import rope_patch
+from rope_patch import plots
 from rope_patch.cli import main
-from rope_patch.evaluation.compare import (
-    FORMAT,
-    load_results,
-    markdown_table,
-    parse_schemes,
-    resumed_units,
-    rich_table,
-    run_compare,
-    work_units,
-    write_results,
-)
+from rope_patch.evaluation.compare import parse_schemes, resumed_units, run_compare, work_units
+from rope_patch.evaluation.results import FORMAT, load_results, markdown_table, rich_table, write_results
 
 SCHEMES = ["default", "yarn:2", "dynamic:factor=2"]
 
@@ -79,6 +71,8 @@ def test_schemes_are_paired_and_model_restored(setup, result):
 
 def test_write_results(result, tmp_path):
     paths = write_results(result, tmp_path / "out")
+    assert set(paths) == {"json", "csv", "markdown"}
+    paths.update(plots.write_figures(result, tmp_path / "out"))
     assert set(paths) == {"json", "csv", "markdown", "perplexity_plot", "passkey_plot"}
     for p in paths.values():
         assert p.stat().st_size > 0
@@ -133,7 +127,7 @@ def test_perplexity_only(setup, tmp_path):
     model, tok, ids = setup
     res = run_compare(model, tok, ["default"], [32], passkey_lengths=[], windows_at_longest=1, token_ids=ids)
     assert res["passkey"] == [] and res["records"][0]["passkey_accuracy"] is None
-    assert "passkey_plot" not in write_results(res, tmp_path)
+    assert "passkey_plot" not in plots.write_figures(res, tmp_path)
     with pytest.raises(ValueError, match="held-out text has"):
         run_compare(model, tok, ["default"], [32], token_ids=ids[:40])
 

@@ -24,7 +24,7 @@ def sweep_args(assets, out, **kw):
 
 def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
     import rope_patch.integrations.lm_eval.sweep as S
-    from rope_patch.evaluation.compare import load_results
+    from rope_patch.evaluation.results import load_results
 
     calls = []
     real = S.run_in_process

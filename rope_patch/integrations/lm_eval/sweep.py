@@ -49,9 +49,11 @@ from pathlib import Path
 
 import torch
 
+from ... import plots as figures
 from ... import zoo as models
-from ...evaluation.compare import DEFAULT_LENGTHS, _clean, parse_schemes, run_compare, write_results
+from ...evaluation.compare import DEFAULT_LENGTHS, parse_schemes, run_compare
 from ...evaluation.compare import FORMAT as COMPARE_FORMAT
+from ...evaluation.results import json_safe, write_results
 from ...registry import did_you_mean
 from ...specs import scheme_label
 from .tasks import tasks_dir
@@ -388,11 +390,14 @@ def _window(path) -> int | None:
 def write_outputs(state: dict, out: Path, plots: bool = True) -> dict[str, Path]:
     result = aggregate(state)
     paths = {"json": out / "sweep.json", "markdown": out / "sweep.md"}
-    paths["json"].write_text(json.dumps(_clean(result), indent=1) + "\n")
+    paths["json"].write_text(json.dumps(json_safe(result), indent=1) + "\n")
     paths["markdown"].write_text(markdown(result))
     cmp = compare_format(result)
     if cmp is not None:
-        for kind, p in write_results(cmp, out, plots=plots).items():
+        written = write_results(cmp, out)
+        if plots:
+            written.update(figures.write_figures(cmp, out))
+        for kind, p in written.items():
             paths[f"compare_{kind}"] = p
     return paths
 

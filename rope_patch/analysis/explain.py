@@ -1,0 +1,74 @@
+"""The numbers the README's scheme guide quotes, for one scheme on one RoPE layout (`rope-patch explain`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from .frequencies import frequencies_at
+from .layout import setup
+from .scores import decay_bound, decay_bound_at_zero
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """The numbers the README's scheme guide quotes, for one scheme on one RoPE layout (`explain`)."""
+
+    scheme: str
+    n_pairs: int  # rotating pairs (rotary_dim / 2)
+    window: int | None  # L, the pre-training window
+    turns_vanilla: int  # pairs that complete a full turn inside L under the unpatched θ_i
+    turns: int  # ... under the scheme's θ′_i
+    unchanged: int  # pairs with θ′_i = θ_i
+    interpolated: int | None  # pairs with θ′_i = θ_i / s (fully interpolated by the factor s), None without s
+    longest_wavelength: float  # 2π / min θ′_i over the rotating pairs (tokens)
+    attention_scaling: float  # cos/sin scale; logits × its square
+    decay_mean: float  # mean of the RoFormer decay bound over Δ ∈ [L/16, L]
+    decay_max: float  # its maximum there
+    decay_at_zero: float  # (n + 1)/2
+
+    def lines(self) -> list[str]:
+        n, L = self.n_pairs, self.window
+        out = [f"{self.scheme}: {n} rotating pairs, pre-training window L = {L}",
+               f"  pairs completing a full turn inside L: {self.turns} (unpatched: {self.turns_vanilla})",
+               f"  pairs unchanged (θ′ = θ): {self.unchanged} of {n}"]
+        if self.interpolated is not None:
+            out.append(f"  pairs fully interpolated (θ′ = θ/s): {self.interpolated} of {n}")
+        out += [f"  longest wavelength: {self.longest_wavelength:,.0f} tokens",
+                f"  cos/sin scale: {self.attention_scaling:.4g} (logits × {self.attention_scaling ** 2:.4g})",
+                f"  decay bound over Δ ∈ [L/16, L]: mean {self.decay_mean:.2f}, max {self.decay_max:.2f} "
+                f"(Δ = 0: {self.decay_at_zero:g})"]
+        return out
+
+
+def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddings=None, partial_rotary_factor=None,
+            model=None, config=None, layer_type=None, **params) -> Explanation:
+    """Pair counts, wavelengths, temperature and decay of `scheme` (what `rope-patch explain` prints)."""
+    s = setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_factor, model, config,
+               layer_type, None, params)
+    f = frequencies_at(s, None)
+    window = f.original_window or s.ctx.max_position_embeddings
+    base, new = f.base_inv_freq.double(), f.inv_freq.double()
+    two_pi = 2 * math.pi
+
+    def turns(theta):
+        return int((window * theta / two_pi >= 1).sum())
+
+    factor = getattr(s.spec.scheme, "factor", None) if s.spec.is_frequency else None
+    close = functools.partial(torch.isclose, rtol=1e-6, atol=0.0)
+    rotating = new[new > 0]
+    distances = torch.arange(max(1, window // 16), window + 1)
+    bound = decay_bound(scheme, head_dim, distances, rope_theta=rope_theta, max_position_embeddings=max_position_embeddings,
+                        partial_rotary_factor=partial_rotary_factor, model=model, config=config, layer_type=layer_type,
+                        **params)
+    return Explanation(
+        scheme=s.spec.label or s.spec.name, n_pairs=new.numel(), window=window,
+        turns_vanilla=turns(base), turns=turns(new), unchanged=int(close(new, base).sum()),
+        interpolated=None if not factor or factor == 1 else int(close(new, base / factor).sum()),
+        longest_wavelength=float(two_pi / rotating.min()) if rotating.numel() else math.inf,
+        attention_scaling=f.attention_scaling, decay_mean=float(bound.mean()), decay_max=float(bound.max()),
+        decay_at_zero=decay_bound_at_zero(new.numel()),
+    )

@@ -1,0 +1,361 @@
+"""The one results schema of `rope-patch compare` / `rope-patch sweep` and its readers and writers.
+
+`load_results(path)` reads a compare.json back as written (the schema is in rope_patch.evaluation.compare's
+docstring); `read_results(source)` normalises it — or a bare list of records, {"records": [...]}, JSON Lines — into
+the flat view every figure draws from (rope_patch.plots). Writers: JSON (atomic), CSV, a Markdown table, a rich
+table for the terminal.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from pathlib import Path
+
+from rich.table import Table
+
+from ..files import write_text_atomic
+
+FORMAT = "rope_patch.compare/1"
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+def json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def load_results(path: str | Path) -> dict:
+    """Read a compare.json back (string "inf"/"nan" perplexities become floats)."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a rope-patch compare result (format {data.get('format')!r}, expected {FORMAT!r}).")
+    for key in ("records", "buckets", "passkey"):
+        for row in data.get(key, []):
+            for k in ("perplexity", "nll", "accuracy", "passkey_accuracy"):
+                if isinstance(row.get(k), str):
+                    row[k] = float(row[k])
+    return data
+
+
+def _fmt_ppl(x) -> str:
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return "inf"
+    return f"{x:.1f}" if x < 1000 else f"{x:.3g}"
+
+
+def _fmt_acc(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _lengths(result) -> list[int]:
+    return sorted({r["length"] for r in result["records"]})
+
+
+def _cell(result, spec, length):
+    for r in result["records"]:
+        if r["scheme"] == spec and r["length"] == length:
+            return r
+    return None
+
+
+def markdown_table(result: dict) -> str:
+    """Markdown: perplexity / passkey accuracy per scheme x length, then perplexity by position bucket."""
+    lengths = _lengths(result)
+    m, s = result["model"], result["settings"]
+    lines = [
+        f"Model `{m['name']}` (window {m['window']}); perplexity on {s['ppl_tokens']} held-out tokens per length; "
+        f"passkey: {s['passkey_samples']} samples x depths {', '.join(f'{d:g}' for d in s['depths'])} per length, "
+        f"seed {s['seed']}.",
+        "",
+        "| scheme | " + " | ".join(f"{L}" for L in lengths) + " |",
+        "| --- | " + " | ".join("---:" for _ in lengths) + " |",
+    ]
+    for sch in result["schemes"]:
+        cells = []
+        for L in lengths:
+            r = _cell(result, sch["spec"], L)
+            cells.append("-" if r is None else f"{_fmt_ppl(r['perplexity'])} / {_fmt_acc(r['passkey_accuracy'])}")
+        lines.append(f"| {sch['label']} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: perplexity / passkey accuracy."]
+    if result["buckets"]:
+        spans = []
+        for b in result["buckets"]:
+            if (b["start"], b["end"]) not in spans:
+                spans.append((b["start"], b["end"]))
+        longest = result["buckets"][0]["length"]
+        lines += ["", f"Perplexity by position inside the {longest}-token windows:", "",
+                  "| scheme | " + " | ".join(f"{a}-{b}" for a, b in spans) + " |",
+                  "| --- | " + " | ".join("---:" for _ in spans) + " |"]
+        for sch in result["schemes"]:
+            by = {(b["start"], b["end"]): b for b in result["buckets"] if b["scheme"] == sch["spec"]}
+            lines.append(f"| {sch['label']} | " + " | ".join(_fmt_ppl(by[sp]["perplexity"]) if sp in by else "-"
+                                                           for sp in spans) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    write_text_atomic(path, json.dumps(json_safe(result), indent=1) + "\n")
+
+
+def check_writable(out_dir: str | Path) -> Path:
+    """Create `out_dir` and write and remove a probe file there, so that an unwritable --out fails before any
+    evaluation runs. Raises OSError with a message that names the folder."""
+    out = Path(out_dir)
+    probe = out / f".rope-patch-write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok\n")
+        probe.unlink()
+    except OSError as err:
+        raise OSError(f"cannot write results to --out {str(out)!r} ({err.strerror or err}); choose another folder "
+                      "or fix its permissions. Nothing has been evaluated yet.") from None
+    return out
+
+
+def write_csv(result: dict, path: str | Path) -> None:
+    cols = ["scheme", "label", "name", "params", "length", "perplexity", "nll", "n_windows", "n_tokens",
+            "passkey_accuracy", "passkey_n"]
+    params = {s["spec"]: json.dumps(s["params"], sort_keys=True) for s in result["schemes"]}
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in result["records"]:
+        w.writerow({**{k: r.get(k) for k in cols}, "params": params[r["scheme"]]})
+    write_text_atomic(path, buf.getvalue())
+
+
+def write_results(result: dict, out_dir: str | Path) -> dict[str, Path]:
+    """compare.json, compare.csv, compare.md in `out_dir` (the figures: `rope_patch.plots.write_figures`); returns
+    {kind: path}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "compare.json", "csv": out / "compare.csv", "markdown": out / "compare.md"}
+    write_json(result, paths["json"])
+    write_csv(result, paths["csv"])
+    write_text_atomic(paths["markdown"], markdown_table(result))
+    return paths
+
+
+def rich_table(result: dict):
+    """A rich Table: one row per scheme, one column per length, cells "perplexity  accuracy"."""
+    lengths = _lengths(result)
+    window = result["model"].get("window")
+    table = Table(title=f"rope-patch compare - {result['model']['name']} (window {window}): perplexity / passkey")
+    table.add_column("scheme")
+    for L in lengths:
+        table.add_column(f"{L}" + (" *" if window and L > window else ""), justify="right")
+    base = {r["length"]: r["perplexity"] for r in result["records"] if r["scheme"] == result["schemes"][0]["spec"]}
+    ref = min((v for v in base.values() if v), default=None)
+    for sch in result["schemes"]:
+        cells = []
+        for L in lengths:
+            r = _cell(result, sch["spec"], L)
+            if r is None:
+                cells.append("-")
+                continue
+            p, a = r["perplexity"], r["passkey_accuracy"]
+            style = ""
+            if ref and p is not None:
+                style = "green" if p <= 1.2 * ref else ("yellow" if p <= 2 * ref else "red")
+            ptxt = f"[{style}]{_fmt_ppl(p)}[/]" if style else _fmt_ppl(p)
+            cells.append(f"{ptxt}  {_fmt_acc(a)}")
+        table.add_row(sch["label"], *cells)
+    table.caption = "* beyond the training window; colour: perplexity relative to the first scheme's best"
+    return table
+
+
+# ---- the normalised view (figures) --------------------------------------------------------------------------------
+_SCHEME_KEYS = ("scheme", "spec", "name")
+_LABEL_KEYS = ("label", "scheme", "spec", "name")
+_LENGTH_KEYS = ("length", "seq_len", "context_length", "n_ctx", "tokens")
+_PPL_KEYS = ("perplexity", "ppl")
+_ACC_KEYS = ("passkey_accuracy", "passkey", "accuracy")
+_BUCKET_KEYS = ("buckets", "bucket_perplexity", "perplexity_by_bucket", "perplexity_by_position")
+
+
+def _num(x):
+    if x is None or isinstance(x, bool):
+        return None
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return float(x) if isinstance(x, (int, float)) else None
+
+
+def _first(row: dict, keys, default=None):
+    for k in keys:
+        if k in row and row[k] is not None:
+            return row[k]
+    return default
+
+
+def _span(key) -> tuple[float, float] | None:
+    """'0-2048', '0–2k', '2048:4096' → (start, end)."""
+    text = str(key).replace("–", "-").replace(":", "-").replace(" ", "").lower()
+    parts = text.split("-")
+    if len(parts) != 2:
+        return None
+
+    def val(t):
+        mult = 1000 if t.endswith("k") else 1
+        return float(t.rstrip("k")) * mult
+
+    try:
+        return val(parts[0]), val(parts[1])
+    except ValueError:
+        return None
+
+
+def read_results(source) -> dict:
+    """Read the results of `rope-patch compare` (or a sweep) into one normalised dict.
+
+    Accepted input (a path to .json / .jsonl, or the already-loaded object):
+
+    * compare.json, format "rope_patch.compare/1": {"model": {"window": L, "name": ...}, "schemes": [{"spec",
+      "label"}, ...], "records": [...], "passkey": [...], "buckets": [...]} (see rope_patch.evaluation.compare);
+    * a bare list of records, {"records": [...]} or {"results": [...]}, or JSON Lines with one record per line.
+
+    A record is a dict with a scheme ("scheme" | "spec" | "name"; display "label"), a length ("length" | "seq_len" |
+    "context_length" | "n_ctx" | "tokens") and any of "perplexity" | "ppl", "passkey_accuracy" | "passkey" |
+    "accuracy", "depth" (a record with a depth is one passkey cell), and per-position perplexities under "buckets" |
+    "bucket_perplexity" | "perplexity_by_bucket" as {"0-2048": ppl, ...} or [{"start", "end", "perplexity"}, ...].
+    Numbers written as strings ("inf", "nan") are read as floats; unknown keys are ignored; records without a
+    scheme or length are skipped. The original window comes from model.window | window | max_position_embeddings.
+
+    Returns {"normalised": True, "name", "window", "schemes": [(scheme, label)], "records": [{"scheme", "label", "length",
+    "perplexity", "passkey_accuracy"}], "passkey": [{"scheme", "label", "length", "depth", "accuracy"}],
+    "buckets": [{"scheme", "label", "length", "start", "end", "perplexity"}]}.
+    """
+    data = source
+    name = "results"
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"results file {str(path)!r} does not exist (run `rope-patch compare --out DIR` first).")
+        text = path.read_text()
+        name = path.stem
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                data = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: neither JSON nor JSON Lines ({err}).") from None
+    if isinstance(data, dict):
+        meta = data
+        rows = _first(data, ("records", "results", "rows"), [])
+    elif isinstance(data, list):
+        meta, rows = {}, data
+    else:
+        raise ValueError(f"results must be a JSON object or a list of records, got {type(data).__name__}.")
+    if not isinstance(rows, list):
+        raise ValueError("results: `records` must be a list of records.")
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    window = _num(_first(model, ("window", "max_position_embeddings")) or _first(meta, ("window", "max_position_embeddings", "original_window")))
+    out = {"normalised": True, "name": str(model.get("name") or meta.get("name") or name), "window": int(window) if window else None,
+           "schemes": [], "records": [], "passkey": [], "buckets": []}
+    labels: dict[str, str] = {}
+    for s in meta.get("schemes", []) or []:
+        if isinstance(s, dict) and _first(s, _SCHEME_KEYS):
+            labels[str(_first(s, _SCHEME_KEYS))] = str(_first(s, _LABEL_KEYS))
+
+    def key_label(row):
+        key = _first(row, _SCHEME_KEYS)
+        if key is None:
+            return None, None
+        key = str(key)
+        label = labels.setdefault(key, str(row.get("label") or key))
+        return key, label
+
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        key, label = key_label(row)
+        length = _num(_first(row, _LENGTH_KEYS))
+        if key is None or length is None:
+            continue
+        length = int(length)
+        acc = _num(_first(row, _ACC_KEYS))
+        if row.get("depth") is not None and _num(row.get("depth")) is not None:
+            out["passkey"].append({"scheme": key, "label": label, "length": length, "depth": _num(row["depth"]), "accuracy": acc})
+            if _first(row, _PPL_KEYS) is None:
+                continue
+        out["records"].append({"scheme": key, "label": label, "length": length,
+                               "perplexity": _num(_first(row, _PPL_KEYS)), "passkey_accuracy": acc})
+        buckets = _first(row, _BUCKET_KEYS)
+        out["buckets"] += _buckets(buckets, key, label, length)
+    for p in meta.get("passkey", []) or []:
+        if isinstance(p, dict):
+            key, label = key_label(p)
+            length = _num(_first(p, _LENGTH_KEYS))
+            if key is not None and length is not None:
+                out["passkey"].append({"scheme": key, "label": label, "length": int(length), "depth": _num(p.get("depth")),
+                                       "accuracy": _num(_first(p, ("accuracy", "passkey_accuracy")))})
+    top = meta.get("buckets")
+    if isinstance(top, list):
+        for b in top:
+            if isinstance(b, dict):
+                key, label = key_label(b)
+                if key is not None:
+                    out["buckets"] += _buckets([b], key, label, _num(b.get("length")))
+    # passkey cells without a pooled accuracy in the records: pool them per (scheme, length)
+    for r in out["records"]:
+        if r["passkey_accuracy"] is None:
+            cells = [p["accuracy"] for p in out["passkey"] if p["scheme"] == r["scheme"] and p["length"] == r["length"] and p["accuracy"] is not None]
+            if cells:
+                r["passkey_accuracy"] = sum(cells) / len(cells)
+    seen = {r["scheme"] for r in out["records"]} | {p["scheme"] for p in out["passkey"]} | {b["scheme"] for b in out["buckets"]}
+    order = [k for k in labels if k in seen] + sorted(seen - set(labels))
+    out["schemes"] = [(k, labels.get(k, k)) for k in order]
+    if not out["schemes"]:
+        raise ValueError("results: found no records with a scheme and a length (see rope_patch.evaluation.results.read_results for the format).")
+    return out
+
+
+def _buckets(buckets, key, label, length) -> list[dict]:
+    out = []
+    if isinstance(buckets, dict):
+        for span, value in buckets.items():
+            se = _span(span)
+            ppl = _num(value.get("perplexity") if isinstance(value, dict) else value)
+            if se is not None and ppl is not None:
+                out.append({"scheme": key, "label": label, "length": length, "start": se[0], "end": se[1], "perplexity": ppl})
+    elif isinstance(buckets, list):
+        for b in buckets:
+            if isinstance(b, dict) and _num(b.get("start")) is not None and _num(b.get("end")) is not None:
+                ppl = _num(_first(b, _PPL_KEYS))
+                if ppl is not None:
+                    out.append({"scheme": key, "label": label, "length": int(_num(b.get("length")) or length or 0) or None,
+                                "start": _num(b["start"]), "end": _num(b["end"]), "perplexity": ppl})
+    return out
+
+
+def _buckets(buckets, key, label, length) -> list[dict]:
+    out = []
+    if isinstance(buckets, dict):
+        for span, value in buckets.items():
+            se = _span(span)
+            ppl = _num(value.get("perplexity") if isinstance(value, dict) else value)
+            if se is not None and ppl is not None:
+                out.append({"scheme": key, "label": label, "length": length, "start": se[0], "end": se[1], "perplexity": ppl})
+    elif isinstance(buckets, list):
+        for b in buckets:
+            if isinstance(b, dict) and _num(b.get("start")) is not None and _num(b.get("end")) is not None:
+                ppl = _num(_first(b, _PPL_KEYS))
+                if ppl is not None:
+                    out.append({"scheme": key, "label": label, "length": int(_num(b.get("length")) or length or 0) or None,
+                                "start": _num(b["start"]), "end": _num(b["end"]), "perplexity": ppl})
+    return out
