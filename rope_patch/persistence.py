@@ -11,7 +11,7 @@ Nothing is lost silently: a missing, corrupt, truncated or future-format file ra
 and says what to do. `save_pretrained` writes the manifest last (after the model and the learned parameters, each
 through a temporary file and `os.replace`), so a crash mid-save never leaves a manifest pointing at files that are
 not there; the manifest records the learned parameters' keys and sha256, so a weights file from another save is
-caught. Manifest formats: 1 (no "weights" entry) and 2 (this one).
+caught. Manifest formats: 1 (no "weights" entry), 2 (one scheme) and 3 (a stack of schemes, `"scheme": "stack"`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ from .discovery import RopeContext, find_target, unwrap
 
 MANIFEST = "rope_patch.json"
 PATCH_WEIGHTS = "rope_patch.safetensors"
-FORMAT = 2  # 2: records the learned parameters ("weights": {"file", "keys", "sha256"}); 1 is still read
+# 3: a stack ("scheme": "stack", "params": {"schemes": [{"scheme", "params"}, ...]}), written only for stacks, so a
+# single scheme's save stays readable by rope_patch versions that read format 2; 2: records the learned parameters
+# ("weights": {"file", "keys", "sha256"}); 1 (no "weights") is still read.
+FORMAT = 3
+SINGLE_FORMAT = 2  # what a save of one scheme (or none) writes
 REQUIRED_KEYS = ("format", "scheme", "params", "original")
 _FIX = ("Restore the folder from the original save, or load the model again and re-save it with "
         "rope_patch.save_pretrained(model, dir).")
@@ -158,6 +162,16 @@ def _adapter_native(path: Path, manifest: dict | None, base) -> tuple[dict, int]
 
 
 def _require_native(scheme: Scheme) -> None:
+    if scheme.kind == "stack":
+        parts = " + ".join(p.name for p in scheme.schemes)
+        other = [p.name for p in scheme.schemes if not _is_native(p)]
+        raise ValueError(
+            f"the stack {parts} has no native transformers/vLLM `rope_parameters` form: {', '.join(other)} "
+            f"{'is' if len(other) == 1 else 'are'} not expressible there, and a native config would silently drop "
+            f"{'it' if len(other) == 1 else 'them'}. Save with rope_patch.save_pretrained and load with "
+            "rope_patch.from_pretrained instead"
+            + (f" (to_rope_parameters({scheme.frequency.name!r}, ...) exports the frequency part alone)."
+               if scheme.frequency is not None and _is_native(scheme.frequency) else "."))
     if scheme.kind != "frequency" or not getattr(scheme, "native", False):
         raise ValueError(
             f"{scheme.name} has no native transformers/vLLM `rope_parameters` form (it changes "
@@ -212,7 +226,7 @@ def _patch_record(model: nn.Module) -> tuple[nn.Module, dict, dict]:
     scheme = current(base)
     tables = _patch_tables(base, patch_modules(base))
     manifest = {
-        "format": FORMAT,
+        "format": FORMAT if scheme is not None and scheme.kind == "stack" else SINGLE_FORMAT,
         "scheme": None if scheme is None else scheme.name,
         "params": {} if scheme is None else _jsonable(scheme.params()),
         "native": scheme is not None and _is_native(scheme),

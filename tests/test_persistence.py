@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 import rope_patch
 from rope_patch.api import patch_modules
 from rope_patch.files import sha256_file
-from rope_patch.persistence import FORMAT, MANIFEST, PATCH_WEIGHTS, read_manifest
+from rope_patch.persistence import FORMAT, MANIFEST, PATCH_WEIGHTS, SINGLE_FORMAT, read_manifest
 
 RESAVE = r"re-save (it|the model) with rope_patch\.save_pretrained"  # the "what to do" of a damaged save
 LEARNED = {"relative_bias": "rope_patch_relative_bias.weight", "learned_absolute": "rope_patch_position_embeddings.weight"}
@@ -166,7 +166,7 @@ def test_manifest_with_a_scheme_this_rope_patch_does_not_know(copy_of):
 def test_read_manifest_returns_none_without_a_manifest_and_the_checked_dict_with_one(saved, tmp_path):
     assert read_manifest(tmp_path) is None
     manifest = read_manifest(saved["relative_bias"][1])
-    assert manifest["format"] == FORMAT == 2
+    assert manifest["format"] == SINGLE_FORMAT == 2 and FORMAT == 3  # one scheme: the format older readers know
     weights = manifest["weights"]
     assert weights["file"] == PATCH_WEIGHTS and weights["keys"] == [LEARNED["relative_bias"]]
     assert weights["sha256"] == sha256_file(saved["relative_bias"][1] / PATCH_WEIGHTS)
