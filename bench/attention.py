@@ -1,4 +1,4 @@
-"""Memory and speed of the attention-side schemes against vanilla sdpa RoPE (issue #4), side by side in one run.
+"""Memory and speed of the attention-side schemes against vanilla sdpa RoPE, side by side in one run.
 
     python bench/attention.py                                   # L = 2048 4096 8192 16384, 1 thread
     python bench/attention.py --lengths 2048 4096 --threads 2 --repeats 3
@@ -38,7 +38,7 @@ SCHEMES = {
     "naive": {"group_size": 8, "window_size": 1024},  # Self-Extend, two full matrices
 }
 LIMITS = {"alibi": (1.5, 1.5), "relative_bias": (1.5, 1.5), "self_extend": (1.5, 3.0), "rerope": (1.5, 3.0),
-          "leaky_rerope": (1.5, 3.0)}  # issue #4: (peak memory, time) as multiples of vanilla
+          "leaky_rerope": (1.5, 3.0)}  # targets: (peak memory, time) as multiples of vanilla
 
 
 def _status(key: str) -> int:

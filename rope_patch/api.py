@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from .discovery import PatchSite, find_target
 from .registry import get_scheme_class
 from .schemes.base import Scheme
 from .specs import parse_spec
-from .discovery import PatchSite, find_target
 from .undo import UndoLog
 
 M = TypeVar("M", bound=nn.Module)  # apply/remove return the object they were given (a peft wrapper stays one)
@@ -42,7 +42,7 @@ class PatchState(UndoLog):
         return f"{self.scheme}, {super().extra_repr()}"
 
 
-def _original(target: PatchSite) -> dict:
+def _unpatched_rope_fields(target: PatchSite) -> dict:
     cfg = target.config
     return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": cfg.max_position_embeddings}
 
@@ -108,7 +108,7 @@ def _apply(model: M, new: Scheme, *, temporary: bool) -> M:
     try:
         resolved = new.resolve(target)
         install = resolved.prepare(target)
-        state = PatchState(resolved, _original(target), resolved.served_window(target))
+        state = PatchState(resolved, _unpatched_rope_fields(target), resolved.served_window(target))
         try:
             target.config = state.private_config(target.model)
             install(state)
@@ -160,7 +160,7 @@ def original_config(model: nn.Module) -> dict:
     """`rope_parameters` and `max_position_embeddings` of the model as it was before any patch."""
     target = find_target(model)
     state = _state(target)
-    return copy.deepcopy(state.original) if state is not None else _original(target)
+    return copy.deepcopy(state.original) if state is not None else _unpatched_rope_fields(target)
 
 
 def context_window(model: nn.Module) -> int:

@@ -17,7 +17,7 @@ from rope_patch.schemes.base import Scheme
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Straightforward references: one Python loop over pairs each, formulas from FORMULAS.md / the papers.
+# Straightforward references: one Python loop over pairs each, formulas from the papers.
 def ref_default(d, b):
     return [b ** (-2 * i / d) for i in range(d // 2)]
 

@@ -157,8 +157,8 @@ class LearnedAbsolute(_Additive):
         table = nn.Embedding(self.max_position_embeddings, hidden, _weight=init.to(device=param.device, dtype=param.dtype))
         encode = TableEncoding(target.model, self.max_position_embeddings)
 
-        def extra(log):
+        def attach(log):
             log.add_module(target.model, MODULE_NAME, table)
             self._attach_hook(log, target, encode)
 
-        return None, extra
+        return None, attach

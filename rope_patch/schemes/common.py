@@ -4,10 +4,10 @@ Every attention scheme first removes the model's rotation: the rotary module run
 `identity=True` (rope_patch/rotary.py), which returns cos = 1, sin = 0, and `apply_rotary_pos_emb` turns that into
 the exact identity (q·1 + rotate_half(q)·0 = q). What a scheme adds on top:
 
-    build(target) -> (scores, extra)
+    build(target) -> (scores, attach)
         scores  an `AttentionRule` for the attention function (ALiBi, T5 bias, ReRoPE, Self-Extend), or None when the
                 model's own attention backend is kept (NoPE, sinusoidal, learned absolute)
-        extra   None or `extra(undo_log)`: attaches modules and hooks (learned tables, embedding hooks)
+        attach  None or `attach(undo_log)`: attaches modules and hooks (learned tables, embedding hooks)
     Both are built at prepare time, so bad input fails before the model is touched. Whatever ends up on the model
     (scores, hooks) is an object of a module-level class, never a closure, so a patched model copies and pickles.
 """
@@ -59,7 +59,7 @@ class AttentionScheme(Scheme):
 
     # ---- what a scheme defines -------------------------------------------------------------------------------
     def build(self, target: PatchSite) -> tuple[attention.AttentionRule | None, Callable[[UndoLog], None] | None]:
-        """(scores for the attention function or None to keep the model's backend, extra install step or None)."""
+        """(scores for the attention function or None to keep the model's backend, install step that attaches modules and hooks, or None)."""
         return None, None
 
     # ---- shared machinery ------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ class AttentionScheme(Scheme):
             )
 
     def prepare(self, target: PatchSite) -> InstallStep:
-        scores, extra = self.build(target)  # everything computed here, so bad input fails before the model is touched
+        scores, attach = self.build(target)  # everything computed here, so bad input fails before the model is touched
         impl = self._check_backend(target, scores) if scores is not None else None
         modules = attention_modules(target.model)
         if scores is not None and not modules:
@@ -171,8 +171,8 @@ class AttentionScheme(Scheme):
             log.setattr(rotary, "forward", PatchedRotaryForward(
                 rotary, masters, identity=True, config=target.config, attn_implementation=impl,
                 allowed=tuple(attention.BACKENDS.values()), scheme=self.name))
-            if extra is not None:
-                extra(log)
+            if attach is not None:
+                attach(log)
             if scores is None:
                 return
             attention.register()
@@ -187,7 +187,7 @@ class AttentionScheme(Scheme):
 
 @dataclasses.dataclass
 class AttachModule:
-    """An `extra` install step: attach a learned table to the model."""
+    """An `attach` install step: attach a learned table to the model."""
 
     parent: nn.Module
     name: str

@@ -7,7 +7,7 @@ model equals a natively configured one bit for bit; `ntk` is expressed through t
 buffers. `dynamic_yarn`, which transformers has no rope type for, recomputes YaRN for the current length through an
 `update` object the patched rotary forward calls (rope_patch/rotary.py).
 
-Notation (../shared/FORMULAS.md): head dim d, pair i, base b, θ_i = b^(−2i/d), factor s, original window L.
+Notation: head dim d, pair i, base b, θ_i = b^(−2i/d), factor s, original window L.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class FrequencyScheme(Scheme):
         """Post-process the inverse frequencies; default: unchanged."""
         return inv_freq
 
-    def rotary_update(self, target: PatchSite, shadow) -> LengthUpdate | None:
+    def rotary_update(self, target: PatchSite, rotary_config) -> LengthUpdate | None:
         """For length-dependent schemes without a transformers rope type: the `update` object the patched rotary
         forward calls before every forward (it also gives the frequencies installed at apply time). None: static."""
         return None
@@ -116,12 +116,12 @@ class FrequencyScheme(Scheme):
         # The rotary module runs with a private copy of the config: transformers' dynamic NTK reads the window
         # where scaling starts from `config.max_position_embeddings`, while the public config must announce the
         # extended window to generate/lm-eval. The copy is per instance; the public config stays the user's object.
-        shadow = copy.deepcopy(target.config)
-        shadow.rope_parameters = copy.deepcopy(public)
-        shadow.max_position_embeddings = self.init_window(any_ctx)
-        if getattr(shadow, "head_dim", None) is None:  # Mixtral & co. set head_dim=None, which breaks
-            shadow.head_dim = any_ctx.head_dim  # transformers' non-default init functions (getattr default unused)
-        _validate_with_transformers(self, target, shadow)
+        rotary_config = copy.deepcopy(target.config)
+        rotary_config.rope_parameters = copy.deepcopy(public)
+        rotary_config.max_position_embeddings = self.init_window(any_ctx)
+        if getattr(rotary_config, "head_dim", None) is None:  # Mixtral & co. set head_dim=None, which breaks
+            rotary_config.head_dim = any_ctx.head_dim  # transformers' non-default init functions (getattr default unused)
+        _validate_with_transformers(self, target, rotary_config)
         shipped, new_window = any_ctx.shipped_scaling, self.public_window(any_ctx)
         if shipped and new_window is not None and new_window < any_ctx.max_position_embeddings:
             warnings.warn(
@@ -133,7 +133,7 @@ class FrequencyScheme(Scheme):
 
         device = next(iter(target.rotary.buffers())).device
         buffers, scalings = {}, {}
-        update = self.rotary_update(target, shadow)
+        update = self.rotary_update(target, rotary_config)
         # cache_rotation="consistent" (dynamic, dynamic_yarn, longrope): keys cached un-rotated, rotated in attention
         consistent = _prepare_consistent(self.name, target) if getattr(self, "cache_rotation", None) else None
         for lt, ctx in contexts.items():
@@ -143,19 +143,19 @@ class FrequencyScheme(Scheme):
                 continue
             fn = _init_fn(params[lt]["rope_type"], type(target.rotary))
             kwargs = {"layer_type": lt} if layered else {}
-            inv_freq, scaling = fn(shadow, **kwargs)
+            inv_freq, scaling = fn(rotary_config, **kwargs)
             buffers[lt] = self.adjust(inv_freq.float(), ctx).to(device)
             scalings[lt] = float(scaling)
         def install(log: UndoLog) -> None:
             rot, cfg = target.rotary, target.config  # cfg: the model's private config (api.apply)
-            log.setattr(rot, "config", shadow)
+            log.setattr(rot, "config", rotary_config)
             if self.native:  # else the public config keeps the unpatched RoPE, so a plain save reloads the unpatched model
                 cfg.rope_parameters = copy.deepcopy(public)
                 cfg.max_position_embeddings = self.public_window(any_ctx) or cfg.max_position_embeddings
             rope_types = {lt: p["rope_type"] for lt, p in params.items()}
             log.setattr(rot, "rope_type", rope_types if layered else rope_types[None])
-            log.setattr(rot, "max_seq_len_cached", shadow.max_position_embeddings)
-            log.setattr(rot, "original_max_seq_len", shadow.max_position_embeddings)
+            log.setattr(rot, "max_seq_len_cached", rotary_config.max_position_embeddings)
+            log.setattr(rot, "original_max_seq_len", rotary_config.max_position_embeddings)
             # Single-rotary models keep one `attention_scaling`; per-layer-type ones one per prefix (and the
             # dynamic update also writes the unprefixed one).
             log.setattr(rot, "attention_scaling", scalings[any_ctx.layer_type])
@@ -168,7 +168,7 @@ class FrequencyScheme(Scheme):
                 log.setattr(rot, f"{prefix}long_inv_freq", None)  # longrope's cache of the long set
                 if lt:
                     log.setattr(rot, f"{prefix}attention_scaling", scalings[lt])
-                    log.setattr(rot, f"{prefix}max_seq_len_cached", shadow.max_position_embeddings)
+                    log.setattr(rot, f"{prefix}max_seq_len_cached", rotary_config.max_position_embeddings)
             if consistent is not None:
                 consistent(log, masters, update)
             else:
@@ -201,9 +201,9 @@ def _init_fn(rope_type: str, rotary_cls=None):
     return ROPE_INIT_FUNCTIONS[rope_type]
 
 
-def _validate_with_transformers(scheme: FrequencyScheme, target: PatchSite, shadow) -> None:
+def _validate_with_transformers(scheme: FrequencyScheme, target: PatchSite, rotary_config) -> None:
     """Let the model's own config class veto the scheme (Phi-3 accepts only default/longrope)."""
-    validate = getattr(shadow, "validate_rope", None)
+    validate = getattr(rotary_config, "validate_rope", None)
     if validate is None:
         return
     try:
@@ -229,7 +229,7 @@ def _factor(scheme: str, value, *, required: bool = True, key: str = "factor"):
     )
 
 
-def _original(scheme: str, value, *, ge: int = 1, why: str = ""):
+def _check_original_window(scheme: str, value, *, ge: int = 1, why: str = ""):
     if value is None:
         return None
     return check.integer(
@@ -366,7 +366,7 @@ class Dynamic(_Windowed):
     def __post_init__(self):
         super().__post_init__()
         self._set("factor", _factor(self.name, self.factor))
-        self._set("original_max_position_embeddings", _original(self.name, self.original_max_position_embeddings))
+        self._set("original_max_position_embeddings", _check_original_window(self.name, self.original_max_position_embeddings))
         self._set("cache_rotation", _cache_rotation(self.name, self.cache_rotation))
 
     def rope_parameters(self, ctx):
@@ -402,7 +402,7 @@ class Yarn(_Windowed):
         super().__post_init__()
         n = self.name
         self._set("factor", _factor(n, self.factor))
-        self._set("original_max_position_embeddings", _original(n, self.original_max_position_embeddings))
+        self._set("original_max_position_embeddings", _check_original_window(n, self.original_max_position_embeddings))
         for key, usual in (("beta_fast", 32), ("beta_slow", 1)):
             if getattr(self, key) is not None:
                 self._set(key, _rotations(n, key, getattr(self, key), usual))
@@ -526,18 +526,18 @@ class DynamicYarn(Yarn):
     def public_window(self, ctx):
         return None  # not native: the public config keeps the unpatched window
 
-    def rotary_update(self, target, shadow):
+    def rotary_update(self, target, rotary_config):
         rotary_cls, layered = type(target.rotary), target.layer_types != [None]
         start = {}
         for lt, ctx in target.contexts().items():  # s = 1: unscaled RoPE through the model's own default init
-            cfg = copy.deepcopy(shadow)
+            cfg = copy.deepcopy(rotary_config)
             if layered:
                 cfg.rope_parameters[lt] = self._params(ctx, "default")
             else:
                 cfg.rope_parameters = self._params(ctx, "default")
             inv_freq, scaling = _init_fn("default", rotary_cls)(cfg, **({"layer_type": lt} if layered else {}))
             start[lt] = (inv_freq.float(), float(scaling))
-        return YarnLengthUpdate(copy.deepcopy(shadow), self.original_max_position_embeddings, self.factor, start)
+        return YarnLengthUpdate(copy.deepcopy(rotary_config), self.original_max_position_embeddings, self.factor, start)
 
     def inv_freq(self, ctx, rotary_cls=None, seq_len=None):
         """At length `seq_len` (None: before the first forward, i.e. ℓ ≤ L) what the patched model installs."""
@@ -566,7 +566,7 @@ class Llama3(_Windowed):
         super().__post_init__()
         n = self.name
         self._set("factor", _factor(n, self.factor))
-        self._set("original_max_position_embeddings", _original(n, self.original_max_position_embeddings))
+        self._set("original_max_position_embeddings", _check_original_window(n, self.original_max_position_embeddings))
         self._set("low_freq_factor", _rotations(n, "low_freq_factor", self.low_freq_factor, 1))
         self._set("high_freq_factor", _rotations(n, "high_freq_factor", self.high_freq_factor, 4))
         if self.low_freq_factor >= self.high_freq_factor:
@@ -605,7 +605,7 @@ class LongRope(_Windowed):
             self._set(key, check.number_list(n, key, getattr(self, key), ge=low, le=high,
                                              hint="Each is the rescale factor λ_i of one pair (θ′_i = θ_i / λ_i)."))
         self._set("factor", _factor(n, self.factor))
-        self._set("original_max_position_embeddings", _original(
+        self._set("original_max_position_embeddings", _check_original_window(
             n, self.original_max_position_embeddings, ge=2, why=" LongRoPE's attention factor divides by ln L."))
         self._set("attention_factor", _attention_factor(n, self.attention_factor))
         self._set("cache_rotation", _cache_rotation(n, self.cache_rotation))

@@ -180,7 +180,7 @@ class TwoRegionScores(attention.AttentionRule):
         return call.scratch[key]
 
 
-def _window(name: str, value) -> int:
+def _check_window_size(name: str, value) -> int:
     if value is None:
         raise TypeError(f"{name}: missing required parameter `window_size` (the neighbour window W in tokens, e.g. 512).")
     low, high = check.WINDOW_RANGE
@@ -230,7 +230,7 @@ class SelfExtend(_Deferred):
         low, high = check.GROUP_SIZE_RANGE
         self._set("group_size", check.integer(n, "group_size", self.group_size, ge=low, le=high,
                                               hint="group_size=1 is plain RoPE; the paper uses 2 … 64."))
-        self._set("window_size", _window(n, self.window_size))
+        self._set("window_size", _check_window_size(n, self.window_size))
         if self.window_size <= self.group_size:
             raise ValueError(
                 f"{n}: parameter `window_size` must be larger than `group_size` (the neighbour window holds whole "
@@ -254,7 +254,7 @@ class ReRope(_Deferred):
     window_size: int | None = None
 
     def __post_init__(self):
-        self._set("window_size", _window(self.name, self.window_size))
+        self._set("window_size", _check_window_size(self.name, self.window_size))
 
     def far_positions(self):
         return Affine(0, self.window_size), Affine(0, 0)
@@ -274,7 +274,7 @@ class LeakyReRope(_Deferred):
 
     def __post_init__(self):
         n = self.name
-        self._set("window_size", _window(n, self.window_size))
+        self._set("window_size", _check_window_size(n, self.window_size))
         if self.factor is None:
             raise TypeError(f"{n}: missing required parameter `factor` (k: distances beyond the window grow 1/k as fast, e.g. 16).")
         low, high = check.LEAKY_FACTOR_RANGE

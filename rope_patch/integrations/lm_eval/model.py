@@ -55,12 +55,12 @@ from lm_eval.models.utils_hf import get_dtype
 import rope_patch
 
 from ...api import context_window
+from ...discovery import unwrap
 from ...evaluation import common, perplexity, retrieval
 from ...persistence import MANIFEST
-from ...zoo import resolve_model_path
 from ...registry import canonical_name, did_you_mean, get_scheme_class, list_schemes
 from ...specs import _value as parse_value
-from ...discovery import unwrap
+from ...zoo import resolve_model_path
 
 logger = logging.getLogger("rope_patch.lm_eval")
 
@@ -130,7 +130,7 @@ def _check_adapter(adapter) -> Path:
     return path
 
 
-def _window(model) -> int | None:
+def _served_window(model) -> int | None:
     """The context the patched model serves (rope_patch.api.context_window; dynamic NTK's config keeps L)."""
     try:
         return context_window(model)
@@ -198,7 +198,7 @@ class RopePatchLM(HFLM):
             self._patch_model()
         self._setup_distributed()
         if not self._max_length:
-            self._max_length = _window(self.model)
+            self._max_length = _served_window(self.model)
         applied = rope_patch.current(self.model)
         logger.info("rope_patch: %s, scheme %s, max_length %s", self._spec, applied, self._max_length)
 
@@ -252,7 +252,7 @@ class RopePatchLM(HFLM):
         self._warned.add(key)
         what = ("HFLM TRUNCATES IT FROM THE LEFT (the beginning of the prompt, e.g. a needle, is lost)" if truncated
                 else "it is evaluated in full (an exact-token rope_* document), i.e. beyond the patched window")
-        window = _window(self.model)
+        window = _served_window(self.model)
         origin = " (the patched window)" if limit == self.max_length == window else ""
         msg = (f"rope_patch: a prompt of {length} tokens is longer than max_length={limit}{origin}; {what}. "
                "Pass --model_args max_length=N (or a scheme whose window covers it) to change this.")

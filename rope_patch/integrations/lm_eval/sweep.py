@@ -369,7 +369,7 @@ def compare_format(result: dict) -> dict | None:
                                     "correct": c["correct"], "accuracy": c["accuracy"], "answers": [], "outputs": []})
     return {"format": COMPARE_FORMAT,
             "model": {"spec": s["model"], "name": s.get("name", s["model"]), "path": s["model_path"], "model_type": None,
-                      "window": _window(s["model_path"]), "n_params": None, "dtype": None},
+                      "window": _saved_window(s["model_path"]), "n_params": None, "dtype": None},
             "settings": {"lengths": s["lengths"], "passkey_lengths": s["lengths"], "depths": meta.get("depths", []),
                          "passkey_samples": meta.get("samples"), "seed": meta.get("seed"),
                          "ppl_tokens": meta.get("ppl_tokens"), "windows_at_longest": None,
@@ -380,7 +380,7 @@ def compare_format(result: dict) -> dict | None:
             "records": records, "passkey": passkey, "buckets": [], "elapsed_s": result.get("elapsed_s", {})}
 
 
-def _window(path) -> int | None:
+def _saved_window(path) -> int | None:
     try:
         return int(json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings"))
     except (OSError, ValueError, TypeError):
