@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .registry import list_schemes
+
 
 @dataclass(frozen=True)
 class RopeContext:
@@ -108,8 +110,6 @@ def _is_rotary(module: nn.Module) -> bool:
 
 def find_target(model) -> PatchSite:
     """The model's rotary module, or a TypeError saying what was found and what is supported."""
-    from .registry import list_schemes
-
     base = unwrap(model)
     if not isinstance(base, nn.Module) or not hasattr(base, "config"):
         raise TypeError(

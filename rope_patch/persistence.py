@@ -3,7 +3,7 @@
 A saved directory holds what `save_pretrained` of transformers (or peft, for an adapter) writes, plus
 `rope_patch.json` (scheme, parameters, the unpatched RoPE config, versions) and, when the scheme owns learned
 parameters (relative-bias or position tables), `rope_patch.safetensors`. For a scheme with a native transformers
-form, config.json carries it, so plain `AutoModelForCausalLM.from_pretrained` reproduces the logits without
+form, config.json carries it, so plain `transformers.AutoModelForCausalLM.from_pretrained` reproduces the logits without
 rope_patch installed; for the others config.json keeps the unpatched RoPE and `rope_patch.from_pretrained`
 re-applies the scheme.
 
@@ -29,10 +29,10 @@ from torch import nn
 
 from ._version import __version__
 from .api import SchemeLike, apply, as_scheme, current, original_config, patch_modules
+from .discovery import RopeContext, find_target, unwrap
 from .files import sha256_file, write_text_atomic
 from .schemes.base import Scheme
 from .specs import parse_scheme_spec
-from .discovery import RopeContext, find_target, unwrap
 
 MANIFEST = "rope_patch.json"
 PATCH_WEIGHTS = "rope_patch.safetensors"
@@ -139,22 +139,19 @@ def export_info(directory: str | os.PathLike, base: str | os.PathLike | None = N
 def _adapter_native(path: Path, manifest: dict | None, base) -> tuple[dict, int]:
     """Adapter folders carry no config.json: rebuild the base model's skeleton on the meta device (no weights),
     apply the recorded scheme and read its native config."""
-    # transformers' auto classes (~1 s to import) only when an adapter is exported: `import rope_patch` stays fast.
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     recorded = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     src = base or recorded
     if not src:
         raise ValueError(f"{path} is an adapter without a recorded base model: pass --base PATH.")
     try:
-        config = AutoConfig.from_pretrained(src)
+        config = transformers.AutoConfig.from_pretrained(src)
     except OSError as err:
         raise FileNotFoundError(f"The adapter's base model {src!r} cannot be read ({err}); pass --base PATH.") from None
     if manifest and manifest.get("original"):
         config.rope_parameters = manifest["original"]["rope_parameters"]
         config.max_position_embeddings = manifest["original"]["max_position_embeddings"]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     if manifest and manifest["scheme"]:
         apply(model, manifest["scheme"], **manifest["params"])
     native = native_config(model)
@@ -326,9 +323,6 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     Raises FileNotFoundError for a missing config.json / adapter_config.json / rope_patch.safetensors and
     ValueError for a corrupt, mismatched or future-format file (see `read_manifest`), naming the file.
     """
-    # transformers' auto classes (~1 s to import) only when a model is loaded: `import rope_patch` stays fast.
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"rope_patch.from_pretrained: {str(path)!r} is not a directory saved by rope_patch.save_pretrained.")
@@ -351,13 +345,13 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     recorded_weights = manifest.get("weights") if manifest else None
     if recorded_weights and recorded_weights["keys"] and not (path / recorded_weights["file"]).is_file():
         _missing_weights(path / recorded_weights["file"], manifest["scheme"], recorded_weights["keys"])  # before loading
-    model_class = model_class or AutoModelForCausalLM
+    model_class = model_class or transformers.AutoModelForCausalLM
     original = manifest["original"] if manifest else None
 
     def load_base(src):
         if not isinstance(src, (str, os.PathLike)):
             return src
-        config = AutoConfig.from_pretrained(src)
+        config = transformers.AutoConfig.from_pretrained(src)
         if original:  # the scheme is defined relative to the unpatched model
             config.rope_parameters = copy.deepcopy(original["rope_parameters"])
             config.max_position_embeddings = original["max_position_embeddings"]

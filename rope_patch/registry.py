@@ -27,9 +27,9 @@ def register_scheme(cls: type[Scheme] | None = None, *, name: str | None = None,
     """
 
     def add(scheme_cls):
-        from .schemes.base import Scheme
-
-        if not (isinstance(scheme_cls, type) and issubclass(scheme_cls, Scheme)):
+        # The Scheme protocol checked by its methods: the registry sits below schemes/ (which register into it).
+        if not (isinstance(scheme_cls, type) and all(callable(getattr(scheme_cls, m, None))
+                                                      for m in ("from_params", "resolve", "prepare", "param_names"))):
             raise TypeError(f"register_scheme expects a subclass of rope_patch.Scheme, got {scheme_cls!r}.")
         key = name or scheme_cls.name
         if not key:

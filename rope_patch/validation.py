@@ -14,6 +14,10 @@ import math
 import numbers
 import os
 
+import torch
+
+from .registry import did_you_mean
+
 # ---- ranges shared by several schemes ----------------------------------------------------------------------------
 # Context extension ratio s = L′/L. The largest published one is LongRoPE's 2048k-from-4k, i.e. 512× (Ding et al.
 # 2024); 1024 leaves room for that with 2× headroom. Beyond it the interpolated frequencies θ_i/s of every pair
@@ -157,8 +161,6 @@ def rope_theta(scheme: str, value, key: str = "rope_theta") -> float:
 
 def choice(scheme: str, key: str, value, options) -> str:
     if value not in options:
-        from .registry import did_you_mean
-
         raise ValueError(
             f"{_where(scheme, key)} must be one of {', '.join(map(repr, options))}, got {_shown(value)}."
             f"{did_you_mean(value, options)}"
@@ -170,7 +172,7 @@ def choice(scheme: str, key: str, value, options) -> str:
 def physical_memory() -> int | None:
     """Bytes of physical memory of this machine, or None where it cannot be told."""
     try:
-        import psutil
+        import psutil  # psutil: optional (not a dependency); os.sysconf below where it is missing
 
         return int(psutil.virtual_memory().total)
     except (ImportError, AttributeError, OSError):
@@ -186,8 +188,6 @@ def check_table_memory(scheme: str, key: str, rows: int, cols: int, dtype) -> in
     TABLE_MEMORY_FRACTION of this machine's physical memory. Returns the estimate in bytes."""
     itemsize = getattr(dtype, "itemsize", None)
     if itemsize is None:
-        import torch
-
         itemsize = torch.empty((), dtype=dtype).element_size()
     need = int(rows) * int(cols) * int(itemsize)
     total = physical_memory()

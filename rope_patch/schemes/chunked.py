@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from .. import attention
 from .. import validation as check
@@ -210,8 +211,6 @@ class DualChunkScores(attention.AttentionRule):
     def _region_block_mask(self, block_mask, call, region: int):
         """`block_mask` ∧ (pair in `region`), keeping only the blocks that can hold such a pair (judged from each
         block's smallest and largest chunk difference); None when no block does."""
-        from torch.nn.attention.flex_attention import BlockMask
-
         q_len, k_len = call.query.shape[3], call.key.shape[2]
         dev, c = call.key.device, self.chunk
         b = call.query.shape[0]
