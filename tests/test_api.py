@@ -132,7 +132,7 @@ def test_bare_decoder_and_causal_lm_share_the_patch(ids):
 
 
 def test_peft_model_is_unwrapped(ids):
-    peft = pytest.importorskip("peft")
+    import peft
     model = tiny_model()
     lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     before = logits(lora, ids)

@@ -49,7 +49,7 @@ def test_non_native_scheme_keeps_plain_config_and_reloads_through_rope_patch(ids
 
 
 def test_adapter_round_trip(ids, tmp_path):
-    peft = pytest.importorskip("peft")
+    import peft
     base = tiny_model()
     base.save_pretrained(tmp_path / "base")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager").eval()

@@ -357,7 +357,7 @@ def test_resaving_without_learned_parameters_removes_the_old_tables(saved, copy_
 def test_tables_trained_through_peft_modules_to_save_survive_a_save(scheme, merge, tmp_path, ids):
     """peft trains a copy of a `modules_to_save` table (and `merge_and_unload` puts the copy in its place): the saved
     tables are that trained copy, not the untrained original."""
-    peft = pytest.importorskip("peft")
+    import peft
     tiny_model().save_pretrained(tmp_path / "base")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="sdpa").eval()
     rope_patch.apply(model, scheme)

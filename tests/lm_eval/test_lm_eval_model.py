@@ -8,8 +8,6 @@ from helpers.lm_eval import WINDOW, tiny_llama
 
 import rope_patch
 
-lm_eval = pytest.importorskip("lm_eval")
-
 
 def make(assets, **kw):
     from rope_patch.integrations.lm_eval.model import RopePatchLM

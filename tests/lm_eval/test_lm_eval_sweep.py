@@ -7,8 +7,6 @@ import json
 import pytest
 from helpers.lm_eval import TASKS
 
-pytest.importorskip("lm_eval")
-
 
 def sweep_args(assets, out, **kw):
     from rope_patch.cli import build_parser

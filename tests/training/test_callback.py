@@ -7,6 +7,7 @@ import logging
 import shutil
 from types import SimpleNamespace
 
+import peft
 import pytest
 import torch
 from helpers.models import WINDOW, logits, tiny_config, tiny_model
@@ -17,8 +18,6 @@ import rope_patch
 from rope_patch.api import patch_modules
 from rope_patch.persistence import MANIFEST, PATCH_WEIGHTS, save_patch
 from rope_patch.training import PoSECollator, RopePatchCallback, learned_modules_to_save, restore_patch
-
-peft = pytest.importorskip("peft")
 
 PATCHES = {  # scheme -> (params, learned modules)
     None: ({}, []),

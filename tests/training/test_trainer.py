@@ -8,16 +8,14 @@ import json
 import random
 import shutil
 
+import peft
 import pytest
 import torch
+import transformers
 from helpers.models import tiny_model
 from helpers.training import packed
 
 import rope_patch
-
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
 from rope_patch.training import (  # noqa: E402
     PasskeyMixer,
     PoSECollator,
