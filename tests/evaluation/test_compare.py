@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers.models import tiny_model
 from helpers.text import char_tokenizer, filler_text
+from rich.console import Console
 
 import rope_patch
 from rope_patch import plots
@@ -84,7 +85,10 @@ def test_write_results(result, tmp_path):
     md = paths["markdown"].read_text()
     assert "| yarn×2 |" in md and "Perplexity by position" in md
     assert markdown_table(back) == md
-    rich_table(back)  # renders from a reloaded file too
+    console = Console(record=True, width=200)
+    console.print(rich_table(back))  # renders from a reloaded file too: every scheme, every length
+    shown = console.export_text()
+    assert all(s["label"] in shown for s in back["schemes"]) and all(str(r["length"]) in shown for r in back["records"])
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="not a rope-patch compare result"):
