@@ -158,6 +158,9 @@ def _adapter_native(path: Path, manifest: dict | None, base) -> tuple[dict, int]
     return native["rope_parameters"], native["max_position_embeddings"]
 
 
+_WHAT = {"attention": "attention", "modifier": "the attention temperature"}  # what a non-native scheme changes
+
+
 def _require_native(scheme: Scheme) -> None:
     if scheme.kind == "stack":
         parts = " + ".join(p.name for p in scheme.schemes)
@@ -172,7 +175,7 @@ def _require_native(scheme: Scheme) -> None:
     if scheme.kind != "frequency" or not getattr(scheme, "native", False):
         raise ValueError(
             f"{scheme.name} has no native transformers/vLLM `rope_parameters` form (it changes "
-            f"{'attention' if scheme.kind == 'attention' else 'frequencies in a way transformers cannot express'}). "
+            f"{_WHAT.get(type(scheme).kind, 'frequencies in a way transformers cannot express')}). "
             "Save with rope_patch.save_pretrained and load with rope_patch.from_pretrained instead."
         )
 

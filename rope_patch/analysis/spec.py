@@ -66,7 +66,7 @@ def as_spec(scheme, **params) -> AnalysisSpec:
             raise TypeError(f"Pass parameters either in the spec or as keywords, not both (got {sorted(params)}).")
         return scheme
     if isinstance(scheme, Scheme) or (isinstance(scheme, type) and issubclass(scheme, Scheme)):
-        obj = as_scheme(scheme, **params)
+        obj = _single(as_scheme(scheme, **params))
         return AnalysisSpec(obj.name, obj.params(), obj, _label(obj.name, obj.params()))
     if not isinstance(scheme, str):
         raise TypeError(
@@ -78,5 +78,15 @@ def as_spec(scheme, **params) -> AnalysisSpec:
     if overlap:
         raise TypeError(f"{scheme!r}: parameter(s) {sorted(overlap)} given both in the spec and as keywords.")
     given.update(params)
-    obj = as_scheme(name, **given)
+    obj = _single(as_scheme(name, **given))
     return AnalysisSpec(obj.name, obj.params(), obj, _label(obj.name, given))
+
+
+def _single(obj: Scheme) -> Scheme:
+    """The analysis describes one scheme's positions and frequencies; a stack (yarn:8+logn) is refused, naming its
+    parts to analyse one at a time."""
+    parts = getattr(obj, "schemes", None)
+    if obj.kind == "stack" and parts:
+        raise ValueError(f"The analysis describes one scheme at a time; {' + '.join(p.name for p in parts)} is a stack. "
+                         f"Analyse its parts separately ({', '.join(p.name for p in parts)}).")
+    return obj

@@ -296,3 +296,8 @@ class LogN(Modifier):
             model.set_attn_implementation(wrapper)  # writes the model's private config only (api.apply)
 
         return install
+
+
+# The parameter `kind` (the formula) shadows the family that `Scheme.kind` names on every other scheme class: the
+# instances hold the formula, the class says "modifier" (`rope-patch list`, code that asks a class for its family).
+LogN.kind = "modifier"

@@ -250,3 +250,21 @@ def test_spec_forms():
     assert rope_patch.as_scheme("logn:llama4").kind == "llama4"
     assert rope_patch.as_scheme("attn_temperature_tuning").name == "logn"
     assert "logn" in rope_patch.list_schemes()
+
+
+def test_cli_lists_and_explains_logn(capsys):
+    from rope_patch.cli import main
+
+    assert main(["list"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("logn "))
+    assert "modifier" in line and "kind, attn_scale, floor_scale, layers" in line
+    assert main(["explain", "logn"]) == 0  # the frequencies are the model's own: logn changes the temperature only
+    assert "pairs unchanged (θ′ = θ): 64 of 64" in capsys.readouterr().out
+    assert main(["explain", "yarn:8+logn"]) == 2  # one scheme at a time, said in one line
+    err = capsys.readouterr().err
+    assert "yarn + logn is a stack" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_no_native_form():
+    with pytest.raises(ValueError, match="logn has no native.*attention temperature"):
+        rope_patch.to_rope_parameters("logn")
