@@ -56,10 +56,7 @@ def cache_rotation(scheme: str, value) -> str | None:
     )
 
 
-_Rule = getattr(attention, "AttentionRule", None) or attention.ScoreMod  # named ScoreMod before the attention/ split
-
-
-class CurrentRotation(_Rule):
+class CurrentRotation(attention.AttentionRule):
     """q at its true positions i and every key at its true position j, both rotated with the rotary's current
     frequencies (this step's θ(ℓ)): plain RoPE attention, computed on un-rotated cached keys."""
 
@@ -83,8 +80,6 @@ class CurrentRotation(_Rule):
         q, k, v = call.scratch["q"][:, :, :, rows], call.scratch["k"], call.value
         parts = [attention.flash_partial(call, q, k[:, :, :c], v[:, :, :c])] if c > 0 else []
         return [*parts, attention.flash_causal_partial(call, q, k[:, :, c:end], v[:, :, c:end])]
-
-    fast = fused  # the method's name before the attention/ split
 
     def flex(self, call, block_mask):
         return attention.flex_call(call, call.scratch["q"].flatten(1, 2), call.scratch["k"], call.value, block_mask)
