@@ -29,7 +29,7 @@ test: $(STAMP)
 # The core guarantees only (apply/remove, ownership, shipped scaling, specs, frequency exactness): a quick check
 # while editing; `make test` is the full CI suite.
 FAST_TESTS := tests/test_api.py tests/test_ownership.py tests/test_shipped_scaling.py tests/test_specs.py \
-	tests/test_explain.py tests/schemes/test_frequency.py tests/test_rotation_math.py
+	tests/test_explain.py tests/schemes/test_frequency.py tests/test_rotation_math.py tests/test_layout.py
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(FAST_TESTS)
 
