@@ -12,8 +12,8 @@ cache), `masking_utils.find_packed_sequence_indices` reads every step != 1 in th
 new packed sequence and builds a block-diagonal causal mask — PoSE's chunks would then never attend to each
 other, the exact opposite of the method. Passing an explicit all-ones 2-D `attention_mask` switches the packed
 detection off; the causal mask is then built from token order (query index >= key index), which is what PoSE
-needs: the chunks are one sequence whose positions skip ahead. `pose_inputs` builds such a batch, and
-`attends_across_skips` checks it on a real model (tests/recipes/test_pose.py runs it on eager and sdpa).
+needs: the chunks are one sequence whose positions skip ahead. `pose_inputs` builds such a batch
+(tests/recipes/test_pose.py checks on eager and sdpa that the first chunk then reaches the last token).
 """
 
 from __future__ import annotations
@@ -67,27 +67,3 @@ def pose_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor | Sequence[S
     if position_ids.shape != input_ids.shape:
         raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(input_ids.shape)}.")
     return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": torch.ones_like(input_ids)}
-
-
-def has_skips(position_ids: torch.Tensor) -> bool:
-    """True when some step between neighbouring position ids is not +1 (what transformers reads as packing)."""
-    return bool((torch.diff(position_ids, dim=-1) != 1).any())
-
-
-@torch.no_grad()
-def attends_across_skips(model, input_ids: torch.Tensor, position_ids: torch.Tensor, *, with_mask: bool = True) -> bool:
-    """Whether the last token's logits depend on the first token when the row's position ids skip ahead.
-
-    With a causal mask over the whole row they do; with transformers' packed-sequence (block-diagonal) mask they
-    cannot. `with_mask=False` calls the model the naive way (position_ids only) to show the trap.
-    """
-    kwargs = pose_inputs(input_ids, position_ids)
-    if not with_mask:
-        kwargs.pop("attention_mask")
-    changed = input_ids.clone()
-    vocab = model.get_input_embeddings().weight.shape[0]
-    changed[:, 0] = (changed[:, 0] + 1) % vocab
-    # use_cache=False as in training: with a cache transformers skips the packed-sequence detection.
-    a = model(**kwargs, use_cache=False).logits[:, -1]
-    b = model(**{**kwargs, "input_ids": changed}, use_cache=False).logits[:, -1]
-    return bool((a - b).abs().max() > 0)

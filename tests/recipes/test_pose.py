@@ -9,7 +9,31 @@ import torch
 from helpers.models import tiny_model
 from transformers import DynamicCache
 
-from rope_patch.training.pose import attends_across_skips, has_skips, pose_inputs, pose_position_ids, validate_pose
+from rope_patch.training.pose import pose_inputs, pose_position_ids, validate_pose
+
+
+def has_skips(position_ids: torch.Tensor) -> bool:
+    """True when some step between neighbouring position ids is not +1 (what transformers reads as packing)."""
+    return bool((torch.diff(position_ids, dim=-1) != 1).any())
+
+
+@torch.no_grad()
+def attends_across_skips(model, input_ids: torch.Tensor, position_ids: torch.Tensor, *, with_mask: bool = True) -> bool:
+    """Whether the last token's logits depend on the first token when the row's position ids skip ahead.
+
+    With a causal mask over the whole row they do; with transformers' packed-sequence (block-diagonal) mask they
+    cannot. `with_mask=False` calls the model the naive way (position_ids only) to show the trap.
+    """
+    kwargs = pose_inputs(input_ids, position_ids)
+    if not with_mask:
+        kwargs.pop("attention_mask")
+    changed = input_ids.clone()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    changed[:, 0] = (changed[:, 0] + 1) % vocab
+    # use_cache=False as in training: with a cache transformers skips the packed-sequence detection.
+    a = model(**kwargs, use_cache=False).logits[:, -1]
+    b = model(**{**kwargs, "input_ids": changed}, use_cache=False).logits[:, -1]
+    return bool((a - b).abs().max() > 0)
 
 
 @pytest.mark.parametrize("n_chunks", [1, 2, 3, 5])
