@@ -13,11 +13,13 @@ from .persistence import from_pretrained, native_config, save_pretrained, to_rop
 from .registry import list_schemes, register_scheme
 from .schemes.base import Scheme
 from .schemes.frequency import FrequencyScheme
+from .schemes.stack import Stack
 
 __all__ = [
     "FrequencyScheme",
     "LengthFix",
     "Scheme",
+    "Stack",
     "apply",
     "as_scheme",
     "context_window",

@@ -340,7 +340,7 @@ def test_spec_grammar_and_current():
     assert parse_spec("default:1e+6") == ("default", {"rope_theta": 1e6})  # a '+' inside a number is no join
     assert parse_spec("logn:llama4") == ("logn", {"kind": "llama4"})
     stack = parse_scheme_spec("logn + yarn:factor=4,beta_fast=16")  # any order, spaces: installed freq first
-    assert isinstance(stack, Stack) and [p.name for p in stack.schemes] == ["yarn", "logn"]
+    assert isinstance(stack, rope_patch.Stack) and [p.name for p in stack.schemes] == ["yarn", "logn"]
     assert stack == rope_patch.as_scheme(["logn", rope_patch.as_scheme("yarn", factor=4, beta_fast=16)])
     assert stack.frequency.factor == 4 and stack.attention is None and stack.modifiers[0].kind == "logn"
     assert str(stack) == "yarn(factor=4.0, beta_fast=16.0) + logn(kind='logn', layers='all')"
