@@ -145,6 +145,17 @@ def test_logn_equals_scaling_the_query(spec, freq, kind, attn_scale, floor_scale
         assert (got - ref_logits(ref, hook, ids, kw)).abs().max().item() > 20 * TOL  # the temperature does something
 
 
+def test_logn_wraps_the_attention_function_of_cache_rotation_consistent():
+    """dynamic_yarn with cache_rotation='consistent' runs rope_patch's attention function: logn wraps that one."""
+    spec = "dynamic_yarn:factor=4,cache_rotation=consistent"
+    model, ref = (tiny_model("llama", attn_implementation="sdpa") for _ in range(2))
+    rope_patch.apply(ref, spec)
+    hook = with_query_scale(ref, lambda p: logn_factor(p, "logn", WINDOW))
+    rope_patch.apply(model, spec + "+logn")
+    ids, kw = batch(True)
+    assert (logits(model, ids, **kw) - ref_logits(ref, hook, ids, kw)).abs().max().item() <= TOL
+
+
 ATTN_LOGN = ["self_extend:group_size=4,window_size=16", "rerope:window_size=16", "alibi", "nope", "sinusoidal",
              "relative_bias:init=alibi", "string:shift_size=40,window_size=16"]
 
@@ -369,6 +380,8 @@ REFUSED = [  # (what is applied, error type, words the message must hold)
     (["yarn:4", "learned_absolute"], ValueError, ["learned_absolute removes the rotation"]),
     (["dynamic:4", "self_extend:group_size=4,window_size=16"], ValueError, ["dynamic rescales", "dynamic_yarn"]),
     (["logn", "yarn:4", "logn:llama4"], ValueError, ["logn is given twice"]),
+    (["dynamic_yarn:factor=4,cache_rotation=consistent", "rerope:window_size=8"], ValueError,
+     ["cache_rotation='consistent' runs its own attention function"]),
     ("yarn:4+", TypeError, ["factor"]),
     ("+logn", ValueError, ["empty part"]),
     ([], ValueError, ["at least two"]),

@@ -117,6 +117,11 @@ def _check(parts: list[Scheme]) -> None:
         if not _rotates_with_model(a):
             raise ValueError(f"Cannot stack {names}: {a.name} removes the rotation (its model runs without RoPE), so "
                              f"there are no frequencies for {f.name} to change. {ALLOWED}")
+        if getattr(f, "cache_rotation", None) == "consistent":
+            raise ValueError(
+                f"Cannot stack {names}: {f.name} with cache_rotation='consistent' runs its own attention function, and "
+                f"so does {a.name}. {a.name} already rotates the cached keys inside attention with each step's "
+                f"frequencies: drop cache_rotation (use {f.name} with its default).")
         if isinstance(f, (Dynamic, LongRope)):
             raise ValueError(
                 f"Cannot stack {names}: {f.name} rescales its frequencies from the largest position each rotary call "
