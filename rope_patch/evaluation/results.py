@@ -341,21 +341,3 @@ def _buckets(buckets, key, label, length) -> list[dict]:
                     out.append({"scheme": key, "label": label, "length": int(_num(b.get("length")) or length or 0) or None,
                                 "start": _num(b["start"]), "end": _num(b["end"]), "perplexity": ppl})
     return out
-
-
-def _buckets(buckets, key, label, length) -> list[dict]:
-    out = []
-    if isinstance(buckets, dict):
-        for span, value in buckets.items():
-            se = _span(span)
-            ppl = _num(value.get("perplexity") if isinstance(value, dict) else value)
-            if se is not None and ppl is not None:
-                out.append({"scheme": key, "label": label, "length": length, "start": se[0], "end": se[1], "perplexity": ppl})
-    elif isinstance(buckets, list):
-        for b in buckets:
-            if isinstance(b, dict) and _num(b.get("start")) is not None and _num(b.get("end")) is not None:
-                ppl = _num(_first(b, _PPL_KEYS))
-                if ppl is not None:
-                    out.append({"scheme": key, "label": label, "length": int(_num(b.get("length")) or length or 0) or None,
-                                "start": _num(b["start"]), "end": _num(b["end"]), "perplexity": ppl})
-    return out

@@ -105,20 +105,18 @@ def scores(scheme, p, model, layer_idx, q, k, pos, scale=None, layer_type=None):
     raise KeyError(scheme)
 
 
-@torch.no_grad()
-def forward(model, ids, scheme, params, mask=None):
-    """Reference logits (b, L, vocab); rows that are padding are garbage (compare real tokens only)."""
-    cfg, base = model.config, model.model
+def decoder_forward(model, ids, scores_fn, mask=None, position_encoding=None):
+    """A llama / mistral / qwen2-layout decoder written out: causal attention in true positions, with the scores of
+    layer `layer_idx` from `scores_fn(layer_idx, q, k, pos)` (b, H, L, L) and, optionally, an absolute encoding
+    `position_encoding(pos)` added to the embeddings. Logits (b, L, vocab); padding rows are garbage."""
+    base = model.model
     b, n = ids.shape
     pos = true_positions(mask, b, n)
     x = base.embed_tokens(ids)
-    if scheme == "sinusoidal":
-        x = x + sinusoid_table(n, cfg.hidden_size, params.get("rope_theta", 10000.0))[pos]
-    if scheme == "learned_absolute":
-        x = x + model.rope_patch_position_embeddings.weight[pos]
-    allowed = pos[:, :, None] >= pos[:, None, :]  # causal in true positions
+    if position_encoding is not None:
+        x = x + position_encoding(pos)
     slot = torch.arange(n)
-    allowed &= slot[:, None] >= slot[None, :]
+    allowed = (pos[:, :, None] >= pos[:, None, :]) & (slot[:, None] >= slot[None, :])  # causal in true positions
     if mask is not None:
         allowed &= mask.bool()[:, None, :]
     for layer_idx, layer in enumerate(base.layers):
@@ -130,13 +128,23 @@ def forward(model, ids, scheme, params, mask=None):
         v = a.v_proj(hdn).view(b, n, -1, d).transpose(1, 2)
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        s = scores(scheme, params, model, layer_idx, q, k, pos)
-        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        s = scores_fn(layer_idx, q, k, pos).masked_fill(~allowed[:, None], float("-inf"))
         attn = torch.softmax(s, dim=-1).nan_to_num(0.0)
-        o = (attn @ v).transpose(1, 2).reshape(b, n, -1)
-        x = x + a.o_proj(o)
+        x = x + a.o_proj((attn @ v).transpose(1, 2).reshape(b, n, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(base.norm(x))
+
+
+@torch.no_grad()
+def forward(model, ids, scheme, params, mask=None):
+    """Reference logits (b, L, vocab) under `scheme`; rows that are padding are garbage (compare real tokens only)."""
+    encoding = None
+    if scheme == "sinusoidal":
+        table = sinusoid_table(ids.shape[1], model.config.hidden_size, params.get("rope_theta", 10000.0))
+        encoding = table.__getitem__
+    if scheme == "learned_absolute":
+        encoding = model.rope_patch_position_embeddings.weight.__getitem__
+    return decoder_forward(model, ids, lambda i, q, k, pos: scores(scheme, params, model, i, q, k, pos), mask, encoding)
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.reference import inv_freq, rotate_half, true_positions
+from helpers.reference import decoder_forward, inv_freq, rotate_half
 
 
 def paper_parameters(chunk_size: int, local_size: int) -> dict:
@@ -63,26 +63,4 @@ def scores(model, q, k, pos, chunk_size, local_size, scale=None):
 @torch.no_grad()
 def forward(model, ids, chunk_size, local_size, mask=None):
     """Reference logits (b, L, vocab) of a llama / mistral / qwen2-layout model under DCA; padding rows are garbage."""
-    base = model.model
-    b, n = ids.shape
-    pos = true_positions(mask, b, n)
-    x = base.embed_tokens(ids)
-    slot = torch.arange(n)
-    allowed = (pos[:, :, None] >= pos[:, None, :]) & (slot[:, None] >= slot[None, :])
-    if mask is not None:
-        allowed &= mask.bool()[:, None, :]
-    for layer in base.layers:
-        a = layer.self_attn
-        hdn = layer.input_layernorm(x)
-        d = a.head_dim
-        q = a.q_proj(hdn).view(b, n, -1, d).transpose(1, 2)
-        k = a.k_proj(hdn).view(b, n, -1, d).transpose(1, 2)
-        v = a.v_proj(hdn).view(b, n, -1, d).transpose(1, 2)
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        s = scores(model, q, k, pos, chunk_size, local_size)
-        s = s.masked_fill(~allowed[:, None], float("-inf"))
-        attn = torch.softmax(s, dim=-1).nan_to_num(0.0)
-        x = x + a.o_proj((attn @ v).transpose(1, 2).reshape(b, n, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(base.norm(x))
+    return decoder_forward(model, ids, lambda i, q, k, pos: scores(model, q, k, pos, chunk_size, local_size), mask)
