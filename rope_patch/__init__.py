@@ -14,12 +14,14 @@ from .registry import list_schemes, register_scheme
 from .schemes.base import Scheme
 from .schemes.frequency import FrequencyScheme
 from .schemes.stack import Stack
+from .suggest import Suggestion, suggest
 
 __all__ = [
     "FrequencyScheme",
     "LengthFix",
     "Scheme",
     "Stack",
+    "Suggestion",
     "apply",
     "as_scheme",
     "context_window",
@@ -33,5 +35,6 @@ __all__ = [
     "register_scheme",
     "remove",
     "save_pretrained",
+    "suggest",
     "to_rope_parameters",
 ]

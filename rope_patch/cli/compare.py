@@ -16,6 +16,7 @@ from ..evaluation.common import auto_threads, read_tokens
 from ..evaluation.compare import DEFAULT_LENGTHS, DEFAULT_SCHEMES, parse_schemes, resumed_units, run_compare, work_units
 from ..evaluation.results import check_writable, load_results, rich_table, write_results
 from ..evaluation.retrieval import DEFAULT_DEPTHS
+from ..suggest import pretraining_window, specs_for_target
 from .args import count, fraction, positive
 
 
@@ -29,10 +30,16 @@ def add_parser(subparsers) -> None:
         "keeps what finished and --resume completes it. Writes compare.json/.csv/.md and "
         "perplexity.png/passkey.png to --out.")
     p.add_argument("--model", default="tiny", help="tiny, smollm2, or a local model folder (default: tiny)")
-    p.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), metavar="SPEC",
-                   help="scheme specs: name, name:factor, or name:key=value,... (default: %(default)s)")
-    p.add_argument("--lengths", nargs="+", type=length, default=list(DEFAULT_LENGTHS), metavar="N",
-                   help="context lengths in tokens, each >= 8 (default: %(default)s)")
+    p.add_argument("--schemes", nargs="+", default=None, metavar="SPEC",
+                   help="scheme specs: name, name:factor, or name:key=value,... (default: "
+                   f"{' '.join(DEFAULT_SCHEMES)}; with --target: default + rope_patch.suggest's schemes)")
+    p.add_argument("--target", type=length, default=None, metavar="N",
+                   help="target length: without --schemes, compare default with every scheme rope_patch.suggest "
+                   "recommends for N on this model (its paper's parameters); with --schemes, bare names get the "
+                   "suggested parameters and specs with parameters stay as given")
+    p.add_argument("--lengths", nargs="+", type=length, default=None, metavar="N",
+                   help="context lengths in tokens, each >= 8 (default: "
+                   f"{' '.join(map(str, DEFAULT_LENGTHS))}; with --target N: those below N, the window and N)")
     p.add_argument("--passkey-lengths", nargs="*", type=length, default=None, metavar="N",
                    help="lengths for passkey retrieval (default: --lengths; give none to skip passkey)")
     p.add_argument("--depths", nargs="+", type=fraction, default=list(DEFAULT_DEPTHS), metavar="D",
@@ -58,7 +65,10 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     console = Console(stderr=True)
-    parse_schemes(args.schemes)  # bad specs fail here, before the model loads
+    given = args.schemes
+    if given is not None:
+        parse_schemes(given)  # bad specs fail here, before the model loads
+    args.schemes = given or list(DEFAULT_SCHEMES)
     out = check_writable(args.out)  # and an unwritable --out too
     previous = None
     if args.resume:
@@ -75,6 +85,13 @@ def run(args) -> int:
     path = models.resolve_model_path(args.model)
     console.print(f"Loading {args.model} from {path} ({torch.get_num_threads()} threads) ...")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype)
+    if args.target is not None:  # the papers' parameters for this model and target (rope_patch/suggest.py)
+        args.schemes = specs_for_target(model, args.target, given)
+        parse_schemes(args.schemes)
+        console.print(f"--target {args.target}: " + " ".join(args.schemes))
+    if args.lengths is None:
+        args.lengths = list(DEFAULT_LENGTHS) if args.target is None else sorted(
+            {n for n in DEFAULT_LENGTHS if n < args.target} | {pretraining_window(model), args.target})
     token_ids, _ = read_tokens(tokenizer, args.heldout)
     passkey_lengths = args.lengths if args.passkey_lengths is None else args.passkey_lengths
     sizes = (len(token_ids), args.lengths, passkey_lengths, args.depths, args.passkey_samples, args.windows)

@@ -1,0 +1,115 @@
+"""rope_patch.suggest: the papers' parameter rules for a target length, table-driven over several L and N."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+from helpers.models import VOCAB, logits, tiny_model
+
+import rope_patch
+from rope_patch.suggest import FREQUENCY_SCHEMES, Suggestion, pretraining_window, specs_for_target, suggest
+
+CASES = [(32, 16), (32, 32), (32, 33), (32, 96), (32, 256), (256, 200), (256, 1024), (256, 2048), (4096, 2048),
+         (4096, 12288), (4096, 32768), (8192, 131072)]
+
+
+def _by_name(suggestions):
+    return {s.scheme: s for s in suggestions}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {window: tiny_model(max_position_embeddings=window) for window in sorted({w for w, _ in CASES})}
+
+
+@pytest.mark.parametrize("window,n", CASES)
+def test_rules_hold(models, window, n):
+    found = suggest(models[window], n)
+    assert all(isinstance(s, Suggestion) for s in found)
+    got = _by_name(found)
+    assert len(got) == len(found)  # one suggestion per scheme
+    if n <= window:
+        assert set(got) <= {"string"}
+    else:
+        assert set(FREQUENCY_SCHEMES) <= set(got) and {"dca", "rerope", "leaky_rerope", "string"} <= set(got)
+        for name in FREQUENCY_SCHEMES:
+            assert got[name].params == {"factor": pytest.approx(n / window)}
+            assert f"{n}/{window}" in got[name].reason
+        assert got["dca"].params == {"chunk_size": window * 3 // 4, "local_size": window // 8}
+        assert got["rerope"].params == {"window_size": window // 2}
+        leaky = got["leaky_rerope"].params
+        w, k = leaky["window_size"], leaky["factor"]
+        assert w == window // 4 and w + (n - 1 - w) / k <= window - 1 < w + (n - 1 - w) / max(1.0, k - 0.01) + 1e-9
+        assert not got["string"].alone and "compose it with a frequency scheme" in got["string"].reason
+        stack = got["string"].reason.split("rope_patch.apply(model, ")[1].rstrip(")")
+        if window <= 256:  # the stack the reason shows applies as written
+            with rope_patch.patched(models[window], eval(stack)):
+                pass
+        assert str(n - 1 - got["string"].params["shift_size"] + got["string"].params["window_size"]) in got["string"].reason
+    if "self_extend" in got:
+        g, w = got["self_extend"].params["group_size"], got["self_extend"].params["window_size"]
+        budget = Fraction(2 * window, 3)
+        assert w == window // 4 and g < w
+        assert w + Fraction(n - w, g) <= budget  # the paper's rule holds ...
+        assert g == 1 or w + Fraction(n - w, g - 1) > budget  # ... for the smallest G
+        assert f"{w} + {n - w}/{g}" in got["self_extend"].reason
+    elif n > window:
+        assert 2.4 * n / window > window // 4 - 1  # skipped only where G would reach W
+    if "string" in got:
+        s, w = got["string"].params["shift_size"], got["string"].params["window_size"]
+        assert s > w and w == max(1, min(128, window // 32)) and s == max(w + 1, round(n / 3))
+        assert f"S = N/3 = {s}" in got["string"].reason and got["string"].alone == (n <= window)
+
+
+@pytest.mark.parametrize("window,n", [c for c in CASES if c[0] <= 256])
+def test_every_suggestion_applies_cleanly_and_remove_is_exact(models, window, n):
+    model = models[window]
+    ids = torch.randint(3, VOCAB, (1, 40))
+    before = logits(model, ids)
+    for s in suggest(model, n):
+        rope_patch.apply(model, s.spec)
+        applied = rope_patch.current(model)
+        assert applied.name == s.scheme
+        assert all(getattr(applied, k) == pytest.approx(v) for k, v in s.params.items())
+        assert torch.isfinite(logits(model, ids)).all()
+        rope_patch.remove(model)
+    assert torch.equal(logits(model, ids), before)
+
+
+def test_the_window_is_the_model_as_loaded_also_under_a_patch_and_with_shipped_scaling():
+    model = tiny_model(max_position_embeddings=256)
+    rope_patch.apply(model, "yarn", factor=4.0)
+    assert rope_patch.context_window(model) == 1024 and pretraining_window(model) == 256
+    assert _by_name(suggest(model, 1024))["linear"].params == {"factor": 4}
+    shipped = tiny_model(max_position_embeddings=1024, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256})
+    assert pretraining_window(shipped) == 256
+    assert _by_name(suggest(shipped, 2048))["yarn"].spec == "yarn:factor=8"
+
+
+def test_compare_scheme_lists():
+    model = tiny_model(max_position_embeddings=256)
+    listed = specs_for_target(model, 1024)
+    assert listed[0] == "default" and "yarn:factor=4" in listed and not any(s.startswith("string") for s in listed)
+    filled = specs_for_target(model, 1024, ["default", "yarn", "yarn:8", "self_extend", "alibi", "loaded"])
+    assert filled == ["default", "yarn:factor=4", "yarn:8", "self_extend:group_size=9,window_size=64", "alibi", "loaded"]
+
+
+@pytest.mark.parametrize("n,error,match", [(1, ValueError, "target_length"), (True, TypeError, "target_length"),
+                                           (256 * 1025, ValueError, "factors up to 1024")])
+def test_bad_targets(n, error, match):
+    with pytest.raises(error, match=match):
+        suggest(tiny_model(max_position_embeddings=256), n)
+
+
+def test_compare_parser_takes_a_target():
+    from rope_patch.cli.main import build_parser
+
+    args = build_parser().parse_args(["compare", "--target", "1024"])
+    assert args.target == 1024 and args.schemes is None and args.lengths is None
+    args = build_parser().parse_args(["compare", "--target", "1024", "--schemes", "yarn", "alibi"])
+    assert args.schemes == ["yarn", "alibi"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compare", "--target", "4"])
