@@ -19,6 +19,7 @@ from torch import nn
 from .discovery import PatchSite, find_target
 from .registry import get_scheme_class
 from .schemes.base import Scheme
+from .schemes.stack import Stack
 from .specs import parse_spec
 from .undo import UndoLog
 
@@ -52,8 +53,6 @@ def as_scheme(scheme: SchemeLike | list | tuple, **params: Any) -> Scheme:
     the grammar of the command line) plus keyword parameters, or a `Scheme` object as it is. A list of those, or a
     spec joined by `+` (`"yarn:4+logn"`), is a stack (schemes/stack.py); a list of one is that scheme."""
     if isinstance(scheme, (list, tuple)) or (isinstance(scheme, str) and "+" in scheme and parse_spec(scheme)[0] == "stack"):
-        from .schemes.stack import Stack  # schemes import the API's foundation, not the other way round at load
-
         if params:
             raise TypeError(f"Pass each part's parameters in its own spec or Scheme when applying several schemes "
                             f"(got keywords {sorted(params)} for {scheme!r}).")

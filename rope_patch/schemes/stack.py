@@ -36,8 +36,10 @@ from ..registry import get_scheme_class, register_scheme
 from ..rotary import PatchedRotaryForward
 from ..specs import parse_spec
 from .base import InstallStep, Scheme
+from .chunked import DualChunk
 from .common import AttentionScheme
 from .frequency import Dynamic, FrequencyScheme, LongRope
+from .positions import _Deferred
 
 ALLOWED = ("A stack holds at most one frequency scheme, one attention-side scheme and modifiers (logn); frequency "
            "schemes compose with the attention-side schemes that rotate with the model's RoPE (self_extend, rerope, "
@@ -84,9 +86,6 @@ def _rank(part: Scheme) -> int:
 def _rotates_with_model(scheme: AttentionScheme) -> bool:
     """Does the scheme rotate q and k inside attention with the model's own rotary (deferred RoPE)? A scheme class of
     one's own says so with a class attribute `uses_model_rotation = True`."""
-    from .chunked import DualChunk
-    from .positions import _Deferred
-
     return bool(getattr(scheme, "uses_model_rotation", isinstance(scheme, (_Deferred, DualChunk))))
 
 
