@@ -268,3 +268,16 @@ def test_cli_lists_and_explains_logn(capsys):
 def test_no_native_form():
     with pytest.raises(ValueError, match="logn has no native.*attention temperature"):
         rope_patch.to_rope_parameters("logn")
+
+
+@pytest.mark.parametrize("spec", ["nope+logn:kind=llama4,layers=nope", "alibi+logn", "sinusoidal+logn"])
+def test_llama4_stacks_with_schemes_that_remove_the_rotation(spec):
+    """Llama 4's complex rotary becomes the identity 1 + 0i; logn on top; remove() is bit-exact."""
+    model = llama4_model()
+    ids = ids_()
+    before = logits(model, ids)
+    rope_patch.apply(model, spec)
+    out = logits(model, ids)
+    assert torch.isfinite(out).all() and (out - before).abs().max().item() > 1e-3
+    rope_patch.remove(model)
+    assert torch.equal(logits(model, ids), before)
