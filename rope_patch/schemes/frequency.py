@@ -21,17 +21,23 @@ from typing import ClassVar
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .. import discovery
 from .. import validation as check
+from ..discovery import PatchSite, RopeContext
 from ..registry import register_scheme
 from ..rotary import PatchedRotaryForward
-from ..discovery import RopeContext, PatchSite
 from ..undo import UndoLog
 from .base import InstallStep, Scheme
 from .cached import cache_rotation as _cache_rotation
 from .cached import prepare as _prepare_consistent
+from .common import attention_modules
 
 # Keys of the unpatched rope_parameters that describe the model rather than a scaling scheme: kept under a patch.
-_MODEL_KEYS = ("partial_rotary_factor",)
+_MODEL_KEYS = ("partial_rotary_factor",
+               # Ministral 3 keeps Llama 4's attention temperature in rope_parameters: its attention multiplies queries
+               # by 1 + β·ln(1 + ⌊pos / original_max_position_embeddings⌋), reading both keys there (a model built
+               # without them fails), so a scheme keeps β and, unless it sets its own, that window.
+               "llama_4_scaling_beta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +90,8 @@ class FrequencyScheme(Scheme):
 
     def _params(self, ctx: RopeContext, rope_type: str, **keys) -> dict:
         kept = {k: ctx.rope_parameters[k] for k in _MODEL_KEYS if k in ctx.rope_parameters}
+        if "llama_4_scaling_beta" in kept and "original_max_position_embeddings" in ctx.rope_parameters:
+            kept["original_max_position_embeddings"] = ctx.rope_parameters["original_max_position_embeddings"]
         given = {k: v for k, v in keys.items() if v is not None}
         return {"rope_type": rope_type, "rope_theta": self.theta(ctx), **kept, **given}
 
@@ -131,6 +139,7 @@ class FrequencyScheme(Scheme):
                 UserWarning, stacklevel=4,
             )
 
+        scales = _attention_scales(self, target, public)
         device = next(iter(target.rotary.buffers())).device
         buffers, scalings = {}, {}
         update = self.rotary_update(target, rotary_config)
@@ -152,6 +161,8 @@ class FrequencyScheme(Scheme):
             if self.native:  # else the public config keeps the unpatched RoPE, so a plain save reloads the unpatched model
                 cfg.rope_parameters = copy.deepcopy(public)
                 cfg.max_position_embeddings = self.public_window(any_ctx) or cfg.max_position_embeddings
+            for module, value in scales:  # DeepSeek: the softmax scale a model built with `public` has
+                log.setattr(module, "scaling", value)
             rope_types = {lt: p["rope_type"] for lt, p in params.items()}
             log.setattr(rot, "rope_type", rope_types if layered else rope_types[None])
             log.setattr(rot, "max_seq_len_cached", rotary_config.max_position_embeddings)
@@ -185,6 +196,29 @@ class _StandaloneConfig:
 
     def standardize_rope_params(self):
         pass
+
+
+def _attention_scales(scheme: FrequencyScheme, target: PatchSite, public: dict) -> list[tuple]:
+    """(attention module, softmax scale) for the modules whose scale transformers computes at init from
+    `rope_parameters` (DeepSeek-V3: YaRN's mscale(factor, mscale_all_dim)² folded into `scaling`): the scale a model
+    built natively with the patched `public` rope_parameters has. Without this the patched model would keep the scale
+    of the RoPE it was loaded with (a checkpoint shipping yarn with mscale_all_dim keeps its temperature under
+    `default`, and yarn with mscale_all_dim given gets none). A non-native, length-dependent scheme (dynamic_yarn)
+    would need the scale to follow the current factor, which lives in the attention layers: refused there."""
+    out = []
+    for module in attention_modules(target.model):
+        value = discovery.init_scaling(module, public)
+        if value is None:
+            continue
+        unscaled = discovery.init_scaling(module, {"rope_type": "default"})
+        if not scheme.native and value != unscaled:
+            raise ValueError(
+                f"{scheme.name}: {target.model_type} folds YaRN's mscale (mscale_all_dim) into its attention scale at "
+                "init, which a factor that follows the sequence length cannot change per forward. Leave "
+                "`mscale_all_dim` unset, or use the static `yarn`."
+            )
+        out.append((module, value))
+    return out
 
 
 def _default_init(config, device=None, layer_type=None, **_):

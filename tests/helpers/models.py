@@ -34,9 +34,45 @@ ARCHS = {
     "gpt_neox": dict(num_key_value_heads=None),
     "cohere": {},
     "glm": dict(head_dim=16),
+    # Checkpoints that ship a scaling: window 4·L with the scaling from L = WINDOW, as their configs have it
+    # (gpt-oss: yarn ×32 from 4096; DeepSeek-V3: yarn ×40 with mscale/mscale_all_dim 1; Ministral 3: yarn ×16 plus
+    # Llama 4's attention temperature), so factors stay relative to WINDOW.
+    "gpt_oss": dict(head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4 * WINDOW,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=WINDOW,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0)),
+    # MLA: rope on qk_rope_head_dim = 16 of the 32 query/key coordinates (config.head_dim = qk_rope_head_dim); no GQA
+    "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=16,
+                        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=2, num_experts_per_tok=1, n_group=1,
+                        topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32, max_position_embeddings=4 * WINDOW,
+                        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=WINDOW,
+                                             mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0,
+                                             rope_theta=10000.0)),
+    "ministral3": dict(head_dim=16, max_position_embeddings=4 * WINDOW,
+                       rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=WINDOW,
+                                            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                                            llama_4_scaling_beta=0.1, rope_theta=1e6)),
+    # hybrid: a gated-delta-net (linear attention) layer, then a full-attention layer rotating 1/4 of each head
+    "qwen3_next": dict(head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+                       linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    # sliding RoPE layers + global layers without any position encoding (cohere2, exaone4); olmo3: one RoPE per type
+    "cohere2": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "exaone4": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "ministral": dict(head_dim=16),
+    "seed_oss": dict(head_dim=16),
+    "ernie4_5": dict(head_dim=16),
+    "falcon": dict(num_kv_heads=2, new_decoder_architecture=True, alibi=False, ffn_hidden_size=96),
+    "nemotron": dict(head_dim=16),  # partial rotary 0.5
+    "granitemoe": dict(num_local_experts=2, num_experts_per_tok=1),
+    "glm4": dict(head_dim=16),  # partial rotary 0.5, interleaved pairs
 }
 # Families whose config (or rotary layout) restricts the frequency schemes.
 PHI3_ONLY = {"default", "longrope"}
+# rotary_dim < head_dim: the config's partial_rotary_factor slices the head (longrope lists are rotary_dim/2 long,
+# p_rope is refused)
+PARTIAL = {"phi", "stablelm", "gpt_neox", "glm", "qwen3_next", "nemotron", "glm4"}
 
 
 def tiny_config(arch: str = "llama", **overrides):

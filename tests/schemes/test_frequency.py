@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers.models import ARCHS, PHI3_ONLY, WINDOW, logits, native_twin, tiny_model
+from helpers.models import ARCHS, PARTIAL, PHI3_ONLY, WINDOW, logits, native_twin, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +27,6 @@ NATIVE = [
     ("p_rope", dict(partial_rotary_factor=0.5), None),  # transformers' `proportional`
     ("p_rope", dict(partial_rotary_factor=0.7), None),  # ⌊0.7·16/2⌋ = 5 pairs (round would keep 6)
 ]
-PARTIAL = {"phi", "stablelm", "gpt_neox", "glm"}  # rotary_dim < head_dim: longrope lists must match it
 
 
 def _supported(arch, scheme):
