@@ -7,6 +7,7 @@ buffers per layer type (`{layer_type}_inv_freq`) and a dict `rope_type`.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -135,3 +136,78 @@ def find_target(model) -> PatchSite:
     if getattr(base.config, "rope_parameters", None) is None:
         raise TypeError(f"{type(base).__name__} has a rotary module but its config has no `rope_parameters`.")
     return PatchSite(model=base, rotary=rotaries[0], config=base.config)
+
+
+# ---- per-architecture facts beyond the rotary module -----------------------------------------------------------------
+# The attention-side schemes replace the attention function and re-apply RoPE inside it; a few architectures do more
+# (or less) in their attention layers than the llama layout that the attention functions serve. What each does is read
+# from its transformers 5 modeling file; the functions below say it once, for the schemes to consult at apply() time.
+
+
+def layer_rotates(module: nn.Module) -> bool:
+    """Whether this attention layer applies RoPE in the unpatched model. Cohere 2 and EXAONE 4 interleave RoPE
+    sliding-window layers with global layers that use no position encoding at all ("global NoPE"): cohere2 rotates
+    only `if self.sliding_window is not None`, exaone4 `if self.sliding_window is None or self.is_sliding`. A scheme
+    that moves RoPE inside attention must leave those global layers unrotated, as the model does."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if model_type == "cohere2":
+        return module.sliding_window is not None
+    if model_type == "exaone4":
+        return module.sliding_window is None or bool(module.is_sliding)
+    return True
+
+
+def attention_function_limits(target: PatchSite, modules: list[nn.Module]) -> str | None:
+    """Why an attention function registered with transformers' AttentionInterface cannot stand in for this model's
+    attention exactly (None: it can). For the schemes that run their own attention function (alibi, relative_bias,
+    self_extend, rerope, leaky_rerope, string, dca); nope/sinusoidal/learned_absolute keep the model's own."""
+    model_type = target.model_type
+    inline = [m for m in modules if "ALL_ATTENTION_FUNCTIONS" not in vars(sys.modules[type(m).__module__])]
+    if inline:
+        # Falcon computes attention inline in its module (its own eager/sdpa code; its modeling file never looks up
+        # ALL_ATTENTION_FUNCTIONS): a function registered with transformers' AttentionInterface is never called, so
+        # the model would silently run without positions.
+        return (f"{model_type} computes attention in its own module code ({type(inline[0]).__name__} does not call "
+                "transformers' AttentionInterface), so a registered attention function never runs")
+    if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in modules):
+        # gpt-oss: every head has a learned sink logit that joins the softmax denominator (its eager function cats it to
+        # the scores, transformers' flex renormalises by log-sum-exp); rope_patch's attention functions have no sink
+        # term, so they would drop it and change every output.
+        return (f"{model_type} attention sinks: each head adds a learned sink logit (`self.sinks`) to the softmax "
+                "denominator, which rope_patch's attention functions do not compute")
+    mla = [m for m in modules if getattr(m, "v_head_dim", None) not in (None, getattr(m, "qk_head_dim", None))]
+    if mla:
+        m = mla[0]
+        # DeepSeek-V2/V3 MLA: queries and keys are qk_nope_head_dim + qk_rope_head_dim wide, values v_head_dim; the
+        # attention functions assume one head size for q, k and v.
+        return (f"{model_type} multi-head latent attention: query/key heads are {m.qk_head_dim} wide "
+                f"(qk_nope_head_dim + qk_rope_head_dim) and value heads {m.v_head_dim} (v_head_dim), while rope_patch's "
+                "attention functions need one head size for queries, keys and values")
+    return None
+
+
+def partial_rotation_limits(target: PatchSite, modules: list[nn.Module]) -> str | None:
+    """Why RoPE cannot be re-applied inside attention with the module-level `apply_rotary_pos_emb` (None: it can).
+    DeepSeek-V3 rotates only the last `qk_rope_head_dim` coordinates of each query head (its attention splits them
+    off before the rotation and concatenates them back, the key's rotated part is shared by all heads), and with
+    `rope_interleave` through `apply_rotary_pos_emb_interleave`, not the function of that name."""
+    for m in modules:
+        rope, full = getattr(m, "qk_rope_head_dim", None), getattr(m, "qk_head_dim", None)
+        if rope is not None and full is not None and rope < full:
+            return (f"{target.model_type} rotates only qk_rope_head_dim = {rope} of the {full} query/key coordinates "
+                    "per head (split off inside its attention layer, interleaved pairs), so its rotation cannot be "
+                    "re-applied to whole query/key heads inside attention")
+    return None
+
+
+def init_scaling(module: nn.Module, rope_parameters: dict) -> float | None:
+    """The attention-logit scale that this attention module computes at init from `rope_parameters`, for the given
+    `rope_parameters` (None: the module's scale does not depend on them). DeepSeek-V2/V3 & co.: `self.scaling =
+    yarn_apply_mscale(config.rope_parameters, qk_head_dim ** -0.5)`, i.e. YaRN's mscale(factor, mscale_all_dim)²
+    folded into the softmax scale when a non-default rope type sets `mscale_all_dim`. A frequency scheme changes
+    `rope_parameters` after init, so it must set `scaling` as a model built with them would have it."""
+    fn = getattr(sys.modules.get(type(module).__module__), "yarn_apply_mscale", None)
+    qk_head_dim = getattr(module, "qk_head_dim", None)
+    if fn is None or qk_head_dim is None or not hasattr(module, "scaling"):
+        return None
+    return float(fn(rope_parameters, qk_head_dim ** (-0.5)))

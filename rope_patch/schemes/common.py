@@ -23,9 +23,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .. import attention
-from ..rotary import PatchedRotaryForward
+from .. import attention, discovery
 from ..discovery import PatchSite
+from ..rotary import PatchedRotaryForward
 from ..undo import UndoLog
 from .base import InstallStep, Scheme
 
@@ -68,6 +68,11 @@ class AttentionScheme(Scheme):
         rotaries such as Gemma 3's give each layer its layer type's frequencies), and each layer's sliding window
         (None: full attention); or a clear error for layouts it cannot serve."""
         modules = attention_modules(target.model)
+        why = discovery.partial_rotation_limits(target, modules)
+        if why is not None:
+            raise ValueError(f"{self.name}: {why}. Use a frequency scheme, or a scheme that keeps the model's own "
+                             "attention (nope, sinusoidal, learned_absolute).")
+        self._check_attention_function(target, modules)
         fns = {getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None) for m in modules}
         params = inspect.signature(type(target.rotary).forward).parameters
         if len(fns) != 1 or None in fns or list(params)[:3] != ["self", "x", "position_ids"] or "mrope_section" in params:
@@ -88,9 +93,22 @@ class AttentionScheme(Scheme):
         rotations, sliding = {}, {}
         for m in modules:
             kind = None if kinds == [None] else layer_types[m.layer_idx]
-            rotations[m.layer_idx] = attention.Rotation(target.rotary, apply_rotary, kind)
+            # global NoPE layers (cohere2, exaone4) stay unrotated under every re-positioning, as in the model
+            rotates = discovery.layer_rotates(m)
+            rotations[m.layer_idx] = attention.Rotation(target.rotary, apply_rotary, kind) if rotates else NoRotation()
             sliding[m.layer_idx] = getattr(m, "sliding_window", None)
         return rotations, sliding
+
+    def _check_attention_function(self, target: PatchSite, modules: list[nn.Module]) -> None:
+        """Refuse models whose attention a registered attention function cannot reproduce (attention sinks, MLA's
+        unequal head sizes, attention computed outside transformers' AttentionInterface)."""
+        why = discovery.attention_function_limits(target, modules)
+        if why is not None:
+            raise ValueError(
+                f"{self.name}: {why}. This scheme runs its own attention function, so it is not supported on "
+                f"{target.model_type}; the schemes that keep the model's own attention (nope, sinusoidal, "
+                "learned_absolute) and the frequency schemes are."
+            )
 
     def _check_backend(self, target: PatchSite, scores: attention.AttentionRule) -> str:
         impl = target.config._attn_implementation
@@ -156,8 +174,10 @@ class AttentionScheme(Scheme):
 
     def prepare(self, target: PatchSite) -> InstallStep:
         scores, attach = self.build(target)  # everything computed here, so bad input fails before the model is touched
-        impl = self._check_backend(target, scores) if scores is not None else None
         modules = attention_modules(target.model)
+        if scores is not None:
+            self._check_attention_function(target, modules)
+        impl = self._check_backend(target, scores) if scores is not None else None
         if scores is not None and not modules:
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
         model, rotary = target.model, target.rotary
@@ -183,6 +203,13 @@ class AttentionScheme(Scheme):
             model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
 
         return install
+
+
+class NoRotation:
+    """The rotation of a layer that uses no RoPE (cohere2 / exaone4 global layers): the identity at any position."""
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 @dataclasses.dataclass

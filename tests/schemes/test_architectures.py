@@ -1,0 +1,173 @@
+"""The architectures added after the first 19 (issue #13): every attention-side scheme exact against a reference, or
+refused at apply() with the architecture's reason; the frequency schemes run in test_frequency.py over all of ARCHS.
+
+Table-driven: `ATTENTION_SCHEMES` × `ADDED`, with `REFUSED` naming what each architecture cannot serve and why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.models import ARCHS, VOCAB, logits, native_twin, tiny_model
+from helpers.reference_any import forward as reference_forward
+
+import rope_patch
+
+ADDED = ["gpt_oss", "deepseek_v3", "ministral3", "qwen3_next", "cohere2", "exaone4", "olmo3", "ministral", "seed_oss",
+         "ernie4_5", "falcon", "nemotron", "granitemoe", "glm4"]
+L = 40
+PAD = 5
+
+ATTENTION_SCHEMES = [
+    ("alibi", {}),
+    ("nope", {}),
+    ("relative_bias", {"init": "alibi", "num_buckets": 16, "max_distance": 64}),
+    ("sinusoidal", {}),
+    ("learned_absolute", {"max_position_embeddings": 64}),
+    ("self_extend", {"group_size": 4, "window_size": 12}),
+    ("rerope", {"window_size": 12}),
+    ("leaky_rerope", {"window_size": 12, "factor": 4.0}),
+    ("string", {"shift_size": 20, "window_size": 6}),
+    ("dca", {"chunk_size": 24, "local_size": 4}),
+]
+OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string", "dca"}
+DEFERRED = {"self_extend", "rerope", "leaky_rerope", "string", "dca"}
+# arch -> {scheme: regex of the refusal}; every other (arch, scheme) pair must equal the reference
+REFUSED = {
+    "gpt_oss": {s: r"gpt_oss attention sinks: each head adds a learned sink logit" for s in OWN_FUNCTION},
+    "deepseek_v3": {**{s: r"deepseek_v3 multi-head latent attention: query/key heads are 32 wide" for s in ("alibi", "relative_bias")},
+                    **{s: r"deepseek_v3 rotates only qk_rope_head_dim = 16 of the 32" for s in DEFERRED}},
+    "falcon": {s: r"falcon computes attention in its own module code" for s in OWN_FUNCTION},
+}
+BACKENDS = {"gpt_oss": ["eager"]}  # gpt-oss has no sdpa in transformers
+
+CASES = [(a, b, s, p) for a in ADDED for b in BACKENDS.get(a, ["eager", "sdpa"]) for s, p in ATTENTION_SCHEMES
+         if s not in REFUSED.get(a, {})]
+REFUSALS = [(a, s, p) for a in ADDED for s, p in ATTENTION_SCHEMES if s in REFUSED.get(a, {})]
+
+
+def batch(n: int = L):
+    ids = torch.randint(3, VOCAB, (2, n), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :PAD] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask
+
+
+def true_positions(mask):
+    """What generate passes: the schemes that read absolute positions (self_extend, dca) count from the first real
+    token."""
+    return {"position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)}
+
+
+def test_added_architectures_are_in_the_shared_table():
+    assert set(ADDED) <= set(ARCHS) and len(ARCHS) >= 30
+
+
+@pytest.mark.parametrize("arch", [a for a in ADDED if a not in REFUSED])
+def test_reference_with_rope_is_the_model(arch):
+    """Sanity of the reference: with r(i, j) = i − j it reproduces the unpatched model (global NoPE layers included)."""
+    model = tiny_model(arch, attn_implementation="eager")
+    ids, mask = batch()
+    want = reference_forward(tiny_model(arch), model, ids, "rope", {}, mask)
+    real = mask.bool()
+    assert (logits(model, ids, attention_mask=mask) - want)[real].abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch,backend,scheme,params", CASES, ids=[f"{a}-{b}-{s}" for a, b, s, _ in CASES])
+def test_attention_scheme_matches_reference(arch, backend, scheme, params):
+    model = tiny_model(arch, attn_implementation=backend)
+    rope_patch.apply(model, scheme, **params)
+    with torch.no_grad():  # learned tables start at a known value: perturb them so the lookup itself is tested
+        for name in ("rope_patch_relative_bias", "rope_patch_position_embeddings"):
+            if hasattr(model, name):
+                getattr(model, name).weight.add_(0.3 * torch.randn_like(getattr(model, name).weight))
+    ids, mask = batch()
+    got = logits(model, ids, attention_mask=mask, **true_positions(mask))
+    want = reference_forward(tiny_model(arch, attn_implementation=backend), model, ids, scheme, params, mask,
+                             **true_positions(mask))
+    real = mask.bool()
+    assert (got - want)[real].abs().max().item() <= 1e-5
+    rope_patch.remove(model)
+    assert torch.equal(logits(model, ids, attention_mask=mask), logits(tiny_model(arch, attn_implementation=backend), ids, attention_mask=mask))
+
+
+@pytest.mark.parametrize("arch,scheme,params", REFUSALS, ids=[f"{a}-{s}" for a, s, _ in REFUSALS])
+def test_attention_scheme_is_refused_with_the_reason(arch, scheme, params):
+    model = tiny_model(arch)
+    ids, mask = batch()
+    before, config = logits(model, ids, attention_mask=mask), model.config.to_dict()
+    with pytest.raises(ValueError, match=REFUSED[arch][scheme]):
+        rope_patch.apply(model, scheme, **params)
+    assert rope_patch.current(model) is None and model.config.to_dict() == config
+    assert torch.equal(logits(model, ids, attention_mask=mask), before)
+
+
+@pytest.mark.parametrize("arch", ["cohere2", "exaone4", "qwen3_next"])
+@pytest.mark.parametrize("scheme,params", [("rerope", {"window_size": L}), ("string", {"shift_size": L, "window_size": 8}),
+                                           ("self_extend", {"group_size": 4, "window_size": L})])
+def test_degenerate_repositioning_is_the_model(arch, scheme, params):
+    """A window ≥ the sequence moves no position: exactly the model, also on its global NoPE layers (which must stay
+    unrotated) and on a hybrid model whose linear-attention layers are not attention modules."""
+    ids, mask = batch()
+    for backend in ("eager", "sdpa"):
+        model = tiny_model(arch, attn_implementation=backend)
+        want = logits(model, ids, attention_mask=mask)
+        rope_patch.apply(model, scheme, **params)
+        assert (logits(model, ids, attention_mask=mask) - want)[mask.bool()].abs().max().item() <= 1e-5, backend
+
+
+# ---- DeepSeek-V3: the softmax scale that transformers derives from rope_parameters at init -------------------------
+def _scales(model):
+    return [layer.self_attn.scaling for layer in model.model.layers]
+
+
+def test_deepseek_yarn_mscale_sets_the_attention_scale_as_a_native_model_and_remove_restores_it():
+    model = tiny_model("deepseek_v3")
+    shipped = _scales(model)
+    assert shipped[0] != 32**-0.5  # the tiny config ships yarn ×4 with mscale_all_dim = 1: mscale² is in the scale
+    ids = torch.randint(3, VOCAB, (1, 3 * 32), generator=torch.Generator().manual_seed(0))
+    before = logits(model, ids)
+    for scheme, params in (("yarn", dict(factor=8.0, mscale=1.0, mscale_all_dim=0.5)), ("default", {}), ("linear", dict(factor=2.0))):
+        rope_patch.apply(model, scheme, **params)
+        twin = native_twin(model, model.config.rope_parameters, model.config.max_position_embeddings)
+        assert _scales(model) == _scales(twin), scheme
+        assert (logits(model, ids) - logits(twin, ids)).abs().max().item() <= 1e-5, scheme
+    assert _scales(model) == [32**-0.5] * 2  # linear: no mscale_all_dim
+    rope_patch.remove(model)
+    assert _scales(model) == shipped and torch.equal(logits(model, ids), before)
+
+
+def test_deepseek_dynamic_yarn_with_mscale_all_dim_is_refused():
+    model = tiny_model("deepseek_v3")
+    shipped = _scales(model)
+    with pytest.raises(ValueError, match=r"dynamic_yarn: deepseek_v3 folds YaRN's mscale \(mscale_all_dim\) into its attention scale"):
+        rope_patch.apply(model, "dynamic_yarn", factor=4.0, mscale_all_dim=1.0)
+    assert rope_patch.current(model) is None and _scales(model) == shipped
+    rope_patch.apply(model, "dynamic_yarn", factor=4.0)  # without mscale_all_dim the scale does not depend on s
+    assert _scales(model) == [32**-0.5] * 2
+
+
+# ---- Ministral 3: Llama 4's attention temperature lives in rope_parameters --------------------------------------------
+@pytest.mark.parametrize("scheme,params", [("linear", dict(factor=2.0)), ("default", {}), ("yarn", dict(factor=8.0))])
+def test_ministral3_keeps_llama4_temperature_keys(scheme, params):
+    model = tiny_model("ministral3")
+    rope_patch.apply(model, scheme, **params)
+    rope = model.config.rope_parameters
+    assert rope["llama_4_scaling_beta"] == 0.1 and rope["original_max_position_embeddings"] == 32
+    ids = torch.randint(3, VOCAB, (1, 3 * 32), generator=torch.Generator().manual_seed(0))
+    twin = native_twin(model, rope, model.config.max_position_embeddings)
+    assert (logits(model, ids) - logits(twin, ids)).abs().max().item() <= 1e-5
+
+
+# ---- gpt-oss: the schemes that keep the model's attention keep its sinks ------------------------------------------------
+@pytest.mark.parametrize("scheme", ["nope", "sinusoidal"])
+def test_gpt_oss_sinks_stay_in_effect(scheme):
+    model = tiny_model("gpt_oss")
+    rope_patch.apply(model, scheme)
+    ids, mask = batch()
+    with_sinks = logits(model, ids, attention_mask=mask)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.add_(3.0)
+    assert not torch.allclose(logits(model, ids, attention_mask=mask), with_sinks)
