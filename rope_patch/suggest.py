@@ -8,8 +8,15 @@ named in the reason.
     linear, ntk, dynamic,   factor s = N/L: the extension ratio (Chen et al. 2023 §2.3 "s = L′/L"; bloc97 2023;
     yarn, dynamic_yarn,     emozilla 2023; Peng et al. 2023 §3; Meta 2024). dynamic NTK at ℓ = N then has the
     llama3                  effective factor s·N/L − (s − 1) (FORMULAS.md), as transformers' docs configure it.
-                            YaRN's beta_fast / beta_slow stay at the paper's 32 / 1 (tuned for L ≈ 4096; not re-tuned
-                            here for small windows).
+    yarn, dynamic_yarn      beta_fast = min(32, max(2, L/128)), beta_slow = 1 (rope_patch's rule, not the paper's):
+                            YaRN's β count turns inside L and were tuned at L ≈ 4096, where β_fast = 32 leaves the
+                            pairs with wavelength λ < L/32 = 128 tokens unchanged. The rule keeps that 128-token
+                            threshold for smaller windows (L = 256: β_fast = 2, i.e. λ < 128 unchanged, where 32 would
+                            leave only λ < 8 and interpolate pairs that turn 2–32 times in the window); β_slow = 1
+                            (pairs that never complete a turn inside L are interpolated) has the same meaning at any
+                            L. For L ≥ 4096 it is the paper's 32 / 1 and no beta is written into the spec. Measured on
+                            rope-tiny (L = 256), README "Choosing parameters": yarn ×4 at 1024 tokens perplexity
+                            113.2 → 87.4, passkey 7% → 60% (30 prompts).
     self_extend             W = L/4 (the paper's neighbour windows 512–1536 at L = 4096) and the smallest group size G
                             with W + (N − W)/G ≤ ⅔·L (Jin et al. 2024 §4: "(½ … ⅔)·L > W + (N − W)/G"); needs G < W.
     string                  local window W = min(128, L/32) (the authors' W = 128 at L ≥ 4096, scaled down with the
@@ -93,11 +100,18 @@ def suggest(model: nn.Module, target_length: int) -> list[Suggestion]:
         return [string] if string is not None else []
     s = n / window
     for name in FREQUENCY_SCHEMES:
-        extra = (" (at ℓ = N dynamic NTK's effective factor is s·N/L − (s − 1) = "
-                 f"{s * s - s + 1:.4g})" if name == "dynamic" else
-                 "; beta_fast/beta_slow stay 32/1 (the paper's, tuned for L ≈ 4096)" if name in ("yarn", "dynamic_yarn")
-                 else "")
-        out.append(_make(name, {"factor": _round(s)}, f"factor = N/L = {n}/{window} = {s:g}{extra}"))
+        params, extra = {"factor": _round(s)}, ""
+        if name == "dynamic":
+            extra = f" (at ℓ = N dynamic NTK's effective factor is s·N/L − (s − 1) = {s * s - s + 1:.4g})"
+        elif name in ("yarn", "dynamic_yarn"):
+            fast = yarn_beta_fast(window)
+            if fast != 32:
+                params["beta_fast"] = _round(fast)
+                extra = (f"; beta_fast = min(32, max(2, L/128)) = {fast:g}: pairs with wavelength < 128 tokens stay "
+                         "unchanged, as with the paper's 32 at L = 4096")
+            else:
+                extra = "; beta_fast / beta_slow: the paper's 32 / 1"
+        out.append(_make(name, params, f"factor = N/L = {n}/{window} = {s:g}{extra}"))
     for rule in (_self_extend, _dca, _rerope, _leaky_rerope):
         found = rule(n, window)
         if found is not None:
@@ -105,6 +119,11 @@ def suggest(model: nn.Module, target_length: int) -> list[Suggestion]:
     if string is not None:
         out.append(string)
     return out
+
+
+def yarn_beta_fast(window: int) -> float:
+    """rope_patch's β_fast for a pre-training window L: min(32, max(2, L/128)) (module docstring)."""
+    return float(min(32.0, max(2.0, window / 128)))
 
 
 def specs_for_target(model: nn.Module, target_length: int, specs: list[str] | None = None) -> list[str]:

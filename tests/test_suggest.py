@@ -34,9 +34,13 @@ def test_rules_hold(models, window, n):
         assert set(got) <= {"string"}
     else:
         assert set(FREQUENCY_SCHEMES) <= set(got) and {"dca", "rerope", "leaky_rerope", "string"} <= set(got)
+        fast = min(32, max(2, window / 128))
         for name in FREQUENCY_SCHEMES:
-            assert got[name].params == {"factor": pytest.approx(n / window)}
+            beta = {"beta_fast": fast} if name in ("yarn", "dynamic_yarn") and fast != 32 else {}
+            assert got[name].params == {"factor": pytest.approx(n / window), **beta}
             assert f"{n}/{window}" in got[name].reason
+            if beta:
+                assert f"= {fast:g}" in got[name].reason
         assert got["dca"].params == {"chunk_size": window * 3 // 4, "local_size": window // 8}
         assert got["rerope"].params == {"window_size": window // 2}
         leaky = got["leaky_rerope"].params
@@ -86,15 +90,17 @@ def test_the_window_is_the_model_as_loaded_also_under_a_patch_and_with_shipped_s
     shipped = tiny_model(max_position_embeddings=1024, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256})
     assert pretraining_window(shipped) == 256
-    assert _by_name(suggest(shipped, 2048))["yarn"].spec == "yarn:factor=8"
+    assert _by_name(suggest(shipped, 2048))["yarn"].spec == "yarn:factor=8,beta_fast=2"
+    assert _by_name(suggest(tiny_model(max_position_embeddings=4096), 8192))["yarn"].spec == "yarn:factor=2"
 
 
 def test_compare_scheme_lists():
     model = tiny_model(max_position_embeddings=256)
     listed = specs_for_target(model, 1024)
-    assert listed[0] == "default" and "yarn:factor=4" in listed and not any(s.startswith("string") for s in listed)
+    assert listed[0] == "default" and "yarn:factor=4,beta_fast=2" in listed
+    assert not any(s.startswith("string") for s in listed)
     filled = specs_for_target(model, 1024, ["default", "yarn", "yarn:8", "self_extend", "alibi", "loaded"])
-    assert filled == ["default", "yarn:factor=4", "yarn:8", "self_extend:group_size=9,window_size=64", "alibi", "loaded"]
+    assert filled == ["default", "yarn:factor=4,beta_fast=2", "yarn:8", "self_extend:group_size=9,window_size=64", "alibi", "loaded"]
 
 
 @pytest.mark.parametrize("n,error,match", [(1, ValueError, "target_length"), (True, TypeError, "target_length"),
