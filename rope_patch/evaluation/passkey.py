@@ -20,6 +20,12 @@ deliberate:
 Everything random comes from the ``random.Random`` passed in, never from the global generator: the same seed
 gives the same samples for training-data mixing (``recipes/pretrain_tiny.py``) and for evaluation, whatever else
 the process draws.
+
+Chat models (``chat_template``): the haystack, needle and question are the user turn of the tokenizer's own chat
+template and the answer is generated after its assistant prefix (``apply_chat_template(messages,
+add_generation_prompt=True)``). The prompt is still exactly ``length_tokens`` tokens, the template's included (the
+haystack is shortened by them), and ``depth`` is a fraction of the haystack, not of the templated prompt. An
+instruction-tuned model asked without its template often rambles instead of answering.
 """
 
 from __future__ import annotations
@@ -33,8 +39,44 @@ QUESTION = " What is the pass key? The pass key is"
 _FIRST_NUMBER = re.compile(r"\d+")
 
 
+_CONTENT = "\x00rope-patch-user-turn\x00"  # stands in for the user turn while the template is rendered
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def use_chat_template(tokenizer, mode: str | bool | None) -> bool:
+    """Resolve ``--chat-template auto|on|off`` (or a bool) for this tokenizer: auto is on when it has a template.
+
+    Raises ValueError for an unknown mode, and for "on" with a tokenizer that has no template."""
+    if isinstance(mode, bool):
+        mode = "on" if mode else "off"
+    mode = "auto" if mode is None else str(mode).lower()
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {mode!r}.")
+    if mode == "on" and not has_chat_template(tokenizer):
+        raise ValueError("chat_template='on' was asked for, but this tokenizer has no chat template "
+                         "(tokenizer.chat_template is empty): use 'auto' or 'off', or a tokenizer that ships one.")
+    return mode == "on" or (mode == "auto" and has_chat_template(tokenizer))
+
+
+def chat_wrap(tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids before and after the user turn in the tokenizer's chat template, with the assistant prefix
+    (``apply_chat_template([{"role": "user", ...}], add_generation_prompt=True)``), each part tokenized on its
+    own so that the user turn's ids are exactly the haystack's."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _CONTENT}], add_generation_prompt=True,
+                                         tokenize=False)
+    if text.count(_CONTENT) != 1:
+        raise ValueError("The tokenizer's chat template does not render the user turn's content once; it cannot "
+                         "frame a passkey prompt. Use chat_template='off'.")
+    before, after = text.split(_CONTENT)
+    return _encode(tokenizer, before), _encode(tokenizer, after)
 
 
 def make_passkey_sample(
@@ -45,6 +87,8 @@ def make_passkey_sample(
     rng: random.Random,
     *,
     add_bos: bool = True,
+    chat_template: bool = False,
+    filler_start: int | None = None,
 ) -> dict:
     """Build one passkey prompt of exactly ``length_tokens`` tokens.
 
@@ -58,12 +102,18 @@ def make_passkey_sample(
             the question.
         rng: the only source of randomness (the passkey and the filler offset).
         add_bos: start the prompt with ``tokenizer.bos_token_id`` (when the tokenizer has one), as the model saw
-            at the start of its training documents.
+            at the start of its training documents (with ``chat_template`` the template decides).
+        chat_template: frame the prompt with the tokenizer's chat template (module docstring): its tokens count
+            in ``length_tokens``; ``depth`` stays a fraction of the haystack.
+        filler_start: take the haystack from this offset of the filler instead of a random one (``rng`` then
+            draws only the key): prompts of one cell built with one offset share the haystack before the needle.
 
     Returns:
         ``prompt_ids`` (list of ``length_tokens`` ids), ``answer`` (the key as a 5-digit string), ``answer_ids``
         (the tokens of `` <answer>``, i.e. what a model should generate after the prompt, for training targets),
-        ``passkey`` (int), ``depth``, ``needle_start`` and ``needle_end`` (token span of the needle in the prompt).
+        ``passkey`` (int), ``depth``, ``needle_start`` and ``needle_end`` (token span of the needle in the prompt),
+        ``haystack_start`` / ``haystack_end`` (the span of the haystack with the needle in it, i.e. the user turn
+        without the question) and ``filler_start``.
 
     Raises:
         ValueError: when ``depth`` is outside [0, 1], or when ``length_tokens`` cannot hold the needle and the
@@ -73,25 +123,32 @@ def make_passkey_sample(
         raise ValueError(f"depth must be in [0, 1], got {depth!r}")
     filler_ids = _encode(tokenizer, filler) if isinstance(filler, str) else filler
     passkey = rng.randint(10000, 99999)
-    bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
+    if chat_template:
+        bos, tail = chat_wrap(tokenizer)
+    else:
+        bos, tail = ([tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []), []
     needle = _encode(tokenizer, NEEDLE.format(passkey=passkey))
     question = _encode(tokenizer, QUESTION)
 
-    n_filler = length_tokens - len(bos) - len(needle) - len(question)
+    n_filler = length_tokens - len(bos) - len(needle) - len(question) - len(tail)
     if n_filler < 0:
         raise ValueError(
             f"length_tokens={length_tokens} is too short: the needle and question alone take "
-            f"{len(bos) + len(needle) + len(question)} tokens"
+            f"{len(bos) + len(needle) + len(question) + len(tail)} tokens"
+            + (" with the chat template" if chat_template else "")
         )
     if n_filler > len(filler_ids):
         raise ValueError(f"filler has {len(filler_ids)} tokens, a {length_tokens}-token prompt needs {n_filler}")
 
-    start = rng.randint(0, len(filler_ids) - n_filler)
+    if filler_start is None:
+        start = rng.randint(0, len(filler_ids) - n_filler)
+    else:
+        start = min(int(filler_start), len(filler_ids) - n_filler)
     haystack = list(filler_ids[start : start + n_filler])
     # The needle lands on a token boundary of the filler, possibly inside a word; at these lengths that shifts
     # the depth by less than one token, and it keeps the prompt length exact.
     at = round(depth * n_filler)
-    prompt_ids = bos + haystack[:at] + needle + haystack[at:] + question
+    prompt_ids = bos + haystack[:at] + needle + haystack[at:] + question + tail
     needle_start = len(bos) + at
     return {
         "prompt_ids": prompt_ids,
@@ -101,6 +158,9 @@ def make_passkey_sample(
         "depth": depth,
         "needle_start": needle_start,
         "needle_end": needle_start + len(needle),
+        "haystack_start": len(bos),
+        "haystack_end": len(bos) + n_filler + len(needle),
+        "filler_start": start,
     }
 
 

@@ -36,6 +36,16 @@ def default_buckets(longest: int, window: int | None) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
 
 
+def fixed_buckets(longest: int, size: int) -> list[tuple[int, int]]:
+    """Buckets of `size` positions for the longest window: [0, size), [size, 2·size), ..., the last one cut at
+    `longest`. ValueError when `size` is not between 1 and `longest`."""
+    size = int(size)
+    if not 1 <= size <= longest:
+        raise ValueError(f"bucket size must be between 1 and the longest length ({longest}), got {size}: pass "
+                         f"--bucket-size N with N <= {longest}, or leave it out for the default buckets.")
+    return [(a, min(a + size, longest)) for a in range(0, longest, size)]
+
+
 def windows(token_ids: Sequence[int], length: int, n_tokens: int) -> torch.Tensor:
     """[n_windows, length] consecutive non-overlapping windows from the first `n_tokens` tokens."""
     n = min(n_tokens, len(token_ids)) // length
@@ -71,7 +81,7 @@ def _ppl(nll: torch.Tensor) -> float:
 def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int], *, n_tokens: int | None = None,
                         windows_at_longest: int = 2, buckets: Sequence[tuple[int, int]] | None = None,
                         window: int | None = None, tokens_per_batch: int = 8192,
-                        progress: Callable[[int], None] | None = None) -> dict:
+                        progress: Callable[[int], None] | None = None, bucket_size: int | None = None) -> dict:
     """Perplexity at each length over the same text, plus by position bucket inside the longest window.
 
     Args:
@@ -79,6 +89,8 @@ def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int],
         lengths: window lengths in tokens.
         n_tokens: tokens of the stream to use at every length (default `windows_at_longest` x the longest length).
         buckets: (start, end) position ranges for the bucket table (default `default_buckets(longest, window)`).
+        bucket_size: buckets of this many positions instead (`fixed_buckets`). Buckets are slices of the longest
+            length's per-token NLL: finer buckets cost no forward pass (one decoder forward per batch of windows).
         window: the model's training window, for the default buckets (default config.max_position_embeddings).
         progress: called with the number of tokens processed after each batch.
 
@@ -92,6 +104,10 @@ def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int],
         n_tokens = windows_at_longest * longest
     if window is None:
         window = getattr(model.config, "max_position_embeddings", None)
+    if bucket_size is not None:
+        if buckets is not None:
+            raise ValueError("Pass either buckets or bucket_size, not both.")
+        buckets = fixed_buckets(longest, bucket_size)
     rows, longest_nll = [], None
     for length in lengths:
         nll = window_nll(model, token_ids, length, n_tokens, tokens_per_batch=tokens_per_batch, progress=progress)
