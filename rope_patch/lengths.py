@@ -106,7 +106,8 @@ def fix_length(model, length: int | None) -> LengthFix:
         return LengthFix(None, False, "the model is not patched and its RoPE does not depend on the sequence length: "
                                       "nothing to fix")
     previous = _release(state)
-    name = current(model).name
+    applied = current(model)
+    name = str(applied) if applied.name == "stack" else applied.name
     if length is None:
         return LengthFix(None, False, f"released the fix at {previous}" if previous is not None else "nothing was fixed",
                          previous)

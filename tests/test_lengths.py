@@ -172,3 +172,17 @@ def test_passkey_generation_freezes_at_the_final_length_and_lets_go_afterwards(s
     for _ in range(new):
         seq = torch.cat([seq, logits(model, seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(got, seq[:, L - 3 :])
+
+
+def test_a_stack_with_a_length_dependent_frequency_scheme_is_frozen_too():
+    """dynamic_yarn under Self-Extend: the attention-side scheme rotates with the rotary's frequencies, which the fix
+    freezes like those of a plain frequency scheme."""
+    model = tiny_model()
+    rope_patch.apply(model, ["dynamic_yarn:4", "self_extend:group_size=2,window_size=8"])
+    ids = _ids(N)
+    full = logits(model, ids)
+    fix = rope_patch.fix_length(model, N)
+    assert fix and fix.reason.startswith("dynamic_yarn(factor=4.0")
+    assert torch.equal(logits(model, ids[:, : L - 5]), full[:, : L - 5])
+    rope_patch.fix_length(model, None)
+    assert not torch.equal(logits(model, ids[:, : L - 5]), full[:, : L - 5])
