@@ -12,13 +12,22 @@ Result JSON (`compare.json`, format "rope_patch.compare/1"; `rope-patch plot res
                    "n_params": ..., "dtype": "float32"},
       "settings": {"lengths": [256, ...], "passkey_lengths": [...], "depths": [0.1, 0.5, 0.9],
                    "passkey_samples": 4, "seed": 0, "ppl_tokens": 8192, "windows_at_longest": 4,
-                   "heldout": {"path", "sha256", "bytes", "tokens"}},
+                   "heldout": {"path", "sha256", "bytes", "tokens"},
+                   "chat_template": {"mode": "auto", "used": false}, "shared_haystack": false,
+                   "bucket_size": null,     # null: the default buckets [0, W), [W, 2W), [2W, 4W), ...
+                   "budget": null or {"minutes", "estimate_s", "estimate_untrimmed_s", "trimmed", "fits",
+                              "passkey_samples", "windows_at_longest", "line", "probe": {"tokens", "s_per_token"}},
+                   "machine": {"threads", "cpu_count", "loadavg_start": [1, 5, 15 min], "loadavg_end"},
+                   "counts": {"passkey_per_cell", "passkey_cells", "passkey_prompts",
+                              "perplexity_windows": {"<length>": n}}},
       "versions": {"rope_patch", "torch", "transformers", "python", "platform", "threads"},
       "schemes":  [{"spec": "yarn:8", "label": "yarn×8", "name": "yarn", "params": {...}}, ...],
                   # params: the applied scheme with model-derived defaults filled in (rope_patch.current)
       "records":  [{"scheme": "yarn:8", "label", "name", "length", "perplexity", "nll", "n_windows", "n_tokens",
-                    "passkey_accuracy" (pooled over depths, null when not run), "passkey_n"}, ...],
-      "passkey":  [{"scheme", "label", "length", "depth", "n", "correct", "accuracy", "answers", "outputs"}, ...],
+                    "passkey_accuracy" (pooled over depths, null when not run), "passkey_n", "passkey_correct",
+                    "passkey_ci_low", "passkey_ci_high" (Wilson 95%)}, ...],
+      "passkey":  [{"scheme", "label", "length", "depth", "n", "correct", "accuracy", "ci_low", "ci_high",
+                    "shared_prefix", "answers", "outputs"}, ...],
       "buckets":  [{"scheme", "label", "length" (the longest), "start", "end", "n_tokens", "nll", "perplexity"}, ...],
       "elapsed_s": {"total": ..., "<spec>": ...},
       "pending":  ["<spec>", ...]   # schemes not finished yet ([] in a complete result); a file written
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,10 +57,12 @@ from .. import api
 from ..api import original_config
 from ..discovery import find_target
 from ..specs import parse_scheme_spec, scheme_label
+from .budget import fit_budget, run_tokens, seconds_per_token
 from .common import read_tokens, versions
-from .perplexity import evaluate_perplexity, perplexity_work
+from .passkey import use_chat_template
+from .perplexity import evaluate_perplexity, fixed_buckets, perplexity_work
 from .results import FORMAT, json_safe
-from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell
+from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell, wilson_interval
 
 DEFAULT_SCHEMES = ("default", "linear:4", "ntk:8", "dynamic:4", "yarn:8", "llama3:8")
 # The model as loaded, no patch: the baseline row. Added first on a checkpoint that ships with scaling (Llama 3.x
@@ -106,11 +118,18 @@ def check_schemes(model, parsed: Sequence[tuple[str, object]]) -> None:
                             "Fix it or drop it from the schemes.") from None
 
 
-def check_passkey_prompts(tokenizer, token_ids, lengths, depths, seed) -> None:
+def check_passkey_prompts(tokenizer, token_ids, lengths, depths, seed, chat_template: bool = False) -> None:
     """Build one passkey prompt per (length, depth): a length too short for the prompt fails now, not mid-run."""
     for L in lengths:
         for d in depths:
-            make_cell(tokenizer, token_ids, L, d, 1, seed)
+            make_cell(tokenizer, token_ids, L, d, 1, seed, chat_template=chat_template)
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):  # not on every platform
+        return None
 
 
 def _json_params(params: dict) -> dict:
@@ -119,7 +138,16 @@ def _json_params(params: dict) -> dict:
 
 # What must be equal for a cell of an earlier run to stand in a new one (the lengths and schemes may differ).
 _SAME_MODEL = ("path", "model_type", "window", "n_params", "dtype")
-_SAME_SETTINGS = ("depths", "passkey_samples", "seed", "ppl_tokens")
+_SAME_SETTINGS = ("depths", "passkey_samples", "seed", "ppl_tokens", "chat_template_used", "shared_haystack",
+                  "bucket_size")
+# What a result written before a setting existed ran with.
+_SETTING_DEFAULTS = {"chat_template_used": False, "shared_haystack": False, "bucket_size": None}
+
+
+def _setting(settings: dict, key: str):
+    if key == "chat_template_used":
+        return (settings.get("chat_template") or {}).get("used", False)
+    return settings.get(key, _SETTING_DEFAULTS.get(key))
 
 
 def resume_mismatch(previous: dict, result: dict) -> str | None:
@@ -128,8 +156,9 @@ def resume_mismatch(previous: dict, result: dict) -> str | None:
         return f"it is not a {FORMAT} result"
     diffs = [f"model {k} {previous['model'].get(k)!r} -> {result['model'].get(k)!r}" for k in _SAME_MODEL
              if previous.get("model", {}).get(k) != result["model"].get(k)]
-    diffs += [f"{k} {previous['settings'].get(k)!r} -> {result['settings'].get(k)!r}" for k in _SAME_SETTINGS
-              if previous.get("settings", {}).get(k) != result["settings"].get(k)]
+    old_settings = previous.get("settings", {})
+    diffs += [f"{k} {_setting(old_settings, k)!r} -> {_setting(result['settings'], k)!r}" for k in _SAME_SETTINGS
+              if _setting(old_settings, k) != _setting(result["settings"], k)]
     old_text = {k: v for k, v in (previous.get("settings", {}).get("heldout") or {}).items() if k != "path"}
     new_text = {k: v for k, v in result["settings"]["heldout"].items() if k != "path"}
     if old_text != new_text:
@@ -166,6 +195,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                 heldout: str | Path | None = None, token_ids: Sequence[int] | None = None, model_spec: str = "",
                 model_path: str = "", progress: Callable[[int, str], None] | None = None,
                 resume: dict | None = None, on_scheme: Callable[[dict], None] | None = None,
+                chat_template: str | bool = "auto", shared_haystack: bool = False, bucket_size: int | None = None,
+                budget_minutes: float | None = None, on_plan: Callable[[dict], None] | None = None,
                 ) -> dict:
     """Run perplexity and passkey for each scheme; returns the result dict described in the module docstring.
 
@@ -178,7 +209,17 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     command line writes it to disk, so an interruption or a late error keeps what finished. `resume`: an earlier
     result of the same model and settings (`resume_mismatch` says otherwise: ValueError); its scheme x length cells
     are reused and only the missing ones are evaluated (`resumed_units` is the work they save).
+
+    `chat_template` ("auto" | "on" | "off"; auto: on when the tokenizer has one) frames every passkey prompt with
+    the tokenizer's chat template; `shared_haystack` gives the prompts of a cell one haystack so that the part before
+    the needle is prefilled once (`retrieval`); `bucket_size` N: perplexity buckets of N positions. With
+    `budget_minutes` or `on_plan`, one timed probe forward estimates the run (`budget`); `budget_minutes` trims
+    passkey samples per cell, then perplexity windows, to fit, and `on_plan(plan)` gets the plan (its "line" says it
+    in one sentence) before the first evaluation. The plan is recorded in settings.budget.
     """
+    chat = use_chat_template(tokenizer, chat_template)  # ValueError for an unknown mode or "on" without a template
+    if budget_minutes is not None and not budget_minutes > 0:
+        raise ValueError(f"budget_minutes must be a positive number of minutes, got {budget_minutes!r}.")
     parsed = parse_schemes(schemes)
     shipped = _shipped_scaling(model)
     if shipped and AS_LOADED not in [spec for spec, _ in parsed]:
@@ -189,13 +230,35 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         token_ids, held = read_tokens(tokenizer, heldout)
     else:
         held = {"path": None, "tokens": len(token_ids)}
+    if bucket_size is not None:
+        fixed_buckets(lengths[-1], bucket_size)  # a size outside [1, longest] fails now
     n_tokens = ppl_tokens if ppl_tokens is not None else windows_at_longest * lengths[-1]
     if n_tokens > len(token_ids):
         raise ValueError(f"The held-out text has {len(token_ids)} tokens; {n_tokens} requested for perplexity.")
     # the window the model was trained on (a shipped-scaling checkpoint's pre-training window): buckets, stars
     window = find_target(model).pretraining_window
     check_schemes(model, parsed)
-    check_passkey_prompts(tokenizer, token_ids, passkey_lengths, depths, seed)
+    check_passkey_prompts(tokenizer, token_ids, passkey_lengths, depths, seed, chat)
+    load_start = _loadavg()
+    plan = None
+    if budget_minutes is not None or on_plan is not None:
+        per_token, probed = seconds_per_token(model, token_ids, lengths[0])
+        done_specs = {s["spec"] for s in (resume or {}).get("schemes", [])} if resume else set()
+        n_run = sum(1 for spec, _ in parsed if spec not in done_specs) or 0
+
+        def estimate(samples: int, windows: int) -> float:
+            return per_token * run_tokens(n_run, len(token_ids), lengths, passkey_lengths, len(depths), samples,
+                                          windows if ppl_tokens is None else max(1, n_tokens // lengths[-1]))
+
+        plan = fit_budget(estimate, None if budget_minutes is None else 60.0 * budget_minutes, passkey_samples,
+                          windows_at_longest, has_passkey=bool(passkey_lengths))
+        plan["minutes"] = budget_minutes
+        plan["probe"] = {"tokens": probed, "s_per_token": per_token}
+        passkey_samples, windows_at_longest = plan["passkey_samples"], plan["windows_at_longest"]
+        if ppl_tokens is None:
+            n_tokens = windows_at_longest * lengths[-1]
+        if on_plan is not None:
+            on_plan(plan)
 
     result = {
         "format": FORMAT,
@@ -205,7 +268,16 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", "")},
         "settings": {"lengths": lengths, "passkey_lengths": passkey_lengths, "depths": [float(d) for d in depths],
                      "passkey_samples": passkey_samples, "seed": seed, "ppl_tokens": n_tokens,
-                     "windows_at_longest": windows_at_longest, "heldout": held},
+                     "windows_at_longest": windows_at_longest, "heldout": held,
+                     "chat_template": {"mode": str(chat_template) if not isinstance(chat_template, bool)
+                                       else ("on" if chat_template else "off"), "used": chat},
+                     "shared_haystack": bool(shared_haystack), "bucket_size": bucket_size, "budget": plan,
+                     "machine": {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                                 "loadavg_start": load_start, "loadavg_end": None},
+                     "counts": {"passkey_per_cell": passkey_samples if passkey_lengths else 0,
+                                "passkey_cells": len(passkey_lengths) * len(depths),
+                                "passkey_prompts": len(passkey_lengths) * len(depths) * passkey_samples,
+                                "perplexity_windows": {str(L): min(n_tokens, len(token_ids)) // L for L in lengths}}},
         "versions": versions(),
         "schemes": [], "records": [], "passkey": [], "buckets": [], "elapsed_s": {},
         "pending": [spec for spec, _ in parsed],
@@ -237,26 +309,32 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
             if lengths[-1] not in todo_ppl and lengths[-1] not in done["buckets"]:
                 todo_ppl.append(lengths[-1])  # the position buckets of the longest length were not kept
             todo_pk = [L for L in passkey_lengths if L not in done["passkey"]]
-            ppl = evaluate_scheme_perplexity(model, token_ids, todo_ppl, n_tokens, window, tick)
-            pk = _passkey(model, tokenizer, token_ids, todo_pk, depths, passkey_samples, seed, tick)
+            ppl = evaluate_scheme_perplexity(model, token_ids, todo_ppl, n_tokens, window, tick, bucket_size)
+            pk = _passkey(model, tokenizer, token_ids, todo_pk, depths, passkey_samples, seed, tick,
+                          chat_template=chat, shared_haystack=shared_haystack)
         ppl_rows = {**{L: r for L, r in done["ppl"].items() if L in lengths}, **{r["length"]: r for r in ppl["lengths"]}}
         pk += [r for L in passkey_lengths if L not in todo_pk for r in done["passkey"][L]]
         buckets = ppl["buckets"] if lengths[-1] in todo_ppl else done["buckets"][lengths[-1]]
         result["schemes"].append({"spec": spec, "label": label, "name": name, "params": params})
         acc = accuracy_by_length(pk)
-        n_by_len = {}
+        n_by_len, k_by_len = {}, {}
         for r in pk:
             n_by_len[r["length"]] = n_by_len.get(r["length"], 0) + r["n"]
+            k_by_len[r["length"]] = k_by_len.get(r["length"], 0) + r["correct"]
+            if "ci_low" not in r:  # a cell of an earlier result, from before the intervals
+                r["ci_low"], r["ci_high"] = wilson_interval(r["correct"], r["n"])
         keys = ("length", "n_windows", "n_tokens", "nll", "perplexity")
         for L in lengths:
             row = {k: ppl_rows[L][k] for k in keys}
             result["records"].append({"scheme": spec, "label": label, "name": name, **row,
-                                      "passkey_accuracy": acc.get(L), "passkey_n": n_by_len.get(L, 0)})
+                                      "passkey_accuracy": acc.get(L), "passkey_n": n_by_len.get(L, 0),
+                                      **_pooled(L, k_by_len, n_by_len)})
         for L in passkey_lengths:  # passkey-only lengths still get a record
             if L not in lengths:
                 result["records"].append({"scheme": spec, "label": label, "name": name, "length": L,
                                           "perplexity": None, "nll": None, "n_windows": 0, "n_tokens": 0,
-                                          "passkey_accuracy": acc.get(L), "passkey_n": n_by_len.get(L, 0)})
+                                          "passkey_accuracy": acc.get(L), "passkey_n": n_by_len.get(L, 0),
+                                          **_pooled(L, k_by_len, n_by_len)})
         pk.sort(key=lambda r: (r["length"], depth_order.get(r["depth"], 0)))
         result["passkey"] += [{"scheme": spec, "label": label, **{k: v for k, v in r.items() if k not in
                                                                   ("scheme", "label")}} for r in pk]
@@ -267,10 +345,20 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         result["records"].sort(key=lambda r: (order.index(r["scheme"]), r["length"]))
         result["pending"].remove(spec)
         result["elapsed_s"]["total"] = round(time.perf_counter() - t_all, 2)
+        result["settings"]["machine"]["loadavg_end"] = _loadavg()
         if on_scheme is not None:
             on_scheme(_with_earlier(result, resume, order))
     result["elapsed_s"]["total"] = round(time.perf_counter() - t_all, 2)
+    result["settings"]["machine"]["loadavg_end"] = _loadavg()
     return result
+
+
+def _pooled(length: int, correct: dict, n: dict) -> dict:
+    """The pooled passkey count of one length over its depths, with its Wilson 95% interval."""
+    if length not in n:
+        return {"passkey_correct": None, "passkey_ci_low": None, "passkey_ci_high": None}
+    low, high = wilson_interval(correct[length], n[length])
+    return {"passkey_correct": correct[length], "passkey_ci_low": low, "passkey_ci_high": high}
 
 
 def _with_earlier(result: dict, resume: dict | None, order: list[str]) -> dict:
@@ -290,19 +378,20 @@ def _with_earlier(result: dict, resume: dict | None, order: list[str]) -> dict:
     return out
 
 
-def evaluate_scheme_perplexity(model, token_ids, lengths, n_tokens, window, tick) -> dict:
+def evaluate_scheme_perplexity(model, token_ids, lengths, n_tokens, window, tick, bucket_size=None) -> dict:
     """Perplexity of the applied scheme at `lengths` (none: nothing to do); buckets of the longest of them."""
     if not lengths:
         return {"lengths": [], "buckets": []}
-    return evaluate_perplexity(model, token_ids, lengths, n_tokens=n_tokens, window=window, progress=tick)
+    return evaluate_perplexity(model, token_ids, lengths, n_tokens=n_tokens, window=window, progress=tick,
+                               bucket_size=bucket_size)
 
 
-def _passkey(model, tokenizer, token_ids, lengths, depths, n_samples, seed, tick):
+def _passkey(model, tokenizer, token_ids, lengths, depths, n_samples, seed, tick, **kw):
     """evaluate_passkey per length, reporting progress in prompt tokens."""
     out = []
     for L in lengths:
         out += evaluate_passkey(model, tokenizer, token_ids, [L], depths, n_samples, seed,
-                                progress=lambda n, L=L: tick(n * L))
+                                progress=lambda n, L=L: tick(n * L), **kw)
     return out
 
 

@@ -58,6 +58,38 @@ def _fmt_acc(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def _fmt_passkey(r: dict) -> str:
+    """"92% (11/12, 65-99)": accuracy, k/n and the Wilson 95% interval in percent, where the record has them."""
+    acc = r.get("passkey_accuracy")
+    if acc is None:
+        return "-"
+    k, n = r.get("passkey_correct"), r.get("passkey_n")
+    lo, hi = r.get("passkey_ci_low"), r.get("passkey_ci_high")
+    if k is None or not n:
+        return _fmt_acc(acc)
+    ci = f", {100 * lo:.0f}-{100 * hi:.0f}" if lo is not None and hi is not None else ""
+    return f"{_fmt_acc(acc)} ({k}/{n}{ci})"
+
+
+def _run_line(s: dict) -> str:
+    """Chat template, shared haystack, threads, load and budget of a run, in one line (empty for older files)."""
+    parts = []
+    chat = s.get("chat_template")
+    if chat:
+        parts.append(f"chat template {'on' if chat.get('used') else 'off'} ({chat.get('mode')})")
+    if s.get("shared_haystack"):
+        parts.append("one haystack per passkey cell (shared prefix prefilled once)")
+    machine = s.get("machine") or {}
+    if machine:
+        load = machine.get("loadavg_start")
+        parts.append(f"{machine.get('threads')} threads on {machine.get('cpu_count')} cores"
+                     + (f", load {load[0]:.2f}" if load else ""))
+    budget = s.get("budget")
+    if budget and budget.get("line"):
+        parts.append(budget["line"].rstrip("."))
+    return ("; ".join(parts) + ".") if parts else ""
+
+
 def _lengths(result) -> list[int]:
     return sorted({r["length"] for r in result["records"]})
 
@@ -76,7 +108,7 @@ def markdown_table(result: dict) -> str:
     lines = [
         f"Model `{m['name']}` (window {m['window']}); perplexity on {s['ppl_tokens']} held-out tokens per length; "
         f"passkey: {s['passkey_samples']} samples x depths {', '.join(f'{d:g}' for d in s['depths'])} per length, "
-        f"seed {s['seed']}.",
+        f"seed {s['seed']}." + (" " + _run_line(s) if _run_line(s) else ""),
         "",
         "| scheme | " + " | ".join(f"{L}" for L in lengths) + " |",
         "| --- | " + " | ".join("---:" for _ in lengths) + " |",
@@ -85,9 +117,9 @@ def markdown_table(result: dict) -> str:
         cells = []
         for L in lengths:
             r = _cell(result, sch["spec"], L)
-            cells.append("-" if r is None else f"{_fmt_ppl(r['perplexity'])} / {_fmt_acc(r['passkey_accuracy'])}")
+            cells.append("-" if r is None else f"{_fmt_ppl(r['perplexity'])} / {_fmt_passkey(r)}")
         lines.append(f"| {sch['label']} | " + " | ".join(cells) + " |")
-    lines += ["", "Cells: perplexity / passkey accuracy."]
+    lines += ["", "Cells: perplexity / passkey accuracy (right/prompts, Wilson 95% interval in %)."]
     if result["buckets"]:
         spans = []
         for b in result["buckets"]:
@@ -125,7 +157,7 @@ def check_writable(out_dir: str | Path) -> Path:
 
 def write_csv(result: dict, path: str | Path) -> None:
     cols = ["scheme", "label", "name", "params", "length", "perplexity", "nll", "n_windows", "n_tokens",
-            "passkey_accuracy", "passkey_n"]
+            "passkey_accuracy", "passkey_n", "passkey_correct", "passkey_ci_low", "passkey_ci_high"]
     params = {s["spec"]: json.dumps(s["params"], sort_keys=True) for s in result["schemes"]}
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols)
@@ -236,7 +268,8 @@ def read_results(source) -> dict:
     scheme or length are skipped. The original window comes from model.window | window | max_position_embeddings.
 
     Returns {"normalised": True, "name", "window", "schemes": [(scheme, label)], "records": [{"scheme", "label", "length",
-    "perplexity", "passkey_accuracy"}], "passkey": [{"scheme", "label", "length", "depth", "accuracy"}],
+    "perplexity", "passkey_accuracy", "passkey_ci_low", "passkey_ci_high"}], "passkey": [{"scheme", "label", "length",
+    "depth", "accuracy", "n", "correct", "ci_low", "ci_high"}] (None where the file does not have them),
     "buckets": [{"scheme", "label", "length", "start", "end", "perplexity"}]}.
     """
     data = source
@@ -290,11 +323,14 @@ def read_results(source) -> dict:
         length = int(length)
         acc = _num(_first(row, _ACC_KEYS))
         if row.get("depth") is not None and _num(row.get("depth")) is not None:
-            out["passkey"].append({"scheme": key, "label": label, "length": length, "depth": _num(row["depth"]), "accuracy": acc})
+            out["passkey"].append({"scheme": key, "label": label, "length": length, "depth": _num(row["depth"]), "accuracy": acc,
+                                   **{k: _num(row.get(k)) for k in ("n", "correct", "ci_low", "ci_high")}})
             if _first(row, _PPL_KEYS) is None:
                 continue
         out["records"].append({"scheme": key, "label": label, "length": length,
-                               "perplexity": _num(_first(row, _PPL_KEYS)), "passkey_accuracy": acc})
+                               "perplexity": _num(_first(row, _PPL_KEYS)), "passkey_accuracy": acc,
+                               "passkey_ci_low": _num(row.get("passkey_ci_low")),
+                               "passkey_ci_high": _num(row.get("passkey_ci_high"))})
         buckets = _first(row, _BUCKET_KEYS)
         out["buckets"] += _buckets(buckets, key, label, length)
     for p in meta.get("passkey", []) or []:
@@ -303,7 +339,8 @@ def read_results(source) -> dict:
             length = _num(_first(p, _LENGTH_KEYS))
             if key is not None and length is not None:
                 out["passkey"].append({"scheme": key, "label": label, "length": int(length), "depth": _num(p.get("depth")),
-                                       "accuracy": _num(_first(p, ("accuracy", "passkey_accuracy")))})
+                                       "accuracy": _num(_first(p, ("accuracy", "passkey_accuracy"))),
+                                       **{k: _num(p.get(k)) for k in ("n", "correct", "ci_low", "ci_high")}})
     top = meta.get("buckets")
     if isinstance(top, list):
         for b in top:

@@ -50,6 +50,12 @@ def results(source, window=None) -> Figure:
                 ys = [S.finite(r[field]) for r in rows] if panel == "ppl" else [100 * r[field] for r in rows]
                 ax.plot([r["length"] for r in rows], ys, marker="o", markersize=4, color=color[key],
                         linestyle=style[key], label=label)
+                ci = [r for r in rows if r.get("passkey_ci_low") is not None] if panel == "passkey" else []
+                if ci:  # Wilson 95% intervals of the pooled accuracy
+                    ax.errorbar([r["length"] for r in ci], [100 * r[field] for r in ci],
+                                yerr=[[100 * (r[field] - r["passkey_ci_low"]) for r in ci],
+                                      [100 * (r["passkey_ci_high"] - r[field]) for r in ci]],
+                                fmt="none", ecolor=color[key], elinewidth=0.8, capsize=2, alpha=0.7)
         xmax = max((x for line in ax.get_lines() for x in line.get_xdata()), default=None)
         ends = [b["end"] for b in res["buckets"]] if panel == "buckets" else []
         S.mark_window(ax, L, upto=max([xmax or 0, *ends]) or None)
@@ -109,7 +115,8 @@ def perplexity(source) -> Figure:
 
 
 def passkey(source) -> Figure:
-    """Passkey accuracy heatmaps, one panel per scheme: rows = needle depth, columns = prompt length."""
+    """Passkey accuracy heatmaps, one panel per scheme: rows = needle depth, columns = prompt length. Each cell is
+    annotated with its accuracy and, where the results have them, "k/n" and the Wilson 95% interval."""
     res = _normalised(source)
     cells = [p for p in res["passkey"] if p["depth"] is not None]
     if not cells:
@@ -127,14 +134,22 @@ def passkey(source) -> Figure:
     for k, (key, label) in enumerate(schemes):
         ax = axes[k // cols][k % cols]
         grid = np.full((len(depths), len(lengths)), np.nan)
+        notes: dict[tuple[int, int], str] = {}
         for p in cells:
             if p["scheme"] == key and p["accuracy"] is not None:
-                grid[depths.index(p["depth"]), lengths.index(p["length"])] = p["accuracy"]
+                at = (depths.index(p["depth"]), lengths.index(p["length"]))
+                grid[at] = p["accuracy"]
+                if p.get("n"):
+                    notes[at] = f"{p['correct']:.0f}/{p['n']:.0f}"
+                    if p.get("ci_low") is not None and p.get("ci_high") is not None:
+                        notes[at] += f"\n[{100 * p['ci_low']:.0f}-{100 * p['ci_high']:.0f}]"
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for i in range(len(depths)):
             for j in range(len(lengths)):
                 if not np.isnan(grid[i, j]):
-                    ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
+                    note = notes.get((i, j))
+                    ax.text(j, i, f"{100 * grid[i, j]:.0f}%" + (f"\n{note}" if note else ""), ha="center",
+                            va="center", fontsize=8 if note is None else 6)
         ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
         ax.set_title(label, fontsize=9)
@@ -145,7 +160,7 @@ def passkey(source) -> Figure:
     for k in range(len(schemes), rows * cols):
         axes[k // cols][k % cols].axis("off")
     if im is not None:
-        fig.colorbar(im, ax=axes, shrink=0.8, label="passkey accuracy")
+        fig.colorbar(im, ax=axes, shrink=0.8, label="passkey accuracy (cells: %, right/n, Wilson 95% [low-high])")
     fig.suptitle(f"Passkey retrieval - {res['name']}", fontsize=10)
     return fig
 

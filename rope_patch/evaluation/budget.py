@@ -1,0 +1,84 @@
+"""How long a `compare` run will take, and trimming it to a time budget.
+
+The estimate times one forward pass of the model on held-out tokens (a warm-up forward first: the first forward of a
+process is several times slower) and multiplies the seconds per token by the tokens the run will process: every
+perplexity window, every passkey prompt in full (an upper bound when a shared prefix is prefilled once) and one token
+per generated answer token. Attention grows with the length while the probe runs at the shortest one, so long runs
+take somewhat longer than estimated; the estimate is printed as such.
+
+`fit_budget` trims in a fixed order until the estimate fits: passkey samples per cell first (down to 1), then the
+perplexity windows at the longest length (down to 1). What it trimmed is said in one line and recorded in the
+results (settings.budget).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+PROBE_MAX_TOKENS = 512
+
+
+@torch.no_grad()
+def seconds_per_token(model, token_ids: Sequence[int], length: int) -> tuple[float, int]:
+    """(seconds per token, tokens probed) of one forward of min(length, PROBE_MAX_TOKENS) held-out tokens, timed
+    after one untimed warm-up forward."""
+    n = max(2, min(int(length), PROBE_MAX_TOKENS, len(token_ids)))
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids[:n])], dtype=torch.long, device=device)
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    t0 = time.perf_counter()
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return (time.perf_counter() - t0) / n, n
+
+
+def run_tokens(n_schemes: int, token_count: int, lengths: Sequence[int], passkey_lengths: Sequence[int],
+               n_depths: int, passkey_samples: int, windows_at_longest: int, new_tokens: int = 7) -> int:
+    """Tokens a run processes: perplexity windows + passkey prompts + generated tokens, over all schemes."""
+    lengths = sorted(set(lengths))
+    n = windows_at_longest * lengths[-1] if lengths else 0
+    ppl = sum((min(n, token_count) // L) * L for L in lengths)
+    pk = sum((L + new_tokens) * n_depths * passkey_samples for L in set(passkey_lengths))
+    return n_schemes * (ppl + pk)
+
+
+def fit_budget(estimate: Callable[[int, int], float], budget_s: float | None, passkey_samples: int,
+               windows_at_longest: int, has_passkey: bool = True) -> dict:
+    """The largest (passkey samples, windows) whose `estimate(samples, windows)` (seconds) fits `budget_s`,
+    trimming samples first, then windows. Returns {"passkey_samples", "windows_at_longest", "estimate_s",
+    "trimmed" (bool), "fits" (bool), "line"}: `line` says what was done in one sentence."""
+    full = estimate(passkey_samples, windows_at_longest)
+    plan = {"budget_s": budget_s, "passkey_samples": passkey_samples, "windows_at_longest": windows_at_longest,
+            "estimate_s": full, "estimate_untrimmed_s": full, "trimmed": False, "fits": True}
+    if budget_s is None or full <= budget_s:
+        plan["line"] = (f"Estimated time: {_minutes(full)}" + (f", within the budget of {_minutes(budget_s)}."
+                                                                if budget_s is not None else "."))
+        return plan
+    s, w = passkey_samples, windows_at_longest
+    if has_passkey:
+        while s > 1 and estimate(s, w) > budget_s:
+            s -= 1
+    while w > 1 and estimate(s, w) > budget_s:
+        w -= 1
+    est = estimate(s, w)
+    changes = []
+    if s != passkey_samples:
+        changes.append(f"passkey samples per cell {passkey_samples} -> {s}")
+    if w != windows_at_longest:
+        changes.append(f"perplexity windows {windows_at_longest} -> {w}")
+    fits = est <= budget_s
+    plan.update(passkey_samples=s, windows_at_longest=w, estimate_s=est, trimmed=bool(changes), fits=fits)
+    what = "; ".join(changes) if changes else "nothing left to trim"
+    plan["line"] = (f"Budget {_minutes(budget_s)}: estimated {_minutes(full)}, trimmed {what}: now {_minutes(est)}."
+                    if fits else
+                    f"Budget {_minutes(budget_s)}: estimated {_minutes(full)}; even at the minimum ({what}) it is "
+                    f"{_minutes(est)}: running that; raise --budget-minutes or drop schemes or lengths to fit.")
+    return plan
+
+
+def _minutes(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"

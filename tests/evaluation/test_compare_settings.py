@@ -1,0 +1,153 @@
+"""run_compare records what makes a CPU measurement trustworthy: chat template, shared haystack, buckets, budget
+trimming, threads and load, sample counts, Wilson intervals; and the table and figure show them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.models import tiny_model
+from helpers.text import char_tokenizer, filler_text
+
+from rope_patch import plots
+from rope_patch.evaluation import compare as compare_mod
+from rope_patch.evaluation.budget import fit_budget, run_tokens
+from rope_patch.evaluation.compare import resume_mismatch, run_compare
+from rope_patch.evaluation.results import load_results, markdown_table, read_results, write_results
+from rope_patch.evaluation.retrieval import wilson_interval
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant {% endif %}")
+KW = dict(passkey_lengths=[200], depths=[0.3, 0.8], passkey_samples=3, windows_at_longest=2, model_spec="random")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = char_tokenizer()
+    return tiny_model("llama"), tok, tok.encode(filler_text(), add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    t = char_tokenizer()
+    t.chat_template = TEMPLATE
+    return t
+
+
+def _run(setup, tok=None, **kw):
+    model, base_tok, ids = setup
+    return run_compare(model, tok or base_tok, ["default"], [32, 64], token_ids=ids, **{**KW, **kw})
+
+
+@pytest.mark.parametrize("mode,templated,used", [("auto", False, False), ("auto", True, True), ("off", True, False),
+                                                 ("on", True, True)])
+def test_chat_template_is_resolved_and_recorded(setup, chat_tok, mode, templated, used):
+    res = _run(setup, chat_tok if templated else None, chat_template=mode, passkey_samples=1, depths=[0.5])
+    assert res["settings"]["chat_template"] == {"mode": mode, "used": used}
+
+
+def test_chat_template_on_without_template_fails_before_any_evaluation(setup, monkeypatch):
+    monkeypatch.setattr(compare_mod, "evaluate_perplexity", lambda *a, **k: pytest.fail("evaluated"))
+    with pytest.raises(ValueError, match="has no chat template"):
+        _run(setup, chat_template="on")
+
+
+def test_settings_machine_counts_and_intervals(setup):
+    res = _run(setup, shared_haystack=True, bucket_size=16)
+    s = res["settings"]
+    assert s["shared_haystack"] is True and s["bucket_size"] == 16 and s["budget"] is None
+    m = s["machine"]
+    assert m["threads"] >= 1 and m["cpu_count"] >= 1 and len(m["loadavg_start"]) == 3 and len(m["loadavg_end"]) == 3
+    assert s["counts"] == {"passkey_per_cell": 3, "passkey_cells": 2, "passkey_prompts": 6,
+                           "perplexity_windows": {"32": 4, "64": 2}}
+    assert [(b["start"], b["end"]) for b in res["buckets"]] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    for p in res["passkey"]:
+        assert (p["ci_low"], p["ci_high"]) == wilson_interval(p["correct"], p["n"]) and p["n"] == 3
+        assert p["shared_prefix"] > 0  # the shared haystack's prefix was prefilled once
+    rec = next(r for r in res["records"] if r["length"] == 200)
+    k = sum(p["correct"] for p in res["passkey"])
+    assert (rec["passkey_correct"], rec["passkey_n"]) == (k, 6)
+    assert (rec["passkey_ci_low"], rec["passkey_ci_high"]) == wilson_interval(k, 6)
+
+
+def test_markdown_and_figure_show_n_and_interval(setup, tmp_path):
+    res = _run(setup)
+    md = markdown_table(res)
+    rec = next(r for r in res["records"] if r["length"] == 200)
+    lo, hi = round(100 * rec["passkey_ci_low"]), round(100 * rec["passkey_ci_high"])
+    assert f"({rec['passkey_correct']}/6, {lo}-{hi})" in md and "Wilson 95% interval" in md
+    assert "threads on" in md and "chat template off (auto)" in md
+    paths = write_results(res, tmp_path)
+    back = load_results(paths["json"])
+    norm = read_results(back)
+    assert {(p["n"], p["correct"]) for p in norm["passkey"]} == {(3, p["correct"]) for p in res["passkey"]}
+    assert all(r["passkey_ci_low"] is not None for r in norm["records"] if r["passkey_accuracy"] is not None)
+    fig = plots.passkey(norm)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert any(f"{res['passkey'][0]['correct']}/3" in t for t in texts), texts
+    fig2 = plots.results(norm)
+    assert any(c.__class__.__name__ == "LineCollection" for ax in fig2.axes for c in ax.collections)  # error bars
+
+
+def test_older_results_resume_with_the_defaults(setup):
+    res = _run(setup, passkey_samples=1, depths=[0.5])
+    old = json.loads(json.dumps(res))
+    for k in ("chat_template", "shared_haystack", "bucket_size"):
+        del old["settings"][k]
+    assert resume_mismatch(old, res) is None
+    changed = _run(setup, passkey_samples=1, depths=[0.5], shared_haystack=True)
+    assert "shared_haystack False -> True" in resume_mismatch(res, changed)
+
+
+# ---- budget -----------------------------------------------------------------------------------------------------
+def _cost(samples, windows):  # seconds: 10 per passkey sample, 30 per window
+    return 10.0 * samples + 30.0 * windows
+
+
+@pytest.mark.parametrize("budget,samples,windows,fits,trimmed,words", [
+    (None, 10, 4, True, False, "Estimated time: 3.7 min."),
+    (600, 10, 4, True, False, "within the budget of 10.0 min"),
+    (150, 3, 4, True, True, "passkey samples per cell 10 -> 3"),
+    (70, 1, 2, True, True, "passkey samples per cell 10 -> 1; perplexity windows 4 -> 2"),
+    (20, 1, 1, False, True, "even at the minimum"),
+])
+def test_fit_budget_trims_samples_then_windows(budget, samples, windows, fits, trimmed, words):
+    plan = fit_budget(_cost, budget, 10, 4)
+    assert (plan["passkey_samples"], plan["windows_at_longest"], plan["fits"], plan["trimmed"]) == \
+        (samples, windows, fits, trimmed)
+    assert words in plan["line"] and "\n" not in plan["line"]
+    assert plan["estimate_s"] == _cost(samples, windows) and plan["estimate_untrimmed_s"] == _cost(10, 4)
+
+
+def test_fit_budget_without_passkey_trims_windows():
+    plan = fit_budget(_cost, 100, 10, 4, has_passkey=False)
+    assert (plan["passkey_samples"], plan["windows_at_longest"]) == (10, 1)
+
+
+def test_run_tokens_counts_windows_prompts_and_answers():
+    assert run_tokens(2, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7) == 2 * ((4 * 32 + 2 * 64) + 107 * 3 * 4)
+
+
+def test_run_compare_trims_to_the_budget_and_records_it(setup, monkeypatch):
+    monkeypatch.setattr(compare_mod, "seconds_per_token", lambda model, ids, length: (1e-3, length))
+    plans = []
+    res = _run(setup, passkey_samples=6, windows_at_longest=3, budget_minutes=1.5 / 60, on_plan=plans.append)
+    (plan,) = plans
+    # 1 ms a token: untrimmed 6 samples x 2 depths x 207 + 3x64 windows at 32 and 64 = 2.87 s; 1.5 s fits 2 samples (1.21 s), not 3 (1.63 s)
+    assert plan["estimate_untrimmed_s"] == pytest.approx(1e-3 * (6 * 2 * 207 + 2 * 192))
+    assert plan["trimmed"] and plan["passkey_samples"] == 2 and plan["windows_at_longest"] == 3
+    assert res["settings"]["passkey_samples"] == 2 and res["settings"]["budget"]["line"] == plan["line"]
+    assert all(p["n"] == 2 for p in res["passkey"]) and res["settings"]["budget"]["minutes"] == 1.5 / 60
+    assert "passkey samples per cell 6 -> 2" in markdown_table(res)
+
+
+@pytest.mark.parametrize("minutes", [0, -1.0])
+def test_budget_must_be_positive(setup, minutes):
+    with pytest.raises(ValueError, match="positive number of minutes"):
+        _run(setup, budget_minutes=minutes)
+
+
+def test_bucket_size_outside_the_window_fails_before_evaluating(setup, monkeypatch):
+    monkeypatch.setattr(compare_mod, "evaluate_perplexity", lambda *a, **k: pytest.fail("evaluated"))
+    with pytest.raises(ValueError, match="--bucket-size"):
+        _run(setup, bucket_size=65)
