@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .. import attention, discovery
 from ..discovery import PatchSite
@@ -224,6 +225,11 @@ class AttachModule:
         log.add_module(self.parent, self.name, self.child)
 
 
+def _state_only(layer) -> bool:
+    """A cache layer of linear attention only (conv / recurrent states, no keys and values)."""
+    return isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
+
+
 class CacheGuard:
     """Forward pre-hook on the decoder: refuse caches whose key slots are not positions (static / hybrid caches)."""
 
@@ -233,6 +239,9 @@ class CacheGuard:
     def __call__(self, module, args, kwargs):
         cache = cache_arg(kwargs)
         layers = getattr(cache, "layers", None) or ()
+        # a hybrid model's linear-attention layers (qwen3_next's gated delta net) cache a recurrent state, no keys:
+        # their (compileable) state layers say nothing about key slots
+        layers = [layer for layer in layers if not _state_only(layer)]
         if any(getattr(layer, "is_compileable", False) for layer in layers):
             raise ValueError(
                 f"{self.scheme}: a static KV cache ({type(cache).__name__}) is not supported: it pads keys to its "

@@ -171,3 +171,23 @@ def test_gpt_oss_sinks_stay_in_effect(scheme):
         for layer in model.model.layers:
             layer.self_attn.sinks.add_(3.0)
     assert not torch.allclose(logits(model, ids, attention_mask=mask), with_sinks)
+
+
+# ---- cached decoding = recomputation (sliding caches, qwen3_next's hybrid cache with linear-attention states) -------
+DECODE = [("yarn", {"factor": 4.0}), ("nope", {}), ("alibi", {}), ("rerope", {"window_size": 12}),
+          ("self_extend", {"group_size": 4, "window_size": 12}), ("dca", {"chunk_size": 24, "local_size": 4})]
+DECODE_CASES = [(a, s, p) for a in ADDED for s, p in DECODE if s not in REFUSED.get(a, {})]
+
+
+@pytest.mark.parametrize("arch,scheme,params", DECODE_CASES, ids=[f"{a}-{s}" for a, s, _ in DECODE_CASES])
+def test_cached_decoding_equals_recomputation(arch, scheme, params):
+    """Greedy decoding of a left-padded batch of 24-token prompts (past every window): same tokens, logits ≤ 1e-5."""
+    model = tiny_model(arch, attn_implementation=BACKENDS.get(arch, ["sdpa"])[-1])
+    rope_patch.apply(model, scheme, **params)
+    ids, mask = batch(24)
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+               attention_mask=mask)
+    with torch.no_grad():
+        cached, full = (model.generate(ids, use_cache=c, **gen) for c in (True, False))
+    assert torch.equal(cached.sequences, full.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(cached.logits, full.logits, strict=True)) <= 1e-5
