@@ -17,7 +17,7 @@ from ..evaluation.compare import DEFAULT_LENGTHS, DEFAULT_SCHEMES, parse_schemes
 from ..evaluation.results import check_writable, load_results, rich_table, write_results
 from ..evaluation.retrieval import DEFAULT_DEPTHS
 from ..suggest import pretraining_window, specs_for_target
-from .args import count, fraction, positive
+from .args import count, fraction, positive, real
 
 
 def add_parser(subparsers) -> None:
@@ -49,6 +49,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--windows", type=positive, default=2, metavar="N",
                    help="perplexity windows at the longest length; every length reads the same N x longest tokens "
                    "(default: %(default)s)")
+    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="frame every passkey prompt with the tokenizer's chat template (haystack + question as the "
+                   "user turn, the answer generated after the assistant prefix; the template's tokens count in the "
+                   "length); auto: on when the tokenizer has one (default: %(default)s)")
+    p.add_argument("--shared-haystack", action="store_true",
+                   help="one haystack per (length, depth) cell, so the prompts share everything before the needle: "
+                   "that prefix is prefilled once and its KV cache reused (same answers, less compute; the samples "
+                   "of a cell then differ only in the key)")
+    p.add_argument("--bucket-size", type=count(1), default=None, metavar="N",
+                   help="perplexity by position in buckets of N tokens inside the longest length (default: [0, W), "
+                   "[W, 2W), [2W, 4W), ... for the training window W); no extra forward pass")
+    p.add_argument("--budget-minutes", type=real(above=0), default=None, metavar="M",
+                   help="fit the run into M minutes: from a timed probe forward, trim passkey samples per cell "
+                   "first, then perplexity windows, and say so (recorded in compare.json)")
     p.add_argument("--seed", type=int, default=0, help="passkey seed (default: %(default)s)")
     p.add_argument("--heldout", default=None, help="held-out text (default: rope_patch/data/heldout.txt)")
     p.add_argument("--dtype", default="float32", help="model dtype (default: %(default)s)")
@@ -109,12 +123,22 @@ def run(args) -> int:
     with Progress(TextColumn("{task.description:<14}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
         task = bar.add_task("compare", total=max(total, 1))
+
+        def plan(p: dict) -> None:  # the estimate (and what the budget trimmed), before the first evaluation
+            console.print(p["line"])
+            trimmed = (len(token_ids), args.lengths, passkey_lengths, args.depths, p["passkey_samples"],
+                       p["windows_at_longest"])
+            bar.update(task, total=max(work_units(len(args.schemes), *trimmed)
+                                       - resumed_units(previous, args.schemes, *trimmed), 1))
+
         result = run_compare(
             model, tokenizer, args.schemes, args.lengths, passkey_lengths=passkey_lengths, depths=args.depths,
             passkey_samples=args.passkey_samples, windows_at_longest=args.windows, seed=args.seed,
             heldout=args.heldout, model_spec=models.model_name(args.model), model_path=str(path),
             progress=lambda n, label: bar.update(task, advance=n, description=label),
-            resume=previous, on_scheme=save)
+            resume=previous, on_scheme=save, chat_template=args.chat_template,
+            shared_haystack=args.shared_haystack, bucket_size=args.bucket_size, budget_minutes=args.budget_minutes,
+            on_plan=plan)
     Console().print(rich_table(result))
     paths = write_results(result, out)
     if not args.no_plots:

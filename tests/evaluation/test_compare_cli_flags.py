@@ -1,0 +1,92 @@
+"""`rope-patch compare --chat-template / --shared-haystack / --bucket-size / --budget-minutes` on a saved tiny model."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from helpers.models import tiny_model
+from helpers.text import char_tokenizer, filler_text
+
+from rope_patch.cli import main
+from rope_patch.evaluation.results import load_results
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    model = tiny_model("llama")
+    for name, template in (("plain", None), ("chat", TEMPLATE)):
+        tok = char_tokenizer()
+        if template:
+            tok.chat_template = template
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    (root / "heldout.txt").write_text(filler_text())
+    return root
+
+
+def argv(saved, out, model="plain", extra=()):
+    return ["compare", "--model", str(saved / model), "--schemes", "default", "--lengths", "32", "64",
+            "--passkey-lengths", "200", "--depths", "0.5", "--passkey-samples", "2", "--windows", "1",
+            "--heldout", str(saved / "heldout.txt"), "--out", str(out), "--no-plots", *extra]
+
+
+def only_line(err: str, prefix: str = "rope-patch compare: ") -> str:
+    lines = [line for line in err.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--budget-minutes", "0"], "argument --budget-minutes: must be a number > 0, got 0"),
+    (["--budget-minutes", "soon"], "argument --budget-minutes: expected a number, got 'soon'"),
+    (["--bucket-size", "0"], "argument --bucket-size: must be an integer >= 1, got 0"),
+    (["--chat-template", "maybe"], "argument --chat-template: invalid choice: 'maybe'"),
+])
+def test_bad_flags_are_one_line(saved, tmp_path, capsys, extra, message):
+    assert main(argv(saved, tmp_path / "out", extra=extra)) == 2
+    assert message in only_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--chat-template", "on"], "has no chat template (tokenizer.chat_template is empty): use 'auto' or 'off'"),
+    (["--bucket-size", "100"], "bucket size must be between 1 and the longest length (64), got 100"),
+])
+def test_errors_found_after_loading_are_one_line(saved, tmp_path, capsys, extra, message):
+    assert main(argv(saved, tmp_path / "out", extra=extra)) == 2
+    assert message in only_line(capsys.readouterr().err)
+    assert not (tmp_path / "out" / "compare.json").exists()
+
+
+@pytest.mark.parametrize("model,extra,used", [("chat", [], True), ("chat", ["--chat-template", "off"], False),
+                                              ("plain", [], False)])
+def test_flags_reach_the_results(saved, tmp_path, capsys, model, extra, used):
+    flags = [*extra, "--shared-haystack", "--bucket-size", "16", "--budget-minutes", "30"]
+    assert main(argv(saved, tmp_path / "out", model, flags)) == 0
+    err = capsys.readouterr().err
+    assert "Estimated time: " in err and "within the budget of 30.0 min" in err  # printed before the run
+    data = load_results(tmp_path / "out" / "compare.json")
+    s = data["settings"]
+    assert s["chat_template"] == {"mode": extra[1] if extra else "auto", "used": used}
+    assert s["shared_haystack"] and s["bucket_size"] == 16 and s["budget"]["minutes"] == 30.0
+    assert not s["budget"]["trimmed"] and s["machine"]["loadavg_start"] is not None
+    assert [(b["start"], b["end"]) for b in data["buckets"]] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    assert all(p["shared_prefix"] > 0 for p in data["passkey"])
+    assert re.search(r" / \d+% \([0-2]/2, \d+-\d+\) \|", (tmp_path / "out" / "compare.md").read_text())
+
+
+def test_budget_trims_and_says_so(saved, tmp_path, capsys, monkeypatch):
+    import rope_patch.evaluation.compare as C
+
+    monkeypatch.setattr(C, "seconds_per_token", lambda model, ids, length: (0.01, length))  # a slow machine
+    assert main(argv(saved, tmp_path / "out", extra=["--passkey-samples", "5", "--budget-minutes", "0.1"])) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("Budget 6 s"))
+    assert "passkey samples per cell 5 -> " in line
+    data = load_results(tmp_path / "out" / "compare.json")
+    assert data["settings"]["budget"]["line"] == line and data["settings"]["passkey_samples"] < 5
+    assert all(p["n"] == data["settings"]["passkey_samples"] for p in data["passkey"])
