@@ -34,7 +34,7 @@ def make_text(path: Path, n_words: int = 4000, seed: int = 0) -> Path:
 
 
 def tiny_cfg(model_dir: Path, text: Path, out: Path, /, **sections) -> dict:
-    """A config that trains in about a second: yarn x4 on the 32-token model at 128 tokens."""
+    """A config that trains in a few seconds: yarn x4 on the 32-token model at 128 tokens, a checkpoint every 2 steps."""
     cfg = {
         "model": str(model_dir),
         "output_dir": str(out),
@@ -52,3 +52,26 @@ def tiny_cfg(model_dir: Path, text: Path, out: Path, /, **sections) -> dict:
         else:
             cfg[key] = value
     return cfg
+
+
+def adapter_weights(run_dir: Path) -> dict:
+    """The trained weights of a run's final adapter (adapter_model.safetensors: LoRA + modules_to_save), by name."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "adapter" / "adapter_model.safetensors"))
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a, (sorted(a)[:3], sorted(b)[:3])
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def log_records(run_dir: Path) -> list[dict]:
+    """train_log.jsonl of a run, one dict per logged step."""
+    import json
+
+    return [json.loads(line) for line in (Path(run_dir) / "train_log.jsonl").read_text().splitlines() if line.strip()]
+
+
+def loss_curve(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in log_records(run_dir)}
