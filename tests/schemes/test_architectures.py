@@ -191,3 +191,23 @@ def test_cached_decoding_equals_recomputation(arch, scheme, params):
         cached, full = (model.generate(ids, use_cache=c, **gen) for c in (True, False))
     assert torch.equal(cached.sequences, full.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(cached.logits, full.logits, strict=True)) <= 1e-5
+
+
+def test_deepseek_scale_survives_plain_save_reload_deepcopy_and_remove(tmp_path):
+    """A plain save_pretrained reloads to the patched model (transformers recomputes the scale from the saved
+    rope_parameters), and a deep copy's undo log restores the copy's own attention modules."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("deepseek_v3")
+    shipped = _scales(model)
+    rope_patch.apply(model, "yarn", factor=8.0, mscale_all_dim=1.0)
+    ids = torch.randint(3, VOCAB, (1, 3 * 32), generator=torch.Generator().manual_seed(1))
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert _scales(plain) == _scales(model)
+    assert (logits(plain, ids) - logits(model, ids)).abs().max().item() <= 1e-5
+    twin = copy.deepcopy(model)
+    rope_patch.remove(twin)
+    assert _scales(twin) == shipped and _scales(model) != shipped
