@@ -17,7 +17,7 @@ LAYERS = [
     ("attention", ["attention"]),
     ("schemes", ["schemes"]),
     ("api", ["api", "lengths", "persistence", "suggest"]),
-    ("analysis / evaluation / training", ["analysis", "evaluation", "training"]),
+    ("analysis / evaluation / training / tuning", ["analysis", "evaluation", "training", "tuning"]),
     ("plots", ["plots"]),
     ("integrations", ["integrations"]),
     ("cli", ["cli"]),

@@ -1,0 +1,161 @@
+"""The search log: every evaluation of a search, in order, rewritten atomically after each one.
+
+A search is a deterministic function of its settings, its seed and the objective values it has seen. Resuming
+therefore replays the search from the start: the k-th evaluation it asks for is answered from the log's k-th record
+(after checking that it asks for the same parameters), and evaluation starts for real where the log ends. A resumed
+run thus writes exactly the log an uninterrupted run with the same seed writes (`seconds` aside).
+
+Log JSON (format "rope_patch.tune/1"):
+
+    {"format": "rope_patch.tune/1",
+     "model": {...}, "settings": {...}, "split": {...}, "versions": {...},
+     "evaluations": [{"index", "generation", "origin", "spec", "params", "objective", "perplexity",
+                      "passkey_accuracy", "error", "seconds"}, ...],
+     "status": "running" | "done" | "stopped",  "stopped": null | "max_evals" | "budget",
+     "best": {"index", "spec", "params", "objective", "perplexity"} | null,
+     "acceptance": {...} | absent}
+
+`objective` is null for a candidate the scheme refused (its `error` says why); such a record ranks last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..evaluation.results import json_safe
+from ..files import write_text_atomic
+
+FORMAT = "rope_patch.tune/1"
+# Settings a resumed run may change: the stopping rules (a resume usually exists to extend them).
+RESUMABLE = ("max_evals", "budget_minutes")
+
+
+class StopSearch(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by `SearchLog.evaluate` when the evaluation budget is spent (`reason`: "max_evals" or "budget")."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def rank(record: dict) -> float:
+    """Sort key: the objective, refused candidates (null, NaN) last."""
+    value = record.get("objective")
+    return value if isinstance(value, (int, float)) and not math.isnan(value) else math.inf
+
+
+def _plain(obj):
+    """The JSON form of `obj` (tuples become lists), as a replayed record holds it."""
+    return json.loads(json.dumps(json_safe(obj)))
+
+
+def load_log(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not a search log (not JSON: {err}).") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{path} is not a rope-patch tune search log (format {got!r}, expected {FORMAT!r}).")
+    for rec in data.get("evaluations", []):
+        if isinstance(rec.get("objective"), str):  # "inf" / "nan" as json_safe wrote them
+            rec["objective"] = float(rec["objective"])
+    return data
+
+
+def check_resumable(previous: dict, header: dict, path) -> None:
+    """A log resumes only a search with the same model, settings and split (the stopping rules may change)."""
+    for key in ("model", "split", "heldout"):
+        if _plain(previous.get(key)) != _plain(header.get(key)):
+            raise ValueError(f"cannot resume from {path}: it was written for another {key} ({previous.get(key)}). "
+                             "Use another --out, or drop --resume to start over.")
+    old = {k: v for k, v in (previous.get("settings") or {}).items() if k not in RESUMABLE}
+    new = {k: v for k, v in _plain(header.get("settings")).items() if k not in RESUMABLE}
+    if old != new:
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise ValueError(f"cannot resume from {path}: its settings differ in {', '.join(changed)} "
+                         f"(the log has {', '.join(f'{k}={old.get(k)!r}' for k in changed)}). Rerun with the log's "
+                         "settings, use another --out, or drop --resume to start over.")
+
+
+class SearchLog:
+    """Records evaluations, answers replayed ones from a previous log and enforces `max_evals` / `budget_s`.
+
+    `budget_s` counts the evaluation seconds recorded in the log, the replayed ones included, so a resumed search
+    stops where an uninterrupted one would. `clock` is injectable for tests. `path=None` keeps the log in memory.
+    """
+
+    def __init__(self, header: dict, path: str | Path | None = None, *, previous: dict | None = None,
+                 max_evals: int | None = None, budget_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_record: Callable[[dict, bool], None] | None = None):
+        self.path = Path(path) if path is not None else None
+        self.data = {"format": FORMAT, **_plain(header), "evaluations": [], "status": "running", "stopped": None,
+                     "best": None}
+        if previous is not None and "acceptance" in previous:
+            self.data["acceptance"] = previous["acceptance"]
+        self.replay = list(previous["evaluations"]) if previous is not None else []
+        self.max_evals, self.budget_s, self.clock = max_evals, budget_s, clock
+        self.on_record = on_record  # (record, replayed) after each evaluation: progress bars
+
+    # ---- what the search calls ------------------------------------------------------------------------------
+    @property
+    def evaluations(self) -> list[dict]:
+        return self.data["evaluations"]
+
+    def spent_s(self) -> float:
+        return sum(r.get("seconds") or 0.0 for r in self.evaluations)
+
+    def evaluate(self, params: dict, spec: str, run: Callable[[], dict], **info) -> float:
+        """The objective of one candidate: from the replayed log if it holds this evaluation, else `run()`, which
+        returns {"objective", ...} (or {"objective": None, "error": ...}). Raises StopSearch when the budget is spent."""
+        k = len(self.evaluations)
+        params = _plain(params)
+        if k < len(self.replay):
+            rec = self.replay[k]
+            if rec.get("params") != params or rec.get("spec") != spec:
+                raise ValueError(f"cannot resume: evaluation {k} of the log is {rec.get('spec')!r} but the search now "
+                                 f"asks for {spec!r} (the log comes from another search or version). Use another "
+                                 "--out, or drop --resume to start over.")
+            self.evaluations.append(rec)
+            self._update_best(rec)
+            if self.on_record:
+                self.on_record(rec, True)
+            return rank(rec)
+        if self.max_evals is not None and k >= self.max_evals:
+            raise StopSearch("max_evals")
+        if self.budget_s is not None and self.spent_s() >= self.budget_s:
+            raise StopSearch("budget")
+        start = self.clock()
+        result = run()
+        seconds = self.clock() - start
+        rec = _plain({"index": k, **info, "spec": spec, "params": params, "objective": None, **result,
+                      "seconds": round(seconds, 3)})
+        if isinstance(rec.get("objective"), str):
+            rec["objective"] = float(rec["objective"])
+        self.evaluations.append(rec)
+        self._update_best(rec)
+        self.write()
+        if self.on_record:
+            self.on_record(rec, False)
+        return rank(rec)
+
+    def _update_best(self, rec: dict) -> None:
+        if rank(rec) < math.inf and (self.data["best"] is None or rank(rec) < self.data["best"]["objective"]):
+            self.data["best"] = {k: rec.get(k) for k in ("index", "spec", "params", "objective", "perplexity",
+                                                         "passkey_accuracy")}
+
+    # ---- the end of a search -----------------------------------------------------------------------------------
+    def finish(self, stopped: str | None) -> None:
+        self.data["status"] = "stopped" if stopped else "done"
+        self.data["stopped"] = stopped
+        self.write()
+
+    def write(self) -> None:
+        if self.path is not None:
+            write_text_atomic(self.path, json.dumps(json_safe(self.data), indent=1) + "\n")

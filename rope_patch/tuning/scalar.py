@@ -1,0 +1,97 @@
+"""Grid and random search over a scheme's scalar parameters (Self-Extend group_size/window_size, STRING
+shift_size/window_size, ReRoPE window_size, YaRN factor/beta_fast/beta_slow, dynamic factor, or any scheme's
+parameters given explicitly).
+
+A space maps a parameter to a list of values (grid: every combination, in the order given; random: a uniform
+choice) or, for random search only, to a range (lo, hi): uniform integers when both ends are integers, else uniform
+reals (rounded to 4 significant digits so that specs stay readable). Combinations a scheme refuses (STRING's S ≤ W,
+YaRN's beta_fast ≤ beta_slow, ...) are logged with the scheme's message and rank last.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+from ..registry import canonical_name, get_scheme_class
+from .log import SearchLog, StopSearch
+
+Space = dict[str, list | tuple]
+
+
+def default_space(scheme: str, window: int, target: int) -> Space:
+    """A small grid around each paper's recommendation for target N on a model of window L (s = N/L)."""
+    name = canonical_name(scheme)
+    s = max(1.0, target / window)
+    L, N = window, target
+    spaces = {
+        "yarn": {"factor": [s, 1.5 * s, 2 * s], "beta_fast": [8, 16, 32], "beta_slow": [0.5, 1, 2]},
+        "dynamic": {"factor": [max(1.0, s / 2), s, 1.5 * s, 2 * s]},
+        "self_extend": {"group_size": [2, 4, 8, 16], "window_size": [L // 8, L // 4, L // 2]},
+        "string": {"shift_size": [N // 4, N // 3, N // 2], "window_size": [L // 8, L // 4, L // 2]},
+        "rerope": {"window_size": [L // 8, L // 4, L // 2, 3 * L // 4]},
+        "leaky_rerope": {"window_size": [L // 4, L // 2], "factor": [s, 2 * s, 4 * s]},
+        "linear": {"factor": [s, 1.25 * s, 1.5 * s, 2 * s]},
+        "ntk": {"factor": [s, 1.5 * s, 2 * s, 3 * s]},
+        "llama3": {"factor": [s, 2 * s], "low_freq_factor": [1, 2], "high_freq_factor": [4, 8]},
+    }
+    if name not in spaces:
+        raise ValueError(f"no default search space for {name!r}; give one with --space KEY=V1,V2,... "
+                         f"(defaults exist for {', '.join(sorted(spaces))}; longrope uses the evolutionary search).")
+    return {k: [round(v, 4) if isinstance(v, float) else v for v in vs] for k, vs in spaces[name].items()}
+
+
+def check_space(scheme: str, space: Space, method: str) -> None:
+    known = get_scheme_class(scheme).param_names()
+    for key, values in space.items():
+        if key not in known:
+            raise ValueError(f"{scheme} has no parameter {key!r} to search (parameters: {', '.join(known)}).")
+        if isinstance(values, tuple):
+            if method == "grid":
+                raise ValueError(f"grid search needs a list of values for {key} (KEY=V1,V2,...), got the range "
+                                 f"{values[0]}..{values[1]}; use --method random for ranges.")
+            if not values[0] < values[1]:
+                raise ValueError(f"the range of {key} must have lo < hi, got {values[0]}..{values[1]}.")
+        elif not values:
+            raise ValueError(f"no values given for {key}.")
+
+
+def grid_points(space: Space) -> list[dict]:
+    keys = list(space)
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(space[k] for k in keys))]
+
+
+def random_points(space: Space, n: int, rng: random.Random) -> list[dict]:
+    """`n` distinct points (fewer when the space has fewer)."""
+    total = 1
+    for values in space.values():
+        total = total * len(values) if isinstance(values, list) else float("inf")
+    out, seen = [], set()
+    for _ in range(50 * n):
+        if len(out) >= min(n, total):
+            break
+        point = {}
+        for key, values in space.items():
+            if isinstance(values, tuple):
+                lo, hi = values
+                point[key] = (rng.randint(lo, hi) if isinstance(lo, int) and isinstance(hi, int)
+                              else float(f"{rng.uniform(lo, hi):.4g}"))
+            else:
+                point[key] = rng.choice(values)
+        frozen = tuple(sorted(point.items()))
+        if frozen not in seen:
+            seen.add(frozen)
+            out.append(point)
+    return out
+
+
+def scalar_search(log: SearchLog, objective: Callable[[dict], dict], points: list[dict],
+                  spec: Callable[[dict], str]) -> str | None:
+    """Evaluate every point through `log`; None when all ran, else the reason the budget stopped the search."""
+    try:
+        for point in points:
+            log.evaluate(point, spec(point), lambda p=point: objective(p), generation=0, origin="point")
+    except StopSearch as stop:
+        return stop.reason
+    return None

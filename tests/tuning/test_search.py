@@ -1,0 +1,182 @@
+"""The search machinery: resume reproduces an uninterrupted log, --max-evals / --budget-minutes stop it, grid search
+finds a known optimum, the real objective on a tiny random model, and the held-out split."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from helpers.models import WINDOW, tiny_model
+from helpers.text import char_tokenizer, filler_text
+
+import rope_patch
+from rope_patch.tuning import (
+    EvolutionSettings,
+    SearchLog,
+    TuneOptions,
+    accept,
+    evolve,
+    grid_points,
+    load_log,
+    random_points,
+    scalar_search,
+    spec_of,
+    split_heldout,
+    tune,
+)
+from rope_patch.tuning.log import check_resumable
+
+OPT = [1.0, 1.0, 1.2, 1.6, 2.2, 3.0, 3.9, 4.6]
+INITIAL = {"linear": [4.0] * 8, "ntk": [4 ** (2 * i / 14) for i in range(8)], "yarn": [1, 1, 1.3, 2, 3, 4, 4, 4]}
+SETTINGS = EvolutionSettings(population=6, generations=4)
+
+
+def objective(f):
+    return {"objective": sum((x - y) ** 2 for x, y in zip(f, OPT, strict=True))}
+
+
+def strip(records):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resume_reproduces_an_uninterrupted_evolution(tmp_path):
+    full = SearchLog({"settings": {}}, tmp_path / "full.json")
+    evolve(full, objective, INITIAL, SETTINGS, 4.0, seed=7)
+    full.finish(None)
+
+    calls = []
+
+    def dies_at_9(f):
+        if len(calls) == 9:
+            raise Interrupt
+        calls.append(f)
+        return objective(f)
+
+    part = SearchLog({"settings": {}}, tmp_path / "part.json")
+    with pytest.raises(Interrupt):
+        evolve(part, dies_at_9, INITIAL, SETTINGS, 4.0, seed=7)
+    written = load_log(tmp_path / "part.json")
+    assert len(written["evaluations"]) == 9 and written["status"] == "running"  # each evaluation written at once
+
+    ran = []
+    resumed = SearchLog({"settings": {}}, tmp_path / "part.json", previous=written,
+                        on_record=lambda rec, replayed: ran.append(replayed))
+    evolve(resumed, objective, INITIAL, SETTINGS, 4.0, seed=7)
+    resumed.finish(None)
+    assert ran[:9] == [True] * 9 and not any(ran[9:])  # the logged nine are not evaluated again
+    assert strip(load_log(tmp_path / "part.json")["evaluations"]) == strip(full.evaluations)
+    assert load_log(tmp_path / "part.json")["best"] == full.data["best"]
+
+
+def test_another_seed_does_not_resume_silently(tmp_path):
+    part = SearchLog({"settings": {}}, tmp_path / "log.json", max_evals=8)
+    evolve(part, objective, INITIAL, SETTINGS, 4.0, seed=1)
+    again = SearchLog({"settings": {}}, previous=load_log(tmp_path / "log.json"))
+    with pytest.raises(ValueError, match="cannot resume: evaluation"):
+        evolve(again, objective, {"ntk": INITIAL["ntk"], "linear": INITIAL["linear"]}, SETTINGS, 4.0, seed=1)
+
+
+def test_changed_settings_are_refused_but_stopping_rules_may_change():
+    old = {"model": {"a": 1}, "split": {"s": 1}, "settings": {"seed": 0, "max_evals": 5, "target": 64}}
+    check_resumable(old, {**old, "settings": {"seed": 0, "max_evals": None, "target": 64}}, "log.json")
+    with pytest.raises(ValueError, match="settings differ in seed"):
+        check_resumable(old, {**old, "settings": {"seed": 1, "max_evals": 5, "target": 64}}, "log.json")
+    with pytest.raises(ValueError, match="another model"):
+        check_resumable(old, {**old, "model": {"a": 2}}, "log.json")
+
+
+def test_max_evals_stops_the_search():
+    log = SearchLog({"settings": {}}, max_evals=10)
+    assert evolve(log, objective, INITIAL, SETTINGS, 4.0) == "max_evals"
+    log.finish("max_evals")
+    assert len(log.evaluations) == 10 and log.data["status"] == "stopped" and log.data["best"] is not None
+
+
+def test_the_budget_stops_the_search_and_counts_resumed_time(tmp_path):
+    now = [0.0]
+
+    def clock():
+        now[0] += 5.0  # every call 5 s later: each evaluation takes 5 s
+        return now[0]
+
+    points = [{"x": x} for x in range(20)]
+    log = SearchLog({"settings": {}}, tmp_path / "log.json", budget_s=22, clock=clock)
+    assert scalar_search(log, lambda p: {"objective": p["x"]}, points, str) == "budget"
+    assert len(log.evaluations) == 5  # 0, 5, 10, 15, 20 s spent: the fifth starts below 22 s, the sixth does not
+    resumed = SearchLog({"settings": {}}, previous=load_log(tmp_path / "log.json"), budget_s=22, clock=clock)
+    assert scalar_search(resumed, lambda p: {"objective": p["x"]}, points, str) == "budget"
+    assert len(resumed.evaluations) == 5  # the resumed run has no new time left
+    longer = SearchLog({"settings": {}}, previous=load_log(tmp_path / "log.json"), budget_s=32, clock=clock)
+    scalar_search(longer, lambda p: {"objective": p["x"]}, points, str)
+    assert len(longer.evaluations) == 7
+
+
+def test_grid_search_over_a_tiny_model_finds_the_known_optimum():
+    """Synthetic objective through apply(): distance of the patched model's served window from 96 = 3 × 32
+    (yarn factor 3), plus a penalty that prefers beta_fast 16."""
+    model = tiny_model("llama")
+
+    def served(p):
+        with rope_patch.patched(model, "yarn", **p):
+            window = rope_patch.context_window(model)
+        return {"objective": abs(window - 3 * WINDOW) + (0 if p["beta_fast"] == 16 else 1)}
+
+    space = {"factor": [1.5, 2.0, 3.0, 4.0, 6.0], "beta_fast": [8, 16, 32]}
+    points = grid_points(space)
+    assert len(points) == 15
+    log = SearchLog({"settings": {}})
+    assert scalar_search(log, served, points, lambda p: spec_of("yarn", p)) is None
+    assert log.data["best"]["params"] == {"factor": 3.0, "beta_fast": 16}
+    assert log.data["best"]["spec"] == "yarn:factor=3.0,beta_fast=16"
+    assert rope_patch.current(model) is None
+
+
+def test_random_points_are_distinct_and_in_range():
+    pts = random_points({"g": [2, 4, 8], "w": (4, 16), "f": (1.0, 2.0)}, 30, random.Random(0))
+    assert len(pts) == 30 and len({tuple(sorted(p.items())) for p in pts}) == 30
+    assert all(p["g"] in (2, 4, 8) and 4 <= p["w"] <= 16 and isinstance(p["w"], int) and 1 <= p["f"] <= 2 for p in pts)
+    assert len(random_points({"g": [2, 4]}, 10, random.Random(0))) == 2
+
+
+def test_the_split_is_disjoint_and_covers_the_text():
+    tune_ids, accept_ids, info = split_heldout(list(range(101)))
+    assert tune_ids == list(range(50)) and accept_ids == list(range(50, 101))
+    assert info["tuning_tokens"] == [0, 50] and info["acceptance_tokens"] == [50, 101]
+
+
+@pytest.fixture(scope="module")
+def text_ids():
+    return char_tokenizer().encode(filler_text(2000), add_special_tokens=False)
+
+
+def test_tune_on_a_tiny_model_scalar_and_longrope(text_ids, tmp_path):
+    model, tok = tiny_model("llama"), char_tokenizer()
+    opts = TuneOptions(scheme="string", target=64, space={"shift_size": [8, 16], "window_size": [4, 16]}, n_tokens=128)
+    log = tune(model, tok, text_ids, opts, log_path=tmp_path / "s.json")
+    recs = log["evaluations"]
+    assert len(recs) == 4 and log["status"] == "done"
+    refused = [r for r in recs if r["objective"] is None]  # S <= W: STRING refuses, the log says why
+    assert [r["params"] for r in refused] == [{"shift_size": 8, "window_size": 16}, {"shift_size": 16, "window_size": 16}]
+    assert all("shift_size" in r["error"] for r in refused)
+    assert all(r["perplexity"] > 1 for r in recs if r["objective"] is not None)
+    assert log["best"]["spec"].startswith("string:")
+
+    opts = TuneOptions(scheme="longrope", target=64, evolution=EvolutionSettings(population=4, generations=1),
+                       n_tokens=128)
+    log = tune(model, tok, text_ids, opts, log_path=tmp_path / "l.json")
+    assert len(log["evaluations"]) == 4 + 2
+    assert all(r["objective"] == r["perplexity"] for r in log["evaluations"])  # no passkey term
+    best = log["best"]["params"]
+    assert best["short_factor"] == [1.0] * 8 and best["factor"] == 2.0 and best["original_max_position_embeddings"] == WINDOW
+    rope_patch.apply(model, log["best"]["spec"])
+    rope_patch.remove(model)
+    acc = accept(model, text_ids, log, ["linear:2"], n_tokens=128, log_path=tmp_path / "l.json")
+    assert [r["label"] for r in acc["rows"]] == ["searched longrope", "linear×2"] and acc["lengths"] == [WINDOW, 64]
+    on_disk = json.loads((tmp_path / "l.json").read_text())
+    assert on_disk["acceptance"]["rows"][0]["perplexity"].keys() == {"32", "64"}
+    assert on_disk["split"]["acceptance_tokens"][0] == on_disk["split"]["tuning_tokens"][1]
