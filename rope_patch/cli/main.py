@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 from .. import registry
-from . import compare, explain, export, models, plot, sweep
+from . import compare, explain, export, models, plot, sweep, tune
 
 DESCRIPTION = (
     "Swap the position encoding of a loaded Hugging Face LLaMA-family model at runtime (RoPE scaling: linear/PI, "
@@ -20,13 +20,14 @@ examples:
   rope-patch compare --schemes default yarn:8 ntk:8 --lengths 256 1024 --out results/
   rope-patch sweep --schemes default yarn:4 --tasks rope_passkey rope_ppl --lengths 256 1024
   rope-patch plot decay --schemes default yarn:8 linear:8 --out decay.png
+  rope-patch tune --scheme longrope --target 1024 --out tune/   LongRoPE's evolutionary search of rescale factors
   rope-patch export saved_model/                        native rope_parameters and the vLLM argument
 
 A scheme spec is `name`, `name:VALUE` (yarn:8 sets factor) or `name:key=value,...` (yarn:factor=8,beta_fast=16).
 `rope-patch COMMAND --help` describes each command. Errors are one line (exit status 2); `rope-patch --debug
 COMMAND ...` shows the traceback instead."""
 
-SUBCOMMANDS = (compare, models, plot, explain, export, sweep)  # each exposes add_parser(subparsers)
+SUBCOMMANDS = (compare, models, plot, explain, export, sweep, tune)  # each exposes add_parser(subparsers)
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,0 +1,193 @@
+"""`rope-patch tune`: search a scheme's parameters for one model at one target length.
+
+    rope-patch tune --model tiny --scheme longrope --target 1024 --population 24 --generations 10 --out out/tune
+    rope-patch tune --model tiny --scheme self_extend --target 1024 --space group_size=2,4,8 window_size=32,64
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .. import plots
+from .. import zoo as models
+from ..api import as_scheme
+from ..evaluation.common import auto_threads, read_tokens
+from ..evaluation.results import check_writable, json_safe
+from ..files import write_text_atomic
+from ..specs import parse_spec
+from ..tuning import EvolutionSettings, TuneOptions, accept, baselines, load_log, planned_evaluations, resolve_options
+from ..tuning import tune as tune_search
+from ..tuning.search import METHODS, check_options, model_info
+from .args import count, positive, real
+
+LOG, BEST = "search_log.json", "best.json"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "tune", help="search a scheme's parameters (grid / random; LongRoPE's evolutionary search) at a target length",
+        description="Search a scheme's parameters for one model at --target tokens, minimising perplexity there on "
+        "the first half of the held-out text's tokens (optionally with a passkey term), then measure the best spec "
+        "and the baselines at the window and the target on the second half, which the search never reads. Every "
+        "evaluation is logged to OUT/search_log.json at once (atomically); --resume continues an interrupted search "
+        "and reproduces the log of an uninterrupted one. Writes OUT/search_log.json, OUT/best.json (the best spec, "
+        "ready for rope_patch.apply) and OUT/search.png.")
+    p.add_argument("--model", default="tiny", help="tiny, smollm2, or a local model folder (default: tiny)")
+    p.add_argument("--scheme", required=True, help="the scheme to tune: longrope (evolutionary search of its long "
+                   "factors) or a scalar scheme (self_extend, string, rerope, yarn, dynamic, ...)")
+    p.add_argument("--target", type=count(8), required=True, metavar="N", help="target length in tokens")
+    p.add_argument("--method", choices=METHODS, default=None,
+                   help="evolution (longrope, the default there), grid (the default otherwise) or random")
+    p.add_argument("--space", nargs="+", default=None, metavar="KEY=VALUES",
+                   help="scalar search space: KEY=V1,V2,... (values) or KEY=LO..HI (a range, random search only); "
+                   "default: a small grid around the scheme's paper recommendation")
+    p.add_argument("--samples", type=positive, default=20, metavar="N", help="random search: points (default: %(default)s)")
+    p.add_argument("--population", type=count(2), default=24, metavar="N", help="evolution: population (default: %(default)s)")
+    p.add_argument("--generations", type=count(0), default=10, metavar="N", help="evolution: generations after the "
+                   "initial population (default: %(default)s)")
+    p.add_argument("--parents", type=count(2), default=None, metavar="N", help="evolution: parents kept per generation "
+                   "(default: half the population)")
+    p.add_argument("--mutations", type=count(0), default=None, metavar="N", help="evolution: mutants per generation "
+                   "(default: half of population - parents)")
+    p.add_argument("--crossovers", type=count(0), default=None, metavar="N", help="evolution: crossover children per "
+                   "generation (default: the rest of population - parents)")
+    p.add_argument("--max-factor", type=real(1.0), default=None, metavar="X", help="evolution: largest rescale factor "
+                   "(default: 1.25 x target/window, the paper's search space)")
+    p.add_argument("--tokens", type=positive, default=None, metavar="N", help="tuning tokens per evaluation "
+                   "(default: 4 windows of the target)")
+    p.add_argument("--passkey-weight", type=real(0.0), default=0.0, metavar="W", help="objective = perplexity x "
+                   "exp(-W x passkey accuracy at the target) (default: %(default)s, perplexity only)")
+    p.add_argument("--passkey-samples", type=positive, default=4, metavar="N", help="passkey prompts per depth "
+                   "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="search seed (default: %(default)s)")
+    p.add_argument("--max-evals", type=positive, default=None, metavar="N", help="stop after N evaluations in all")
+    p.add_argument("--budget-minutes", type=real(above=0.0), default=None, metavar="M",
+                   help="stop once the logged evaluations took M minutes in all (resumed ones count)")
+    p.add_argument("--accept", nargs="*", default=None, metavar="SPEC", help="schemes to measure the best spec "
+                   "against on the acceptance text (default: default, and for longrope linear/ntk/yarn at "
+                   "target/window; give none to measure only the best)")
+    p.add_argument("--no-accept", action="store_true", help="skip the acceptance evaluation")
+    p.add_argument("--accept-tokens", type=positive, default=None, metavar="N",
+                   help="acceptance tokens per length (default: 16 windows of the target)")
+    p.add_argument("--heldout", default=None, help="held-out text (default: rope_patch/data/heldout.txt)")
+    p.add_argument("--dtype", default="float32", help="model dtype (default: %(default)s)")
+    p.add_argument("--threads", type=positive, default=None, metavar="N",
+                   help="torch threads (default: the cores not busy with other work)")
+    p.add_argument("--out", default="tune", help="output folder (default: %(default)s)")
+    p.add_argument("--resume", action="store_true", help="continue the search logged in OUT/search_log.json (same "
+                   "model, settings and text; --max-evals / --budget-minutes may change)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    p.set_defaults(func=run)
+
+
+def parse_space(items) -> dict | None:
+    """['group_size=2,4,8', 'factor=2..8'] -> {'group_size': [2, 4, 8], 'factor': (2, 8)}."""
+    if items is None:
+        return None
+    space = {}
+    for item in items:
+        key, eq, text = (s.strip() for s in item.partition("="))
+        if not eq or not key or not text:
+            raise ValueError(f"--space {item!r}: expected KEY=V1,V2,... or KEY=LO..HI.")
+        if key in space:
+            raise ValueError(f"--space sets {key!r} twice.")
+        value = lambda t: parse_spec(f"default:x={t}")[1]["x"]  # noqa: E731 - the spec grammar's value rules
+        if ".." in text:
+            lo, _, hi = text.partition("..")
+            bounds = (value(lo.strip()), value(hi.strip()))
+            if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds):
+                raise ValueError(f"--space {item!r}: a range needs two numbers, LO..HI.")
+            space[key] = bounds
+        else:
+            space[key] = [value(t.strip()) for t in text.split(",") if t.strip()]
+            if not space[key]:
+                raise ValueError(f"--space {item!r}: no values.")
+    return space
+
+
+def run(args) -> int:
+    console = Console(stderr=True)
+    evolution = EvolutionSettings(population=args.population, generations=args.generations, parents=args.parents,
+                                  mutations=args.mutations, crossovers=args.crossovers, max_factor=args.max_factor)
+    options = TuneOptions(scheme=args.scheme, target=args.target, method=args.method, space=parse_space(args.space),
+                          samples=args.samples, evolution=evolution, n_tokens=args.tokens,
+                          passkey_weight=args.passkey_weight, passkey_samples=args.passkey_samples, seed=args.seed,
+                          max_evals=args.max_evals, budget_minutes=args.budget_minutes)
+    for spec in args.accept or []:
+        as_scheme(spec)  # a bad acceptance spec fails now, not after the search
+    check_options(options)  # an unknown scheme or bad search settings fail here, before the model loads
+    out = check_writable(args.out)
+    log_path = out / LOG
+    previous = None
+    if args.resume:
+        if log_path.is_file():
+            previous = load_log(log_path)
+            console.print(f"Resuming: {len(previous['evaluations'])} evaluation(s) in {log_path}")
+        else:
+            console.print(f"Nothing to resume in {out} (no {LOG}): starting from the beginning.")
+    torch.set_num_threads(args.threads or auto_threads())
+    path = models.resolve_model_path(args.model)
+    console.print(f"Loading {args.model} from {path} ({torch.get_num_threads()} threads) ...")
+    model, tokenizer = models.load_model(args.model, dtype=args.dtype)
+    _, _, settings = resolve_options(model, options)  # bad options fail before the first evaluation
+    token_ids, heldout = read_tokens(tokenizer, args.heldout)
+    header = {"model": {**model_info(model, args.model), "name": models.model_name(args.model), "path": str(path)},
+              "heldout": heldout}
+    args.kept = (f"No evaluation finished in this run; {log_path} is unchanged." if log_path.exists()
+                 else "No evaluation had finished; nothing was written.")
+    total = planned_evaluations(settings)
+    with Progress(TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("tune", total=total)
+        best = [float("inf")]
+
+        def on_record(rec, replayed):
+            if rec.get("objective") is not None:
+                best[0] = min(best[0], rec["objective"])
+            n = rec["index"] + 1
+            args.kept = (f"Kept {n} evaluation(s) in {log_path}; rerun with --resume to continue.")
+            bar.update(task, completed=min(n, total), description=f"gen {rec.get('generation', 0)} best {best[0]:.2f}")
+
+        log = tune_search(model, tokenizer, token_ids, options, log_path=log_path, previous=previous, header=header,
+                          on_record=on_record)
+        if log["best"] is None:
+            raise ValueError(f"no candidate could be evaluated (every one was refused; see {log_path}).")
+        write_text_atomic(out / BEST, json.dumps(json_safe({"scheme": settings["scheme"], **log["best"],
+                                                            "target": args.target}), indent=1) + "\n")
+        args.kept = f"The search is complete in {log_path}; the best spec is in {out / BEST}."
+        if not args.no_accept:
+            specs = baselines(args.scheme, args.target, settings["window"]) if args.accept is None else args.accept
+            acc = bar.add_task("acceptance", total=len(specs) + 1)
+            accept(model, token_ids, log, specs, n_tokens=args.accept_tokens, log_path=log_path,
+                   on_scheme=lambda label: bar.update(acc, advance=1, description=f"acceptance: {label}"))
+    paths = [log_path, out / BEST]
+    if not args.no_plots:
+        paths.append(plots.write_search_figure(log, out))
+    args.kept = None
+    Console().print(_summary(log))
+    stop = {"max_evals": " (stopped by --max-evals)", "budget": " (stopped by --budget-minutes)"}.get(log["stopped"], "")
+    console.print(f"{len(log['evaluations'])} evaluations, {sum(r.get('seconds') or 0 for r in log['evaluations']):.0f} s"
+                  f"{stop}. Wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _summary(log: dict) -> Table:
+    best = log["best"]
+    table = Table(title=f"best {log['settings']['scheme']} at {log['settings']['target']} (tuning text): "
+                  f"objective {best['objective']:.3f}")
+    acc = log.get("acceptance")
+    if not acc:
+        table.add_column("best spec")
+        table.add_row(best["spec"] if len(best["spec"]) < 200 else best["spec"][:200] + "...")
+        return table
+    table.add_column("scheme (acceptance text)")
+    for length in acc["lengths"]:
+        table.add_column(f"ppl @{length}", justify="right")
+    for row in acc["rows"]:
+        table.add_row(row["label"], *(f"{row['perplexity'][str(L)]:.2f}" for L in acc["lengths"]))
+    return table

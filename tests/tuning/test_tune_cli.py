@@ -1,0 +1,123 @@
+"""`rope-patch tune`: one line on bad input (exit 2, no traceback, nothing evaluated), a whole run on a tiny random
+model folder (log, best spec, plot, acceptance), and --resume after an interruption."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.models import tiny_model
+from helpers.text import char_tokenizer, filler_text
+
+import rope_patch
+from rope_patch.cli import main
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    tiny_model("llama").save_pretrained(root / "m")
+    char_tokenizer().save_pretrained(root / "m")
+    (root / "heldout.txt").write_text(filler_text(2000))
+    return root
+
+
+def argv(saved, out, *extra):
+    return ["tune", "--model", str(saved / "m"), "--heldout", str(saved / "heldout.txt"), "--target", "64",
+            "--tokens", "128", "--accept-tokens", "128", "--threads", "1", "--out", str(out), *extra]
+
+
+def error_line(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and out == "", err
+    return lines[0]
+
+
+BAD = [
+    (["--scheme", "longropee"], "Did you mean"),
+    (["--scheme", "yarn", "--method", "evolution"], "the evolutionary search is LongRoPE's"),
+    (["--scheme", "longrope", "--method", "grid"], "the evolutionary search is LongRoPE's"),
+    (["--scheme", "yarn", "--space", "factor"], "expected KEY=V1,V2,... or KEY=LO..HI"),
+    (["--scheme", "yarn", "--space", "factor=2..8"], "use --method random for ranges"),
+    (["--scheme", "yarn", "--space", "bogus=1,2"], "yarn has no parameter 'bogus'"),
+    (["--scheme", "yarn", "--method", "random", "--space", "factor=8..2"], "lo < hi"),
+    (["--scheme", "longrope", "--population", "1"], "argument --population: must be an integer >= 2"),
+    (["--scheme", "longrope", "--population", "4", "--parents", "6"], "--parents must be between 2 and the population"),
+    (["--scheme", "longrope", "--budget-minutes", "0"], "argument --budget-minutes: must be a number > 0"),
+    (["--scheme", "longrope", "--max-evals", "0"], "argument --max-evals: must be an integer >= 1"),
+    (["--scheme", "rope_tiny_has_no_such_scheme"], "Unknown"),
+    (["--scheme", "longrope", "--accept", "yarn:zero"], "yarn"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD)
+def test_bad_input_is_one_line(saved, tmp_path, capsys, extra, message):
+    assert main(argv(saved, tmp_path / "out", *extra)) == 2
+    line = error_line(capsys)
+    assert line.startswith("rope-patch tune: error:") and message in line, line
+    assert not (tmp_path / "out" / "search_log.json").exists()
+
+
+def test_a_target_inside_the_window_is_refused_for_longrope(saved, tmp_path, capsys):
+    args = argv(saved, tmp_path, "--scheme", "longrope")
+    args[args.index("--target") + 1] = "32"
+    assert main(args) == 2  # known once the model is loaded: its "Loading ..." line comes first
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "".join(err) and err[-1].startswith("rope-patch tune: error: LongRoPE's long factors")
+    assert "--target must be > 32" in err[-1] and not (tmp_path / "search_log.json").exists()
+
+
+def test_resume_from_a_file_that_is_not_a_log_is_one_line(saved, tmp_path, capsys):
+    (tmp_path / "search_log.json").write_text("{not json")
+    assert main(argv(saved, tmp_path, "--scheme", "longrope", "--resume")) == 2
+    assert "is not a search log" in error_line(capsys)
+    (tmp_path / "search_log.json").write_text(json.dumps({"format": "rope_patch.compare/1"}))
+    assert main(argv(saved, tmp_path, "--scheme", "longrope", "--resume")) == 2
+    assert "is not a rope-patch tune search log" in error_line(capsys)
+
+
+def test_a_run_writes_log_best_spec_plot_and_acceptance_and_resumes(saved, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    common = ("--scheme", "longrope", "--population", "4", "--generations", "2", "--accept", "linear:2")
+    assert main(argv(saved, out, *common)) == 0
+    capsys.readouterr()
+    log = json.loads((out / "search_log.json").read_text())
+    assert log["status"] == "done" and len(log["evaluations"]) == 4 + 2 * 2
+    assert [r["label"] for r in log["acceptance"]["rows"]] == ["searched longrope", "linear×2"]
+    best = json.loads((out / "best.json").read_text())
+    assert best["spec"] == log["best"]["spec"] and (out / "search.png").stat().st_size > 0
+    model = rope_patch.apply(tiny_model("llama"), best["spec"])
+    assert rope_patch.current(model).name == "longrope"
+
+    # interrupted after the fifth evaluation (Ctrl-C): one line that says what was kept, then --resume
+    import rope_patch.tuning.search as S
+
+    real = S.Objective.__call__
+    count = [0]
+
+    def interrupted(self, name, params):
+        if count[0] == 5:
+            raise KeyboardInterrupt
+        count[0] += 1
+        return real(self, name, params)
+
+    monkeypatch.setattr(S.Objective, "__call__", interrupted)
+    again = tmp_path / "again"
+    assert main(argv(saved, again, *common)) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "".join(err) and err[-1].startswith("rope-patch tune: interrupted."), err
+    assert "Kept 5 evaluation(s)" in err[-1] and "--resume" in err[-1], err
+    monkeypatch.setattr(S.Objective, "__call__", real)
+    assert main(argv(saved, again, *common, "--resume")) == 0
+    resumed = json.loads((again / "search_log.json").read_text())
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "seconds"} for r in recs]  # noqa: E731
+    assert strip(resumed["evaluations"]) == strip(log["evaluations"])
+    assert resumed["best"] == log["best"] and resumed["acceptance"]["rows"] == log["acceptance"]["rows"]
+
+    # a resume may extend the stopping rules, not the search settings
+    capsys.readouterr()
+    assert main(argv(saved, again, *common, "--resume", "--seed", "3")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "".join(err) and "settings differ in seed" in err[-1], err
+    assert strip(json.loads((again / "search_log.json").read_text())["evaluations"]) == strip(log["evaluations"])
