@@ -37,13 +37,14 @@ def search(source) -> Figure:
     ax.plot([p[0] for p in line], [p[1] for p in line], color=S.color(1), marker="o" if by_generation else None,
             markersize=4, label="best so far")
     ax.set_yscale("log")
+    S.plain_log_ticks(ax.yaxis)
     ax.set_xlabel("generation" if by_generation else "evaluation")
     weight = settings.get("passkey_weight") or 0
     ax.set_ylabel("perplexity" + (f" × exp(−{weight:g}·passkey accuracy)" if weight else "")
                   + f" at {settings.get('target')} (tuning text)")
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=8)
-    fig.suptitle(f"{settings.get('method', 'search')} search of {settings.get('scheme')} for "
+    fig.suptitle(f"{'evolutionary' if by_generation else settings.get('method', 'a')} search of {settings.get('scheme')} for "
                  f"{settings.get('target')} tokens (window {settings.get('window')}): {len(records)} evaluations",
                  fontsize=10)
     return fig

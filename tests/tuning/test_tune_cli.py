@@ -121,3 +121,14 @@ def test_a_run_writes_log_best_spec_plot_and_acceptance_and_resumes(saved, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "".join(err) and "settings differ in seed" in err[-1], err
     assert strip(json.loads((again / "search_log.json").read_text())["evaluations"]) == strip(log["evaluations"])
+
+
+def test_the_search_figure_needs_a_finite_evaluation():
+    from rope_patch import plots
+
+    with pytest.raises(ValueError, match="no evaluation with a finite objective"):
+        plots.search({"settings": {}, "evaluations": [{"index": 0, "generation": 0, "objective": None}]})
+    fig = plots.search({"settings": {"method": "grid", "target": 64}, "evaluations": [
+        {"index": 0, "generation": 0, "objective": 3.0}, {"index": 1, "generation": 0, "objective": 2.0}]})
+    best = [line for line in fig.axes[0].get_lines() if line.get_label() == "best so far"][0]
+    assert list(best.get_ydata()) == [3.0, 2.0]
