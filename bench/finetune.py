@@ -33,6 +33,7 @@ DEFAULT_SCHEMES = ["linear:4", "ntk:4", "yarn:4", "llama3:4", "dynamic:4", "defa
 def _recipe():
     spec = importlib.util.spec_from_file_location("finetune_lora", ROOT / "recipes" / "finetune_lora.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # the recipe's config dataclasses look their module up while being created
     spec.loader.exec_module(module)
     return module
 

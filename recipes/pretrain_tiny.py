@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 # Run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -146,13 +146,6 @@ class BatchSampler:
         return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
 
-def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(total - warmup, 1)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def train(model, sampler: BatchSampler, cfg: dict, probe: Callable[[], str]) -> tuple[list[tuple[int, float]], float]:
     """Returns the loss curve as (step, mean weighted loss over the last ``log_every`` steps) and the wall time.
 
@@ -167,8 +160,11 @@ def train(model, sampler: BatchSampler, cfg: dict, probe: Callable[[], str]) -> 
         betas=tuple(cfg["betas"]),
     )
     steps = cfg["steps"]
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: cosine_with_warmup(s, cfg["warmup_steps"], steps, cfg["min_lr_ratio"])
+    # transformers' schedule, the one the fine-tuning recipe gets from Trainer (lr_scheduler_type="cosine_with_min_lr").
+    # Its warm-up starts at 0 (step s gets s/warmup of the lr; the copy it replaces gave (s+1)/warmup); after the
+    # warm-up the two are the same cosine down to lr x min_lr_ratio.
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, cfg["warmup_steps"], steps, min_lr_rate=cfg["min_lr_ratio"]
     )
     tokens_per_step = cfg["batch_size"] * cfg["seq_len"]
     curve, window_losses, answer_losses = [], [], []
@@ -316,8 +312,10 @@ Perplexity over non-overlapping windows of each length, all lengths scoring the 
 | ---: | ---: |
 {ppl_rows}
 
-Passkey accuracy with {window}-token prompts: {ev["passkey"]:.0%} of {n_passkey} (greedy decoding of 8 tokens,
-exact match of the first number; needles at evenly spaced depths; filler from the held-out book).
+Passkey accuracy with {window}-token prompts: {ev["passkey"]:.0%} of {n_passkey} (`rope_patch.evaluation`: greedy
+decoding of the answer's length + 1 tokens, exact match of the first number; needles at depths 0.1, 0.3, 0.5, 0.7,
+0.9; filler from the held-out book). Perplexity and passkey are measured as `rope-patch compare` and the fine-tuning
+recipe measure them (no BOS added to the held-out text), so the numbers agree wherever the settings do.
 
 Re-measure with `python recipes/check_tiny.py`.
 """
@@ -363,7 +361,8 @@ def main() -> None:
     print(f"model: {n_params:,} parameters", flush=True)
 
     window = model.config.max_position_embeddings
-    heldout_ids = tokenizer.encode(heldout)[: cfg["eval"]["heldout_tokens"]]
+    # As rope_patch.evaluation reads it (check_tiny, rope-patch compare, the fine-tuning recipe): no BOS added.
+    heldout_ids = tokenizer.encode(heldout, add_special_tokens=False)[: cfg["eval"]["heldout_tokens"]]
     probe_ids = heldout_ids[: 32 * window]
 
     def probe() -> str:

@@ -9,7 +9,7 @@ workers, and whether the run was resumed.
 
 The seed is a sha256 of `"{seed}/{stream}/{index}"`: independent of PYTHONHASHSEED, and a different `stream` per
 kind of draw ("pose", "passkey") keeps them independent, so switching one on does not change the other's draws
-(the recipe's `row_seed` uses the same construction over (seed, step, row)).
+(recipes/finetune_lora.py draws all its rows through these collators).
 """
 
 from __future__ import annotations
