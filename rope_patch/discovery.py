@@ -157,10 +157,16 @@ def layer_rotates(module: nn.Module) -> bool:
     return True
 
 
-def attention_function_limits(target: PatchSite, modules: list[nn.Module]) -> str | None:
+def has_sinks(module: nn.Module) -> bool:
+    """gpt-oss attention: a learned sink logit per head (`self.sinks`), passed to attention as `s_aux`."""
+    return isinstance(getattr(module, "sinks", None), nn.Parameter)
+
+
+def attention_function_limits(target: PatchSite, modules: list[nn.Module], backend: str | None = None) -> str | None:
     """Why an attention function registered with transformers' AttentionInterface cannot stand in for this model's
-    attention exactly (None: it can). For the schemes that run their own attention function (alibi, relative_bias,
-    self_extend, rerope, leaky_rerope, string, dca); nope/sinusoidal/learned_absolute keep the model's own."""
+    attention exactly (None: it can), on `backend` (the model's attention implementation). For the schemes that run
+    their own attention function (alibi, relative_bias, self_extend, rerope, leaky_rerope, string, dca);
+    nope/sinusoidal/learned_absolute keep the model's own."""
     model_type = target.model_type
     inline = [m for m in modules if "ALL_ATTENTION_FUNCTIONS" not in vars(sys.modules[type(m).__module__])]
     if inline:
@@ -169,12 +175,12 @@ def attention_function_limits(target: PatchSite, modules: list[nn.Module]) -> st
         # the model would silently run without positions.
         return (f"{model_type} computes attention in its own module code ({type(inline[0]).__name__} does not call "
                 "transformers' AttentionInterface), so a registered attention function never runs")
-    if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in modules):
+    if backend in ("flex_attention", "flash_attention_2") and any(has_sinks(m) for m in modules):
         # gpt-oss: every head has a learned sink logit that joins the softmax denominator (its eager function cats it to
-        # the scores, transformers' flex renormalises by log-sum-exp); rope_patch's attention functions have no sink
-        # term, so they would drop it and change every output.
+        # the scores, transformers' flex renormalises by log-sum-exp). rope_patch's eager/sdpa functions add it; its
+        # flex and flash functions have no sink term, so they would drop it and change every output.
         return (f"{model_type} attention sinks: each head adds a learned sink logit (`self.sinks`) to the softmax "
-                "denominator, which rope_patch's attention functions do not compute")
+                f"denominator, which rope_patch's {backend} function does not compute (its eager and sdpa ones do)")
     mla = [m for m in modules if getattr(m, "v_head_dim", None) not in (None, getattr(m, "qk_head_dim", None))]
     if mla:
         m = mla[0]

@@ -88,6 +88,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         raise ValueError(f"attention mask covers {attention_mask.shape[-1]} keys but there are {k_len}")
     call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
     state.scores.begin(call)
+    # gpt-oss attention sinks (transformers passes `s_aux=self.sinks`): one learned logit per head that joins the
+    # softmax denominator, i.e. a key with value 0, as gpt-oss's own eager function and transformers' flex have it
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        sinks = sinks.float().view(1, hkv, h // hkv, 1, 1)  # query head kv·G + g, as in the score layout
 
     budget = state.block_elements or settings.BLOCK_ELEMENTS
     # The fused path (log-sum-exp merging) serves inference without padding mask, softcap or dropout on CPU;
@@ -107,6 +112,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         end = call.first_slot(rows) + (rows.stop - rows.start)  # causal: later keys are masked for the whole block
         parts = state.scores.fused(call, rows, end) if fused else None
         if parts is not None:
+            if sinks is not None:  # the sink as one more partial softmax: log-sum-exp = the sink logit, output 0
+                lse = parts[0][1]
+                parts = [*parts, (torch.zeros_like(parts[0][0]), sinks.reshape(1, h, 1).expand_as(lse).to(lse.dtype))]
             out[:, :, :, rows] = merge(parts).view(b, hkv, h // hkv, -1, d)
             continue
         if attention_mask is not None and attention_mask.dtype != torch.bool:
@@ -118,7 +126,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             s = s.masked_fill(~m, torch.finfo(s.dtype).min)
         else:
             s = s + m.float()
-        p = torch.softmax(s, dim=-1).to(value.dtype)
+        if sinks is None:
+            p = torch.softmax(s, dim=-1).to(value.dtype)
+        else:  # softmax over [scores, sink], the sink's column dropped (its value is 0)
+            sink = sinks.to(s.dtype).expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1].to(value.dtype)
         if dropout and module.training:
             p = nn.functional.dropout(p, p=dropout, training=True)
         pv = p.view(b, hkv, -1, end)  # (b, Hkv, G·r, end)

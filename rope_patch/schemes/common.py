@@ -103,7 +103,7 @@ class AttentionScheme(Scheme):
     def _check_attention_function(self, target: PatchSite, modules: list[nn.Module]) -> None:
         """Refuse models whose attention a registered attention function cannot reproduce (attention sinks, MLA's
         unequal head sizes, attention computed outside transformers' AttentionInterface)."""
-        why = discovery.attention_function_limits(target, modules)
+        why = discovery.attention_function_limits(target, modules, target.config._attn_implementation)
         if why is not None:
             raise ValueError(
                 f"{self.name}: {why}. This scheme runs its own attention function, so it is not supported on "

@@ -15,7 +15,8 @@ except the position encoding:
   ALiBi / T5 bias of true positions, and then takes one softmax over all keys;
 - sinusoidal / learned absolute tables are added to the input embeddings, which are passed as `inputs_embeds`.
 
-Layers that use no RoPE in the model (the global layers of cohere2 and exaone4, "global NoPE") are not rotated.
+Layers that use no RoPE in the model (the global layers of cohere2 and exaone4, "global NoPE") are not rotated; the
+attention sinks of gpt-oss (`s_aux`) join the softmax denominator as gpt-oss's own eager function has them.
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         s = torch.tanh(s / kwargs["softcap"]) * kwargs["softcap"]
     if attention_mask is not None:
         s = s + attention_mask[:, :, :, : key.shape[-2]]
-    attn = torch.softmax(s, dim=-1)
+    if kwargs.get("s_aux") is not None:  # gpt-oss sinks: a per-head logit in the denominator (a key with value 0)
+        sink = kwargs["s_aux"].view(1, h, 1, 1).expand(b, h, n, 1)
+        attn = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        attn = torch.softmax(s, dim=-1)
     return (attn @ value).transpose(1, 2).contiguous(), None
 
 

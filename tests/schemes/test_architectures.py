@@ -34,7 +34,6 @@ OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope
 DEFERRED = {"self_extend", "rerope", "leaky_rerope", "string", "dca"}
 # arch -> {scheme: regex of the refusal}; every other (arch, scheme) pair must equal the reference
 REFUSED = {
-    "gpt_oss": {s: r"gpt_oss attention sinks: each head adds a learned sink logit" for s in OWN_FUNCTION},
     "deepseek_v3": {**{s: r"deepseek_v3 multi-head latent attention: query/key heads are 32 wide" for s in ("alibi", "relative_bias")},
                     **{s: r"deepseek_v3 rotates only qk_rope_head_dim = 16 of the 32" for s in DEFERRED}},
     "falcon": {s: r"falcon computes attention in its own module code" for s in OWN_FUNCTION},
@@ -160,11 +159,11 @@ def test_ministral3_keeps_llama4_temperature_keys(scheme, params):
     assert (logits(model, ids) - logits(twin, ids)).abs().max().item() <= 1e-5
 
 
-# ---- gpt-oss: the schemes that keep the model's attention keep its sinks ------------------------------------------------
-@pytest.mark.parametrize("scheme", ["nope", "sinusoidal"])
-def test_gpt_oss_sinks_stay_in_effect(scheme):
+# ---- gpt-oss: attention sinks are kept (its own attention, or rope_patch's eager/sdpa functions) ---------------------
+@pytest.mark.parametrize("scheme,params", [("nope", {}), ("sinusoidal", {}), ("alibi", {}), ("rerope", {"window_size": 12})])
+def test_gpt_oss_sinks_stay_in_effect(scheme, params):
     model = tiny_model("gpt_oss")
-    rope_patch.apply(model, scheme)
+    rope_patch.apply(model, scheme, **params)
     ids, mask = batch()
     with_sinks = logits(model, ids, attention_mask=mask)
     with torch.no_grad():
@@ -211,3 +210,29 @@ def test_deepseek_scale_survives_plain_save_reload_deepcopy_and_remove(tmp_path)
     twin = copy.deepcopy(model)
     rope_patch.remove(twin)
     assert _scales(twin) == shipped and _scales(model) != shipped
+
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["dense", "blocked"])
+def test_gpt_oss_sinks_on_the_fused_and_materialised_paths(blocked):
+    """Without a padding mask the blocked function takes its fused log-sum-exp path (the sink is one more partial
+    softmax), with one the materialised path (the sink is one more column): both equal the reference."""
+    from rope_patch import attention
+
+    params = {"window_size": 12}
+    model = tiny_model("gpt_oss")
+    rope_patch.apply(model, "rerope", **params)
+    if blocked:
+        model.set_attn_implementation(attention.BLOCKED)
+    ids, mask = batch()
+    for kw in ({}, {"attention_mask": mask}):
+        want = reference_forward(tiny_model("gpt_oss"), model, ids, "rerope", params, kw.get("attention_mask"))
+        real = kw["attention_mask"].bool() if kw else torch.ones_like(ids, dtype=torch.bool)
+        assert (logits(model, ids, **kw) - want)[real].abs().max().item() <= 1e-5
+
+
+def test_gpt_oss_sinks_are_refused_on_backends_without_a_sink_term():
+    model = tiny_model("gpt_oss")
+    model.config._attn_implementation_internal = "flex_attention"  # as a model loaded with flex reads
+    with pytest.raises(ValueError, match=r"gpt_oss attention sinks: .* rope_patch's flex_attention function does not"):
+        rope_patch.apply(model, "alibi")
+    assert rope_patch.current(model) is None
