@@ -178,6 +178,7 @@ DECODE = [("yarn", {"factor": 4.0}), ("nope", {}), ("alibi", {}), ("rerope", {"w
 DECODE_CASES = [(a, s, p) for a in ADDED for s, p in DECODE if s not in REFUSED.get(a, {})]
 
 
+@pytest.mark.slow  # 72 rows × two generate calls: a third of this file's time
 @pytest.mark.parametrize("arch,scheme,params", DECODE_CASES, ids=[f"{a}-{s}" for a, s, _ in DECODE_CASES])
 def test_cached_decoding_equals_recomputation(arch, scheme, params):
     """Greedy decoding of a left-padded batch of 24-token prompts (past every window): same tokens, logits ≤ 1e-5."""
