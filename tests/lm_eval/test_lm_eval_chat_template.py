@@ -1,5 +1,6 @@
 """lm-eval's own `--apply_chat_template` passes through `rope-patch-lm-eval` and reaches the rope_* prompts: the
-templated prompt is what the model sees (the documents' raw token ids are then not used)."""
+templated prompt is what the model sees (the documents' raw token ids are then not used). `rope-patch compare` has
+no NIAH measurement of its own: NIAH runs through these lm-eval tasks, so lm-eval's flag is its chat-template switch."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def chat_model(assets, tmp_path_factory):
     return folder
 
 
+@pytest.mark.parametrize("task", ["rope_passkey_128", "rope_niah_256"])
 @pytest.mark.parametrize("apply", [True, False])
-def test_templated_prompts_reach_the_model(assets, chat_model, monkeypatch, apply):
+def test_templated_prompts_reach_the_model(assets, chat_model, monkeypatch, apply, task):
     import rope_patch.evaluation.retrieval as retrieval
 
     exact, texts = [], []
@@ -51,9 +53,9 @@ def test_templated_prompts_reach_the_model(assets, chat_model, monkeypatch, appl
         return ["" for _ in requests]
 
     monkeypatch.setattr(HFLM, "generate_until", text_path)
-    res = evaluate("rope_patch", ["rope_passkey_128"], assets, model_args={"pretrained": str(chat_model)},
+    res = evaluate("rope_patch", [task], assets, model_args={"pretrained": str(chat_model)},
                    apply_chat_template=apply, meta={"samples": 1, "tokenizer": str(chat_model)})
-    prompts = [s["arguments"][0][0] for s in by_doc(res["samples"]["rope_passkey_128"])]
+    prompts = [s["arguments"][0][0] for s in by_doc(res["samples"][task])]
     assert len(prompts) == 3
     if apply:  # lm-eval templated the text: the raw ids no longer match it, so the model reads the templated text
         assert all(p.startswith("<|bos|>user\n") and p.endswith("<|bos|>assistant\n") for p in prompts)
