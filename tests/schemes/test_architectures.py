@@ -237,3 +237,16 @@ def test_gpt_oss_sinks_are_refused_on_backends_without_a_sink_term():
     with pytest.raises(ValueError, match=r"gpt_oss attention sinks: .* rope_patch's flex_attention function does not"):
         rope_patch.apply(model, "alibi")
     assert rope_patch.current(model) is None
+
+
+@pytest.mark.parametrize("arch", ADDED)
+def test_frequency_patch_removes_bit_exactly(arch):
+    """yarn, then `linear` replacing it, then remove: the very logits of the model as built."""
+    model = tiny_model(arch)
+    ids, mask = batch()
+    before = logits(model, ids, attention_mask=mask)
+    rope_patch.apply(model, "yarn", factor=8.0)
+    assert not torch.equal(logits(model, ids, attention_mask=mask), before)
+    rope_patch.apply(model, "linear", factor=2.0)
+    rope_patch.remove(model)
+    assert rope_patch.current(model) is None and torch.equal(logits(model, ids, attention_mask=mask), before)
