@@ -54,6 +54,7 @@ from ... import zoo as models
 from ...evaluation.compare import DEFAULT_LENGTHS, parse_schemes, run_compare
 from ...evaluation.compare import FORMAT as COMPARE_FORMAT
 from ...evaluation.results import json_safe, write_results
+from ...evaluation.retrieval import wilson_interval
 from ...registry import did_you_mean
 from ...specs import scheme_label
 from .tasks import tasks_dir
@@ -322,7 +323,16 @@ def aggregate(state: dict) -> dict:
                          **({"by_depth": cell["by_depth"]} if "by_depth" in cell else {})})
     return {"format": FORMAT, "settings": state["settings"],
             "schemes": [{k: v for k, v in s.items() if k != "cells"} for s in state["schemes"]],
-            "rows": rows, "elapsed_s": state.get("elapsed_s", {})}
+            "rows": rows, "elapsed_s": state.get("elapsed_s", {}), "machine": _machine()}
+
+
+def _machine() -> dict:
+    """Threads, cores and load average when the results were written (the machine is shared: read timings with it)."""
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        load = None
+    return {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "loadavg": load}
 
 
 def markdown(result: dict) -> str:
@@ -357,23 +367,32 @@ def compare_format(result: dict) -> dict | None:
         for L in lengths:
             ppl = next((r for r in rows if r["scheme"] == spec and r["family"] == "rope_ppl" and r["length"] == L), None)
             pk = next((r for r in rows if r["scheme"] == spec and r["family"] == "rope_passkey" and r["length"] == L), None)
+            cells = list((pk or {}).get("by_depth", {}).values()) if pk is not None else []
+            k, n = sum(c["correct"] for c in cells), sum(c["n"] for c in cells)
+            low, high = wilson_interval(k, n) if n else (None, None)
             records.append({"scheme": spec, "label": label, "name": sch["args"]["scheme"], "length": L,
                             "perplexity": None if ppl is None else ppl["metrics"].get("token_perplexity"),
                             "nll": None if ppl is None else ppl["metrics"].get("nll"),
                             "n_windows": 0 if ppl is None else ppl["n_samples"], "n_tokens": None,
                             "passkey_accuracy": None if pk is None else pk["value"],
-                            "passkey_n": 0 if pk is None else pk["n_samples"]})
+                            "passkey_n": 0 if pk is None else pk["n_samples"],
+                            "passkey_correct": k if n else None, "passkey_ci_low": low, "passkey_ci_high": high})
             if pk is not None:
                 for d, c in (pk.get("by_depth") or {}).items():
+                    low_d, high_d = wilson_interval(c["correct"], c["n"])
                     passkey.append({"scheme": spec, "label": label, "length": L, "depth": float(d), "n": c["n"],
-                                    "correct": c["correct"], "accuracy": c["accuracy"], "answers": [], "outputs": []})
+                                    "correct": c["correct"], "accuracy": c["accuracy"], "ci_low": low_d,
+                                    "ci_high": high_d, "answers": [], "outputs": []})
     return {"format": COMPARE_FORMAT,
             "model": {"spec": s["model"], "name": s.get("name", s["model"]), "path": s["model_path"], "model_type": None,
                       "window": _saved_window(s["model_path"]), "n_params": None, "dtype": None},
             "settings": {"lengths": s["lengths"], "passkey_lengths": s["lengths"], "depths": meta.get("depths", []),
                          "passkey_samples": meta.get("samples"), "seed": meta.get("seed"),
                          "ppl_tokens": meta.get("ppl_tokens"), "windows_at_longest": None,
-                         "heldout": {"path": meta.get("heldout")}},
+                         "heldout": {"path": meta.get("heldout")},
+                         "machine": {"threads": (result.get("machine") or {}).get("threads"),
+                                     "cpu_count": (result.get("machine") or {}).get("cpu_count"), "loadavg_start": None,
+                                     "loadavg_end": (result.get("machine") or {}).get("loadavg")}},
             "versions": {}, "schemes": [{"spec": x["spec"], "label": scheme_label(x["spec"]), "name": x["args"]["scheme"],
                                          "params": {k: v for k, v in x["args"].items() if k != "scheme"}}
                                         for x in result["schemes"]],
