@@ -105,13 +105,19 @@ def test_shared_haystack_cells_share_the_filler_before_the_needle(tok, filler):
         assert common_prefix([s["prompt_ids"] for s in independent]) < retrieval.MIN_SHARED_PREFIX
 
 
-@pytest.mark.parametrize("scheme", [None, "yarn:2", "dynamic:2", "self_extend:group_size=2,window_size=8", "alibi"])
-def test_prefix_cache_equals_full_prefill(model, tok, filler, scheme):
+CASES = [("llama", s) for s in (None, "yarn:2", "dynamic:2", "dynamic_yarn:2", "self_extend:group_size=2,window_size=8",
+                                "alibi")]
+CASES += [(arch, None) for arch in ("gemma3_text", "qwen3", "cohere2")]  # sliding-window caches, q/k norms, NoPE layers
+
+
+@pytest.mark.parametrize("arch,scheme", CASES)
+def test_prefix_cache_equals_full_prefill(tok, filler, arch, scheme):
     """First-step logits from the shared prefix's cache + the suffix equal one full prefill; greedy answers equal."""
     cell = make_cell(tok, filler, 200, 0.6, 3, 0, shared_haystack=True)
     ids = torch.tensor([s["prompt_ids"] for s in cell])
     p = common_prefix(ids.tolist())
     assert p > 60
+    model = tiny_model(arch)
     with rope_patch.patched(model, scheme) if scheme else contextlib.nullcontext():
         with retrieval.at_length(model, 206):
             full = model(input_ids=ids, use_cache=False).logits[:, -1]
