@@ -1,8 +1,8 @@
 """Passkey with a shared haystack: the common prefix prefilled once (cached) vs. every prompt in full (uncached).
 
-    python bench/passkey_cache.py [--length 1024] [--samples 5] [--reps 3] [--scheme yarn:4] [--threads N]
+    python bench/passkey_cache.py [--model tiny] [--length 1024] [--samples 5] [--reps 3] [--scheme yarn:4] [--threads N]
 
-On rope-tiny (`rope_patch.zoo.load_model("tiny")`), one cell per depth (0.1, 0.5, 0.9) of `--samples` prompts that
+On rope-tiny (`rope_patch.zoo.load_model("tiny")`; `--model smollm2` or a folder for another), one cell per depth (0.1, 0.5, 0.9) of `--samples` prompts that
 share one haystack (`retrieval.make_cell(..., shared_haystack=True)`): the same prompts are evaluated with
 `reuse_prefix=False` and `reuse_prefix=True`, alternately in one process after a warm-up, `--reps` times; the
 answers must be equal (the script exits 1 otherwise). Prints the median seconds of each, their ratio, threads and
@@ -32,6 +32,7 @@ DEPTHS = (0.1, 0.5, 0.9)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="tiny, smollm2 or a model folder (default: tiny)")
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
@@ -40,7 +41,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_model("tiny")
+    model, tok = load_model(args.model)
     ids, _ = read_tokens(tok)
     load_before = os.getloadavg()
     kw = dict(lengths=[args.length], depths=DEPTHS, n_samples=args.samples, shared_haystack=True)
@@ -60,7 +61,7 @@ def main() -> int:
                     cached_shared = shared
     same = outputs["uncached"] == outputs["cached"]
     med = {k: statistics.median(v) for k, v in times.items()}
-    report = {"length": args.length, "depths": list(DEPTHS), "samples_per_cell": args.samples, "reps": args.reps,
+    report = {"model": args.model, "length": args.length, "depths": list(DEPTHS), "samples_per_cell": args.samples, "reps": args.reps,
               "scheme": args.scheme, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
               "loadavg_before": [round(x, 2) for x in load_before],
               "loadavg_after": [round(x, 2) for x in os.getloadavg()],
