@@ -58,6 +58,8 @@ def add_parser(subparsers) -> None:
                    "generation (default: the rest of population - parents)")
     p.add_argument("--max-factor", type=real(1.0), default=None, metavar="X", help="evolution: largest rescale factor "
                    "(default: 1.25 x target/window, the paper's search space)")
+    p.add_argument("--init", nargs="+", default=None, metavar="SPEC", help="evolution: frequency schemes whose "
+                   "factors (θ_i/θ′_i) seed the population (default: linear, ntk and yarn at target/window, the paper's)")
     p.add_argument("--tokens", type=positive, default=None, metavar="N", help="tuning tokens per evaluation "
                    "(default: 4 windows of the target)")
     p.add_argument("--passkey-weight", type=real(0.0), default=0.0, metavar="W", help="objective = perplexity x "
@@ -117,7 +119,7 @@ def run(args) -> int:
     options = TuneOptions(scheme=args.scheme, target=args.target, method=args.method, space=parse_space(args.space),
                           samples=args.samples, evolution=evolution, n_tokens=args.tokens,
                           passkey_weight=args.passkey_weight, passkey_samples=args.passkey_samples, seed=args.seed,
-                          max_evals=args.max_evals, budget_minutes=args.budget_minutes)
+                          max_evals=args.max_evals, budget_minutes=args.budget_minutes, init=args.init)
     for spec in args.accept or []:
         as_scheme(spec)  # a bad acceptance spec fails now, not after the search
     check_options(options)  # an unknown scheme or bad search settings fail here, before the model loads

@@ -192,13 +192,16 @@ def evolve(log: SearchLog, objective: Callable[[list[float]], dict], initial: di
     return None
 
 
-def initial_factors(model, scale: float) -> dict[str, list[float]]:
-    """λ_i of PI, NTK-aware and YaRN ×`scale` on this model: θ_i / θ′_i, read from the model's rotary module patched
-    with each scheme (so YaRN's ramp is transformers' own for this head size and window)."""
+def initial_factors(model, scale: float, specs: Sequence[str] | None = None) -> dict[str, list[float]]:
+    """λ_i of PI, NTK-aware and YaRN ×`scale` on this model (or of the frequency scheme `specs` given, keyed by
+    spec): θ_i / θ′_i, read from the model's rotary module patched with each scheme (so YaRN's ramp is
+    transformers' own for this head size and window)."""
 
     def inv_freq(spec: str) -> torch.Tensor:
         with patched(model, spec):
             return find_target(model).rotary.inv_freq.detach().double().cpu().clone()
 
     base = inv_freq("default")
-    return {name: (base / inv_freq(f"{name}:{scale:g}")).tolist() for name in ("linear", "ntk", "yarn")}
+    if specs is None:
+        return {name: (base / inv_freq(f"{name}:{scale:g}")).tolist() for name in ("linear", "ntk", "yarn")}
+    return {spec: (base / inv_freq(spec)).tolist() for spec in specs}

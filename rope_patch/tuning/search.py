@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..api import as_scheme
 from ..discovery import find_target
 from ..evaluation.common import versions
 from ..evaluation.results import json_safe
@@ -52,6 +53,7 @@ class TuneOptions:
     max_evals: int | None = None
     budget_minutes: float | None = None
     split_fraction: float = SPLIT_FRACTION
+    init: Sequence[str] | None = None  # evolution: frequency-scheme specs seeding the population (default PI, NTK, YaRN ×s)
 
 
 def longrope_params(long_factor: Sequence[float], scale: float, window: int) -> dict:
@@ -83,6 +85,12 @@ def check_options(options: TuneOptions) -> tuple[str, str]:
     if options.budget_minutes is not None and not options.budget_minutes > 0:
         raise ValueError(f"--budget-minutes must be > 0, got {options.budget_minutes}.")
     if method == "evolution":
+        for spec in options.init or ():
+            if as_scheme(spec).kind != "frequency":
+                raise ValueError(f"--init {spec!r}: the initial factors come from a frequency scheme (linear, ntk, "
+                                 "yarn, llama3, ...), not an attention-side one.")
+        if options.init is not None and not options.init:
+            raise ValueError("--init needs at least one spec.")
         options.evolution.resolved(2.0)  # population, parents, ... (the largest factor is checked with the scale)
     elif options.space is not None:
         check_space(name, options.space, method)
@@ -105,6 +113,8 @@ def resolve_options(model, options: TuneOptions) -> tuple[str, str, dict]:
         if scale <= 1:
             raise ValueError(f"LongRoPE's long factors serve lengths beyond the window: --target must be > {window}.")
         settings["evolution"] = dataclasses.asdict(options.evolution.resolved(scale))
+        if options.init is not None:  # (absent from the log when the default PI / NTK / YaRN seed it)
+            settings["init"] = list(options.init)
         settings["searched"] = ("long_factor (short_factor fixed at 1: vanilla frequencies inside the window; "
                                 "initial-token count n̂ = 0: transformers' longrope cannot express it)")
     else:
@@ -155,7 +165,7 @@ def tune(model, tokenizer, token_ids: Sequence[int], options: TuneOptions, *, lo
         def params(factors):
             return longrope_params(factors, scale, window)
 
-        stopped = evolve(log, lambda f: objective(name, params(f)), initial_factors(model, scale),
+        stopped = evolve(log, lambda f: objective(name, params(f)), initial_factors(model, scale, options.init),
                          options.evolution, scale, seed=options.seed, spec=lambda f: spec_of(name, params(f)))
         if log.data["best"] is not None:  # the log records the searched long factors; the spec is the whole scheme
             log.data["best"]["params"] = params(log.data["best"]["params"]["long_factor"])

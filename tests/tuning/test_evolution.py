@@ -120,6 +120,13 @@ def test_initial_factors_are_pi_ntk_and_yarn():
     assert rope_patch.current(model) is None  # read under patched(): the model is back as it was
 
 
+def test_initial_factors_of_given_specs():
+    model = tiny_model("llama", head_dim=16)
+    f = initial_factors(model, 4.0, ["linear:2", "yarn:factor=4,beta_fast=4,beta_slow=0.25"])
+    assert list(f) == ["linear:2", "yarn:factor=4,beta_fast=4,beta_slow=0.25"] and f["linear:2"] == pytest.approx([2.0] * 8)
+    assert f["yarn:factor=4,beta_fast=4,beta_slow=0.25"] != pytest.approx(initial_factors(model, 4.0)["yarn"])
+
+
 def test_the_searched_spec_is_a_longrope_scheme_apply_accepts():
     model = tiny_model("llama", head_dim=16)
     factors = to_factors(to_genes([1, 1.1, 1.5, 2, 2.5, 3, 4, 4.5], 0.01, 400), 0.01)

@@ -48,6 +48,7 @@ BAD = [
     (["--scheme", "longrope", "--max-evals", "0"], "argument --max-evals: must be an integer >= 1"),
     (["--scheme", "rope_tiny_has_no_such_scheme"], "Unknown"),
     (["--scheme", "longrope", "--accept", "yarn:zero"], "yarn"),
+    (["--scheme", "longrope", "--init", "rerope:8"], "--init 'rerope:8': the initial factors come from a frequency"),
 ]
 
 
