@@ -18,7 +18,7 @@ import pickle
 
 import pytest
 import torch
-from helpers.models import VOCAB, WINDOW, logits, native_twin, tiny_config, tiny_model
+from helpers.models import WINDOW, logits, native_twin, tiny_config, tiny_model, token_batch
 
 import rope_patch
 from rope_patch.persistence import FORMAT, MANIFEST
@@ -32,13 +32,7 @@ TOL = 1e-5
 
 
 def batch(padded: bool, n: int = L, seed: int = 0):
-    ids = torch.randint(3, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
-    if not padded:
-        return ids, {}
-    mask = torch.ones_like(ids)
-    mask[0, :PAD] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    return ids, {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)}
+    return token_batch(n, seed, PAD if padded else 0)
 
 
 def native(model, freq_spec: str):

@@ -108,3 +108,15 @@ def native_twin(model, rope_parameters: dict, max_position_embeddings: int):
 def logits(model, ids, **kw):
     with torch.no_grad():
         return model(ids, **kw).logits
+
+
+def token_batch(n: int, seed: int = 0, pad: int = 0):
+    """Two rows of n random tokens; with `pad`, row 0 is left-padded by `pad` tokens and the kwargs carry the
+    attention mask and the position ids that generate passes (pads at position 1)."""
+    ids = torch.randint(3, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
+    if not pad:
+        return ids, {}
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import VOCAB, logits, tiny_model
+from helpers.models import logits, tiny_model, token_batch
 from helpers.reference import alibi_slopes as ref_slopes
 from helpers.reference import forward as reference_forward
 
@@ -45,14 +45,7 @@ def small_blocks(monkeypatch):
 
 
 def batch(padded: bool, n: int = L, seed: int = 0):
-    ids = torch.randint(3, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
-    if not padded:
-        return ids, {}
-    mask = torch.ones_like(ids)
-    mask[0, :PAD] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # what generate passes
-    return ids, {"attention_mask": mask, "position_ids": position_ids}
+    return token_batch(n, seed, PAD if padded else 0)
 
 
 def patched_model(arch, backend, scheme, params, seed=0):
