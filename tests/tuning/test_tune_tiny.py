@@ -1,4 +1,4 @@
-"""The committed rope-tiny search (eval/results/tune/search_log.json, README "Searching parameters"): the log is a
+"""The committed rope-tiny searches (eval/results/tune/, README "Searching parameters"): each log is a
 valid, finished search whose individuals all satisfy the constraint, its best spec applies to rope-tiny, and (slow)
 re-measuring the best spec on the acceptance text gives the logged perplexity."""
 
@@ -15,12 +15,14 @@ from rope_patch.evaluation.common import read_tokens
 from rope_patch.tuning import load_log, split_heldout
 from rope_patch.tuning.objective import perplexities
 
-LOG = Path(__file__).resolve().parents[2] / "eval" / "results" / "tune" / "search_log.json"
+RESULTS = Path(__file__).resolve().parents[2] / "eval" / "results" / "tune"
+# the default search (seeded with PI / NTK / YaRN ×4), and one seeded with YaRN's small-window betas as well
+LOGS = {"default_init": RESULTS / "search_log.json", "init_yarn_beta2": RESULTS / "init_yarn_beta2" / "search_log.json"}
 
 
-@pytest.fixture(scope="module")
-def log():
-    return load_log(LOG)
+@pytest.fixture(scope="module", params=sorted(LOGS))
+def log(request):
+    return load_log(LOGS[request.param])
 
 
 def test_the_committed_search_is_complete_and_constrained(log):
@@ -66,3 +68,5 @@ def test_the_searched_longrope_beats_pi_ntk_and_yarn_at_4x_within_5_percent_in_t
     for baseline in ("linear:4", "ntk:4", "yarn:4"):
         assert searched["1024"] < rows[baseline]["1024"], baseline
     assert searched["256"] <= 1.05 * rows["default"]["256"]
+    if "yarn:factor=4,beta_fast=2" in log["settings"].get("init", []):  # seeded with it, the search beats it too
+        assert searched["1024"] < rows["yarn:factor=4,beta_fast=2"]["1024"]
