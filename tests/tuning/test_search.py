@@ -180,3 +180,25 @@ def test_tune_on_a_tiny_model_scalar_and_longrope(text_ids, tmp_path):
     on_disk = json.loads((tmp_path / "l.json").read_text())
     assert on_disk["acceptance"]["rows"][0]["perplexity"].keys() == {"32", "64"}
     assert on_disk["split"]["acceptance_tokens"][0] == on_disk["split"]["tuning_tokens"][1]
+
+
+def test_the_passkey_term_of_the_objective(text_ids, monkeypatch):
+    import math
+
+    import rope_patch.tuning.objective as O
+
+    model, tok = tiny_model("llama"), char_tokenizer()
+    plain = O.Objective(model, tok, text_ids, 64, 128)("yarn", {"factor": 2.0})
+    assert plain["passkey_accuracy"] is None and plain["objective"] == plain["perplexity"]
+    seen = {}
+
+    def passkey(model_, tokenizer, filler, lengths, depths, n, seed):
+        seen.update(lengths=list(lengths), filler=list(filler), scheme=rope_patch.current(model_).name)
+        return [{"correct": 1, "n": 2}, {"correct": 2, "n": 2}]
+
+    monkeypatch.setattr(O, "evaluate_passkey", passkey)
+    weighted = O.Objective(model, tok, text_ids, 64, 128, passkey_weight=2.0)("yarn", {"factor": 2.0})
+    assert weighted["passkey_accuracy"] == 0.75 and weighted["perplexity"] == pytest.approx(plain["perplexity"])
+    assert weighted["objective"] == pytest.approx(plain["perplexity"] * math.exp(-2.0 * 0.75))
+    assert seen == {"lengths": [64], "filler": list(text_ids), "scheme": "yarn"}  # at the target, under the patch
+    assert rope_patch.current(model) is None
