@@ -78,7 +78,8 @@ def _run_line(s: dict) -> str:
     if chat:
         parts.append(f"chat template {'on' if chat.get('used') else 'off'} ({chat.get('mode')})")
     if s.get("shared_haystack"):
-        parts.append("one haystack per passkey cell (shared prefix prefilled once)")
+        parts.append("one haystack per passkey cell (shared prefix prefilled once; its samples differ only in the key, "
+                     "so they are not independent and the intervals are too narrow)")
     machine = s.get("machine") or {}
     if machine:
         load = machine.get("loadavg_start")

@@ -24,7 +24,8 @@ chat template's opening), the filler before the needle (a `depth` fraction of it
 once per batch of a cell, its KV cache copied for every prompt (`copy.deepcopy`, then repeated over the batch), and
 only the rest of each prompt (needle, the filler after it, question) is run on top of it. Greedy answers equal the
 uncached run (tests/evaluation/test_retrieval.py). With one haystack per cell the samples of a cell are not
-independent draws of the filler (only of the key and the needle's text); the default, `shared_haystack=False`, draws
+independent draws of the filler (only of the key and the needle's text): on SmolLM2 the samples of a cell then
+succeed or fail together, and the Wilson interval, which assumes independent samples, is too narrow; the default, `shared_haystack=False`, draws
 a filler stretch per sample as before, and then only the common prefix that remains (BOS, the template) is shared:
 below `MIN_SHARED_PREFIX` tokens the prefix is not reused. A model whose own RoPE follows the length without a patch
 (a checkpoint shipping dynamic NTK or LongRoPE, unpatched) is never run in two pieces: transformers would reset its
