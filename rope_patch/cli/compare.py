@@ -56,7 +56,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--shared-haystack", action="store_true",
                    help="one haystack per (length, depth) cell, so the prompts share everything before the needle: "
                    "that prefix is prefilled once and its KV cache reused (same answers, less compute; the samples "
-                   "of a cell then differ only in the key)")
+                   "of a cell then differ only in the key, so they are not independent: a speed option, not for "
+                   "accuracy claims)")
     p.add_argument("--bucket-size", type=count(1), default=None, metavar="N",
                    help="perplexity by position in buckets of N tokens inside the longest length (default: [0, W), "
                    "[W, 2W), [2W, 4W), ... for the training window W); no extra forward pass")
