@@ -160,8 +160,10 @@ def passkey(source) -> Figure:
     for k in range(len(schemes), rows * cols):
         axes[k // cols][k % cols].axis("off")
     if im is not None:
-        fig.colorbar(im, ax=axes, shrink=0.8, label="passkey accuracy (cells: %, right/n, Wilson 95% [low-high])")
-    fig.suptitle(f"Passkey retrieval - {res['name']}", fontsize=10)
+        fig.colorbar(im, ax=axes, shrink=0.8, label="passkey accuracy")
+    annotated = any(p.get("n") for p in cells)
+    fig.suptitle(f"Passkey retrieval - {res['name']}" + ("\ncells: accuracy, right/n, [Wilson 95% interval, %]"
+                                                          if annotated else ""), fontsize=10 if not annotated else 9)
     return fig
 
 
