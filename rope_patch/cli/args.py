@@ -7,7 +7,11 @@ from __future__ import annotations
 import argparse
 import math
 
+import torch
 import transformers
+
+from .. import zoo
+from ..evaluation.common import auto_threads
 
 
 def _number(text: str) -> float:
@@ -75,3 +79,12 @@ def rope_layout(args) -> dict:
     if args.seq_len is not None:
         rope["seq_len"] = args.seq_len
     return {k: v for k, v in rope.items() if v is not None or k == "_num_heads"}
+
+
+def load_model(console, spec, threads: int | None, dtype):
+    """Set the torch threads (--threads, else the cores not busy), load `spec` and say so: (path, model, tokenizer)."""
+    torch.set_num_threads(threads or auto_threads())
+    path = zoo.resolve_model_path(spec)
+    console.print(f"Loading {spec} from {path} ({torch.get_num_threads()} threads) ...")
+    model, tokenizer = zoo.load_model(spec, dtype=dtype)
+    return path, model, tokenizer

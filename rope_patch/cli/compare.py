@@ -6,18 +6,17 @@
 
 from __future__ import annotations
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .. import plots
 from .. import zoo as models
-from ..evaluation.common import auto_threads, read_tokens
+from ..evaluation.common import read_tokens
 from ..evaluation.compare import DEFAULT_LENGTHS, DEFAULT_SCHEMES, parse_schemes, resumed_units, run_compare, work_units
 from ..evaluation.results import check_writable, load_results, rich_table, write_results
 from ..evaluation.retrieval import DEFAULT_DEPTHS
 from ..suggest import pretraining_window, specs_for_target
-from .args import count, fraction, positive, real
+from .args import count, fraction, load_model, positive, real
 
 
 def add_parser(subparsers) -> None:
@@ -96,10 +95,7 @@ def run(args) -> int:
             console.print(f"Resuming: {len(previous['schemes'])} finished scheme(s) in {out / 'compare.json'}")
         else:
             console.print(f"Nothing to resume in {out} (no compare.json): starting from the beginning.")
-    torch.set_num_threads(args.threads or auto_threads())
-    path = models.resolve_model_path(args.model)
-    console.print(f"Loading {args.model} from {path} ({torch.get_num_threads()} threads) ...")
-    model, tokenizer = models.load_model(args.model, dtype=args.dtype)
+    path, model, tokenizer = load_model(console, args.model, args.threads, args.dtype)
     if args.target is not None:  # the papers' parameters for this model and target (rope_patch/suggest.py)
         args.schemes = specs_for_target(model, args.target, given)
         parse_schemes(args.schemes)

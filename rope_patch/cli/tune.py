@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -16,14 +15,14 @@ from rich.table import Table
 from .. import plots
 from .. import zoo as models
 from ..api import as_scheme
-from ..evaluation.common import auto_threads, read_tokens
+from ..evaluation.common import read_tokens
 from ..evaluation.results import check_writable, json_safe
 from ..files import write_text_atomic
 from ..specs import parse_spec
 from ..tuning import EvolutionSettings, TuneOptions, accept, baselines, load_log, planned_evaluations, resolve_options
 from ..tuning import tune as tune_search
 from ..tuning.search import METHODS, check_options, model_info
-from .args import count, positive, real
+from .args import count, load_model, positive, real
 
 LOG, BEST = "search_log.json", "best.json"
 
@@ -132,10 +131,7 @@ def run(args) -> int:
             console.print(f"Resuming: {len(previous['evaluations'])} evaluation(s) in {log_path}")
         else:
             console.print(f"Nothing to resume in {out} (no {LOG}): starting from the beginning.")
-    torch.set_num_threads(args.threads or auto_threads())
-    path = models.resolve_model_path(args.model)
-    console.print(f"Loading {args.model} from {path} ({torch.get_num_threads()} threads) ...")
-    model, tokenizer = models.load_model(args.model, dtype=args.dtype)
+    path, model, tokenizer = load_model(console, args.model, args.threads, args.dtype)
     _, _, settings = resolve_options(model, options)  # bad options fail before the first evaluation
     token_ids, heldout = read_tokens(tokenizer, args.heldout)
     header = {"model": {**model_info(model, args.model), "name": models.model_name(args.model), "path": str(path)},

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from helpers.models import tiny_model
-from helpers.text import char_tokenizer, filler_text
+from helpers.text import char_tokenizer
 
 import rope_patch
 from rope_patch.evaluation import retrieval
@@ -29,25 +29,10 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% 
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return char_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def chat_tok():
     t = char_tokenizer()
     t.chat_template = TEMPLATE
     return t
-
-
-@pytest.fixture(scope="module")
-def filler(tok):
-    return tok.encode(filler_text(), add_special_tokens=False)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
 
 
 @pytest.mark.parametrize("length,depth", [(200, 0.0), (200, 0.5), (240, 1.0), (300, 0.25)])

@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from helpers.models import tiny_model
-from helpers.text import char_tokenizer, filler_text
 
 import rope_patch
 from rope_patch.evaluation import retrieval
 from rope_patch.evaluation.common import prepare_rotary
 from rope_patch.evaluation.retrieval import accuracy_by_length, evaluate_passkey, greedy_generate, make_cell
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return char_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def filler(tok):
-    return tok.encode(filler_text(), add_special_tokens=False)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
 
 
 def test_cells_are_deterministic_and_distinct(tok, filler):
