@@ -37,9 +37,9 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..api import current, original_config, patch_modules
+from ..discovery import unwrap
 from ..persistence import MANIFEST, _load_patch_weights, _reapply, read_manifest, save_patch
 from ..schemes.base import Scheme
-from ..discovery import unwrap
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
