@@ -166,8 +166,8 @@ class DataArgs:
         _int("data.passkey_min_tokens", self.passkey_min_tokens, 16)
         if self.max_documents is not None:
             _int("data.max_documents", self.max_documents)
-        if self.files:
-            self.paths()
+        # The files themselves are checked by validate() (still before the model loads): a config stays loadable,
+        # and its structure checkable, on a machine that has not prepared the data yet.
 
     def paths(self) -> list[Path]:
         """The data files, globs expanded, in sorted order; errors for missing files and unknown suffixes."""
@@ -380,6 +380,8 @@ def validate(cfg: Config, num_processes: int = 1) -> dict:
     from rope_patch.training.pose import validate_pose
 
     t, d = cfg.train, cfg.data
+    if d.files:
+        d.paths()  # missing files and unknown suffixes, before anything is loaded
     per_step = t.micro_batch_size * num_processes
     if t.global_batch_size % per_step:
         raise ConfigError(
