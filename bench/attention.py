@@ -35,10 +35,12 @@ SCHEMES = {
     "self_extend": {"group_size": 8, "window_size": 1024},
     "rerope": {"window_size": 1024},
     "leaky_rerope": {"window_size": 1024, "factor": 16.0},
+    "string": {"shift_size": 5461, "window_size": 128},  # S = N/3 for N = 16384 (rope_patch.suggest)
+    "dca": {"chunk_size": 1536, "local_size": 256},  # 3/4 L and L/8 of the bench model's 2048-token window
     "naive": {"group_size": 8, "window_size": 1024},  # Self-Extend, two full matrices
 }
 LIMITS = {"alibi": (1.5, 1.5), "relative_bias": (1.5, 1.5), "self_extend": (1.5, 3.0), "rerope": (1.5, 3.0),
-          "leaky_rerope": (1.5, 3.0)}  # targets: (peak memory, time) as multiples of vanilla
+          "leaky_rerope": (1.5, 3.0), "string": (1.5, 2.0), "dca": (1.5, 2.0)}  # targets: (peak memory, time) as multiples of vanilla
 
 
 def _status(key: str) -> int:
