@@ -1,4 +1,4 @@
-"""The architectures added after the first 19 (issue #13): every attention-side scheme exact against a reference, or
+"""The architectures added after the first 19: every attention-side scheme exact against a reference, or
 refused at apply() with the architecture's reason; the frequency schemes run in test_frequency.py over all of ARCHS.
 
 Table-driven: `ATTENTION_SCHEMES` × `ADDED`, with `REFUSED` naming what each architecture cannot serve and why.
