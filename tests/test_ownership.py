@@ -6,14 +6,12 @@ the user's config written in place, fp32 buffers restored into a cast model)."""
 from __future__ import annotations
 
 import copy
-import io
-import pickle
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers.models import VOCAB, WINDOW, logits, tiny_config, tiny_model
+from helpers.models import VOCAB, WINDOW, logits, roundtrip, tiny_config, tiny_model
 from transformers import LlamaForCausalLM
 
 import rope_patch
@@ -106,17 +104,6 @@ def test_user_edits_of_the_config_while_patched_survive_remove():
 
 
 # ---- 2./3. copies and pickles ---------------------------------------------------------------------------------------
-def _roundtrip(model, how: str):
-    if how == "deepcopy":
-        return copy.deepcopy(model)
-    if how == "pickle":
-        return pickle.loads(pickle.dumps(model))
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
-
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 @pytest.mark.parametrize("scheme,params", ALL, ids=IDS)
 def test_copies_are_independent_patched_models(scheme, params, how, ids):
@@ -124,7 +111,7 @@ def test_copies_are_independent_patched_models(scheme, params, how, ids):
     base = logits(model, ids)
     rope_patch.apply(model, scheme, **params)
     patched_out = logits(model, ids)
-    dup = _roundtrip(model, how)
+    dup = roundtrip(model, how)
     assert torch.equal(logits(dup, ids), patched_out)
     assert rope_patch.current(dup) == rope_patch.current(model)
     tables = rope_patch.api.patch_modules(dup)

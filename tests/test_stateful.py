@@ -32,16 +32,14 @@ import collections
 import contextlib
 import copy
 import functools
-import io
 import os
-import pickle
 import tempfile
 import time
 import warnings
 
 import pytest
 import torch
-from helpers.models import VOCAB, WINDOW, logits, tiny_config
+from helpers.models import VOCAB, WINDOW, logits, roundtrip, tiny_config
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -158,17 +156,6 @@ def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 def _generate(model) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0)
-
-
-def _roundtrip(model, how: str):
-    if how == "deepcopy":
-        return copy.deepcopy(model)
-    if how == "pickle":
-        return pickle.loads(pickle.dumps(model))
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 class Interrupted(Exception):
@@ -379,7 +366,7 @@ class PatchingMachine(RuleBasedStateMachine):
         COUNTS[f"{how}-{then}"] += 1
         before = rope_patch.current(self.model)
         out = None if self.pending else self.forward()
-        dup = _roundtrip(self.model, how)
+        dup = roundtrip(self.model, how)
         assert rope_patch.current(dup) == before
         if out is None:
             with pytest.raises(BackendChanged):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 from pathlib import Path
 
 import torch
@@ -120,3 +122,15 @@ def token_batch(n: int, seed: int = 0, pad: int = 0):
     mask[0, :pad] = 0
     ids = ids.masked_fill(mask == 0, 0)
     return ids, {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)}
+
+
+def roundtrip(model, how: str):
+    """An independent copy of `model` by `how`: "deepcopy", "pickle" or "torch.save" (through a buffer)."""
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
