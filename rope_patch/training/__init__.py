@@ -1,7 +1,8 @@
 """Fine-tuning with rope_patch on transformers' Trainer (and TRL's SFTTrainer, launched by accelerate or DeepSpeed).
 
 - `PackedDataset`: documents packed into rows of exactly `seq_len` tokens; `IndexedDataset`: adds each example's
-  sample index (what the collators seed from).
+  sample index (what the collators seed from); `TextWindows`: windows of a token stream at offsets drawn from
+  (seed, sample index), a new index (and so new collator draws) for every sample of a run.
 - Collators: `PoSECollator` (PoSE skip-wise position ids, `pose.py`), `PasskeyMixer` (passkey-retrieval rows mixed
   into the training rows), `CausalLMCollator` (plain rows). Every random draw is a pure function of
   (seed, sample index) (`seeding.py`), so a resumed Trainer run draws exactly what an uninterrupted one does.
@@ -13,7 +14,7 @@ Set `TrainingArguments(remove_unused_columns=False)`: Trainer would otherwise dr
 """
 
 from .collators import CausalLMCollator, PasskeyMixer, PoSECollator, sample_index
-from .data import IndexedDataset, PackedDataset
+from .data import IndexedDataset, PackedDataset, TextWindows
 from .seeding import sample_generator, sample_rng, sample_seed
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "PasskeyMixer",
     "PoSECollator",
     "RopePatchCallback",
+    "TextWindows",
     "check_patch",
     "learned_modules_to_save",
     "restore_patch",

@@ -1,4 +1,5 @@
-"""Datasets for transformers' Trainer: documents packed into fixed-length rows, and the sample index on every example.
+"""Datasets for transformers' Trainer: documents packed into fixed-length rows or sampled as windows of a token
+stream, and the sample index on every example.
 
 The collators of this package draw per sample from (seed, index) (`seeding.py`), so each example must carry its
 index in the dataset: `PackedDataset` rows do; wrap any other map-style dataset (a torch `Dataset`, a `datasets`
@@ -10,6 +11,11 @@ Packing is a dataset, not a collator: a collator sees one batch of documents and
 rows of exactly `seq_len` tokens without dropping or padding, and Trainer needs the number of rows up front
 (epochs, `max_steps`, skipping on resume). `PackedDataset` is deterministic (no random draw), so a resume sees the
 same rows; Trainer's sampler shuffles them.
+
+`TextWindows` is the other common sampling (the old recipe loop, most long-context fine-tunes): `num_samples`
+windows at offsets drawn from (seed, sample index). Its indices never repeat within a run, so neither do the
+collators' per-index draws; over packed rows, a second epoch replays every passkey row and PoSE skip of the first
+(the same index, the same draw), which halves what a multi-epoch fine-tune sees of them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+
+from .seeding import as_index, sample_rng
 
 INDEX = "index"
 
@@ -97,3 +105,39 @@ class PackedDataset(Dataset):
             raise IndexError(f"PackedDataset has {self.n_rows} rows, index {i} is out of range.")
         i %= self.n_rows
         return {"input_ids": self.stream[i * self.seq_len : (i + 1) * self.seq_len].clone(), INDEX: i}
+
+
+class TextWindows(Dataset):
+    """`num_samples` windows of `seq_len` consecutive tokens of `stream` (a 1-d int tensor, e.g. `PackedDataset.stream`),
+    window k starting at an offset drawn uniformly from [0, len(stream) - seq_len] by `sample_rng(seed, k, "window")`.
+    Item k: {"input_ids": LongTensor[seq_len], "index": k}. Set `num_samples` = steps × global batch for one epoch
+    in which every sample index (and so every collator draw) is new; windows overlap and may repeat text, as random
+    crops do."""
+
+    def __init__(self, stream: torch.Tensor, seq_len: int, num_samples: int, *, seed: int = 0):
+        for name, value in (("seq_len", seq_len), ("num_samples", num_samples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TextWindows: {name} must be a positive integer, got {value!r}.")
+        stream = torch.as_tensor(stream)
+        if stream.dim() != 1 or stream.is_floating_point():
+            raise TypeError(f"TextWindows: stream must be a 1-d tensor of token ids, got {stream.dtype} of shape "
+                            f"{tuple(stream.shape)}.")
+        if len(stream) < seq_len:
+            raise ValueError(f"TextWindows: the stream has {len(stream)} tokens, fewer than one window of "
+                             f"seq_len={seq_len}.")
+        self.stream, self.seq_len, self.num_samples = stream.long(), seq_len, num_samples
+        self.seed = as_index(seed, "seed")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def offset(self, i: int) -> int:
+        return sample_rng(self.seed, i, "window").randint(0, len(self.stream) - self.seq_len)
+
+    def __getitem__(self, i: int) -> dict:
+        i = as_index(i)
+        if not -self.num_samples <= i < self.num_samples:
+            raise IndexError(f"TextWindows has {self.num_samples} samples, index {i} is out of range.")
+        i %= self.num_samples
+        start = self.offset(i)
+        return {"input_ids": self.stream[start : start + self.seq_len].clone(), INDEX: i}

@@ -129,15 +129,24 @@ def test_training_arguments_come_from_the_recipe_keys(assets, tmp_path):
 
 
 # ---- rows: packed, weighted, a function of the sample index --------------------------------------------------------
-def test_rows_and_weights_are_a_function_of_the_index(assets, tmp_path):
-    cfg = ft.load_config(cfg_for(assets, tmp_path, pose={"target_length": 512}, data={"passkey_fraction": 0.5}))
+@pytest.mark.parametrize("sampling", ["windows", "rows"])
+def test_rows_and_weights_are_a_function_of_the_index(assets, tmp_path, sampling):
+    cfg = ft.load_config(cfg_for(assets, tmp_path, pose={"target_length": 512},
+                                 data={"passkey_fraction": 0.5, "sampling": sampling}))
     tok = AutoTokenizer.from_pretrained(assets["model"])
     stream = ft.token_stream(cfg.data, tok)
     assert stream[0] == tok.bos_token_id and (stream == tok.eos_token_id).sum() == 1  # one framed document
     assert len(list(Path(cfg.data.cache_dir).glob("*.pt"))) == 1  # tokenised once, cached
     assert torch.equal(ft.token_stream(cfg.data, tok), stream)
     dataset = ft.train_dataset(cfg, stream)
-    assert len(dataset) % cfg.train.global_batch_size == 0 and len(dataset) == len(stream) // 128 // 4 * 4
+    assert len(dataset) % cfg.train.global_batch_size == 0
+    if sampling == "rows":  # the packed rows, cut to whole global batches
+        assert len(dataset) == len(stream) // 128 // 4 * 4
+    else:  # one epoch of steps x global batch windows, each a slice of the stream at its own offset
+        assert len(dataset) == cfg.train.steps * cfg.train.global_batch_size
+        starts = {dataset.offset(i) for i in range(len(dataset))}
+        assert len(starts) > len(dataset) // 2 and all(
+            torch.equal(dataset[i]["input_ids"], stream[dataset.offset(i):][:128]) for i in range(4))
     collate = ft.WeightedCollator(cfg, tok, stream)
     rows = [dataset[i] for i in range(16)]
     a, b = collate(rows[:8]), collate(list(reversed(rows[:8])))

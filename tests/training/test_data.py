@@ -1,4 +1,5 @@
-"""PackedDataset packs exactly (every token once, in order, rows of seq_len); IndexedDataset adds the sample index."""
+"""PackedDataset packs exactly (every token once, in order, rows of seq_len); TextWindows samples windows at offsets
+drawn from (seed, index); IndexedDataset adds the sample index."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from helpers.training import documents, packed
 
-from rope_patch.training import IndexedDataset, PackedDataset
+from rope_patch.training import IndexedDataset, PackedDataset, TextWindows
 
 
 @pytest.mark.parametrize("seq_len", [1, 7, 64, 128, 525])
@@ -63,3 +64,37 @@ def test_indexed_dataset_adds_the_index():
 def test_indexed_dataset_errors(dataset, error, match):
     with pytest.raises(error, match=match):
         IndexedDataset(dataset)[0]
+
+
+def test_text_windows_are_slices_at_offsets_drawn_from_the_index():
+    stream = torch.arange(1000)
+    ds = TextWindows(stream, 64, 300, seed=3)
+    items = [ds[i] for i in range(len(ds))]
+    assert [r["index"] for r in items] == list(range(300)) and ds[-1]["index"] == 299
+    for r in items:  # a window of consecutive tokens of the stream, inside it
+        start = int(r["input_ids"][0])
+        assert torch.equal(r["input_ids"], stream[start:start + 64]) and start + 64 <= 1000
+    again = TextWindows(stream.clone(), 64, 300, seed=3)
+    assert all(torch.equal(again[i]["input_ids"], items[i]["input_ids"]) for i in (0, 17, 299))  # pure of (seed, index)
+    other = TextWindows(stream, 64, 300, seed=4)
+    assert sum(other.offset(i) != ds.offset(i) for i in range(300)) > 290  # the seed changes the draws
+    assert len({ds.offset(i) for i in range(300)}) > 250  # offsets spread over the 937 possible starts
+    assert {ds.offset(i) for i in range(300)} <= set(range(937))
+    assert TextWindows(torch.arange(64), 64, 5)[4]["input_ids"].tolist() == list(range(64))  # the one possible window
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((torch.arange(10), 0, 5), ValueError, "seq_len must be a positive integer"),
+    ((torch.arange(10), 4, 0), ValueError, "num_samples must be a positive integer"),
+    ((torch.arange(10), 11, 5), ValueError, "fewer than one window"),
+    ((torch.zeros(3, 4, dtype=torch.long), 2, 5), TypeError, "1-d tensor of token ids"),
+    ((torch.rand(10), 2, 5), TypeError, "1-d tensor of token ids"),
+])
+def test_text_windows_errors(args, error, match):
+    with pytest.raises(error, match=match):
+        TextWindows(*args)
+
+
+def test_text_windows_index_out_of_range():
+    with pytest.raises(IndexError, match="5 samples"):
+        TextWindows(torch.arange(10), 4, 5)[5]
