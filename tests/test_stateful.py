@@ -16,12 +16,16 @@ and compares the bystander with its start-up logits for the backend the shared c
 What "exact" means after casts (`exact()`): frequency schemes compute fp32 frequencies from the config and keep
 them fp32 through casts; the deferred-RoPE schemes (self_extend, rerope, ...) rotate with the model's own frequency
 buffers as they were at apply time, so after `.to(bf16)` before apply they rotate with bf16-rounded frequencies, as
-the unpatched cast model does; an unpatched cast model keeps its rounded buffers (plain transformers: a fresh load
+the unpatched cast model does (with a frequency scheme under them, they rotate with its fp32 frequencies); logn
+alone leaves the rotary module as it is, so its buffers round with every cast; an unpatched cast model keeps its rounded buffers (plain transformers: a fresh load
 computes them anew). Only exact states are compared with fresh models / reloads.
 
 Bounded in CI (`derandomize=True`, no shrinking, under a minute on 2 cores); `ROPE_PATCH_STATEFUL_LONG=1` runs 10x
 the examples, randomised, and shrinks a failure to a minimal sequence. `test_stateful_counts` prints how many
 examples / states / rules ran (shown by pytest's terminal even when output is captured).
+
+Patches are single schemes or stacks (a frequency scheme under a rotating attention-side scheme and/or logn; see
+`STACKS`), given as a list of schemes, a list of spec strings, one "a+b" string or a Stack object.
 
 The plain tests at the end pin what the machine found.
 """
@@ -49,6 +53,7 @@ from transformers.utils import logging as hf_logging
 import rope_patch
 from rope_patch.registry import get_scheme_class
 from rope_patch.rotary import BackendChanged
+from rope_patch.tuning.objective import spec_of
 
 LONG = os.environ.get("ROPE_PATCH_STATEFUL_LONG") == "1"
 CI_EXAMPLES, CI_STEPS = 45, 30
@@ -84,13 +89,54 @@ NEWER = {  # schemes added after this file was written: covered where this rope_
         {"chunk_size": st.just(c), "local_size": st.sampled_from([4, 8])})),
 }
 SCHEMES.update({k: v for k, v in NEWER.items() if k in rope_patch.list_schemes()})
+SCHEMES["logn"] = st.just({}) | st.fixed_dictionaries({"kind": st.just("llama4"), "attn_scale": st.sampled_from([0.1, 0.5]),
+                                                       "floor_scale": st.sampled_from([4, 8])})
 # attention schemes that run through their own attention function: a backend switch makes the next forward raise
-OWN_FUNCTION = {"alibi", "self_extend", "rerope", "leaky_rerope", "relative_bias", "string", "dca"}
+OWN_FUNCTION = {"alibi", "self_extend", "rerope", "leaky_rerope", "relative_bias", "string", "dca", "logn"}
 # they rotate q/k inside attention with the model's frequency buffers as they were at apply time
 ROTATING = {"self_extend", "rerope", "leaky_rerope", "string", "dca"}
 # transformers' dynamic NTK keeps the frequencies of the longest input seen (until an input shorter than the window)
 LENGTH_STATEFUL = {"dynamic"}
-SPEC = st.sampled_from(sorted(SCHEMES)).flatmap(lambda n: st.tuples(st.just(n), SCHEMES[n]))
+# stacks (schemes/stack.py): a frequency scheme under a rotating attention-side scheme and/or logn; dynamic and
+# longrope are refused under the rotating ones (test_composition), so they stack with logn only
+STACK_FREQUENCY = ["default", "linear", "ntk", "yarn", "llama3", "p_rope", "dynamic_yarn"]
+STACK_ATTENTION = sorted(ROTATING)
+
+
+def _stack(parts: list) -> st.SearchStrategy:
+    """("stack", {"parts": ((name, params), ...)}) for the parts' names; each part's parameters drawn as above."""
+    return st.tuples(*(st.tuples(st.just(n), SCHEMES[n]) for n in parts)).map(lambda ps: ("stack", {"parts": ps}))
+
+
+STACKS = st.one_of(
+    st.tuples(st.sampled_from(STACK_FREQUENCY), st.sampled_from(STACK_ATTENTION), st.booleans()).flatmap(
+        lambda t: _stack([t[0], t[1]] + (["logn"] if t[2] else []))),
+    st.sampled_from(STACK_FREQUENCY + ["dynamic", "longrope"]).flatmap(lambda f: _stack([f, "logn"])),
+    st.sampled_from(STACK_ATTENTION).flatmap(lambda a: _stack([a, "logn"])),
+)
+SPEC = st.sampled_from(sorted(SCHEMES)).flatmap(lambda n: st.tuples(st.just(n), SCHEMES[n])) | STACKS
+
+
+def parts(scheme) -> tuple:
+    """The names of a scheme's parts: a stack's in order, a single scheme's own."""
+    return tuple(p.name for p in scheme.schemes) if scheme.name == "stack" else (scheme.name,)
+
+
+def rotates_model_buffers(names: tuple) -> bool:
+    """A rotating attention-side scheme with no frequency scheme under it rotates with the model's own frequency
+    buffers as they were at apply time (a frequency scheme below it computes fp32 frequencies of its own)."""
+    return any(n in ROTATING for n in names) and not _has_frequency(names)
+
+
+def keeps_live_buffers(names: tuple) -> bool:
+    """logn alone keeps the model's rotary module as it is: its buffers go through every cast, as unpatched."""
+    return names == ("logn",)
+
+
+def _has_frequency(names: tuple) -> bool:
+    return any(n in STACK_FREQUENCY + ["dynamic", "longrope"] for n in names)
+
+
 CASTS = {"bf16": torch.bfloat16, "fp32": torch.float32, "half": torch.float16}
 IGNORED_KEYS = ("architectures", "dtype")  # save_pretrained writes these into the config it saves
 
@@ -193,10 +239,11 @@ class PatchingMachine(RuleBasedStateMachine):
         self.patch: dict | None = None  # what the test knows about the applied patch (None: unpatched)
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------------
-    def applied(self, name: str) -> None:
+    def applied(self) -> None:
+        names = parts(rope_patch.current(self.model))
         own = self.model.config._attn_implementation.startswith("rope_patch_")
-        assert own == (name in OWN_FUNCTION), (name, self.model.config._attn_implementation)
-        self.patch = dict(name=name, own=own, pending=False, dtypes=self.dtypes)
+        assert own == any(n in OWN_FUNCTION for n in names), (names, self.model.config._attn_implementation)
+        self.patch = dict(parts=names, own=own, pending=False, dtypes=self.dtypes)
         self.synced()
 
     def synced(self) -> None:
@@ -214,8 +261,10 @@ class PatchingMachine(RuleBasedStateMachine):
         """The model computes what a fresh model with its weights in its dtype (fp32 frequencies) computes."""
         if self.patch is None:
             return not _rounding(self.dtypes)
-        if self.patch["name"] in ROTATING:
+        if rotates_model_buffers(self.patch["parts"]):
             return not _rounding(self.patch["dtypes"])
+        if keeps_live_buffers(self.patch["parts"]):
+            return not _rounding(self.dtypes)
         return True
 
     def forward(self, ids=PROBE, model=None) -> torch.Tensor:
@@ -226,7 +275,7 @@ class PatchingMachine(RuleBasedStateMachine):
     def settle(self, *models) -> None:
         """Reset the length state of dynamic NTK (an input shorter than the window) before comparing with a fresh
         model: transformers keeps the frequencies of the longest input seen."""
-        if self.patch is not None and self.patch["name"] in LENGTH_STATEFUL:
+        if self.patch is not None and LENGTH_STATEFUL & set(self.patch["parts"]):
             for m in models:
                 logits(m, PROMPT)
 
@@ -234,8 +283,16 @@ class PatchingMachine(RuleBasedStateMachine):
         return rope_patch.api.patch_modules(self.model if model is None else model)
 
     def apply_args(self, data, spec):
-        """The scheme by its name, an alias, or as a Scheme object."""
+        """The scheme by its name, an alias, or as a Scheme object; a stack as a list of Scheme objects, a list of
+        spec strings, one "a+b" string or a Stack object."""
         name, kw = spec
+        if name == "stack":
+            specs = [spec_of(n, p) for n, p in kw["parts"]]
+            how = data.draw(st.sampled_from(["schemes", "specs", "plus", "object"]))
+            if how == "object":
+                return (rope_patch.as_scheme("+".join(specs)),), {}
+            return ({"schemes": [rope_patch.as_scheme(n, **p) for n, p in kw["parts"]], "specs": specs,
+                     "plus": "+".join(specs)}[how],), {}
         cls = get_scheme_class(name)
         how = data.draw(st.sampled_from(["name", "alias", "object"] if cls.aliases else ["name", "object"]))
         if how == "object":
@@ -245,6 +302,11 @@ class PatchingMachine(RuleBasedStateMachine):
     @staticmethod
     def check_scheme(scheme, name, kw) -> None:
         assert scheme is not None and scheme.name == name, (scheme, name)
+        if name == "stack":
+            assert parts(scheme) == tuple(n for n, _ in kw["parts"]), (scheme, kw)
+            for part, (n, p) in zip(scheme.schemes, kw["parts"]):
+                PatchingMachine.check_scheme(part, n, p)
+            return
         for k, v in kw.items():
             assert _norm(getattr(scheme, k)) == _norm(v), (k, getattr(scheme, k), v)
 
@@ -272,11 +334,12 @@ class PatchingMachine(RuleBasedStateMachine):
         """apply on an unpatched model, or replace the scheme of a patched one."""
         args, kw = self.apply_args(data, spec)
         COUNTS["apply" if self.patch is None else "replace"] += 1
+        COUNTS[f"apply-{'stack' if spec[0] == 'stack' else 'single'}"] += 1
         before, had_tables = rope_patch.current(self.model), bool(self.tables())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             rope_patch.apply(self.model, *args, **kw)
-        self.applied(spec[0])
+        self.applied()
         self.check_scheme(rope_patch.current(self.model), *spec)
         # replacing a scheme that owns learned tables by another one says that its tables are gone
         discarded = [w for w in caught if "learned tables of the previous patch" in str(w.message)]
@@ -305,9 +368,9 @@ class PatchingMachine(RuleBasedStateMachine):
         before = None if self.pending else self.forward()
         rope_patch.apply(self.model, scheme)
         assert rope_patch.current(self.model) == scheme
-        self.applied(scheme.name)
+        self.applied()
         after = self.forward()
-        same_frequencies = scheme.name not in ROTATING or _rounding(was["dtypes"]) == _rounding(self.dtypes)
+        same_frequencies = not rotates_model_buffers(parts(scheme)) or _rounding(was["dtypes"]) == _rounding(self.dtypes)
         if before is not None and same_frequencies:
             same(after, before, f"re-applied {scheme} vs before; dtypes at apply {was['dtypes']}, now {self.dtypes}")
 
@@ -417,7 +480,7 @@ class PatchingMachine(RuleBasedStateMachine):
             COUNTS["save_reload-continue"] += 1
             self.model, self.shares = reloaded, False
             if self.patch is not None:
-                self.applied(self.patch["name"])
+                self.applied()
 
     @rule(to=st.sampled_from(["bf16", "fp32", "bf16-and-back", "bf16", "fp32", "half"]), spelling=st.booleans(),
           verify=st.booleans())
@@ -462,7 +525,7 @@ class PatchingMachine(RuleBasedStateMachine):
             scheme = rope_patch.current(self.model)
             rope_patch.apply(self.model, scheme)
             assert rope_patch.current(self.model) == scheme
-            self.applied(scheme.name)
+            self.applied()
             assert self.model.config._attn_implementation.startswith("rope_patch_")
             if self.exact():
                 self.check_reproduces()
@@ -499,7 +562,7 @@ class PatchingMachine(RuleBasedStateMachine):
         scheme = rope_patch.current(self.model)
         assert (scheme is None) == (self.patch is None), (scheme, self.patch)
         if scheme is not None:
-            assert scheme.name == self.patch["name"]
+            assert parts(scheme) == self.patch["parts"]
         assert rope_patch.current(self.bystander) is None and rope_patch.current(self.twin) is None
 
     @invariant()
@@ -603,3 +666,4 @@ def test_stateful_counts(capsys):
         print(f"\nstateful ({'long' if LONG else 'bounded'} run): {COUNTS['examples']} examples, {COUNTS['states']} "
               f"checked states\n  rules: {rules}\n  time in rules: {times}")
     assert COUNTS["states"] >= COUNTS["examples"]
+    assert COUNTS["apply-stack"] > 0 and COUNTS["apply-single"] > 0  # both kinds of patch were exercised
