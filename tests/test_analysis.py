@@ -536,3 +536,62 @@ def test_config_input_reads_rope_numbers(models):
     f = A.frequencies("default", config=cfg)
     assert f.head_dim == 16 and f.rotary_dim == 8 and f.original_window == WINDOW
     assert torch.equal(f.inv_freq, models["phi"].model.rotary_emb.inv_freq)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Stacks: analysed as the model runs them (θ′ from the frequency part, distances from the attention part)
+STACKS = [  # stack, its frequency part (None: the model's θ), its attention part (None: true distances)
+    ("yarn:4+string:shift_size=20,window_size=6", "yarn:4", "string:shift_size=20,window_size=6"),
+    ("linear:2+self_extend:group_size=4,window_size=8", "linear:2", "self_extend:group_size=4,window_size=8"),
+    ("dynamic_yarn:4+rerope:window_size=8+logn", "dynamic_yarn:4", "rerope:window_size=8"),
+    ("ntk:4+logn", "ntk:4", None),
+    ("dca:chunk_size=48,local_size=8+logn", None, "dca:chunk_size=48,local_size=8"),
+]
+D = [0, 1, 5, 19, 20, 21, 47, 48, 100, 250]
+
+
+@pytest.mark.parametrize("stack,frequency,attention", STACKS)
+def test_a_stack_takes_its_frequencies_and_distances_from_its_parts(stack, frequency, attention):
+    layout = dict(head_dim=16, rope_theta=1e4, max_position_embeddings=WINDOW)
+    got, want = A.frequencies(stack, **layout), A.frequencies(frequency or "default", **layout)
+    assert torch.equal(got.inv_freq, want.inv_freq) and got.attention_scaling == want.attention_scaling
+    assert got.original_window == WINDOW and got.rotates
+    assert torch.equal(A.effective_distance(stack, D), A.effective_distance(attention or "default", D))
+    for query in (None, 260):
+        assert torch.equal(A.effective_distance(stack, D, query_position=query),
+                           A.effective_distance(attention or "default", D, query_position=query))
+    # the score combines both: θ′ of the frequency part (at the length the distances need: dynamic_yarn follows it)
+    # at the attention part's distances
+    score = A.expected_score(stack, distances=D, **layout)
+    at = A.frequencies(frequency or "default", seq_len=max(D) + 1, **layout)
+    delta = A.effective_distance(attention or "default", D).tolist()
+    a2 = at.attention_scaling ** 2
+    for k, eff in enumerate(delta):
+        expected = a2 * 2 * sum(math.cos(eff * float(t)) for t in at.inv_freq)
+        assert score.ones[k].item() == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_a_stack_read_from_a_patched_model_equals_its_buffers(models):
+    model = models["llama"]
+    rot = model.model.rotary_emb
+    with rope_patch.patched(model, "yarn:4+string:shift_size=20,window_size=6"):
+        f = A.frequencies(model=model)
+        assert torch.equal(f.inv_freq, rot.inv_freq) and f.attention_scaling == rot.attention_scaling
+        assert f.name == "stack" and f.scheme == "yarn (s=4) + string (S=20, W=6)"
+        assert A.effective_distance(rope_patch.current(model), [30]).item() == 30 - 20 + 6
+
+
+def test_explain_a_stack_and_its_query_temperature():
+    layout = dict(head_dim=16, rope_theta=1e4, max_position_embeddings=WINDOW)
+    e, yarn = A.explain("yarn:4+string:shift_size=20,window_size=6+logn", **layout), A.explain("yarn:4", **layout)
+    for field in ("turns", "unchanged", "interpolated", "longest_wavelength", "attention_scaling"):
+        assert getattr(e, field) == getattr(yarn, field), field  # the frequency part's
+    assert e.decay_mean != yarn.decay_mean  # over STRING's distances
+    (label, points), = e.temperatures
+    assert label.startswith("logn") and [n for n, _ in points] == [WINDOW, 2 * WINDOW, 4 * WINDOW, 8 * WINDOW]
+    for n, t in points:  # Su's max(1, log_L(p + 1)) at p + 1 = n
+        assert t == pytest.approx(max(1.0, math.log(n) / math.log(WINDOW)), rel=1e-6)
+    assert "query temperature (logn" in "\n".join(e.lines()) and "×1.6 at 8L" in e.lines()[-1]  # log(8·32)/log(32)
+    (_, llama4), = A.explain("logn:kind=llama4,attn_scale=0.5,floor_scale=32", **layout).temperatures
+    assert [t for _, t in llama4] == pytest.approx([1 + 0.5 * math.log(n // 32 + 1) for n, _ in llama4], rel=1e-6)
+    assert A.explain("yarn:4", **layout).temperatures == ()

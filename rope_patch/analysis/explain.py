@@ -8,8 +8,10 @@ import math
 
 import torch
 
+from ..schemes.logn import ATTN_SCALE, FLOOR_SCALE, Positions, QueryTemperature
 from .frequencies import frequencies_at
 from .layout import setup
+from .spec import label_of
 from .scores import decay_bound, decay_bound_at_zero
 
 
@@ -29,6 +31,8 @@ class Explanation:
     decay_mean: float  # mean of the RoFormer decay bound over Δ ∈ [L/16, L]
     decay_max: float  # its maximum there
     decay_at_zero: float  # (n + 1)/2
+    # a stack's modifiers: (label, ((p + 1, t(p)) at p + 1 = L, 2L, 4L, 8L)), the query temperature logn applies
+    temperatures: tuple = ()
 
     def lines(self) -> list[str]:
         n, L = self.n_pairs, self.window
@@ -41,6 +45,9 @@ class Explanation:
                 f"  cos/sin scale: {self.attention_scaling:.4g} (logits × {self.attention_scaling ** 2:.4g})",
                 f"  decay bound over Δ ∈ [L/16, L]: mean {self.decay_mean:.2f}, max {self.decay_max:.2f} "
                 f"(Δ = 0: {self.decay_at_zero:g})"]
+        for label, points in self.temperatures:
+            shown = ", ".join(f"×{t:.4g} at {n // L}L" if L and n % L == 0 else f"×{t:.4g} at {n:,}" for n, t in points)
+            out.append(f"  query temperature ({label}): {shown} (logits × the same)")
         return out
 
 
@@ -57,7 +64,7 @@ def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddi
     def turns(theta):
         return int((window * theta / two_pi >= 1).sum())
 
-    factor = getattr(s.spec.scheme, "factor", None) if s.spec.is_frequency else None
+    factor = getattr(s.spec.frequency_scheme, "factor", None)
     close = functools.partial(torch.isclose, rtol=1e-6, atol=0.0)
     rotating = new[new > 0]
     distances = torch.arange(max(1, window // 16), window + 1)
@@ -71,4 +78,15 @@ def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddi
         longest_wavelength=float(two_pi / rotating.min()) if rotating.numel() else math.inf,
         attention_scaling=f.attention_scaling, decay_mean=float(bound.mean()), decay_max=float(bound.max()),
         decay_at_zero=decay_bound_at_zero(new.numel()),
+        temperatures=tuple((label_of(m), _temperatures(m, window)) for m in s.spec.modifiers),
     )
+
+
+def _temperatures(modifier, window: int) -> tuple:
+    """logn's t(p) where p + 1 = L, 2L, 4L, 8L (llama4's defaults where the scheme leaves them to the model)."""
+    scale = modifier.attn_scale if modifier.attn_scale is not None else ATTN_SCALE
+    floor = modifier.floor_scale if modifier.floor_scale is not None else FLOOR_SCALE
+    t = QueryTemperature(modifier.kind, window, scale, floor, "eager", True, Positions())
+    lengths = [k * window for k in (1, 2, 4, 8)]
+    factors = t.factor(torch.tensor(lengths) - 1)
+    return tuple((n, float(f)) for n, f in zip(lengths, factors))

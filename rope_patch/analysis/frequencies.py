@@ -62,10 +62,10 @@ def frequencies_at(s: Setup, seq_len) -> Frequencies:
         seq_len = check.integer("analysis", "seq_len", seq_len, ge=1)
     base, _ = as_scheme("default").inv_freq(_init_ctx(s.ctx), s.rotary_cls)
     spec = s.spec
-    if spec.is_frequency:
-        inv_freq, scaling = _inv_freq_at(spec.scheme, s.ctx, seq_len, s.rotary_cls)
+    if spec.is_frequency:  # a frequency scheme, or a stack's frequency part
+        inv_freq, scaling = _inv_freq_at(spec.frequency_scheme, s.ctx, seq_len, s.rotary_cls)
         rotates = True
-    elif spec.keeps_rotation:  # attention-side schemes rotating with the model's own frequencies
+    elif spec.keeps_rotation:  # attention-side schemes (and modifiers) rotating with the model's own frequencies
         inv_freq, scaling, rotates = base.clone(), 1.0, True
     else:
         inv_freq, scaling, rotates = torch.zeros_like(base), 1.0, False

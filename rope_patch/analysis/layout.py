@@ -115,8 +115,13 @@ def setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_
 
 def resolve_free(spec: AnalysisSpec, ctx: RopeContext) -> AnalysisSpec:
     """`Scheme.resolve` without a model: fill `original_max_position_embeddings` (and DCA's sizes) from L, check
-    LongRoPE lengths."""
-    obj = spec.scheme
+    LongRoPE lengths; a stack's parts one by one."""
+    return dataclasses.replace(spec, scheme=_resolve_free(spec.scheme, ctx))
+
+
+def _resolve_free(obj: Scheme, ctx: RopeContext) -> Scheme:
+    if obj.kind == "stack":
+        return dataclasses.replace(obj, schemes=tuple(_resolve_free(p, ctx) for p in obj.schemes))
     if isinstance(obj, DualChunk) and None in (obj.chunk_size, obj.local_size):
         if ctx.max_position_embeddings is None:
             raise TypeError("dca: needs the original training window L for its default sizes: pass max_position_embeddings=L "
@@ -133,10 +138,10 @@ def resolve_free(spec: AnalysisSpec, ctx: RopeContext) -> AnalysisSpec:
         factors = getattr(obj, key, None)
         if factors is not None and len(factors) != ctx.rotary_dim // 2:
             raise ValueError(f"{obj.name}: `{key}` must have rotary_dim/2 = {ctx.rotary_dim // 2} entries, got {len(factors)}.")
-    return dataclasses.replace(spec, scheme=obj)
+    return obj
 
 
 def original_window(setup: Setup) -> int | None:
     """The original training window L: the scheme's `original_max_position_embeddings`, else the model's."""
-    obj = setup.spec.scheme
+    obj = setup.spec.frequency_scheme or setup.spec.scheme
     return getattr(obj, "original_max_position_embeddings", None) or setup.ctx.max_position_embeddings

@@ -1,4 +1,8 @@
-"""A scheme as the analysis sees it: one resolved `Scheme` object plus the label legends show."""
+"""A scheme as the analysis sees it: one resolved `Scheme` object plus the label legends show.
+
+A stack (`yarn:4+string:...`) is analysed as the model runs it: θ′ from its frequency part (else the model's θ),
+distances from its attention part, and its modifiers (logn) reported beside (`modifiers`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import dataclasses
 from ..api import as_scheme
 from ..schemes.base import Scheme
 from ..schemes.frequency import FrequencyScheme
+from ..schemes.stack import Modifier
 from ..specs import parse_spec
 
 _SHORT = {"factor": "s", "rope_theta": "b", "partial_rotary_factor": "p", "group_size": "G", "window_size": "W",
@@ -24,8 +29,22 @@ class AnalysisSpec:
     label: str = ""
 
     @property
+    def frequency_scheme(self) -> FrequencyScheme | None:
+        """What sets θ′: the scheme itself, a stack's frequency part, or None (the model's own θ)."""
+        if isinstance(self.scheme, FrequencyScheme):
+            return self.scheme
+        return getattr(self.scheme, "frequency", None) if self.scheme.kind == "stack" else None
+
+    @property
     def is_frequency(self) -> bool:
-        return isinstance(self.scheme, FrequencyScheme)
+        return self.frequency_scheme is not None
+
+    @property
+    def modifiers(self) -> tuple:
+        """The modifiers (logn) in the scheme or stack: they change the query temperature, not θ′ or the distances."""
+        if isinstance(self.scheme, Modifier):
+            return (self.scheme,)
+        return tuple(getattr(self.scheme, "modifiers", ())) if self.scheme.kind == "stack" else ()
 
     @property
     def keeps_rotation(self) -> bool:
@@ -66,8 +85,8 @@ def as_spec(scheme, **params) -> AnalysisSpec:
             raise TypeError(f"Pass parameters either in the spec or as keywords, not both (got {sorted(params)}).")
         return scheme
     if isinstance(scheme, Scheme) or (isinstance(scheme, type) and issubclass(scheme, Scheme)):
-        obj = _single(as_scheme(scheme, **params))
-        return AnalysisSpec(obj.name, obj.params(), obj, _label(obj.name, obj.params()))
+        obj = as_scheme(scheme, **params)
+        return AnalysisSpec(obj.name, obj.params(), obj, label_of(obj))
     if not isinstance(scheme, str):
         raise TypeError(
             f"A scheme must be a name or spec string ('yarn:8'), a rope_patch.Scheme or an AnalysisSpec; "
@@ -78,15 +97,12 @@ def as_spec(scheme, **params) -> AnalysisSpec:
     if overlap:
         raise TypeError(f"{scheme!r}: parameter(s) {sorted(overlap)} given both in the spec and as keywords.")
     given.update(params)
-    obj = _single(as_scheme(name, **given))
-    return AnalysisSpec(obj.name, obj.params(), obj, _label(obj.name, given))
+    obj = as_scheme(name, **given)
+    return AnalysisSpec(obj.name, obj.params(), obj, label_of(obj) if obj.kind == "stack" else _label(obj.name, given))
 
 
-def _single(obj: Scheme) -> Scheme:
-    """The analysis describes one scheme's positions and frequencies; a stack (yarn:8+logn) is refused, naming its
-    parts to analyse one at a time."""
-    parts = getattr(obj, "schemes", None)
-    if obj.kind == "stack" and parts:
-        raise ValueError(f"The analysis describes one scheme at a time; {' + '.join(p.name for p in parts)} is a stack. "
-                         f"Analyse its parts separately ({', '.join(p.name for p in parts)}).")
-    return obj
+def label_of(obj: Scheme) -> str:
+    """The legend label of a scheme object; a stack's parts joined by " + "."""
+    if obj.kind == "stack":
+        return " + ".join(label_of(p) for p in obj.schemes)
+    return _label(obj.name, obj.params())

@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
                       help="original training window L = max_position_embeddings (default: 4096; for `results`: "
                       "the file's)")
     rope.add_argument("--partial-rotary-factor", type=real(maximum=1.0, above=0.0), default=None, help="fraction of the head that rotates")
-    rope.add_argument("--config", default=None, metavar="DIR",
+    rope.add_argument("--config", default=None, metavar="MODEL",
                       help="read head_dim, rope_theta, window, heads from a local model folder's config.json")
     rope.add_argument("--seq-len", type=positive, default=None,
                       help="current length for dynamic NTK / LongRoPE (default: the scheme's extended window)")

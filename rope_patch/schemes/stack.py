@@ -227,6 +227,16 @@ class Stack(Scheme):
 
         return install
 
+    @property
+    def keeps_rotation(self) -> bool:  # type: ignore[override]  # a ClassVar on single schemes
+        """False when a part removes the rotation (alibi / nope / ... + logn)."""
+        return all(p.keeps_rotation for p in self.schemes)
+
+    def relative_position(self, i, j):
+        """The attention part's remapped positions (a frequency scheme and the modifiers move none)."""
+        attn = self.attention
+        return i - j if attn is None else attn.relative_position(i, j)
+
     def served_window(self, target: PatchSite) -> int | None:
         freq = self.frequency
         return None if freq is None else freq.served_window(target)

@@ -260,9 +260,9 @@ def test_cli_lists_and_explains_logn(capsys):
     assert "modifier" in line and "kind, attn_scale, floor_scale, layers" in line
     assert main(["explain", "logn"]) == 0  # the frequencies are the model's own: logn changes the temperature only
     assert "pairs unchanged (θ′ = θ): 64 of 64" in capsys.readouterr().out
-    assert main(["explain", "yarn:8+logn"]) == 2  # one scheme at a time, said in one line
-    err = capsys.readouterr().err
-    assert "yarn + logn is a stack" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(["explain", "yarn:8+logn"]) == 0  # a stack: the frequency part's numbers and the temperature
+    out = capsys.readouterr().out
+    assert "yarn (s=8) + logn" in out and "query temperature (logn" in out and "×1.25 at 8L" in out  # log(8L)/log(L), L = 4096
 
 
 def test_no_native_form():
