@@ -69,6 +69,10 @@ ARCHS = {
     "nemotron": dict(head_dim=16),  # partial rotary 0.5
     "granitemoe": dict(num_local_experts=2, num_experts_per_tok=1),
     "glm4": dict(head_dim=16),  # partial rotary 0.5, interleaved pairs
+    # complex `freqs_cis` rotary; layer 0 rotates, layer 1 is NoPE (no_rope_layer_interval 2); the rotating layers
+    # attend in chunks of 16 (chunked attention); temperature tuning off (schemes/test_logn.py covers it)
+    "llama4_text": dict(head_dim=16, intermediate_size_mlp=96, num_local_experts=2, num_experts_per_tok=1,
+                        no_rope_layer_interval=2, attention_chunk_size=16, attn_temperature_tuning=False),
 }
 # Families whose config (or rotary layout) restricts the frequency schemes.
 PHI3_ONLY = {"default", "longrope"}

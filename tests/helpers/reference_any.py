@@ -107,6 +107,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 
 def _identity(module, args, out):
+    if isinstance(out, torch.Tensor) and out.is_complex():  # Llama 4's freqs_cis: rotation by e^{i·0} = 1
+        return torch.ones_like(out)
     cos, sin = out
     return torch.ones_like(cos), torch.zeros_like(sin)
 

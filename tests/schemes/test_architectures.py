@@ -14,7 +14,7 @@ from helpers.reference_any import forward as reference_forward
 import rope_patch
 
 ADDED = ["gpt_oss", "deepseek_v3", "ministral3", "qwen3_next", "cohere2", "exaone4", "olmo3", "ministral", "seed_oss",
-         "ernie4_5", "falcon", "nemotron", "granitemoe", "glm4"]
+         "ernie4_5", "falcon", "nemotron", "granitemoe", "glm4", "llama4_text"]
 L = 40
 PAD = 5
 
@@ -37,6 +37,9 @@ REFUSED = {
     "deepseek_v3": {**{s: r"deepseek_v3 multi-head latent attention: query/key heads are 32 wide" for s in ("alibi", "relative_bias")},
                     **{s: r"deepseek_v3 rotates only qk_rope_head_dim = 16 of the 32" for s in DEFERRED}},
     "falcon": {s: r"falcon computes attention in its own module code" for s in OWN_FUNCTION},
+    # Llama 4 rotates q and k with complex freqs_cis inside its attention module (no cos/sin to re-apply)
+    "llama4_text": {s: r"cannot re-apply the RoPE of llama4_text inside attention \(no module-level "
+                       r"`apply_rotary_pos_emb" for s in DEFERRED},
 }
 BACKENDS = {"gpt_oss": ["eager"]}  # gpt-oss has no sdpa in transformers
 
