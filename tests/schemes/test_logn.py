@@ -3,7 +3,7 @@
 References: the formulas written here with `math`; transformers' own Llama 4 (`attn_temperature_tuning=True`, which
 scales the queries of its NoPE layers), exact to 0 in fp32 on eager and sdpa, prefill and cached decoding; and a
 forward hook scaling the query where the model's attention receives it (after q_proj, after Qwen3's q_norm).
-The Llama 4 rows live here (tests/helpers/models.py ARCHS is another engineer's table): `llama4_model` builds a tiny
+The Llama 4 temperature rows live here (the frequency and attention-side rows: ARCHS["llama4_text"]): `llama4_model` builds a tiny
 Llama4ForCausalLM with two RoPE and two NoPE layers.
 """
 
