@@ -1,0 +1,169 @@
+"""The GPU check: one prepared run (≤ 5 minutes on one CUDA GPU, no network, no model download) of what a CPU-only
+machine cannot show. `bench/gpu_check.sh` runs it; results go to `--out` (JSON, one line per case on stdout).
+
+1. Exactness of the compiled flex_attention paths. A tiny random Llama on the GPU with attn_implementation=
+   "flex_attention" (compiled, as transformers' own flex backend): the bias schemes as a `score_mod` (alibi,
+   relative_bias) and the re-positioning schemes as flex calls merged by log-sum-exp (self_extend, rerope,
+   leaky_rerope, string: two calls; dca: three) against the same scheme on CPU through the eager backend, which the
+   tests check against the paper references. fp32, 200 tokens past the 64-token window; max |Δlogit| per scheme
+   (the target is ≤ 1e-4: compiled kernels reorder sums, and TF32 is off).
+2. Time and peak memory at 32k and 64k on a randomly initialised SmolLM2-135M-shaped model (30 layers, hidden 576,
+   9 query / 3 key-value heads of 64, θ = 100 000, window 8192; bf16): one forward of the decoder (no LM head, no
+   cache, batch 1) for vanilla and YaRN (sdpa) and Self-Extend, ReRoPE, STRING, DCA (flex), each the best of two
+   after a warm-up forward (which also compiles). Peak memory is torch.cuda.max_memory_allocated over the forward.
+
+Each case runs under a deadline (`--budget-s`): what does not fit is recorded as skipped, so one run always returns
+what it measured. Local dry run of the plumbing on CPU (eager flex, short lengths):
+    python bench/gpu_check.py --device cpu --no-compile --lengths 256 --out /tmp/gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when rope_patch is not installed
+
+import rope_patch  # noqa: E402
+from rope_patch.attention import settings  # noqa: E402
+
+TINY_WINDOW = 64
+EXACT = {  # the schemes with a flex form, parameters for the tiny model's 64-token window
+    "alibi": {},
+    "relative_bias": {"init": "alibi", "num_buckets": 16, "max_distance": 64},
+    "self_extend": {"group_size": 4, "window_size": 16},
+    "rerope": {"window_size": 16},
+    "leaky_rerope": {"window_size": 16, "factor": 4.0},
+    "string": {"shift_size": 40, "window_size": 8},
+    "dca": {"chunk_size": 48, "local_size": 8},
+}
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+               rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True)
+SPEED = {  # scheme -> (spec for N = 32k..64k on an 8k window, backend); rope_patch.suggest's rules
+    "vanilla": (None, "sdpa"),
+    "yarn": ("yarn:factor=8", "sdpa"),
+    "self_extend": ("self_extend:group_size=16,window_size=2048", "flex_attention"),
+    "rerope": ("rerope:window_size=4096", "flex_attention"),
+    "string": ("yarn:factor=8+string:shift_size=10922,window_size=128", "flex_attention"),
+    "dca": ("dca:chunk_size=6144,local_size=1024", "flex_attention"),
+}
+
+
+def _llama(backend: str, device, dtype, **cfg):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**cfg)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=backend, dtype=dtype).to(device).eval()
+
+
+def exactness(device, compile_flex: bool) -> list[dict]:
+    tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=97, max_position_embeddings=TINY_WINDOW)
+    ids = torch.randint(3, 97, (2, 200), generator=torch.Generator().manual_seed(0))
+    settings.FLEX_COMPILE = compile_flex
+    rows = []
+    for scheme, params in EXACT.items():
+        t0 = time.perf_counter()
+        try:
+            ref = _llama("eager", "cpu", torch.float32, **tiny)
+            gpu = _llama("flex_attention", device, torch.float32, **tiny)
+            gpu.load_state_dict(ref.state_dict())  # the same weights, then the same learned tables
+            rope_patch.apply(ref, scheme, **params)
+            rope_patch.apply(gpu, scheme, **params)
+            for path, table in rope_patch.api.patch_modules(gpu).items():
+                table.load_state_dict(rope_patch.api.patch_modules(ref)[path].state_dict())
+            with torch.no_grad():
+                want = ref(ids).logits
+                got = gpu(ids.to(device)).logits.float().cpu()
+            diff = (got - want).abs().max().item()
+            rows.append({"case": "exact", "scheme": scheme, "max_abs_diff": diff, "ok": diff <= 1e-4,
+                         "s": time.perf_counter() - t0})
+        except Exception as e:  # recorded: one broken case must not hide the others
+            rows.append({"case": "exact", "scheme": scheme, "error": f"{type(e).__name__}: {e}"[:500],
+                         "trace": traceback.format_exc()[-1500:]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def speed(device, lengths, deadline: float) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for length in lengths:
+        ids = torch.randint(0, SMOLLM2["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1)).to(device)
+        for name, (spec, backend) in SPEED.items():
+            if time.monotonic() > deadline:
+                rows.append({"case": "speed", "scheme": name, "length": length, "skipped": "budget"})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            try:
+                model = _llama(backend, device, dtype, **SMOLLM2)
+                if spec is not None:
+                    rope_patch.apply(model, spec)
+                times = []
+                with torch.no_grad():
+                    for k in range(3):  # warm-up (compiles), then two timed
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                        t0 = time.perf_counter()
+                        model.model(ids, use_cache=False)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        times.append(time.perf_counter() - t0)
+                peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+                rows.append({"case": "speed", "scheme": name, "spec": spec, "backend": backend, "length": length,
+                             "first_s": times[0], "time_s": min(times[1:]), "peak_mib": peak})
+                del model
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            except Exception as e:
+                rows.append({"case": "speed", "scheme": name, "length": length,
+                             "error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-1500:]})
+            print(json.dumps(rows[-1]), flush=True)
+    base = {r["length"]: r for r in rows if r.get("scheme") == "vanilla" and "time_s" in r}
+    for r in rows:
+        b = base.get(r.get("length"))
+        if b and "time_s" in r:
+            r["time_x_vanilla"] = r["time_s"] / b["time_s"]
+            if r.get("peak_mib") and b.get("peak_mib"):
+                r["memory_x_vanilla"] = r["peak_mib"] / b["peak_mib"]
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536])
+    ap.add_argument("--no-compile", action="store_true", help="eager flex (CPU dry runs)")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="no new speed case starts after this many seconds")
+    ap.add_argument("--out", default="gpu_check.json")
+    args = ap.parse_args()
+    start = time.monotonic()
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    info = {"torch": torch.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    print(json.dumps(info), flush=True)
+    rows = exactness(device, compile_flex=not args.no_compile)
+    rows += speed(device, args.lengths, start + args.budget_s)
+    Path(args.out).write_text(json.dumps({"info": info, "rows": rows, "elapsed_s": time.monotonic() - start}, indent=1))
+    bad = [r for r in rows if "error" in r or r.get("ok") is False]
+    print(f"{len(rows)} cases, {len(bad)} failed or off target, {time.monotonic() - start:.0f} s; wrote {args.out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
