@@ -50,3 +50,12 @@ def test_cli_bad_spec_is_one_line(capsys):
     assert main(["explain", "yarnn:8"]) == 2
     err = capsys.readouterr().err
     assert "Did you mean 'yarn'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_config_takes_a_zoo_name_and_never_the_hub(capsys):
+    assert main(["explain", "yarn:4+string:shift_size=100,window_size=16", "--config", "tiny"]) == 0
+    out = capsys.readouterr().out  # rope-tiny: head_dim 64 (32 pairs), window 256
+    assert "yarn (s=4) + string (S=100, W=16): 32 rotating pairs, pre-training window L = 256" in out
+    assert main(["explain", "yarn:4", "--config", "no-such-model"]) == 2  # a name, not a hub download
+    err = capsys.readouterr().err
+    assert "Unknown model 'no-such-model'" in err and len(err.strip().splitlines()) == 1
