@@ -33,7 +33,7 @@ class AnalysisSpec:
         """What sets θ′: the scheme itself, a stack's frequency part, or None (the model's own θ)."""
         if isinstance(self.scheme, FrequencyScheme):
             return self.scheme
-        return getattr(self.scheme, "frequency", None) if self.scheme.kind == "stack" else None
+        return self.scheme.frequency if self.scheme.kind == "stack" else None
 
     @property
     def is_frequency(self) -> bool:
@@ -44,7 +44,7 @@ class AnalysisSpec:
         """The modifiers (logn) in the scheme or stack: they change the query temperature, not θ′ or the distances."""
         if isinstance(self.scheme, Modifier):
             return (self.scheme,)
-        return tuple(getattr(self.scheme, "modifiers", ())) if self.scheme.kind == "stack" else ()
+        return self.scheme.modifiers if self.scheme.kind == "stack" else ()
 
     @property
     def keeps_rotation(self) -> bool:
