@@ -4,14 +4,10 @@ no NIAH measurement of its own: NIAH runs through these lm-eval tasks, so lm-eva
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 import pytest
 from helpers.lm_eval import by_doc, evaluate
-
-TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>{% endfor %}"
-            "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
 
 
 def test_the_flag_passes_through(monkeypatch, assets):
@@ -25,18 +21,6 @@ def test_the_flag_passes_through(monkeypatch, assets):
         args = HarnessCLI().parse_args()
         adjust(args)
         assert bool(getattr(args, "apply_chat_template", False)) is expected  # absent when not given
-
-
-@pytest.fixture(scope="module")
-def chat_model(assets, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(assets["model"], folder)
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(folder))
-    return folder
 
 
 @pytest.mark.parametrize("task", ["rope_passkey_128", "rope_niah_256"])

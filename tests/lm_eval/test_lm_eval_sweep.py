@@ -96,3 +96,38 @@ def test_sweep_rejects_lengths_without_tasks(assets, tmp_path):
 
     with pytest.raises(ValueError, match="rope_passkey_300"):
         S.sweep(sweep_args(assets, tmp_path / "c", lengths=["128", "300"]), log=lambda m: None)
+
+
+@pytest.mark.parametrize("templated, mode, expected", [
+    (False, "auto", False), (True, "auto", True), (True, "on", True), (True, "off", False), (False, "off", False)])
+def test_chat_template_resolves_as_in_compare(assets, chat_model, tmp_path, templated, mode, expected):
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    model = chat_model if templated else assets["model"]
+    p = S.plan(sweep_args(assets, tmp_path / "s", model=str(model), chat_template=mode))
+    assert p["settings"]["apply_chat_template"] is expected
+    argv = S.lm_eval_argv(p["settings"], p["schemes"][0], p["settings"]["tasks"], tmp_path)
+    assert ("--apply_chat_template" in argv) is expected
+    assert not (tmp_path / "s").exists()  # planning creates nothing
+
+
+def test_chat_template_on_without_a_template_fails_before_anything_runs(assets, tmp_path):
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    with pytest.raises(ValueError, match="has no chat template"):
+        S.sweep(sweep_args(assets, tmp_path / "t", chat_template="on"), log=lambda m: None)
+    assert not (tmp_path / "t").exists()
+
+
+def test_a_templated_sweep_prompts_with_the_template(assets, chat_model, tmp_path):
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    out = tmp_path / "chat"
+    S.sweep(sweep_args(assets, out, model=str(chat_model), schemes=["default"], tasks=["rope_passkey"],
+                       lengths=["128"]), log=lambda m: None)
+    stamp = json.loads((out / "sweep_settings.json").read_text())
+    assert stamp["settings"]["apply_chat_template"] is True  # auto, and the tokenizer has a template
+    (samples,) = (out / "schemes" / "default" / "lm_eval").rglob("samples_rope_passkey_128_*.jsonl")
+    prompts = [json.loads(line)["arguments"]["gen_args_0"]["arg_0"] for line in samples.read_text().splitlines()]
+    assert len(prompts) == 1
+    assert prompts[0].startswith("<|bos|>user\n") and prompts[0].endswith("<|bos|>assistant\n")

@@ -14,7 +14,9 @@ process, or under `--launcher "torchrun --nproc_per_node 2"` / `"accelerate laun
   resumes an interrupted lm-eval run request by request;
 - the same task list in the same order for every scheme (RULER draws its samples from the global `random`
   seeded once per run, so the list and its order decide the samples);
-- `--log_samples`, for the per-depth passkey / niah grid.
+- `--log_samples`, for the per-depth passkey / niah grid;
+- lm-eval's `--apply_chat_template` when `--chat-template` resolves to on (auto: when the tokenizer has a template,
+  as `rope-patch compare` decides): every task's prompt is then the tokenizer's chat turn (RULER's too).
 
 `rope_passkey`, `rope_ppl`, `rope_niah` expand to one task per `--lengths` entry (`rope_passkey_256`, ...); other
 names (lm-eval's own tasks, `niah_single_1`, ...) run as they are, with `--metadata max_seq_lengths=[lengths]`.
@@ -48,11 +50,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from ... import plots as figures
 from ... import zoo as models
 from ...evaluation.compare import DEFAULT_LENGTHS, parse_schemes, run_compare
 from ...evaluation.compare import FORMAT as COMPARE_FORMAT
+from ...evaluation.passkey import use_chat_template
 from ...evaluation.results import json_safe, write_results
 from ...evaluation.retrieval import wilson_interval
 from ...registry import did_you_mean
@@ -92,6 +96,7 @@ class SweepOptions:
     metadata: list[str] = dataclasses.field(default_factory=list)  # extra KEY=VALUE lm-eval metadata
     limit: float | None = None  # lm-eval --limit
     batch_size: str = "1"
+    chat_template: str = "auto"  # auto | on | off: lm-eval's --apply_chat_template (auto: on when the tokenizer has one)
     include_path: str | None = None  # task folder (default: the packaged rope_patch/data/tasks)
     launcher: str | None = None  # e.g. "torchrun --nproc_per_node 2" or "accelerate launch"
     in_process: bool = False  # run lm-eval in this process (no launcher)
@@ -148,6 +153,7 @@ def plan(args) -> dict:
         metadata["heldout"] = str(Path(args.heldout).resolve())
     metadata.update(_kv(args.metadata))
     model_args = {"pretrained": path, **_kv(args.model_args)}
+    chat = chat_template_for(model_args.get("tokenizer") or metadata["tokenizer"], args.chat_template)
     include = args.include_path
     if include is None:
         found = tasks_dir()
@@ -162,9 +168,17 @@ def plan(args) -> dict:
     settings = {"model": args.model, "name": models.model_name(args.model), "model_path": path, "tasks": tasks,
                 "lengths": lengths, "metadata": metadata,
                 "model_args": model_args, "limit": args.limit, "batch_size": str(args.batch_size),
-                "include_path": include}
+                "apply_chat_template": chat, "include_path": include}
     return {"settings": settings, "schemes": [{"spec": s, "slug": slug(s), "args": scheme_args(s)}
                                               for s in args.schemes]}
+
+
+def chat_template_for(tokenizer_path: str, mode: str) -> bool:
+    """`--chat-template auto|on|off` resolved as `rope-patch compare` resolves it (auto: on when the tokenizer has a
+    template), so that a sweep's prompts are framed as compare's are; "on" without a template fails here."""
+    if str(mode).lower() == "off":
+        return False  # no tokenizer to load
+    return use_chat_template(AutoTokenizer.from_pretrained(tokenizer_path), mode)
 
 
 def _own_tasks(include) -> list[str]:
@@ -221,6 +235,8 @@ def lm_eval_argv(settings: dict, scheme: dict, tasks: list[str], out_dir: Path) 
         argv += ["--include_path", settings["include_path"]]
     if settings["limit"] is not None:
         argv += ["--limit", str(settings["limit"])]
+    if settings.get("apply_chat_template"):
+        argv.append("--apply_chat_template")
     return argv
 
 
@@ -256,6 +272,7 @@ def run_in_process(settings: dict, scheme: dict, tasks: list[str], out_dir: Path
     res = lm_eval.simple_evaluate(model="rope_patch", model_args={**settings["model_args"], **scheme["args"]},
                                   tasks=tasks, task_manager=tm, log_samples=True, limit=settings["limit"],
                                   batch_size=settings["batch_size"], evaluation_tracker=tracker,
+                                  apply_chat_template=bool(settings.get("apply_chat_template")),
                                   use_cache=str(out_dir / "cache" / "responses"))
     samples = res.pop("samples")
     tracker.save_results_aggregated(results=res, samples=samples)
