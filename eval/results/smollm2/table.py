@@ -1,7 +1,10 @@
-"""The README's SmolLM2 table from eval/results/smollm2/ppl16k/compare.json (what run_ppl16k.sh writes).
+"""The README's SmolLM2 tables: perplexity by position from ppl16k/compare.json (run_ppl16k.sh) and passkey by
+length x depth from the passkey runs (run_passkey.sh: passkey/ at 4k and 8k, passkey16k_n3/ at 16k; cells of one
+scheme and length found in several runs are taken from the first folder listed in PASSKEY).
 
-    python eval/results/smollm2/table.py            # prints the table
-    python eval/results/smollm2/table.py --readme   # rewrites it in README.md, below <!-- smollm2-table -->
+    python eval/results/smollm2/table.py            # prints the tables
+    python eval/results/smollm2/table.py --readme   # rewrites them in README.md, below <!-- smollm2-table --> and
+                                                    # <!-- smollm2-passkey -->
 """
 
 from __future__ import annotations
@@ -10,9 +13,13 @@ import json
 import sys
 from pathlib import Path
 
+from rope_patch.evaluation.retrieval import wilson_interval
+
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "eval/results/smollm2/ppl16k/compare.json"
 MARK = "<!-- smollm2-table -->"
+PASSKEY = [ROOT / "eval/results/smollm2" / d for d in ("passkey", "passkey16k_n3", "passkey16k")]
+PASSKEY_MARK = "<!-- smollm2-passkey -->"
 
 
 def table(results: dict) -> str:
@@ -28,18 +35,61 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    text = table(json.loads(RESULTS.read_text()))
-    if "--readme" not in sys.argv[1:]:
-        print(text)
-        return
-    readme = ROOT / "README.md"
-    lines = readme.read_text().split("\n")
-    start = lines.index(MARK) + 1
+def passkey_table(folders) -> str:
+    """scheme x length rows, one column per depth and one for the length: `k/n (low-high%)`, Wilson 95%."""
+    cells, order, depths = {}, [], set()
+    for folder in folders:
+        path = folder / "compare.json"
+        if not path.is_file():
+            continue
+        for c in json.loads(path.read_text())["passkey"]:
+            key = (c["scheme"], c["length"])
+            if key in cells and cells[key]["source"] != folder.name:
+                continue
+            if key not in cells:
+                cells[key] = {"source": folder.name, "depths": {}}
+                order.append(key)
+            cells[key]["depths"][c["depth"]] = c
+            depths.add(c["depth"])
+    depths = sorted(depths)
+    rows = ["| scheme | length | " + " | ".join(f"depth {d:g}" for d in depths) + " | all | run |",
+            "| --- | ---: | " + " | ".join("---:" for _ in depths) + " | ---: | --- |"]
+    schemes = list(dict.fromkeys(s for s, _ in order))
+    for scheme in schemes:
+        for length in sorted(L for s, L in order if s == scheme):
+            cell = cells[(scheme, length)]
+            row = [fmt(cell["depths"][d]["correct"], cell["depths"][d]["n"]) if d in cell["depths"] else "-"
+                   for d in depths]
+            k = sum(c["correct"] for c in cell["depths"].values())
+            n = sum(c["n"] for c in cell["depths"].values())
+            rows.append(f"| `{scheme}` | {length // 1024}k | " + " | ".join(row) + f" | {fmt(k, n)} | {cell['source']}/ |")
+    return "\n".join(rows)
+
+
+def fmt(k: int, n: int) -> str:
+    low, high = wilson_interval(k, n)
+    return f"{k}/{n} ({100 * low:.0f}–{100 * high:.0f}%)"
+
+
+def replace_table(lines: list[str], mark: str, text: str) -> list[str]:
+    start = lines.index(mark) + 1
     end = start
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
-    readme.write_text("\n".join(lines[:start] + text.split("\n") + lines[end:]))
+    return lines[:start] + text.split("\n") + lines[end:]
+
+
+def main() -> None:
+    ppl = table(json.loads(RESULTS.read_text()))
+    passkey = passkey_table(PASSKEY)
+    if "--readme" not in sys.argv[1:]:
+        print(ppl + "\n\n" + passkey)
+        return
+    readme = ROOT / "README.md"
+    lines = replace_table(readme.read_text().split("\n"), MARK, ppl)
+    if PASSKEY_MARK in lines:
+        lines = replace_table(lines, PASSKEY_MARK, passkey)
+    readme.write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
