@@ -1,6 +1,6 @@
 """The README's SmolLM2 tables: perplexity by position from ppl16k/compare.json (run_ppl16k.sh) and passkey by
-length x depth from the passkey runs (run_passkey.sh: passkey/ at 4k and 8k, passkey16k_n3/ at 16k; cells of one
-scheme and length found in several runs are taken from the first folder listed in PASSKEY).
+length x depth from the passkey runs (run_passkey.sh, run_passkey16k.sh: the folders in PASSKEY; a cell of one
+scheme, length and template setting found in several runs is taken from the first folder listed).
 
     python eval/results/smollm2/table.py            # prints the tables
     python eval/results/smollm2/table.py --readme   # rewrites them in README.md, below <!-- smollm2-table --> and
@@ -18,7 +18,8 @@ from rope_patch.evaluation.retrieval import wilson_interval
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "eval/results/smollm2/ppl16k/compare.json"
 MARK = "<!-- smollm2-table -->"
-PASSKEY = [ROOT / "eval/results/smollm2" / d for d in ("passkey", "passkey16k_n3", "passkey16k")]
+PASSKEY = [ROOT / "eval/results/smollm2" / d for d in
+           ("passkey", "passkey16k", "passkey_plain", "passkey16k_plain", "passkey16k_plain_b")]
 PASSKEY_MARK = "<!-- smollm2-passkey -->"
 
 
@@ -36,14 +37,16 @@ def table(results: dict) -> str:
 
 
 def passkey_table(folders) -> str:
-    """scheme x length rows, one column per depth and one for the length: `k/n (low-high%)`, Wilson 95%."""
+    """(template, scheme, length) rows, one column per depth and one for the row: `k/n (low-high%)`, Wilson 95%."""
     cells, order, depths = {}, [], set()
     for folder in folders:
         path = folder / "compare.json"
         if not path.is_file():
             continue
-        for c in json.loads(path.read_text())["passkey"]:
-            key = (c["scheme"], c["length"])
+        result = json.loads(path.read_text())
+        template = "on" if result["settings"]["chat_template"]["used"] else "off"
+        for c in result["passkey"]:
+            key = (template, c["scheme"], c["length"])
             if key in cells and cells[key]["source"] != folder.name:
                 continue
             if key not in cells:
@@ -52,17 +55,16 @@ def passkey_table(folders) -> str:
             cells[key]["depths"][c["depth"]] = c
             depths.add(c["depth"])
     depths = sorted(depths)
-    rows = ["| scheme | length | " + " | ".join(f"depth {d:g}" for d in depths) + " | all | run |",
-            "| --- | ---: | " + " | ".join("---:" for _ in depths) + " | ---: | --- |"]
-    schemes = list(dict.fromkeys(s for s, _ in order))
-    for scheme in schemes:
-        for length in sorted(L for s, L in order if s == scheme):
-            cell = cells[(scheme, length)]
+    rows = ["| template | scheme | length | " + " | ".join(f"depth {d:g}" for d in depths) + " | all | run |",
+            "| --- | --- | ---: | " + " | ".join("---:" for _ in depths) + " | ---: | --- |"]
+    for template, scheme in dict.fromkeys((t, s) for t, s, _ in order):
+        for length in sorted(L for t, s, L in order if (t, s) == (template, scheme)):
+            cell = cells[(template, scheme, length)]
             row = [fmt(cell["depths"][d]["correct"], cell["depths"][d]["n"]) if d in cell["depths"] else "-"
                    for d in depths]
             k = sum(c["correct"] for c in cell["depths"].values())
             n = sum(c["n"] for c in cell["depths"].values())
-            rows.append(f"| `{scheme}` | {length // 1024}k | " + " | ".join(row) + f" | {fmt(k, n)} | {cell['source']}/ |")
+            rows.append(f"| {template} | `{scheme}` | {length // 1024}k | " + " | ".join(row) + f" | {fmt(k, n)} | {cell['source']}/ |")
     return "\n".join(rows)
 
 
