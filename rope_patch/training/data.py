@@ -55,6 +55,15 @@ class IndexedDataset(Dataset):
         return {**example, self.key: int(i)}
 
 
+def _item(i, n: int, what: str) -> int:
+    """Item `i` of a dataset of `n` (negative from the end, as a list): an int in [0, n); TypeError for a non-integer
+    (a bool too), IndexError outside [-n, n) (`what` names the dataset, with {n})."""
+    i = as_index(i)
+    if not -n <= i < n:
+        raise IndexError(f"{what.format(n=n)}, index {i} is out of range.")
+    return i % n
+
+
 class PackedDataset(Dataset):
     """Documents packed into rows of exactly `seq_len` tokens, as the recipe packs them.
 
@@ -99,11 +108,7 @@ class PackedDataset(Dataset):
         return self.n_rows
 
     def __getitem__(self, i: int) -> dict:
-        if isinstance(i, bool) or not isinstance(i, int):
-            i = int(i)
-        if not -self.n_rows <= i < self.n_rows:
-            raise IndexError(f"PackedDataset has {self.n_rows} rows, index {i} is out of range.")
-        i %= self.n_rows
+        i = _item(i, self.n_rows, "PackedDataset has {n} rows")
         return {"input_ids": self.stream[i * self.seq_len : (i + 1) * self.seq_len].clone(), INDEX: i}
 
 
@@ -135,9 +140,6 @@ class TextWindows(Dataset):
         return sample_rng(self.seed, i, "window").randint(0, len(self.stream) - self.seq_len)
 
     def __getitem__(self, i: int) -> dict:
-        i = as_index(i)
-        if not -self.num_samples <= i < self.num_samples:
-            raise IndexError(f"TextWindows has {self.num_samples} samples, index {i} is out of range.")
-        i %= self.num_samples
+        i = _item(i, self.num_samples, "TextWindows has {n} samples")
         start = self.offset(i)
         return {"input_ids": self.stream[start : start + self.seq_len].clone(), INDEX: i}

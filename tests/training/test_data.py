@@ -3,6 +3,7 @@ drawn from (seed, index); IndexedDataset adds the sample index."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers.training import documents, packed
@@ -98,3 +99,17 @@ def test_text_windows_errors(args, error, match):
 def test_text_windows_index_out_of_range():
     with pytest.raises(IndexError, match="5 samples"):
         TextWindows(torch.arange(10), 4, 5)[5]
+
+
+@pytest.mark.parametrize("make", [lambda: PackedDataset([list(range(20))], 5), lambda: TextWindows(torch.arange(20), 5, 4)],
+                         ids=["packed", "windows"])
+@pytest.mark.parametrize("index, expected", [(1, 1), (-1, 3), (torch.tensor(2), 2), (np.int64(3), 3),
+                                             (True, TypeError), (1.0, TypeError), (4, IndexError), (-5, IndexError)])
+def test_items_by_index_as_a_list_takes_them(make, index, expected):
+    ds = make()
+    if isinstance(expected, type):
+        with pytest.raises(expected):
+            ds[index]
+    else:
+        item = ds[index]
+        assert item["index"] == expected and torch.equal(item["input_ids"], ds[expected]["input_ids"])
