@@ -110,7 +110,7 @@ def speed(device, lengths, deadline: float) -> list[dict]:
                     rope_patch.apply(model, spec)
                 times = []
                 with torch.no_grad():
-                    for k in range(3):  # warm-up (compiles), then two timed
+                    for _ in range(3):  # warm-up (compiles), then two timed
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                             torch.cuda.reset_peak_memory_stats()

@@ -14,6 +14,7 @@ from helpers.models import WINDOW, tiny_model
 import rope_patch
 from rope_patch import analysis as A
 from rope_patch.schemes.base import Scheme
+from rope_patch.schemes.logn import ATTN_SCALE, FLOOR_SCALE
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -595,3 +596,15 @@ def test_explain_a_stack_and_its_query_temperature():
     (_, llama4), = A.explain("logn:kind=llama4,attn_scale=0.5,floor_scale=32", **layout).temperatures
     assert [t for _, t in llama4] == pytest.approx([1 + 0.5 * math.log(n // 32 + 1) for n, _ in llama4], rel=1e-6)
     assert A.explain("yarn:4", **layout).temperatures == ()
+
+
+@pytest.mark.parametrize("config_scales, expected", [(None, (ATTN_SCALE, FLOOR_SCALE)), ((0.25, 16), (0.25, 16))],
+                         ids=["defaults", "the config's"])
+def test_explain_reads_llama4_temperature_scales_as_the_model_runs_them(config_scales, expected):
+    from transformers import LlamaConfig
+
+    extra = {} if config_scales is None else {"attn_scale": config_scales[0], "floor_scale": config_scales[1]}
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=WINDOW, **extra)
+    (_, points), = A.explain("logn:kind=llama4", config=config).temperatures
+    scale, floor = expected
+    assert [t for _, t in points] == pytest.approx([1 + scale * math.log(n // floor + 1) for n, _ in points], rel=1e-6)

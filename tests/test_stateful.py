@@ -304,7 +304,7 @@ class PatchingMachine(RuleBasedStateMachine):
         assert scheme is not None and scheme.name == name, (scheme, name)
         if name == "stack":
             assert parts(scheme) == tuple(n for n, _ in kw["parts"]), (scheme, kw)
-            for part, (n, p) in zip(scheme.schemes, kw["parts"]):
+            for part, (n, p) in zip(scheme.schemes, kw["parts"], strict=True):
                 PatchingMachine.check_scheme(part, n, p)
             return
         for k, v in kw.items():

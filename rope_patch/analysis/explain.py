@@ -8,11 +8,11 @@ import math
 
 import torch
 
-from ..schemes.logn import ATTN_SCALE, FLOOR_SCALE, Positions, QueryTemperature
+from ..schemes.logn import Positions, QueryTemperature
 from .frequencies import frequencies_at
 from .layout import setup
-from .spec import label_of
 from .scores import decay_bound, decay_bound_at_zero
+from .spec import label_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,7 @@ def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddi
         return int((window * theta / two_pi >= 1).sum())
 
     factor = getattr(s.spec.frequency_scheme, "factor", None)
+    model_config = config if config is not None else getattr(model, "config", None)  # llama4 logn's scales
     close = functools.partial(torch.isclose, rtol=1e-6, atol=0.0)
     rotating = new[new > 0]
     distances = torch.arange(max(1, window // 16), window + 1)
@@ -78,15 +79,14 @@ def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddi
         longest_wavelength=float(two_pi / rotating.min()) if rotating.numel() else math.inf,
         attention_scaling=f.attention_scaling, decay_mean=float(bound.mean()), decay_max=float(bound.max()),
         decay_at_zero=decay_bound_at_zero(new.numel()),
-        temperatures=tuple((label_of(m), _temperatures(m, window)) for m in s.spec.modifiers),
+        temperatures=tuple((label_of(m), _temperatures(m, window, model_config)) for m in s.spec.modifiers),
     )
 
 
-def _temperatures(modifier, window: int) -> tuple:
-    """logn's t(p) where p + 1 = L, 2L, 4L, 8L (llama4's defaults where the scheme leaves them to the model)."""
-    scale = modifier.attn_scale if modifier.attn_scale is not None else ATTN_SCALE
-    floor = modifier.floor_scale if modifier.floor_scale is not None else FLOOR_SCALE
-    t = QueryTemperature(modifier.kind, window, scale, floor, "eager", True, Positions())
+def _temperatures(modifier, window: int, config) -> tuple:
+    """logn's t(p) where p + 1 = L, 2L, 4L, 8L (llama4's scales as the model would run them: `LogN.with_defaults`)."""
+    m = modifier.with_defaults(config)
+    t = QueryTemperature(m.kind, window, m.attn_scale, m.floor_scale, "eager", True, Positions())
     lengths = [k * window for k in (1, 2, 4, 8)]
     factors = t.factor(torch.tensor(lengths) - 1)
-    return tuple((n, float(f)) for n, f in zip(lengths, factors))
+    return tuple((n, float(f)) for n, f in zip(lengths, factors, strict=True))

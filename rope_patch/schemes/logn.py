@@ -238,11 +238,15 @@ class LogN(Modifier):
                 hint="Positions are counted in steps of floor_scale tokens (Llama 4: 8192)."))
 
     def resolve(self, target: PatchSite) -> LogN:
+        return self.with_defaults(target.config)
+
+    def with_defaults(self, config=None) -> LogN:
+        """llama4's attn_scale / floor_scale where the scheme leaves them open: the config's (Llama 4 sets both),
+        else transformers' defaults (ATTN_SCALE, FLOOR_SCALE). Other kinds have no such parameters."""
         if self.kind != "llama4":
             return self
-        cfg = target.config
-        scale = self.attn_scale if self.attn_scale is not None else getattr(cfg, "attn_scale", None) or ATTN_SCALE
-        floor = self.floor_scale if self.floor_scale is not None else getattr(cfg, "floor_scale", None) or FLOOR_SCALE
+        scale = self.attn_scale if self.attn_scale is not None else getattr(config, "attn_scale", None) or ATTN_SCALE
+        floor = self.floor_scale if self.floor_scale is not None else getattr(config, "floor_scale", None) or FLOOR_SCALE
         return dataclasses.replace(self, attn_scale=float(scale), floor_scale=float(floor))
 
     def prepare(self, target: PatchSite, under: AttentionScheme | None = None) -> InstallStep:
