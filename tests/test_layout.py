@@ -1,9 +1,12 @@
 """The package's layering, checked on its source: a lower layer never imports a higher one, and no module-level
-import cycle exists (imports inside functions are not seen here; the few left are optional packages)."""
+import cycle exists (imports inside functions are not seen here; the few left are optional packages); and the
+repository passes its linter."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,11 @@ def test_the_checker_sees_imports():
     assert "rope_patch.registry" in GRAPH["rope_patch.discovery"]
     assert "rope_patch.attention.protocol" in GRAPH["rope_patch.attention.blocked"]
     assert "rope_patch.schemes.base" in GRAPH["rope_patch.api"]
+
+
+def test_the_repository_passes_its_linter():
+    """`make lint` (ruff, configured in pyproject.toml) over every Python folder, so that CI sees what it sees."""
+    folders = ["rope_patch", "tests", "bench", "recipes", "eval"]
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", *folders], cwd=ROOT.parent, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
