@@ -18,8 +18,9 @@ from rope_patch.evaluation.retrieval import wilson_interval
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "eval/results/smollm2/ppl16k/compare.json"
 MARK = "<!-- smollm2-table -->"
-PASSKEY = [ROOT / "eval/results/smollm2" / d for d in
-           ("passkey", "passkey16k", "passkey_plain", "passkey16k_plain", "passkey16k_plain_b")]
+PASSKEY = [ROOT / "eval/results" / d for d in
+           ("chat_template_smollm2/per_sample_on", "smollm2/passkey", "smollm2/passkey16k",
+            "chat_template_smollm2/per_sample_off", "smollm2/passkey_plain")]
 PASSKEY_MARK = "<!-- smollm2-passkey -->"
 
 
@@ -47,10 +48,11 @@ def passkey_table(folders) -> str:
         template = "on" if result["settings"]["chat_template"]["used"] else "off"
         for c in result["passkey"]:
             key = (template, c["scheme"], c["length"])
-            if key in cells and cells[key]["source"] != folder.name:
+            source = folder.relative_to(ROOT / "eval/results").as_posix()
+            if key in cells and cells[key]["source"] != source:
                 continue
             if key not in cells:
-                cells[key] = {"source": folder.name, "depths": {}}
+                cells[key] = {"source": source, "depths": {}}
                 order.append(key)
             cells[key]["depths"][c["depth"]] = c
             depths.add(c["depth"])
@@ -64,7 +66,7 @@ def passkey_table(folders) -> str:
                    for d in depths]
             k = sum(c["correct"] for c in cell["depths"].values())
             n = sum(c["n"] for c in cell["depths"].values())
-            rows.append(f"| {template} | `{scheme}` | {length // 1024}k | " + " | ".join(row) + f" | {fmt(k, n)} | {cell['source']}/ |")
+            rows.append(f"| {template} | `{scheme}` | {length / 1024:g}k | " + " | ".join(row) + f" | {fmt(k, n)} | {cell['source']}/ |")
     return "\n".join(rows)
 
 
