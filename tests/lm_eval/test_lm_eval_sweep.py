@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from helpers.lm_eval import TASKS
@@ -131,3 +132,16 @@ def test_a_templated_sweep_prompts_with_the_template(assets, chat_model, tmp_pat
     prompts = [json.loads(line)["arguments"]["gen_args_0"]["arg_0"] for line in samples.read_text().splitlines()]
     assert len(prompts) == 1
     assert prompts[0].startswith("<|bos|>user\n") and prompts[0].endswith("<|bos|>assistant\n")
+
+
+def test_chat_template_auto_without_a_loadable_tokenizer_says_what_to_do(assets, tmp_path):
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    bare = tmp_path / "bare"
+    shutil.copytree(assets["model"], bare)
+    for f in bare.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ValueError, match="no tokenizer loads from .*--chat-template off"):
+        S.plan(sweep_args(assets, tmp_path / "s", model=str(bare)))
+    assert S.plan(sweep_args(assets, tmp_path / "s", model=str(bare), chat_template="off"))["settings"][
+        "apply_chat_template"] is False

@@ -50,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+import transformers  # a lazy module: AutoTokenizer is imported on first use, not when the CLI starts
 
 from ... import plots as figures
 from ... import zoo as models
@@ -153,7 +153,6 @@ def plan(args) -> dict:
         metadata["heldout"] = str(Path(args.heldout).resolve())
     metadata.update(_kv(args.metadata))
     model_args = {"pretrained": path, **_kv(args.model_args)}
-    chat = chat_template_for(model_args.get("tokenizer") or metadata["tokenizer"], args.chat_template)
     include = args.include_path
     if include is None:
         found = tasks_dir()
@@ -165,6 +164,7 @@ def plan(args) -> dict:
                              "64, 128, ..., 131072 (powers of two); add others to LADDER in "
                              "rope_patch/data/tasks/rope/rope_tasks_utils.py and run rope_patch/data/tasks/rope/make_tasks.py.")
     check_task_names([t for t in tasks if not family(t)[0]], include)
+    chat = chat_template_for(model_args.get("tokenizer") or metadata["tokenizer"], args.chat_template)
     settings = {"model": args.model, "name": models.model_name(args.model), "model_path": path, "tasks": tasks,
                 "lengths": lengths, "metadata": metadata,
                 "model_args": model_args, "limit": args.limit, "batch_size": str(args.batch_size),
@@ -178,7 +178,13 @@ def chat_template_for(tokenizer_path: str, mode: str) -> bool:
     template), so that a sweep's prompts are framed as compare's are; "on" without a template fails here."""
     if str(mode).lower() == "off":
         return False  # no tokenizer to load
-    return use_chat_template(AutoTokenizer.from_pretrained(tokenizer_path), mode)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--chat-template {mode} reads the tokenizer's template, but no tokenizer loads from "
+                         f"{tokenizer_path} ({str(err).splitlines()[0][:200]}). Save the tokenizer with the model, "
+                         "or pass --chat-template off.") from None
+    return use_chat_template(tokenizer, mode)
 
 
 def _own_tasks(include) -> list[str]:
