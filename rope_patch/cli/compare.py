@@ -13,6 +13,7 @@ from .. import plots
 from .. import zoo as models
 from ..evaluation.common import read_tokens
 from ..evaluation.compare import DEFAULT_LENGTHS, DEFAULT_SCHEMES, parse_schemes, resumed_units, run_compare, work_units
+from ..evaluation.passkey import CHAT_TEMPLATE_MODES
 from ..evaluation.results import check_writable, load_results, rich_table, write_results
 from ..evaluation.retrieval import DEFAULT_DEPTHS
 from ..suggest import pretraining_window, specs_for_target
@@ -48,7 +49,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--windows", type=positive, default=2, metavar="N",
                    help="perplexity windows at the longest length; every length reads the same N x longest tokens "
                    "(default: %(default)s)")
-    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
                    help="frame every passkey prompt with the tokenizer's chat template (haystack + question as the "
                    "user turn, the answer generated after the assistant prefix; the template's tokens count in the "
                    "length); auto: on when the tokenizer has one (default: %(default)s)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from ..evaluation.passkey import CHAT_TEMPLATE_MODES
 from ..integrations.lm_eval.sweep import SweepOptions, aggregate, markdown, sweep
 from .args import count, fraction, positive, real
 
@@ -44,7 +45,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--limit", type=real(above=0.0), default=d.limit,
                    help="lm-eval --limit (per task): a count, or a fraction of the task when below 1")
     p.add_argument("--batch-size", default=d.batch_size, help="lm-eval --batch_size (default: %(default)s)")
-    p.add_argument("--chat-template", choices=("auto", "on", "off"), default=d.chat_template,
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default=d.chat_template,
                    help="lm-eval's --apply_chat_template for every task: on, off, or auto (default: on when the "
                    "tokenizer has a chat template, as in compare)")
     p.add_argument("--include-path", default=d.include_path,
