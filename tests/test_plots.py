@@ -200,6 +200,19 @@ def test_cli_svg_default_name_and_results(tmp_path, monkeypatch):
     assert (tmp_path / "summary.svg").exists()
 
 
+SEARCH_LOG = {"format": "rope_patch.tune/1", "settings": {"method": "grid", "target": 64}, "evaluations": [
+    {"index": 0, "generation": 0, "objective": 3.0}, {"index": 1, "generation": 0, "objective": "inf"}]}
+
+
+def test_cli_results_draws_a_search_log(tmp_path, monkeypatch):
+    """`plot results` on a tune search_log.json draws the search figure (what tune writes as search.png)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "search_log.json").write_text(json.dumps(SEARCH_LOG))
+    assert main(["plot", "results", "search_log.json", "--out", "search.png"]) == 0
+    assert (tmp_path / "search.png").read_bytes().startswith(b"\x89PNG")
+    assert main(["plot", "results", "search_log.json", "--window", "64"]) == 2
+
+
 def test_cli_reads_a_model_config(tmp_path):
     from helpers.models import tiny_config
 

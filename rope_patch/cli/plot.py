@@ -4,11 +4,16 @@
     rope-patch plot wavelengths --schemes default yarn:8 llama3:8 --config path/to/model --out wl.svg
     rope-patch plot distance --schemes rerope:512 self_extend:group_size=8,window_size=512 alibi --out dist.png
     rope-patch plot results results/compare.json --out results/summary.png
+    rope-patch plot results tune/search_log.json --out tune/search.png
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from .. import plots
+from ..tuning.log import FORMAT as SEARCH_LOG_FORMAT
 from .args import count, positive, real, rope_layout
 
 ANALYSIS_KINDS = ("decay", "wavelengths", "frequencies", "angles", "distance", "score")
@@ -21,15 +26,16 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "plot", help="figures: decay bound, wavelengths, frequencies, angles, distance maps, scores, results",
         description="Draw the position-encoding theory for one or more schemes (numbers from rope_patch.analysis, "
-        "the same that a patched model uses), or redraw a `rope-patch compare` result file. The original training "
+        "the same that a patched model uses), or redraw a `rope-patch compare` / sweep result file or a `rope-patch tune` "
+        "search log. The original training "
         "window L is marked on every figure.")
     p.add_argument("kind", choices=[*ANALYSIS_KINDS, "results"],
                    help="decay: RoFormer long-term-decay bound vs distance; wavelengths: 2π/θ′ per pair and turns "
                    "inside L; frequencies: θ′ per pair and interpolation factor; angles: largest angle per pair at a "
                    "length vs the trained range; distance: effective relative distance (rerope, self_extend) and "
-                   "ALiBi bias; score: q·k vs distance; results: redraw compare/sweep JSON")
+                   "ALiBi bias; score: q·k vs distance; results: redraw compare/sweep JSON or a tune search log")
     p.add_argument("results_file", nargs="?", default=None, metavar="RESULTS.json",
-                   help="for `results`: compare.json (or a JSON/JSONL list of records)")
+                   help="for `results`: compare.json (or a JSON/JSONL list of records), or a tune search_log.json")
     p.add_argument("--schemes", nargs="+", default=None, metavar="SPEC",
                    help="scheme specs: name, name:value, name:key=value,... (default: default yarn:8 linear:8 ntk:8; for "
                    "distance: rerope, leaky_rerope, self_extend, alibi)")
@@ -76,13 +82,27 @@ def check_size(args, schemes, rope) -> None:
                          f"GiB limit; pass --max-distance {int(plots.MEMORY_LIMIT / per)} or less.")
 
 
+def _is_search_log(path) -> bool:
+    """Whether `path` is a `rope-patch tune` log (anything else goes to read_results, which says what is wrong)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == SEARCH_LOG_FORMAT
+
+
 def _run(args):
     if args.kind == "results":
         if args.results_file is None:
             raise ValueError("`rope-patch plot results` needs the results file, e.g. results/compare.json.")
         if args.schemes:
             raise ValueError("`rope-patch plot results` draws the schemes in the file; drop --schemes.")
-        fig = plots.results(args.results_file, window=args.window)
+        if _is_search_log(args.results_file):
+            if args.window is not None:
+                raise ValueError("a search log's figure has no window axis; drop --window.")
+            fig = plots.search(args.results_file)
+        else:
+            fig = plots.results(args.results_file, window=args.window)
     else:
         if args.results_file is not None:
             raise ValueError(f"`rope-patch plot {args.kind}` takes no file argument (got {args.results_file!r}); "
