@@ -1,10 +1,11 @@
-"""The README's SmolLM2 tables: perplexity by position from ppl16k/compare.json (run_ppl16k.sh) and passkey by
-length x depth from the passkey runs (run_passkey.sh, run_passkey16k.sh: the folders in PASSKEY; a cell of one
-scheme, length and template setting found in several runs is taken from the first folder listed).
+"""The README's SmolLM2 tables: perplexity by position from ppl16k/compare.json (run_ppl16k.sh) and ppl32k/
+(run_ppl32k.sh, the schemes finished so far), the tuned scheme against the baselines on the acceptance text
+(tune_self_extend/search_log.json, `rope-patch tune`), and passkey by length x depth from the passkey runs
+(run_passkey.sh, run_passkey16k.sh: the folders in PASSKEY; a cell of one scheme, length and template setting found
+in several runs is taken from the first folder listed).
 
     python eval/results/smollm2/table.py            # prints the tables
-    python eval/results/smollm2/table.py --readme   # rewrites them in README.md, below <!-- smollm2-table --> and
-                                                    # <!-- smollm2-passkey -->
+    python eval/results/smollm2/table.py --readme   # rewrites them in README.md, below their marks (MARKS)
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from rope_patch.evaluation.retrieval import wilson_interval
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "eval/results/smollm2/ppl16k/compare.json"
+RESULTS_32K = ROOT / "eval/results/smollm2/ppl32k/compare.json"
+TUNE = ROOT / "eval/results/smollm2/tune_self_extend/search_log.json"
 MARK = "<!-- smollm2-table -->"
+MARK_32K = "<!-- smollm2-32k -->"
+TUNE_MARK = "<!-- smollm2-tune -->"
 PASSKEY = [ROOT / "eval/results" / d for d in
            ("chat_template_smollm2/per_sample_on", "smollm2/passkey", "smollm2/passkey16k",
             "chat_template_smollm2/per_sample_off", "smollm2/passkey_plain")]
@@ -29,11 +34,23 @@ def table(results: dict) -> str:
     for b in results["buckets"]:
         buckets.setdefault(b["scheme"], []).append(b)
     spans = [(b["start"], b["end"]) for b in next(iter(buckets.values()))]
-    head = "| scheme | all 16k | " + " | ".join(f"{s // 1024}–{e // 1024}k" for s, e in spans) + " |"
+    head = f"| scheme | all {results['records'][0]['length'] // 1024}k | " + " | ".join(f"{s // 1024}–{e // 1024}k" for s, e in spans) + " |"
     rows = [head, "| --- | ---: | " + " | ".join("---:" for _ in spans) + " |"]
     for r in results["records"]:
         cells = [f"{b['perplexity']:.1f}" for b in sorted(buckets[r["scheme"]], key=lambda b: b["start"])]
         rows.append(f"| `{r['scheme']}` | {r['perplexity']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def tune_table(log: dict) -> str:
+    """The search's best spec and the baselines on the acceptance text, one column per length."""
+    acceptance = log["acceptance"]
+    lengths = acceptance["lengths"]
+    rows = ["| spec | " + " | ".join(f"{L / 1024:g}k" for L in lengths) + " |",
+            "| --- | " + " | ".join("---:" for _ in lengths) + " |"]
+    for r in acceptance["rows"]:
+        label = f"`{r['spec']}`" + (" (searched)" if r["spec"] == log["best"]["spec"] else "")
+        rows.append(f"| {label} | " + " | ".join(f"{r['perplexity'][str(L)]:.2f}" for L in lengths) + " |")
     return "\n".join(rows)
 
 
@@ -83,16 +100,25 @@ def replace_table(lines: list[str], mark: str, text: str) -> list[str]:
     return lines[:start] + text.split("\n") + lines[end:]
 
 
+def tables() -> dict[str, str]:
+    """Mark -> table, for the results that exist."""
+    out = {MARK: table(json.loads(RESULTS.read_text())), PASSKEY_MARK: passkey_table(PASSKEY)}
+    if RESULTS_32K.is_file() and json.loads(RESULTS_32K.read_text())["records"]:
+        out[MARK_32K] = table(json.loads(RESULTS_32K.read_text()))
+    if TUNE.is_file() and "acceptance" in json.loads(TUNE.read_text()):
+        out[TUNE_MARK] = tune_table(json.loads(TUNE.read_text()))
+    return out
+
+
 def main() -> None:
-    ppl = table(json.loads(RESULTS.read_text()))
-    passkey = passkey_table(PASSKEY)
     if "--readme" not in sys.argv[1:]:
-        print(ppl + "\n\n" + passkey)
+        print("\n\n".join(tables().values()))
         return
     readme = ROOT / "README.md"
-    lines = replace_table(readme.read_text().split("\n"), MARK, ppl)
-    if PASSKEY_MARK in lines:
-        lines = replace_table(lines, PASSKEY_MARK, passkey)
+    lines = readme.read_text().split("\n")
+    for mark, text in tables().items():
+        if mark in lines:
+            lines = replace_table(lines, mark, text)
     readme.write_text("\n".join(lines))
 
 
