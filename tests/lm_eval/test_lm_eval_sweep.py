@@ -145,3 +145,24 @@ def test_chat_template_auto_without_a_loadable_tokenizer_says_what_to_do(assets,
         S.plan(sweep_args(assets, tmp_path / "s", model=str(bare)))
     assert S.plan(sweep_args(assets, tmp_path / "s", model=str(bare), chat_template="off"))["settings"][
         "apply_chat_template"] is False
+
+
+@pytest.mark.parametrize("tasks, model_args, expected", [
+    (["rope_passkey", "rope_ppl"], None, None),  # exact-token tasks are evaluated in full: nothing to set
+    (["niah_single_1"], None, 256 + 256),  # text path: the longest length + TEXT_HEADROOM, for every scheme
+    (["rope_ppl", "niah_single_1"], None, 256 + 256),
+    (["niah_single_1"], ["max_length=300"], 300),  # the user's own value is kept
+])
+def test_text_tasks_get_one_max_length_above_the_longest_length(assets, tmp_path, tasks, model_args, expected):
+    """HFLM cuts a text-path prompt longer than max_length from the left, and max_length defaults to each scheme's
+    window: a 16k RULER prompt would lose its start (the needle) under vanilla but not under YaRN x2."""
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    kw = {"tasks": tasks, **({"model_args": model_args} if model_args else {})}
+    p = S.plan(sweep_args(assets, tmp_path / "s", **kw))
+    assert S.TEXT_HEADROOM == 256
+    assert p["settings"]["model_args"].get("max_length") == expected
+    for scheme in p["schemes"]:
+        argv = S.lm_eval_argv(p["settings"], scheme, p["settings"]["tasks"], tmp_path)
+        args = json.loads(argv[argv.index("--model_args") + 1])
+        assert args.get("max_length") == expected and args["scheme"] == scheme["args"]["scheme"]

@@ -19,7 +19,9 @@ process, or under `--launcher "torchrun --nproc_per_node 2"` / `"accelerate laun
   as `rope-patch compare` decides): every task's prompt is then the tokenizer's chat turn (RULER's too).
 
 `rope_passkey`, `rope_ppl`, `rope_niah` expand to one task per `--lengths` entry (`rope_passkey_256`, ...); other
-names (lm-eval's own tasks, `niah_single_1`, ...) run as they are, with `--metadata max_seq_lengths=[lengths]`.
+names (lm-eval's own tasks, `niah_single_1`, ...) run as they are, with `--metadata max_seq_lengths=[lengths]` and
+`max_length` = the longest length + TEXT_HEADROOM for every scheme (unless `--model-args max_length=` says otherwise):
+HFLM cuts longer prompts from the left, and its default, each scheme's own window, would cut vanilla's and not YaRN's.
 Perplexity reads `--windows` x the longest length tokens at every length, as `rope-patch compare` does, so the
 numbers equal compare's.
 
@@ -105,6 +107,12 @@ class SweepOptions:
 
 
 # ---- planning -------------------------------------------------------------------------------------------------
+# Tokens of max_length above the longest --lengths for lm-eval's own tasks. HFLM keeps max_length - max_gen_toks
+# prompt tokens; RULER builds prompts of length - max_gen_toks tokens, to which a chat template adds its own (~30 on
+# SmolLM2): 256 covers a template of up to 256 tokens.
+TEXT_HEADROOM = 256
+
+
 def expand_tasks(tasks, lengths) -> list[str]:
     out = []
     for t in tasks:
@@ -153,6 +161,12 @@ def plan(args) -> dict:
         metadata["heldout"] = str(Path(args.heldout).resolve())
     metadata.update(_kv(args.metadata))
     model_args = {"pretrained": path, **_kv(args.model_args)}
+    if "max_length" not in model_args and any(not family(t)[0] for t in tasks):
+        # lm-eval's own tasks (RULER, ...) go through HFLM's text path, which cuts a prompt longer than max_length
+        # from the left, and max_length defaults to each scheme's own window: vanilla would lose the start of a 16k
+        # RULER prompt (its needle) where YaRN x2 keeps it. One length for every scheme, long enough for the longest
+        # prompt plus the chat template and the answer. (The rope_* tasks are evaluated in full regardless.)
+        model_args["max_length"] = lengths[-1] + TEXT_HEADROOM
     include = args.include_path
     if include is None:
         found = tasks_dir()
