@@ -1,6 +1,6 @@
 """The README's SmolLM2 tables: perplexity by position from ppl16k/compare.json (run_ppl16k.sh) and ppl32k/
 (run_ppl32k.sh, the schemes finished so far), the tuned scheme against the baselines on the acceptance text
-(tune_self_extend/search_log.json, `rope-patch tune`), and passkey by length x depth from the passkey runs
+(tune_self_extend/search_log.json, `rope-patch tune`), RULER's niah_single_1 by `rope-patch sweep` (RULER), and passkey by length x depth from the passkey runs
 (run_passkey.sh, run_passkey16k.sh: the folders in PASSKEY; a cell of one scheme, length and template setting found
 in several runs is taken from the first folder listed).
 
@@ -23,6 +23,8 @@ TUNE = ROOT / "eval/results/smollm2/tune_self_extend/search_log.json"
 MARK = "<!-- smollm2-table -->"
 MARK_32K = "<!-- smollm2-32k -->"
 TUNE_MARK = "<!-- smollm2-tune -->"
+RULER = [ROOT / "eval/results/smollm2" / d for d in ("ruler4k", "ruler16k", "ruler16k_b")]  # rope-patch sweep runs
+RULER_MARK = "<!-- smollm2-ruler -->"
 PASSKEY = [ROOT / "eval/results" / d for d in
            ("chat_template_smollm2/per_sample_on", "smollm2/passkey", "smollm2/passkey16k",
             "chat_template_smollm2/per_sample_off", "smollm2/passkey_plain")]
@@ -51,6 +53,25 @@ def tune_table(log: dict) -> str:
     for r in acceptance["rows"]:
         label = f"`{r['spec']}`" + (" (searched)" if r["spec"] == log["best"]["spec"] else "")
         rows.append(f"| {label} | " + " | ".join(f"{r['perplexity'][str(L)]:.2f}" for L in lengths) + " |")
+    return "\n".join(rows)
+
+
+def ruler_table(folders) -> str:
+    """(task, length) x scheme cells of `rope-patch sweep` runs: RULER's score is the fraction of a sample's needles
+    found, so for single-needle tasks `k/n` with its Wilson 95% interval."""
+    rows = ["| task | length | scheme | score | run |", "| --- | ---: | --- | ---: | --- |"]
+    for folder in folders:
+        path = folder / "sweep.json"
+        if not path.is_file():
+            continue
+        result = json.loads(path.read_text())
+        (length,) = result["settings"]["lengths"]  # RULER: one length per call (its docs are sorted by length)
+        source = folder.relative_to(ROOT / "eval/results").as_posix()
+        for r in result["rows"]:
+            n = r["n_samples"]
+            k = round(r["value"] * n)
+            score = fmt(k, n) if abs(k - r["value"] * n) < 1e-9 else f"{100 * r['value']:.0f}% of {n}"
+            rows.append(f"| {r['task']} | {length / 1024:g}k | `{r['scheme']}` | {score} | {source}/ |")
     return "\n".join(rows)
 
 
@@ -103,6 +124,8 @@ def replace_table(lines: list[str], mark: str, text: str) -> list[str]:
 def tables() -> dict[str, str]:
     """Mark -> table, for the results that exist."""
     out = {MARK: table(json.loads(RESULTS.read_text())), PASSKEY_MARK: passkey_table(PASSKEY)}
+    if any((folder / "sweep.json").is_file() for folder in RULER):
+        out[RULER_MARK] = ruler_table(RULER)
     if RESULTS_32K.is_file() and json.loads(RESULTS_32K.read_text())["records"]:
         out[MARK_32K] = table(json.loads(RESULTS_32K.read_text()))
     if TUNE.is_file() and "acceptance" in json.loads(TUNE.read_text()):
