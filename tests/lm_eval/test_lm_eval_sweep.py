@@ -166,3 +166,28 @@ def test_text_tasks_get_one_max_length_above_the_longest_length(assets, tmp_path
         argv = S.lm_eval_argv(p["settings"], scheme, p["settings"]["tasks"], tmp_path)
         args = json.loads(argv[argv.index("--model_args") + 1])
         assert args.get("max_length") == expected and args["scheme"] == scheme["args"]["scheme"]
+
+
+@pytest.mark.parametrize("task, metrics, lengths, expected", [
+    # RULER names its score by the length and reports -1 for its default lengths that did not run
+    ("niah_single_1", {"4096": -1, "16384": 1.0}, [16384], ("16384", 1.0)),
+    ("niah_single_1", {"4096": 0.4, "8192": -1}, [4096], ("4096", 0.4)),
+    ("niah_single_1", {"4096": -1, "16384": 0.0}, [16384], ("16384", 0.0)),  # a score of 0 is a score
+    ("hellaswag", {"acc": 0.25, "acc_norm": 0.3}, [256], ("acc", 0.25)),
+    ("wikitext", {"4096": -1, "word_perplexity": 31.0}, [1024], ("word_perplexity", 31.0)),
+    ("rope_ppl_256", {"token_perplexity": 40.0, "nll": 3.7}, [256], ("token_perplexity", 40.0)),
+])
+def test_main_metric(task, metrics, lengths, expected):
+    from rope_patch.integrations.lm_eval.sweep import main_metric
+
+    assert main_metric(task, metrics, lengths) == expected
+
+
+def test_a_ruler_row_carries_its_length():
+    from rope_patch.integrations.lm_eval.sweep import aggregate
+
+    state = {"settings": {"tasks": ["niah_single_1"], "lengths": [16384]},
+             "schemes": [{"spec": "default", "cells": {"niah_single_1": {"metrics": {"4096": -1, "16384": 0.8},
+                                                                         "n_samples": 5}}}]}
+    (row,) = aggregate(state)["rows"]
+    assert (row["metric"], row["value"], row["length"], row["n_samples"]) == ("16384", 0.8, 16384, 5)

@@ -335,11 +335,13 @@ def read_cells(out_dir: Path, tasks: list[str]) -> dict[str, dict]:
 
 
 # ---- aggregation ------------------------------------------------------------------------------------------------
-def main_metric(task: str, metrics: dict):
+def main_metric(task: str, metrics: dict, lengths=()):
     fam, _ = family(task)
     if fam:
         return MAIN_METRIC[fam], metrics.get(MAIN_METRIC[fam])
-    for key in ("acc", "exact_match", "word_perplexity", *metrics):
+    # RULER names its score by the length (max_seq_lengths), and reports -1 for its default lengths that did not run
+    ran = [str(L) for L in lengths if metrics.get(str(L), -1) != -1]
+    for key in (*ran, "acc", "exact_match", "word_perplexity", *(k for k in metrics if metrics[k] != -1)):
         if key in metrics and isinstance(metrics[key], (int, float)):
             return key, metrics[key]
     return None, None
@@ -354,7 +356,9 @@ def aggregate(state: dict) -> dict:
             if cell is None:
                 continue
             fam, length = family(task)
-            metric, value = main_metric(task, cell["metrics"])
+            metric, value = main_metric(task, cell["metrics"], state["settings"]["lengths"])
+            if length is None and metric is not None and metric.isdigit():
+                length = int(metric)  # a RULER score, named by its length
             rows.append({"scheme": sch["spec"], "task": task, "family": fam, "length": length, "metric": metric,
                          "value": value, "metrics": cell["metrics"], "n_samples": cell.get("n_samples"),
                          **({"by_depth": cell["by_depth"]} if "by_depth" in cell else {})})
