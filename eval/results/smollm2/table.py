@@ -68,9 +68,9 @@ def ruler_table(folders) -> str:
         (length,) = result["settings"]["lengths"]  # RULER: one length per call (its docs are sorted by length)
         source = folder.relative_to(ROOT / "eval/results").as_posix()
         for r in result["rows"]:
-            n = r["n_samples"]
-            k = round(r["value"] * n)
-            score = fmt(k, n) if abs(k - r["value"] * n) < 1e-9 else f"{100 * r['value']:.0f}% of {n}"
+            n, value = r["n_samples"], r["metrics"][str(length)]
+            k = round(value * n)
+            score = fmt(k, n) if abs(k - value * n) < 1e-9 else f"{100 * value:.0f}% of {n}"
             rows.append(f"| {r['task']} | {length / 1024:g}k | `{r['scheme']}` | {score} | {source}/ |")
     return "\n".join(rows)
 
