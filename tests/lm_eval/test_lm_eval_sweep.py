@@ -61,6 +61,10 @@ def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
     calls.clear()
     S.sweep(sweep_args(assets, out), log=lambda m: None)
     assert calls == []
+    # the timings of the runs that made the cells survive a resume (they travel in the cells)
+    first, resumed = state["elapsed_s"], json.loads((out / "sweep.json").read_text())["elapsed_s"]
+    assert resumed["default"] == first["default"] > 0 and resumed["yarn:2"] == first["yarn:2"] > 0
+    assert resumed["total"] == pytest.approx(first["default"] + first["yarn:2"]) and resumed["wall"] < first["wall"]
     # an interrupted scheme (a cell missing) runs only what is missing
     (out / "schemes" / "yarn-2" / "cells" / "rope_ppl_256.json").unlink()
     S.sweep(sweep_args(assets, out), log=lambda m: None)

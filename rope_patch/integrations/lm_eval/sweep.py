@@ -30,7 +30,8 @@ missing cells runs only those when every task is a self-seeded `rope_*` task, an
 other task is present (RULER's samples depend on what ran before them in the run).
 
 Output (`<out>/`): `sweep.json` (format "rope_patch.sweep/1": settings, schemes, one row per cell with all of lm-eval's
-metrics), `sweep.md` (scheme x task table of each task's main metric), and, when the suite has `rope_ppl` /
+metrics, `elapsed_s`: each scheme's lm-eval run as recorded in its cells, so a resumed sweep keeps them, their
+`total`, and this call's `wall`), `sweep.md` (scheme x task table of each task's main metric), and, when the suite has `rope_ppl` /
 `rope_passkey` cells, the compare-format files `compare.json/.csv/.md`, `perplexity.png`, `passkey.png` (redraw
 with `rope-patch plot results`).
 """
@@ -501,22 +502,28 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
                 run_in_process(settings, sch, todo, sdir, log)
             else:
                 run_subprocess(lm_eval_argv(settings, sch, todo, sdir), args.launcher, log)
-            state["elapsed_s"][sch["spec"]] = round(time.perf_counter() - t0, 2)
+            elapsed = state["elapsed_s"][sch["spec"]] = round(time.perf_counter() - t0, 2)
             new = read_cells(sdir, todo)
             lost = [t for t in todo if t not in new]
             if lost:
                 raise RuntimeError(f"lm-eval's results for {sch['spec']} lack {lost}")
             for t, cell in new.items():
                 if t in missing:
-                    cell = {**cell, "scheme": sch["spec"], "fingerprint": fp}
+                    # the run's wall time travels with its cells, so a resumed sweep still reports what it cost
+                    cell = {**cell, "scheme": sch["spec"], "fingerprint": fp, "run_elapsed_s": elapsed,
+                            "run_machine": _machine()}
                     tmp = cdir / f".{t}.json.tmp"
                     tmp.write_text(json.dumps(cell, indent=1, default=str) + "\n")
                     os.replace(tmp, cdir / f"{t}.json")
                     done[t] = cell
         else:
             log(f"[{sch['spec']}] all {len(tasks)} cells done: skipped")
+            runs = [c["run_elapsed_s"] for c in done.values() if c.get("run_elapsed_s") is not None]
+            if runs:
+                state["elapsed_s"][sch["spec"]] = max(runs)
         state["schemes"].append({**sch, "cells": done})
-    state["elapsed_s"]["total"] = round(time.perf_counter() - t_all, 2)
+    state["elapsed_s"]["wall"] = round(time.perf_counter() - t_all, 2)  # this call's, resumed cells cost nothing here
+    state["elapsed_s"]["total"] = round(sum(v for k, v in state["elapsed_s"].items() if k != "wall"), 2)
     state["paths"] = write_outputs(state, out, plots=not args.no_plots)
     return state
 
