@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import plots
 from ..tuning.log import FORMAT as SEARCH_LOG_FORMAT
+from ..tuning.log import parse_log
 from .args import count, positive, real, rope_layout
 
 ANALYSIS_KINDS = ("decay", "wavelengths", "frequencies", "angles", "distance", "score")
@@ -82,13 +83,15 @@ def check_size(args, schemes, rope) -> None:
                          f"GiB limit; pass --max-distance {int(plots.MEMORY_LIMIT / per)} or less.")
 
 
-def _is_search_log(path) -> bool:
-    """Whether `path` is a `rope-patch tune` log (anything else goes to read_results, which says what is wrong)."""
+def _search_log(path) -> dict | None:
+    """The `rope-patch tune` log at `path`, or None for anything else (read_results then says what is wrong)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("format") == SEARCH_LOG_FORMAT
+        return None
+    if isinstance(data, dict) and data.get("format") == SEARCH_LOG_FORMAT:
+        return parse_log(data, path)
+    return None
 
 
 def _run(args):
@@ -97,10 +100,11 @@ def _run(args):
             raise ValueError("`rope-patch plot results` needs the results file, e.g. results/compare.json.")
         if args.schemes:
             raise ValueError("`rope-patch plot results` draws the schemes in the file; drop --schemes.")
-        if _is_search_log(args.results_file):
+        log = _search_log(args.results_file)
+        if log is not None:
             if args.window is not None:
                 raise ValueError("a search log's figure has no window axis; drop --window.")
-            fig = plots.search(args.results_file)
+            fig = plots.search(log)
         else:
             fig = plots.results(args.results_file, window=args.window)
     else:

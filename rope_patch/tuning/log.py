@@ -59,6 +59,11 @@ def load_log(path: str | Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not a search log (not JSON: {err}).") from None
+    return parse_log(data, path)
+
+
+def parse_log(data, path: str | Path = "the log") -> dict:
+    """A search log from its parsed JSON `data` (checked, "inf"/"nan" objectives made floats again)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"{path} is not a rope-patch tune search log (format {got!r}, expected {FORMAT!r}).")
