@@ -121,15 +121,19 @@ def replace_table(lines: list[str], mark: str, text: str) -> list[str]:
     return lines[:start] + text.split("\n") + lines[end:]
 
 
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def tables() -> dict[str, str]:
     """Mark -> table, for the results that exist."""
     out = {MARK: table(json.loads(RESULTS.read_text())), PASSKEY_MARK: passkey_table(PASSKEY)}
     if any((folder / "sweep.json").is_file() for folder in RULER):
         out[RULER_MARK] = ruler_table(RULER)
-    if RESULTS_32K.is_file() and json.loads(RESULTS_32K.read_text())["records"]:
-        out[MARK_32K] = table(json.loads(RESULTS_32K.read_text()))
-    if TUNE.is_file() and "acceptance" in json.loads(TUNE.read_text()):
-        out[TUNE_MARK] = tune_table(json.loads(TUNE.read_text()))
+    if (results_32k := _read(RESULTS_32K)) and results_32k["records"]:
+        out[MARK_32K] = table(results_32k)
+    if (log := _read(TUNE)) and "acceptance" in log:
+        out[TUNE_MARK] = tune_table(log)
     return out
 
 
