@@ -69,6 +69,12 @@ def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
     (out / "schemes" / "yarn-2" / "cells" / "rope_ppl_256.json").unlink()
     S.sweep(sweep_args(assets, out), log=lambda m: None)
     assert calls == [("yarn:2", ["rope_ppl_256"])]
+    # ... and its time is both runs' (each run once, however many cells it wrote)
+    cells = {p.stem: json.loads(p.read_text()) for p in (out / "schemes" / "yarn-2" / "cells").glob("*.json")}
+    assert len({c["run_id"] for c in cells.values()}) == 2
+    rerun = cells["rope_ppl_256"]["run_elapsed_s"]
+    timed = json.loads((out / "sweep.json").read_text())["elapsed_s"]
+    assert timed["yarn:2"] == pytest.approx(first["yarn:2"] + rerun) and timed["default"] == first["default"]
     again = {(r["scheme"], r["length"]): r["value"] for r in json.loads((out / "sweep.json").read_text())["rows"]
              if r["family"] == "rope_ppl"}
     assert again == pytest.approx(ppl)

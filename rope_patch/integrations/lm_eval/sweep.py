@@ -50,6 +50,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -463,6 +464,14 @@ def write_outputs(state: dict, out: Path, plots: bool = True) -> dict[str, Path]
     return paths
 
 
+def time_spent(cells: dict) -> float | None:
+    """The seconds of lm-eval runs that made a scheme's cells: each run counted once, however many cells it wrote
+    (cells written before run ids existed share their run's elapsed time, which then stands for the run)."""
+    runs = {c.get("run_id", c["run_elapsed_s"]): c["run_elapsed_s"] for c in cells.values()
+            if c.get("run_elapsed_s") is not None}
+    return round(sum(runs.values()), 2) if runs else None
+
+
 # ---- the sweep --------------------------------------------------------------------------------------------------
 def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path], object] | None = None) -> dict:
     """Run (or resume) a sweep: `args` is a SweepOptions (or the CLI's Namespace); `log` gets progress lines;
@@ -497,12 +506,12 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
             # rope_* tasks seed themselves; anything else (RULER) depends on the whole list: keep it whole then.
             todo = missing if all(family(t)[0] for t in tasks) else tasks
             log(f"[{sch['spec']}] running {len(todo)} task(s); {len(done)} cell(s) already done")
-            t0 = time.perf_counter()
+            t0, run_id = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="microseconds")
             if args.in_process:
                 run_in_process(settings, sch, todo, sdir, log)
             else:
                 run_subprocess(lm_eval_argv(settings, sch, todo, sdir), args.launcher, log)
-            elapsed = state["elapsed_s"][sch["spec"]] = round(time.perf_counter() - t0, 2)
+            elapsed = round(time.perf_counter() - t0, 2)
             new = read_cells(sdir, todo)
             lost = [t for t in todo if t not in new]
             if lost:
@@ -510,17 +519,16 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
             for t, cell in new.items():
                 if t in missing:
                     # the run's wall time travels with its cells, so a resumed sweep still reports what it cost
-                    cell = {**cell, "scheme": sch["spec"], "fingerprint": fp, "run_elapsed_s": elapsed,
-                            "run_machine": _machine()}
+                    cell = {**cell, "scheme": sch["spec"], "fingerprint": fp, "run_id": run_id,
+                            "run_elapsed_s": elapsed, "run_machine": _machine()}
                     tmp = cdir / f".{t}.json.tmp"
                     tmp.write_text(json.dumps(cell, indent=1, default=str) + "\n")
                     os.replace(tmp, cdir / f"{t}.json")
                     done[t] = cell
         else:
             log(f"[{sch['spec']}] all {len(tasks)} cells done: skipped")
-            runs = [c["run_elapsed_s"] for c in done.values() if c.get("run_elapsed_s") is not None]
-            if runs:
-                state["elapsed_s"][sch["spec"]] = max(runs)
+        if (spent := time_spent(done)) is not None:
+            state["elapsed_s"][sch["spec"]] = spent
         state["schemes"].append({**sch, "cells": done})
     state["elapsed_s"]["wall"] = round(time.perf_counter() - t_all, 2)  # this call's, resumed cells cost nothing here
     state["elapsed_s"]["total"] = round(sum(v for k, v in state["elapsed_s"].items() if k != "wall"), 2)
