@@ -13,7 +13,7 @@ from .. import plots
 from .. import zoo as models
 from ..evaluation.common import read_tokens
 from ..evaluation.compare import DEFAULT_LENGTHS, DEFAULT_SCHEMES, parse_schemes, resumed_units, run_compare, work_units
-from ..evaluation.passkey import CHAT_TEMPLATE_MODES
+from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS
 from ..evaluation.results import check_writable, load_results, rich_table, write_results
 from ..evaluation.retrieval import DEFAULT_DEPTHS
 from ..suggest import pretraining_window, specs_for_target
@@ -53,6 +53,10 @@ def add_parser(subparsers) -> None:
                    help="frame every passkey prompt with the tokenizer's chat template (haystack + question as the "
                    "user turn, the answer generated after the assistant prefix; the template's tokens count in the "
                    "length); auto: on when the tokenizer has one (default: %(default)s)")
+    p.add_argument("--haystack", choices=HAYSTACKS, default="prose",
+                   help="where the passkey hides: prose (a stretch of the held-out text) or noise (the passkey "
+                   "paper's repeated \"The grass is green. ...\" lines, which small models can search; perplexity "
+                   "always reads the held-out text) (default: %(default)s)")
     p.add_argument("--shared-haystack", action="store_true",
                    help="one haystack per (length, depth) cell, so the prompts share everything before the needle: "
                    "that prefix is prefilled once and its KV cache reused (same answers, less compute; the samples "
@@ -134,7 +138,7 @@ def run(args) -> int:
             passkey_samples=args.passkey_samples, windows_at_longest=args.windows, seed=args.seed,
             heldout=args.heldout, model_spec=models.model_name(args.model), model_path=str(path),
             progress=lambda n, label: bar.update(task, advance=n, description=label),
-            resume=previous, on_scheme=save, chat_template=args.chat_template,
+            resume=previous, on_scheme=save, chat_template=args.chat_template, haystack=args.haystack,
             shared_haystack=args.shared_haystack, bucket_size=args.bucket_size, budget_minutes=args.budget_minutes,
             on_plan=plan)
     Console().print(rich_table(result))

@@ -16,6 +16,7 @@ from .. import plots
 from .. import zoo as models
 from ..api import as_scheme
 from ..evaluation.common import read_tokens
+from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS
 from ..evaluation.results import check_writable, json_safe
 from ..files import write_text_atomic
 from ..specs import parse_spec
@@ -65,6 +66,11 @@ def add_parser(subparsers) -> None:
                    "exp(-W x passkey accuracy at the target) (default: %(default)s, perplexity only)")
     p.add_argument("--passkey-samples", type=positive, default=4, metavar="N", help="passkey prompts per depth "
                    "(default: %(default)s)")
+    p.add_argument("--haystack", choices=HAYSTACKS, default="prose", help="the passkey term's haystack: prose (the "
+                   "tuning text) or noise (the passkey paper's repeated lines, for a model that cannot find a key in "
+                   "prose inside its window) (default: %(default)s)")
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto", help="frame the passkey term's "
+                   "prompts with the tokenizer's chat template; auto: when it has one (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="search seed (default: %(default)s)")
     p.add_argument("--max-evals", type=positive, default=None, metavar="N", help="stop after N evaluations in all")
     p.add_argument("--budget-minutes", type=real(above=0.0), default=None, metavar="M",
@@ -117,7 +123,8 @@ def run(args) -> int:
                                   mutations=args.mutations, crossovers=args.crossovers, max_factor=args.max_factor)
     options = TuneOptions(scheme=args.scheme, target=args.target, method=args.method, space=parse_space(args.space),
                           samples=args.samples, evolution=evolution, n_tokens=args.tokens,
-                          passkey_weight=args.passkey_weight, passkey_samples=args.passkey_samples, seed=args.seed,
+                          passkey_weight=args.passkey_weight, passkey_samples=args.passkey_samples,
+                          haystack=args.haystack, chat_template=args.chat_template, seed=args.seed,
                           max_evals=args.max_evals, budget_minutes=args.budget_minutes, init=args.init)
     for spec in args.accept or []:
         as_scheme(spec)  # a bad acceptance spec fails now, not after the search

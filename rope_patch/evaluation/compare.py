@@ -13,7 +13,7 @@ Result JSON (`compare.json`, format "rope_patch.compare/1"; `rope-patch plot res
       "settings": {"lengths": [256, ...], "passkey_lengths": [...], "depths": [0.1, 0.5, 0.9],
                    "passkey_samples": 4, "seed": 0, "ppl_tokens": 8192, "windows_at_longest": 4,
                    "heldout": {"path", "sha256", "bytes", "tokens"},
-                   "chat_template": {"mode": "auto", "used": false}, "shared_haystack": false,
+                   "chat_template": {"mode": "auto", "used": false}, "haystack": "prose", "shared_haystack": false,
                    "bucket_size": null,     # null: the default buckets [0, W), [W, 2W), [2W, 4W), ...
                    "budget": null or {"minutes", "estimate_s", "estimate_untrimmed_s", "trimmed", "fits",
                               "passkey_samples", "windows_at_longest", "line", "probe": {"tokens", "s_per_token"}},
@@ -59,7 +59,7 @@ from ..discovery import find_target
 from ..specs import parse_scheme_spec, scheme_label
 from .budget import fit_budget, run_tokens, seconds_per_token
 from .common import read_tokens, versions
-from .passkey import use_chat_template
+from .passkey import haystack_filler, use_chat_template
 from .perplexity import evaluate_perplexity, fixed_buckets, perplexity_work
 from .results import FORMAT, json_safe
 from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell, wilson_interval
@@ -138,10 +138,10 @@ def _json_params(params: dict) -> dict:
 
 # What must be equal for a cell of an earlier run to stand in a new one (the lengths and schemes may differ).
 _SAME_MODEL = ("path", "model_type", "window", "n_params", "dtype")
-_SAME_SETTINGS = ("depths", "passkey_samples", "seed", "ppl_tokens", "chat_template_used", "shared_haystack",
-                  "bucket_size")
+_SAME_SETTINGS = ("depths", "passkey_samples", "seed", "ppl_tokens", "chat_template_used", "haystack",
+                  "shared_haystack", "bucket_size")
 # What a result written before a setting existed ran with.
-_SETTING_DEFAULTS = {"chat_template_used": False, "shared_haystack": False, "bucket_size": None}
+_SETTING_DEFAULTS = {"chat_template_used": False, "haystack": "prose", "shared_haystack": False, "bucket_size": None}
 
 
 def _setting(settings: dict, key: str):
@@ -195,7 +195,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                 heldout: str | Path | None = None, token_ids: Sequence[int] | None = None, model_spec: str = "",
                 model_path: str = "", progress: Callable[[int, str], None] | None = None,
                 resume: dict | None = None, on_scheme: Callable[[dict], None] | None = None,
-                chat_template: str | bool = "auto", shared_haystack: bool = False, bucket_size: int | None = None,
+                chat_template: str | bool = "auto", haystack: str = "prose", shared_haystack: bool = False,
+                bucket_size: int | None = None,
                 budget_minutes: float | None = None, on_plan: Callable[[dict], None] | None = None,
                 ) -> dict:
     """Run perplexity and passkey for each scheme; returns the result dict described in the module docstring.
@@ -211,7 +212,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     are reused and only the missing ones are evaluated (`resumed_units` is the work they save).
 
     `chat_template` ("auto" | "on" | "off"; auto: on when the tokenizer has one) frames every passkey prompt with
-    the tokenizer's chat template; `shared_haystack` gives the prompts of a cell one haystack so that the part before
+    the tokenizer's chat template; `haystack` "prose" hides the key in the held-out text, "noise" in the passkey
+    paper's repeated lines (`passkey.NOISE`; perplexity still reads the held-out text); `shared_haystack` gives the prompts of a cell one haystack so that the part before
     the needle is prefilled once (`retrieval`); `bucket_size` N: perplexity buckets of N positions. With
     `budget_minutes` or `on_plan`, one timed probe forward estimates the run (`budget`); `budget_minutes` trims
     passkey samples per cell, then perplexity windows, to fit, and `on_plan(plan)` gets the plan (its "line" says it
@@ -238,7 +240,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     # the window the model was trained on (a shipped-scaling checkpoint's pre-training window): buckets, stars
     window = find_target(model).pretraining_window
     check_schemes(model, parsed)
-    check_passkey_prompts(tokenizer, token_ids, passkey_lengths, depths, seed, chat)
+    filler = haystack_filler(tokenizer, haystack, token_ids, max(passkey_lengths, default=0))
+    check_passkey_prompts(tokenizer, filler, passkey_lengths, depths, seed, chat)
     load_start = _loadavg()
     plan = None
     if budget_minutes is not None or on_plan is not None:
@@ -271,7 +274,7 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                      "windows_at_longest": windows_at_longest, "heldout": held,
                      "chat_template": {"mode": str(chat_template) if not isinstance(chat_template, bool)
                                        else ("on" if chat_template else "off"), "used": chat},
-                     "shared_haystack": bool(shared_haystack), "bucket_size": bucket_size, "budget": plan,
+                     "haystack": haystack, "shared_haystack": bool(shared_haystack), "bucket_size": bucket_size, "budget": plan,
                      "machine": {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                                  "loadavg_start": load_start, "loadavg_end": None},
                      "counts": {"passkey_per_cell": passkey_samples if passkey_lengths else 0,
@@ -310,7 +313,7 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                 todo_ppl.append(lengths[-1])  # the position buckets of the longest length were not kept
             todo_pk = [L for L in passkey_lengths if L not in done["passkey"]]
             ppl = evaluate_scheme_perplexity(model, token_ids, todo_ppl, n_tokens, window, tick, bucket_size)
-            pk = _passkey(model, tokenizer, token_ids, todo_pk, depths, passkey_samples, seed, tick,
+            pk = _passkey(model, tokenizer, filler, todo_pk, depths, passkey_samples, seed, tick,
                           chat_template=chat, shared_haystack=shared_haystack)
         ppl_rows = {**{L: r for L, r in done["ppl"].items() if L in lengths}, **{r["length"]: r for r in ppl["lengths"]}}
         pk += [r for L in passkey_lengths if L not in todo_pk for r in done["passkey"][L]]

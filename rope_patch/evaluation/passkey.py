@@ -12,7 +12,10 @@ deliberate:
 
 - The filler is real prose (a random stretch of a given text) instead of the repeated "The grass is green. The sky
   is blue. ..." lines: a language model trained on prose is then tested on in-distribution text, and it cannot
-  solve the task by spotting the one sentence that breaks a repetition.
+  solve the task by spotting the one sentence that breaks a repetition. The paper's own filler is one call away
+  (``noise_filler``, ``haystack="noise"`` in `rope-patch compare` and `tune`): a small model that cannot find a key
+  in prose even inside its window (SmolLM2-135M from 4k on) may still find it there, which is what RULER's
+  ``niah_single_1`` measures too.
 - The needle sits at an exact ``depth`` (0 = start, 1 = end of the filler) so that accuracy can be swept over
   depth as in the "needle in a haystack" plots, and the prompt is exactly ``length_tokens`` tokens long, measured
   in the model's own tokens, so that lengths can be set relative to its training window.
@@ -35,6 +38,9 @@ import re
 from collections.abc import Sequence
 
 NEEDLE = " The pass key is {passkey}. Remember it. {passkey} is the pass key."
+# Mohtashami & Jaggi's filler line, repeated with a space between copies as in their code (Landmark Attention)
+NOISE = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+HAYSTACKS = ("prose", "noise")  # the held-out text, or NOISE
 QUESTION = " What is the pass key? The pass key is"
 _FIRST_NUMBER = re.compile(r"\d+")
 
@@ -162,6 +168,22 @@ def make_passkey_sample(
         "haystack_end": len(bos) + n_filler + len(needle),
         "filler_start": start,
     }
+
+
+def noise_filler(tokenizer, n_tokens: int) -> list[int]:
+    """At least `n_tokens` token ids of NOISE repeated, tokenized as one text (what the repeated lines are in a
+    prompt, token merges across the line breaks included)."""
+    unit = len(_encode(tokenizer, NOISE))
+    return _encode(tokenizer, NOISE * (n_tokens // max(1, unit) + 2))
+
+
+def haystack_filler(tokenizer, haystack: str, prose_ids: Sequence[int], n_tokens: int) -> Sequence[int]:
+    """The filler a passkey prompt takes its haystack from: the held-out text's `prose_ids`, or `n_tokens` (the
+    longest prompt) of NOISE."""
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown passkey haystack {haystack!r}: use one of {', '.join(HAYSTACKS)} (prose: the "
+                         "held-out text; noise: the paper's repeated lines).")
+    return prose_ids if haystack == "prose" else noise_filler(tokenizer, n_tokens)
 
 
 def score_passkey(generated_text: str, answer: str) -> bool:

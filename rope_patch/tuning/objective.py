@@ -4,7 +4,8 @@ acceptance part.
 Split (`split_heldout`): the held-out token stream (rope_patch/data/heldout.txt by default) is cut at `fraction` of
 its tokens; the search only ever reads tokens [0, cut) and the acceptance evaluation only tokens [cut, n), so the
 acceptance numbers are measured on text the search never saw. Passkey prompts of the objective take their filler
-from the tuning part too.
+from the tuning part too, or (`haystack="noise"`) from the passkey paper's repeated lines, for a model that cannot
+find a key in prose even inside its window; `chat_template` frames them as `rope-patch compare` does.
 
 Objective (lower is better): perplexity at the target length over the first `n_tokens` of the tuning part
 (consecutive windows of exactly `target` tokens, as `rope-patch compare` scores them, length-dependent schemes at
@@ -18,8 +19,9 @@ import math
 from collections.abc import Sequence
 
 from ..api import as_scheme, patched
+from ..evaluation.passkey import haystack_filler
 from ..evaluation.perplexity import window_nll
-from ..evaluation.retrieval import DEFAULT_DEPTHS, evaluate_passkey
+from ..evaluation.retrieval import DEFAULT_DEPTHS, evaluate_passkey, make_cell
 
 SPLIT_FRACTION = 0.5
 
@@ -55,7 +57,7 @@ class Objective:
 
     def __init__(self, model, tokenizer, token_ids: Sequence[int], target: int, n_tokens: int, *,
                  passkey_weight: float = 0.0, passkey_samples: int = 4, depths: Sequence[float] = DEFAULT_DEPTHS,
-                 seed: int = 0):
+                 seed: int = 0, haystack: str = "prose", chat_template: bool = False):
         if len(token_ids) < target:
             raise ValueError(f"the tuning text has {len(token_ids)} tokens, fewer than one window of --target {target}.")
         if passkey_weight < 0:
@@ -63,6 +65,14 @@ class Objective:
         self.model, self.tokenizer, self.token_ids = model, tokenizer, list(token_ids)
         self.target, self.n_tokens = target, n_tokens
         self.passkey_weight, self.passkey_samples, self.depths, self.seed = passkey_weight, passkey_samples, list(depths), seed
+        self.filler = haystack_filler(tokenizer, haystack, self.token_ids, target) if passkey_weight > 0 else None
+        self.chat_template = chat_template
+        for depth in self.depths if passkey_weight > 0 else ():  # a prompt that cannot be built fails now
+            try:
+                make_cell(tokenizer, self.filler, target, depth, 1, seed, chat_template=chat_template)
+            except ValueError as err:
+                raise ValueError(f"the passkey term (--passkey-weight) cannot build a prompt at --target {target}: "
+                                 f"{err}. Use a longer --target or drop --passkey-weight.") from None
 
     def __call__(self, name: str, params: dict) -> dict:
         try:
@@ -76,8 +86,8 @@ class Objective:
             ppl = _ppl(nll.double().mean().item())
             accuracy = None
             if self.passkey_weight > 0:
-                cells = evaluate_passkey(self.model, self.tokenizer, self.token_ids, [self.target], self.depths,
-                                         self.passkey_samples, self.seed)
+                cells = evaluate_passkey(self.model, self.tokenizer, self.filler, [self.target], self.depths,
+                                         self.passkey_samples, self.seed, chat_template=self.chat_template)
                 accuracy = sum(c["correct"] for c in cells) / max(1, sum(c["n"] for c in cells))
         finally:
             context.__exit__(None, None, None)

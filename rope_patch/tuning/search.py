@@ -24,6 +24,7 @@ from pathlib import Path
 from ..api import as_scheme
 from ..discovery import find_target
 from ..evaluation.common import versions
+from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS, use_chat_template
 from ..evaluation.results import json_safe
 from ..files import write_text_atomic
 from ..registry import canonical_name
@@ -49,6 +50,8 @@ class TuneOptions:
     passkey_weight: float = 0.0
     passkey_samples: int = 4
     depths: Sequence[float] = (0.1, 0.5, 0.9)
+    haystack: str = "prose"  # the passkey term's: the tuning text, or "noise" (passkey.NOISE)
+    chat_template: str = "auto"  # the passkey term's prompts: auto | on | off, as in `rope-patch compare`
     seed: int = 0
     max_evals: int | None = None
     budget_minutes: float | None = None
@@ -78,6 +81,11 @@ def check_options(options: TuneOptions) -> tuple[str, str]:
     if (method == "evolution") != (name == "longrope"):
         raise ValueError("the evolutionary search is LongRoPE's (--scheme longrope); scalar schemes use --method "
                          f"grid or random (got --scheme {name} --method {method}).")
+    if options.haystack not in HAYSTACKS:
+        raise ValueError(f"unknown passkey haystack {options.haystack!r}: use one of {', '.join(HAYSTACKS)}.")
+    if options.chat_template not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"unknown chat-template mode {options.chat_template!r}: use one of "
+                         f"{', '.join(CHAT_TEMPLATE_MODES)}.")
     if options.target <= 1:
         raise ValueError(f"--target must be > 1 token, got {options.target}.")
     if options.max_evals is not None and options.max_evals < 1:
@@ -149,6 +157,10 @@ def tune(model, tokenizer, token_ids: Sequence[int], options: TuneOptions, *, lo
     """Run (or, with `previous`, resume) the search; returns the log (also written to `log_path` after every
     evaluation). `header` adds fields to the log (the model's name and path, the held-out text's provenance)."""
     name, method, settings = resolve_options(model, options)
+    chat = False
+    if options.passkey_weight > 0:  # the passkey term's prompts (absent from a perplexity-only log)
+        chat = use_chat_template(tokenizer, options.chat_template)
+        settings.update(haystack=options.haystack, chat_template={"mode": options.chat_template, "used": chat})
     tuning_ids, _, split = split_heldout(token_ids, options.split_fraction)
     head = {"model": model_info(model), **(header or {}), "settings": settings, "split": split}
     if previous is not None:
@@ -159,7 +171,7 @@ def tune(model, tokenizer, token_ids: Sequence[int], options: TuneOptions, *, lo
                     on_record=on_record)
     objective = Objective(model, tokenizer, tuning_ids, options.target, settings["n_tokens"],
                           passkey_weight=options.passkey_weight, passkey_samples=options.passkey_samples,
-                          depths=options.depths, seed=options.seed)
+                          depths=options.depths, seed=options.seed, haystack=options.haystack, chat_template=chat)
     window, scale = settings["window"], settings["scale"]
     if method == "evolution":
         def params(factors):

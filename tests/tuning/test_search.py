@@ -11,6 +11,7 @@ from helpers.models import WINDOW, tiny_model
 from helpers.text import char_tokenizer, filler_text
 
 import rope_patch
+from rope_patch.evaluation.passkey import noise_filler
 from rope_patch.tuning import (
     EvolutionSettings,
     SearchLog,
@@ -188,17 +189,25 @@ def test_the_passkey_term_of_the_objective(text_ids, monkeypatch):
     import rope_patch.tuning.objective as O
 
     model, tok = tiny_model("llama"), char_tokenizer()
-    plain = O.Objective(model, tok, text_ids, 64, 128)("yarn", {"factor": 2.0})
+    plain = O.Objective(model, tok, text_ids, 160, 160)("yarn", {"factor": 2.0})
     assert plain["passkey_accuracy"] is None and plain["objective"] == plain["perplexity"]
     seen = {}
 
-    def passkey(model_, tokenizer, filler, lengths, depths, n, seed):
-        seen.update(lengths=list(lengths), filler=list(filler), scheme=rope_patch.current(model_).name)
+    def passkey(model_, tokenizer, filler, lengths, depths, n, seed, chat_template):
+        seen.update(lengths=list(lengths), filler=list(filler), scheme=rope_patch.current(model_).name,
+                    chat_template=chat_template)
         return [{"correct": 1, "n": 2}, {"correct": 2, "n": 2}]
 
     monkeypatch.setattr(O, "evaluate_passkey", passkey)
-    weighted = O.Objective(model, tok, text_ids, 64, 128, passkey_weight=2.0)("yarn", {"factor": 2.0})
+    weighted = O.Objective(model, tok, text_ids, 160, 160, passkey_weight=2.0)("yarn", {"factor": 2.0})
     assert weighted["passkey_accuracy"] == 0.75 and weighted["perplexity"] == pytest.approx(plain["perplexity"])
     assert weighted["objective"] == pytest.approx(plain["perplexity"] * math.exp(-2.0 * 0.75))
-    assert seen == {"lengths": [64], "filler": list(text_ids), "scheme": "yarn"}  # at the target, under the patch
+    assert seen == {"lengths": [160], "filler": list(text_ids), "scheme": "yarn",  # at the target, under the patch
+                    "chat_template": False}
     assert rope_patch.current(model) is None
+    # the paper's haystack instead of the tuning text, in templated prompts
+    chat = char_tokenizer()
+    chat.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    O.Objective(model, chat, text_ids, 160, 160, passkey_weight=2.0, haystack="noise", chat_template=True)(
+        "yarn", {"factor": 2.0})
+    assert seen["filler"] == noise_filler(tok, 160) and seen["chat_template"] is True

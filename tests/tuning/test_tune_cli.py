@@ -49,6 +49,7 @@ BAD = [
     (["--scheme", "rope_tiny_has_no_such_scheme"], "Unknown"),
     (["--scheme", "longrope", "--accept", "yarn:zero"], "yarn"),
     (["--scheme", "longrope", "--init", "rerope:8"], "--init 'rerope:8': the initial factors come from a frequency"),
+    (["--scheme", "yarn", "--haystack", "hay"], "argument --haystack: invalid choice: 'hay'"),
 ]
 
 
@@ -133,3 +134,31 @@ def test_the_search_figure_needs_a_finite_evaluation():
         {"index": 0, "generation": 0, "objective": 3.0}, {"index": 1, "generation": 0, "objective": 2.0}]})
     best = [line for line in fig.axes[0].get_lines() if line.get_label() == "best so far"][0]
     assert list(best.get_ydata()) == [3.0, 2.0]
+
+
+@pytest.mark.parametrize(("extra", "haystack", "chat"), [
+    ((), None, None),  # perplexity only: no passkey settings in the log
+    (("--passkey-weight", "1", "--passkey-samples", "1"), "prose", {"mode": "auto", "used": False}),
+    (("--passkey-weight", "1", "--passkey-samples", "1", "--haystack", "noise", "--chat-template", "off"), "noise",
+     {"mode": "off", "used": False}),
+])
+def test_the_passkey_term_settings_reach_the_log(saved, tmp_path, capsys, extra, haystack, chat):
+    out = tmp_path / "out"
+    long = ("--target", "160", "--tokens", "160")  # room for the passkey prompt in characters
+    assert main(argv(saved, out, "--scheme", "yarn", "--space", "factor=2", "--no-accept", "--no-plots", *long,
+                     *extra)) == 0
+    settings = json.loads((out / "search_log.json").read_text())["settings"]
+    assert settings.get("haystack") == haystack and settings.get("chat_template") == chat
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (("--chat-template", "on", "--target", "160"), "has no chat template"),
+    ((), "the passkey term (--passkey-weight) cannot build a prompt at --target 64: length_tokens=64 is too short"),
+])
+def test_passkey_term_errors_are_one_line(saved, tmp_path, capsys, extra, message):
+    extra = ("--scheme", "yarn", "--space", "factor=2", "--passkey-weight", "1", *extra)
+    assert main(argv(saved, tmp_path / "out", *extra)) == 2
+    err = capsys.readouterr().err  # found once the model is loaded: after its loading lines
+    errors = [line for line in err.splitlines() if line.startswith("rope-patch tune:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+    assert not (tmp_path / "out" / "search_log.json").exists()
