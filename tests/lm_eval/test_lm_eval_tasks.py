@@ -114,6 +114,18 @@ def test_documents_are_deterministic_and_exact(assets):
     assert [r["depth"] for r in a] == [0.1, 0.1, 0.5, 0.5, 0.9, 0.9]
     c = U.passkey_dataset(**{**kw, "seed": 1})["test"]
     assert [r["answer"] for r in c] != [r["answer"] for r in a]
+    # metadata haystack=noise: compare --haystack noise's prompts (the key hidden in the paper's repeated lines)
+    from rope_patch.evaluation.passkey import noise_filler
+    from rope_patch.evaluation.retrieval import make_cell
+
+    tok = U.load_tokenizer(str(assets["model"]))
+    noisy = U.passkey_dataset(**{**kw, "haystack": "noise"})["test"]
+    assert [r["prompt_ids"] for r in noisy if r["depth"] == 0.5] == [
+        s["prompt_ids"] for s in make_cell(tok, noise_filler(tok, 128), 128, 0.5, 2, 0)]
+    assert [r["prompt_ids"] for r in noisy] != [r["prompt_ids"] for r in a]
+    with pytest.raises(ValueError, match="unknown passkey haystack"):
+        U.niah_dataset(**{**kw, "haystack": "hay"})
+    assert len(U.niah_dataset(**{**kw, "length": 256, "haystack": "noise"})["test"]) == 6
     n = U.niah_dataset(**{**kw, "length": 256})["test"]
     for r in n:
         assert len(r["prompt_ids"]) == 256

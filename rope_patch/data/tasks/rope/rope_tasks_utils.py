@@ -12,6 +12,7 @@ Settings (`--metadata key=value ...` or a JSON object; defaults are those of `ro
 | `samples` | compare's (4) | prompts per (length, depth) cell (passkey, niah) |
 | `seed` | compare's (0) | passkey / niah seed (the cell seeds of `rope_patch.evaluation.retrieval.cell_seed`) |
 | `heldout` | rope_patch/data/heldout.txt | the text: filler, haystack, perplexity windows |
+| `haystack` | prose | passkey / niah haystack: `prose` (the held-out text) or `noise` (the passkey paper's repeated lines, `passkey.NOISE`), as `rope-patch compare --haystack` |
 | `ppl_tokens` | `windows` x L | tokens of the text read at length L (`rope-patch compare` reads windows x the *longest* length at every length: pass `ppl_tokens` to match it) |
 | `windows` | compare's `windows_at_longest` | windows at length L when `ppl_tokens` is not given |
 | `niah_keys` | 4 | needles per niah prompt (one asked, the others distractors) |
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import datasets
 
-from rope_patch.evaluation.passkey import score_passkey
+from rope_patch.evaluation.passkey import haystack_filler, score_passkey
 from rope_patch.evaluation.retrieval import cell_seed, make_cell
 
 NIAH_KEYS = ("apple", "river", "garden", "window", "letter", "carriage", "horse", "candle", "mirror", "ribbon",
@@ -94,6 +95,11 @@ def _setup(kw: dict):
     return load_tokenizer(spec), list(_heldout(spec, str(heldout) if heldout else None))
 
 
+def _haystack(kw: dict, tokenizer, prose_ids: list[int], length: int):
+    """The passkey / niah filler: the held-out text's ids, or (metadata haystack=noise) the repeated lines."""
+    return haystack_filler(tokenizer, str(kw.get("haystack", "prose")), prose_ids, length)
+
+
 def _dataset(rows: list[dict]) -> dict:
     return {"test": datasets.Dataset.from_list(rows, split=datasets.Split.TEST)}
 
@@ -108,6 +114,7 @@ def _length(kw: dict) -> int:
 def passkey_dataset(**kw) -> dict:
     tokenizer, filler = _setup(kw)
     length = _length(kw)
+    filler = _haystack(kw, tokenizer, filler, length)
     d = compare_defaults()
     depths = _list(kw.get("depths", d["depths"]), float)
     n, seed = int(kw.get("samples", d["samples"])), int(kw.get("seed", d["seed"]))
@@ -198,6 +205,7 @@ def make_niah_sample(tokenizer, filler_ids, length: int, depth: float, rng: rand
 def niah_dataset(**kw) -> dict:
     tokenizer, filler = _setup(kw)
     length = _length(kw)
+    filler = _haystack(kw, tokenizer, filler, length)
     d = compare_defaults()
     depths = _list(kw.get("depths", d["depths"]), float)
     n, seed, n_keys = int(kw.get("samples", d["samples"])), int(kw.get("seed", d["seed"])), int(kw.get("niah_keys", 4))
