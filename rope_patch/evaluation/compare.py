@@ -59,7 +59,7 @@ from ..discovery import find_target
 from ..specs import parse_scheme_spec, scheme_label
 from .budget import fit_budget, run_tokens, seconds_per_token
 from .common import read_tokens, versions
-from .passkey import haystack_filler, use_chat_template
+from .passkey import check_haystack, haystack_filler, use_chat_template
 from .perplexity import evaluate_perplexity, fixed_buckets, perplexity_work
 from .results import FORMAT, json_safe
 from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell, wilson_interval
@@ -118,11 +118,13 @@ def check_schemes(model, parsed: Sequence[tuple[str, object]]) -> None:
                             "Fix it or drop it from the schemes.") from None
 
 
-def check_passkey_prompts(tokenizer, token_ids, lengths, depths, seed, chat_template: bool = False) -> None:
+def check_passkey_prompts(tokenizer, token_ids, lengths, depths, seed, chat_template: bool = False,
+                          haystack: str = "prose") -> None:
     """Build one passkey prompt per (length, depth): a length too short for the prompt fails now, not mid-run."""
     for L in lengths:
         for d in depths:
-            make_cell(tokenizer, token_ids, L, d, 1, seed, chat_template=chat_template)
+            make_cell(tokenizer, haystack_filler(tokenizer, haystack, token_ids, L), L, d, 1, seed,
+                      chat_template=chat_template)
 
 
 def _loadavg() -> list[float] | None:
@@ -240,8 +242,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     # the window the model was trained on (a shipped-scaling checkpoint's pre-training window): buckets, stars
     window = find_target(model).pretraining_window
     check_schemes(model, parsed)
-    filler = haystack_filler(tokenizer, haystack, token_ids, max(passkey_lengths, default=0))
-    check_passkey_prompts(tokenizer, filler, passkey_lengths, depths, seed, chat)
+    check_haystack(haystack)
+    check_passkey_prompts(tokenizer, token_ids, passkey_lengths, depths, seed, chat, haystack)
     load_start = _loadavg()
     plan = None
     if budget_minutes is not None or on_plan is not None:
@@ -313,7 +315,7 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                 todo_ppl.append(lengths[-1])  # the position buckets of the longest length were not kept
             todo_pk = [L for L in passkey_lengths if L not in done["passkey"]]
             ppl = evaluate_scheme_perplexity(model, token_ids, todo_ppl, n_tokens, window, tick, bucket_size)
-            pk = _passkey(model, tokenizer, filler, todo_pk, depths, passkey_samples, seed, tick,
+            pk = _passkey(model, tokenizer, token_ids, todo_pk, depths, passkey_samples, seed, tick, haystack,
                           chat_template=chat, shared_haystack=shared_haystack)
         ppl_rows = {**{L: r for L, r in done["ppl"].items() if L in lengths}, **{r["length"]: r for r in ppl["lengths"]}}
         pk += [r for L in passkey_lengths if L not in todo_pk for r in done["passkey"][L]]
@@ -389,11 +391,13 @@ def evaluate_scheme_perplexity(model, token_ids, lengths, n_tokens, window, tick
                                bucket_size=bucket_size)
 
 
-def _passkey(model, tokenizer, token_ids, lengths, depths, n_samples, seed, tick, **kw):
-    """evaluate_passkey per length, reporting progress in prompt tokens."""
+def _passkey(model, tokenizer, token_ids, lengths, depths, n_samples, seed, tick, haystack="prose", **kw):
+    """evaluate_passkey per length, reporting progress in prompt tokens. A noise filler is built per length (its
+    size sets where a cell's stretches start), as the rope_passkey_{L} lm-eval task builds it."""
     out = []
     for L in lengths:
-        out += evaluate_passkey(model, tokenizer, token_ids, [L], depths, n_samples, seed,
+        filler = haystack_filler(tokenizer, haystack, token_ids, L)
+        out += evaluate_passkey(model, tokenizer, filler, [L], depths, n_samples, seed,
                                 progress=lambda n, L=L: tick(n * L), **kw)
     return out
 

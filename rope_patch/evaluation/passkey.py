@@ -173,16 +173,24 @@ def make_passkey_sample(
 def noise_filler(tokenizer, n_tokens: int) -> list[int]:
     """At least `n_tokens` token ids of NOISE repeated, tokenized as one text (what the repeated lines are in a
     prompt, token merges across the line breaks included)."""
-    unit = len(_encode(tokenizer, NOISE))
-    return _encode(tokenizer, NOISE * (n_tokens // max(1, unit) + 2))
+    copies = n_tokens // max(1, len(_encode(tokenizer, NOISE))) + 2
+    ids = _encode(tokenizer, NOISE * copies)
+    while len(ids) < n_tokens:  # tokens that merge across copies make a copy shorter in the repetition
+        copies *= 2
+        ids = _encode(tokenizer, NOISE * copies)
+    return ids
+
+
+def check_haystack(haystack: str) -> None:
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown passkey haystack {haystack!r}: use one of {', '.join(HAYSTACKS)} (prose: the "
+                         "held-out text; noise: the paper's repeated lines).")
 
 
 def haystack_filler(tokenizer, haystack: str, prose_ids: Sequence[int], n_tokens: int) -> Sequence[int]:
     """The filler a passkey prompt takes its haystack from: the held-out text's `prose_ids`, or `n_tokens` (the
     longest prompt) of NOISE."""
-    if haystack not in HAYSTACKS:
-        raise ValueError(f"unknown passkey haystack {haystack!r}: use one of {', '.join(HAYSTACKS)} (prose: the "
-                         "held-out text; noise: the paper's repeated lines).")
+    check_haystack(haystack)
     return prose_ids if haystack == "prose" else noise_filler(tokenizer, n_tokens)
 
 

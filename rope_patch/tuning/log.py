@@ -73,14 +73,25 @@ def parse_log(data, path: str | Path = "the log") -> dict:
     return data
 
 
+def _comparable(settings: dict) -> dict:
+    """The settings that must match for a resume. A passkey term's prompts are what count: a log written before
+    its haystack / chat-template settings existed hid the key in the tuning text without the template, and the
+    template mode (auto, on) matters only through whether it was used."""
+    out = {k: v for k, v in settings.items() if k not in RESUMABLE}
+    if out.get("passkey_weight"):
+        out.setdefault("haystack", "prose")
+        out["chat_template"] = bool((out.get("chat_template") or {}).get("used", False))
+    return out
+
+
 def check_resumable(previous: dict, header: dict, path) -> None:
     """A log resumes only a search with the same model, settings and split (the stopping rules may change)."""
     for key in ("model", "split", "heldout"):
         if _plain(previous.get(key)) != _plain(header.get(key)):
             raise ValueError(f"cannot resume from {path}: it was written for another {key} ({previous.get(key)}). "
                              "Use another --out, or drop --resume to start over.")
-    old = {k: v for k, v in (previous.get("settings") or {}).items() if k not in RESUMABLE}
-    new = {k: v for k, v in _plain(header.get("settings")).items() if k not in RESUMABLE}
+    old = _comparable(previous.get("settings") or {})
+    new = _comparable(_plain(header.get("settings")))
     if old != new:
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         raise ValueError(f"cannot resume from {path}: its settings differ in {', '.join(changed)} "

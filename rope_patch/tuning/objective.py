@@ -71,8 +71,9 @@ class Objective:
             try:
                 make_cell(tokenizer, self.filler, target, depth, 1, seed, chat_template=chat_template)
             except ValueError as err:
+                hint = " Use a longer --target or drop --passkey-weight." if "too short" in str(err) else ""
                 raise ValueError(f"the passkey term (--passkey-weight) cannot build a prompt at --target {target}: "
-                                 f"{err}. Use a longer --target or drop --passkey-weight.") from None
+                                 f"{err}.{hint}") from None
 
     def __call__(self, name: str, params: dict) -> dict:
         try:

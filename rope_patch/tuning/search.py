@@ -24,7 +24,7 @@ from pathlib import Path
 from ..api import as_scheme
 from ..discovery import find_target
 from ..evaluation.common import versions
-from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS, use_chat_template
+from ..evaluation.passkey import CHAT_TEMPLATE_MODES, check_haystack, use_chat_template
 from ..evaluation.results import json_safe
 from ..files import write_text_atomic
 from ..registry import canonical_name
@@ -81,8 +81,7 @@ def check_options(options: TuneOptions) -> tuple[str, str]:
     if (method == "evolution") != (name == "longrope"):
         raise ValueError("the evolutionary search is LongRoPE's (--scheme longrope); scalar schemes use --method "
                          f"grid or random (got --scheme {name} --method {method}).")
-    if options.haystack not in HAYSTACKS:
-        raise ValueError(f"unknown passkey haystack {options.haystack!r}: use one of {', '.join(HAYSTACKS)}.")
+    check_haystack(options.haystack)
     if options.chat_template not in CHAT_TEMPLATE_MODES:
         raise ValueError(f"unknown chat-template mode {options.chat_template!r}: use one of "
                          f"{', '.join(CHAT_TEMPLATE_MODES)}.")

@@ -14,7 +14,7 @@ from rope_patch.evaluation import compare as compare_mod
 from rope_patch.evaluation.compare import resume_mismatch, run_compare
 from rope_patch.evaluation.passkey import NOISE, haystack_filler, make_passkey_sample, noise_filler
 
-KW = dict(passkey_lengths=[160], depths=[0.5], passkey_samples=2, windows_at_longest=1, model_spec="random")
+KW = dict(passkey_lengths=[160, 200], depths=[0.5], passkey_samples=2, windows_at_longest=1, model_spec="random")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,19 @@ def test_noise_filler_is_the_repeated_line(bpe, n):
     assert len(ids) >= n
     text = tok.decode(ids)
     assert text == NOISE * (len(text) // len(NOISE)) and text.startswith(NOISE)  # whole copies, nothing else
+
+
+def test_noise_filler_is_long_enough_when_tokens_merge_across_copies():
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())  # no pre-tokenizer: merges may span a copy's end and the next one's start
+    tk.train_from_iterator([NOISE * 50], trainers.BpeTrainer(vocab_size=400, show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk)
+    one, two = (len(tok.encode(NOISE * k, add_special_tokens=False)) for k in (1, 2))
+    assert two < 2 * one  # the case: two copies take fewer tokens than twice one
+    for n in (64, 1000, 5000):
+        assert len(noise_filler(tok, n)) >= n
 
 
 def test_haystack_filler_choices(bpe):
@@ -70,7 +83,8 @@ def test_compare_hides_the_key_in_noise_and_records_it(setup, monkeypatch):
     monkeypatch.setattr(compare_mod, "evaluate_passkey", spy)
     prose = run_compare(model, tok, ["default"], [32, 64], token_ids=ids, **KW)
     noise = run_compare(model, tok, ["default"], [32, 64], token_ids=ids, haystack="noise", **KW)
-    assert seen == [list(ids), noise_filler(tok, 160)]
+    # each length's own noise filler: the one its rope_passkey_{L} lm-eval task builds (tests/lm_eval)
+    assert seen == [list(ids), list(ids), noise_filler(tok, 160), noise_filler(tok, 200)]
     assert prose["settings"]["haystack"] == "prose" and noise["settings"]["haystack"] == "noise"
     # perplexity reads the held-out text either way
     assert [r["perplexity"] for r in noise["records"]] == [r["perplexity"] for r in prose["records"]]

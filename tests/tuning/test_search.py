@@ -91,6 +91,22 @@ def test_changed_settings_are_refused_but_stopping_rules_may_change():
         check_resumable(old, {**old, "model": {"a": 2}}, "log.json")
 
 
+@pytest.mark.parametrize(("new", "resumes"), [
+    ({"haystack": "prose", "chat_template": {"mode": "auto", "used": False}}, True),  # what the old log ran
+    ({"haystack": "prose", "chat_template": {"mode": "off", "used": False}}, True),   # the same prompts
+    ({"haystack": "noise", "chat_template": {"mode": "auto", "used": False}}, False),
+    ({"haystack": "prose", "chat_template": {"mode": "auto", "used": True}}, False),
+])
+def test_a_passkey_log_from_before_its_haystack_setting_resumes_as_prose_untemplated(new, resumes):
+    old = {"model": {"a": 1}, "split": {"s": 1}, "settings": {"seed": 0, "passkey_weight": 1.0, "target": 64}}
+    header = {**old, "settings": {**old["settings"], **new}}
+    if resumes:
+        check_resumable(old, header, "log.json")
+    else:
+        with pytest.raises(ValueError, match="settings differ in (haystack|chat_template)"):
+            check_resumable(old, header, "log.json")
+
+
 def test_max_evals_stops_the_search():
     log = SearchLog({"settings": {}}, max_evals=10)
     assert evolve(log, objective, INITIAL, SETTINGS, 4.0) == "max_evals"

@@ -30,8 +30,8 @@ missing cells runs only those when every task is a self-seeded `rope_*` task, an
 other task is present (RULER's samples depend on what ran before them in the run).
 
 Output (`<out>/`): `sweep.json` (format "rope_patch.sweep/1": settings, schemes, one row per cell with all of lm-eval's
-metrics, `elapsed_s`: each scheme's lm-eval run as recorded in its cells, so a resumed sweep keeps them, their
-`total`, and this call's `wall`), `sweep.md` (scheme x task table of each task's main metric), and, when the suite has `rope_ppl` /
+metrics, `elapsed_s`: each scheme's lm-eval runs as recorded in its cells, each run once (`time_spent`), so a resumed
+sweep keeps them, their `total`, and this call's `wall`), `sweep.md` (scheme x task table of each task's main metric), and, when the suite has `rope_ppl` /
 `rope_passkey` cells, the compare-format files `compare.json/.csv/.md`, `perplexity.png`, `passkey.png` (redraw
 with `rope-patch plot results`).
 """
@@ -432,7 +432,7 @@ def compare_format(result: dict) -> dict | None:
             "settings": {"lengths": s["lengths"], "passkey_lengths": s["lengths"], "depths": meta.get("depths", []),
                          "passkey_samples": meta.get("samples"), "seed": meta.get("seed"),
                          "ppl_tokens": meta.get("ppl_tokens"), "windows_at_longest": None,
-                         "heldout": {"path": meta.get("heldout")},
+                         "heldout": {"path": meta.get("heldout")}, "haystack": meta.get("haystack", "prose"),
                          "machine": {"threads": (result.get("machine") or {}).get("threads"),
                                      "cpu_count": (result.get("machine") or {}).get("cpu_count"), "loadavg_start": None,
                                      "loadavg_end": (result.get("machine") or {}).get("loadavg")}},
