@@ -23,7 +23,7 @@ TUNE = ROOT / "eval/results/smollm2/tune_self_extend/search_log.json"
 MARK = "<!-- smollm2-table -->"
 MARK_32K = "<!-- smollm2-32k -->"
 TUNE_MARK = "<!-- smollm2-tune -->"
-RULER = [ROOT / "eval/results/smollm2" / d for d in ("ruler4k", "ruler16k", "ruler16k_b")]  # rope-patch sweep runs
+RULER = [ROOT / "eval/results/smollm2" / d for d in ("ruler4k", "ruler8k", "ruler16k", "ruler16k_b")]  # rope-patch sweep runs
 RULER_MARK = "<!-- smollm2-ruler -->"
 PASSKEY = [ROOT / "eval/results" / d for d in
            ("chat_template_smollm2/per_sample_on", "smollm2/passkey", "smollm2/passkey16k",
@@ -56,22 +56,44 @@ def tune_table(log: dict) -> str:
     return "\n".join(rows)
 
 
+# RULER's score per sample is the fraction of its answers found: one answer for the needle tasks (so the cell is
+# k/n with a Wilson interval), 5 variables for ruler_vt, 10 words for ruler_cwe and 3 for ruler_fwe (a mean, in %).
+RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+ONE_ANSWER = {"niah_single_1", "niah_multikey_2", "niah_multikey_3"}
+
+
 def ruler_table(folders) -> str:
-    """(task, length) x scheme cells of `rope-patch sweep` runs: RULER's score is the fraction of a sample's needles
-    found, so for single-needle tasks `k/n` with its Wilson 95% interval."""
-    rows = ["| task | length | scheme | score | run |", "| --- | ---: | --- | ---: | --- |"]
+    """(length, scheme) rows of `rope-patch sweep` runs, one column per RULER task; a (length, scheme, task) cell
+    found in several runs is taken from the first folder listed."""
+    cells, order, sources = {}, [], {}
     for folder in folders:
         path = folder / "sweep.json"
         if not path.is_file():
             continue
         result = json.loads(path.read_text())
         (length,) = result["settings"]["lengths"]  # RULER: one length per call (its docs are sorted by length)
-        source = folder.relative_to(ROOT / "eval/results").as_posix()
+        source = folder.relative_to(ROOT / "eval/results").as_posix() + "/"
         for r in result["rows"]:
-            n, value = r["n_samples"], r["metrics"][str(length)]
-            k = round(value * n)
-            score = fmt(k, n) if abs(k - value * n) < 1e-9 else f"{100 * value:.0f}% of {n}"
-            rows.append(f"| {r['task']} | {length / 1024:g}k | `{r['scheme']}` | {score} | {source}/ |")
+            key = (length, r["scheme"])
+            if key not in sources:
+                sources[key] = []
+                order.append(key)
+            cells.setdefault(key, {}).setdefault(r["task"], (r["metrics"][str(length)], r["n_samples"]))
+            if source not in sources[key]:
+                sources[key].append(source)
+    tasks = [t for t in RULER_TASKS if any(t in c for c in cells.values())]
+    tasks += sorted({t for c in cells.values() for t in c} - set(tasks))
+    rows = ["| length | scheme | " + " | ".join(tasks) + " | run |",
+            "| ---: | --- | " + " | ".join("---:" for _ in tasks) + " | --- |"]
+    for length, scheme in sorted(order, key=lambda k: (k[0], order.index(k))):
+        row = []
+        for t in tasks:
+            if t not in cells[(length, scheme)]:
+                row.append("–")
+                continue
+            value, n = cells[(length, scheme)][t]
+            row.append(fmt(round(value * n), n) if t in ONE_ANSWER else f"{100 * value:.0f}% of {n}")
+        rows.append(f"| {length / 1024:g}k | `{scheme}` | " + " | ".join(row) + f" | {', '.join(sources[(length, scheme)])} |")
     return "\n".join(rows)
 
 
