@@ -213,6 +213,42 @@ def test_cli_results_draws_a_search_log(tmp_path, monkeypatch):
     assert main(["plot", "results", "search_log.json", "--window", "64"]) == 2
 
 
+def _row(scheme, task, length, value, family=None):
+    return {"scheme": scheme, "task": task, "family": family, "length": length, "metric": str(length),
+            "value": value, "metrics": {str(length): value}, "n_samples": 5}
+
+
+RULER_SWEEP = {"format": "rope_patch.sweep/1", "settings": {"name": "tiny"},
+               "schemes": [{"spec": "default"}, {"spec": "dca:chunk_size=64,local_size=16"}],
+               "rows": [_row("default", "niah_single_1", 4096, 1.0), _row("default", "ruler_vt", 4096, 0.16),
+                        _row("dca:chunk_size=64,local_size=16", "niah_single_1", 4096, 0.4),
+                        _row("default", "niah_single_1", 8192, 0.0)]}
+
+
+def test_tasks_figure_draws_one_bar_per_cell():
+    fig = plots.tasks(RULER_SWEEP)
+    (ax,) = fig.axes
+    heights = sorted(round(p.get_height(), 6) for p in ax.patches)
+    assert heights == [0.0, 16.0, 40.0, 100.0]  # in %, one bar per (task, length, scheme) cell
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks == ["niah_single_1\n4k\nn = 5", "ruler_vt\n4k\nn = 5", "niah_single_1\n8k\nn = 5"]
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {"default", "dca:chunk_size=64,local_size=16"}
+    rope_only = {**RULER_SWEEP, "rows": [_row("default", "rope_ppl_64", 64, 3.0, family="rope_ppl")]}
+    with pytest.raises(ValueError, match="no lm-eval task scores"):
+        plots.tasks(rope_only)
+    assert plots.write_tasks_figure(rope_only, ".") is None
+
+
+def test_cli_results_draws_a_task_sweep(tmp_path, monkeypatch):
+    """`plot results` on a sweep.json of lm-eval's own tasks (RULER) draws their scores (sweep writes tasks.png)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sweep.json").write_text(json.dumps(RULER_SWEEP))
+    assert main(["plot", "results", "sweep.json", "--out", "tasks.png"]) == 0
+    assert (tmp_path / "tasks.png").read_bytes().startswith(b"\x89PNG")
+    assert main(["plot", "results", "sweep.json", "--window", "64"]) == 2
+    assert plots.write_tasks_figure(RULER_SWEEP, tmp_path / "out").name == "tasks.png"
+
+
 def test_cli_reads_a_model_config(tmp_path):
     from helpers.models import tiny_config
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from .. import plots
+from ..plots.tasks import SWEEP_FORMAT
 from ..tuning.log import FORMAT as SEARCH_LOG_FORMAT
 from ..tuning.log import parse_log
 from .args import count, positive, real, rope_layout
@@ -83,14 +84,19 @@ def check_size(args, schemes, rope) -> None:
                          f"GiB limit; pass --max-distance {int(plots.MEMORY_LIMIT / per)} or less.")
 
 
-def _search_log(path) -> dict | None:
-    """The `rope-patch tune` log at `path`, or None for anything else (read_results then says what is wrong)."""
+def _special(path) -> tuple[str, dict] | None:
+    """("search", log) for a `rope-patch tune` log, ("tasks", sweep) for a sweep of lm-eval's own tasks only (RULER,
+    ...); None for anything else (read_results then reads it, or says what is wrong)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if isinstance(data, dict) and data.get("format") == SEARCH_LOG_FORMAT:
-        return parse_log(data, path)
+    if not isinstance(data, dict):
+        return None
+    if data.get("format") == SEARCH_LOG_FORMAT:
+        return "search", parse_log(data, path)
+    if data.get("format") == SWEEP_FORMAT and not any(r.get("family") for r in data.get("rows", [])):
+        return "tasks", data
     return None
 
 
@@ -100,11 +106,13 @@ def _run(args):
             raise ValueError("`rope-patch plot results` needs the results file, e.g. results/compare.json.")
         if args.schemes:
             raise ValueError("`rope-patch plot results` draws the schemes in the file; drop --schemes.")
-        log = _search_log(args.results_file)
-        if log is not None:
+        special = _special(args.results_file)
+        if special is not None:
+            kind, data = special
             if args.window is not None:
-                raise ValueError("a search log's figure has no window axis; drop --window.")
-            fig = plots.search(log)
+                raise ValueError(f"a {'search log' if kind == 'search' else 'task sweep'}'s figure has no window "
+                                 "axis; drop --window.")
+            fig = plots.search(data) if kind == "search" else plots.tasks(data)
         else:
             fig = plots.results(args.results_file, window=args.window)
     else:

@@ -6,7 +6,7 @@ tests alike. `save(fig, path, fmt)` writes PNG or SVG.
 
     style.py    shared by every figure      theory.py   rope_patch.analysis as figures
     results.py  compare / sweep results     memory.py   size estimates of the dense figures
-    tuning.py   a `rope-patch tune` search log
+    tuning.py   a `rope-patch tune` search log       tasks.py    a sweep's lm-eval task scores (RULER, ...)
 
     from rope_patch import plots
     fig = plots.decay(["default", "yarn:8", "linear:8"], head_dim=128, rope_theta=10000, max_position_embeddings=4096)
@@ -25,6 +25,7 @@ from ..registry import did_you_mean
 from .memory import MEMORY_LIMIT, figure_memory, plot_bytes
 from .results import passkey, perplexity, results, write_figures
 from .style import save
+from .tasks import tasks, write_tasks_figure
 from .theory import angles, decay, distance, frequencies, score, wavelengths
 from .tuning import search, write_search_figure
 
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = ["KINDS", "MEMORY_LIMIT", "angles", "decay", "distance", "figure_memory", "frequencies", "make", "passkey",
-           "perplexity", "plot_bytes", "results", "save", "score", "search", "wavelengths", "write_figures",
-           "write_search_figure"]
+           "perplexity", "plot_bytes", "results", "save", "score", "search", "tasks", "wavelengths", "write_figures",
+           "write_search_figure", "write_tasks_figure"]
 
 KINDS = {"decay": decay, "wavelengths": wavelengths, "frequencies": frequencies, "angles": angles,
          "distance": distance, "score": score}

@@ -201,3 +201,16 @@ def test_a_ruler_row_carries_its_length():
                                                                          "n_samples": 5}}}]}
     (row,) = aggregate(state)["rows"]
     assert (row["metric"], row["value"], row["length"], row["n_samples"]) == ("16384", 0.8, 16384, 5)
+
+
+def test_a_task_sweep_writes_its_figure(tmp_path):
+    from rope_patch.integrations.lm_eval.sweep import write_outputs
+
+    state = {"settings": {"tasks": ["niah_single_1"], "lengths": [16384], "model": "m"},
+             "schemes": [{"spec": "default", "cells": {"niah_single_1": {"metrics": {"4096": -1, "16384": 0.8},
+                                                                         "n_samples": 5}}}], "elapsed_s": {}}
+    paths = write_outputs(state, tmp_path)
+    assert paths["tasks_figure"] == tmp_path / "tasks.png" and paths["tasks_figure"].stat().st_size > 0
+    (tmp_path / "quiet").mkdir()
+    assert "tasks_figure" not in write_outputs(state, tmp_path / "quiet", plots=False)
+    assert not (tmp_path / "quiet" / "tasks.png").exists()

@@ -63,11 +63,12 @@ from ...evaluation.compare import FORMAT as COMPARE_FORMAT
 from ...evaluation.passkey import use_chat_template
 from ...evaluation.results import json_safe, write_results
 from ...evaluation.retrieval import wilson_interval
+from ...plots.tasks import SWEEP_FORMAT
 from ...registry import did_you_mean
 from ...specs import scheme_label
 from .tasks import tasks_dir
 
-FORMAT = "rope_patch.sweep/1"
+FORMAT = SWEEP_FORMAT  # defined with its figure (rope_patch.plots.tasks), which the CLI imports without torch
 FAMILIES = ("rope_passkey", "rope_ppl", "rope_niah")
 MAIN_METRIC = {"rope_passkey": "acc", "rope_niah": "acc", "rope_ppl": "token_perplexity"}
 
@@ -454,6 +455,8 @@ def write_outputs(state: dict, out: Path, plots: bool = True) -> dict[str, Path]
     paths = {"json": out / "sweep.json", "markdown": out / "sweep.md"}
     paths["json"].write_text(json.dumps(json_safe(result), indent=1) + "\n")
     paths["markdown"].write_text(markdown(result))
+    if plots and (tasks_png := figures.write_tasks_figure(result, out)) is not None:
+        paths["tasks_figure"] = tasks_png
     cmp = compare_format(result)
     if cmp is not None:
         written = write_results(cmp, out)
