@@ -23,7 +23,8 @@ TUNE = ROOT / "eval/results/smollm2/tune_self_extend/search_log.json"
 MARK = "<!-- smollm2-table -->"
 MARK_32K = "<!-- smollm2-32k -->"
 TUNE_MARK = "<!-- smollm2-tune -->"
-RULER = [ROOT / "eval/results/smollm2" / d for d in ("ruler4k", "ruler8k", "ruler16k", "ruler16k_b")]  # rope-patch sweep runs
+RULER = [ROOT / "eval/results/smollm2" / d for d in  # rope-patch sweep runs; a cell in several: the first folder's
+         ("ruler4k", "ruler8k", "ruler16k_n10", "ruler16k", "ruler16k_b")]
 RULER_MARK = "<!-- smollm2-ruler -->"
 PASSKEY = [ROOT / "eval/results" / d for d in
            ("chat_template_smollm2/per_sample_on", "smollm2/passkey", "smollm2/passkey16k",
@@ -78,14 +79,16 @@ def ruler_table(folders) -> str:
             if key not in sources:
                 sources[key] = []
                 order.append(key)
-            cells.setdefault(key, {}).setdefault(r["task"], (r["metrics"][str(length)], r["n_samples"]))
+            if r["task"] in cells.setdefault(key, {}):
+                continue  # taken from an earlier folder
+            cells[key][r["task"]] = (r["metrics"][str(length)], r["n_samples"])
             if source not in sources[key]:
                 sources[key].append(source)
     tasks = [t for t in RULER_TASKS if any(t in c for c in cells.values())]
     tasks += sorted({t for c in cells.values() for t in c} - set(tasks))
     rows = ["| length | scheme | " + " | ".join(tasks) + " | run |",
             "| ---: | --- | " + " | ".join("---:" for _ in tasks) + " | --- |"]
-    for length, scheme in sorted(order, key=lambda k: (k[0], order.index(k))):
+    for length, scheme in sorted(order, key=lambda k: (k[0], k[1] != "default", order.index(k))):  # vanilla first
         row = []
         for t in tasks:
             if t not in cells[(length, scheme)]:
