@@ -46,7 +46,7 @@ def test_noise_filler_is_long_enough_when_tokens_merge_across_copies():
     tok = PreTrainedTokenizerFast(tokenizer_object=tk)
     one, two = (len(tok.encode(NOISE * k, add_special_tokens=False)) for k in (1, 2))
     assert two < 2 * one  # the case: two copies take fewer tokens than twice one
-    for n in (64, 1000, 5000):
+    for n in (64, 500):  # (a tokenizer without a pre-tokenizer is slow on long text: keep n small)
         assert len(noise_filler(tok, n)) >= n
 
 
