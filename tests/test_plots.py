@@ -204,15 +204,6 @@ SEARCH_LOG = {"format": "rope_patch.tune/1", "settings": {"method": "grid", "tar
     {"index": 0, "generation": 0, "objective": 3.0}, {"index": 1, "generation": 0, "objective": "inf"}]}
 
 
-def test_cli_results_draws_a_search_log(tmp_path, monkeypatch):
-    """`plot results` on a tune search_log.json draws the search figure (what tune writes as search.png)."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "search_log.json").write_text(json.dumps(SEARCH_LOG))
-    assert main(["plot", "results", "search_log.json", "--out", "search.png"]) == 0
-    assert (tmp_path / "search.png").read_bytes().startswith(b"\x89PNG")
-    assert main(["plot", "results", "search_log.json", "--window", "64"]) == 2
-
-
 def _row(scheme, task, length, value, family=None):
     return {"scheme": scheme, "task": task, "family": family, "length": length, "metric": str(length),
             "value": value, "metrics": {str(length): value}, "n_samples": 5}
@@ -239,13 +230,20 @@ def test_tasks_figure_draws_one_bar_per_cell():
     assert plots.write_tasks_figure(rope_only, ".") is None
 
 
-def test_cli_results_draws_a_task_sweep(tmp_path, monkeypatch):
-    """`plot results` on a sweep.json of lm-eval's own tasks (RULER) draws their scores (sweep writes tasks.png)."""
+@pytest.mark.parametrize(("name", "content", "figure"), [
+    ("search_log.json", SEARCH_LOG, "search.png"),  # a tune log: the search figure (what tune writes)
+    ("sweep.json", RULER_SWEEP, "tasks.png"),  # a sweep of lm-eval's own tasks (RULER): their scores (sweep's)
+])
+def test_cli_results_draws_a_search_log_or_a_task_sweep(tmp_path, monkeypatch, name, content, figure):
+    """`plot results` recognises the file and draws its own figure; neither has a window axis."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "sweep.json").write_text(json.dumps(RULER_SWEEP))
-    assert main(["plot", "results", "sweep.json", "--out", "tasks.png"]) == 0
-    assert (tmp_path / "tasks.png").read_bytes().startswith(b"\x89PNG")
-    assert main(["plot", "results", "sweep.json", "--window", "64"]) == 2
+    (tmp_path / name).write_text(json.dumps(content))
+    assert main(["plot", "results", name, "--out", figure]) == 0
+    assert (tmp_path / figure).read_bytes().startswith(b"\x89PNG")
+    assert main(["plot", "results", name, "--window", "64"]) == 2
+
+
+def test_a_sweep_writes_its_tasks_figure(tmp_path):
     assert plots.write_tasks_figure(RULER_SWEEP, tmp_path / "out").name == "tasks.png"
 
 

@@ -122,9 +122,9 @@ def check_passkey_prompts(tokenizer, token_ids, lengths, depths, seed, chat_temp
                           haystack: str = "prose") -> None:
     """Build one passkey prompt per (length, depth): a length too short for the prompt fails now, not mid-run."""
     for L in lengths:
+        filler = haystack_filler(tokenizer, haystack, token_ids, L)  # tokenized once per length
         for d in depths:
-            make_cell(tokenizer, haystack_filler(tokenizer, haystack, token_ids, L), L, d, 1, seed,
-                      chat_template=chat_template)
+            make_cell(tokenizer, filler, L, d, 1, seed, chat_template=chat_template)
 
 
 def _loadavg() -> list[float] | None:
