@@ -59,8 +59,13 @@ def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
 
     # resume: finished cells are skipped; a new length runs only its cells, for every scheme
     calls.clear()
-    S.sweep(sweep_args(assets, out), log=lambda m: None)
+    machine = result["machine"]
+    assert machine["threads"] >= 1 and machine["cpu_count"] >= 1
+    with monkeypatch.context() as m:  # a re-run on a busier machine that runs nothing keeps the runs' machine
+        m.setattr(S, "_machine", lambda: {"threads": 99, "cpu_count": 99, "loadavg": [99.0, 99.0, 99.0]})
+        S.sweep(sweep_args(assets, out), log=lambda m: None)
     assert calls == []
+    assert json.loads((out / "sweep.json").read_text())["machine"] == machine
     # the timings of the runs that made the cells survive a resume (they travel in the cells)
     first, resumed = state["elapsed_s"], json.loads((out / "sweep.json").read_text())["elapsed_s"]
     assert resumed["default"] == first["default"] > 0 and resumed["yarn:2"] == first["yarn:2"] > 0

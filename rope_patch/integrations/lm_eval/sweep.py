@@ -31,7 +31,8 @@ other task is present (RULER's samples depend on what ran before them in the run
 
 Output (`<out>/`): `sweep.json` (format "rope_patch.sweep/1": settings, schemes, one row per cell with all of lm-eval's
 metrics, `elapsed_s`: each scheme's lm-eval runs as recorded in its cells, each run once (`time_spent`), so a resumed
-sweep keeps them, their `total`, and this call's `wall`), `sweep.md` (scheme x task table of each task's main metric), and, when the suite has `rope_ppl` /
+sweep keeps them, their `total`, and this call's `wall`; `machine`: threads and load of the newest run that made a
+cell), `sweep.md` (scheme x task table of each task's main metric), and, when the suite has `rope_ppl` /
 `rope_passkey` cells, the compare-format files `compare.json/.csv/.md`, `perplexity.png`, `passkey.png` (redraw
 with `rope-patch plot results`).
 """
@@ -367,7 +368,14 @@ def aggregate(state: dict) -> dict:
                          **({"by_depth": cell["by_depth"]} if "by_depth" in cell else {})})
     return {"format": FORMAT, "settings": state["settings"],
             "schemes": [{k: v for k, v in s.items() if k != "cells"} for s in state["schemes"]],
-            "rows": rows, "elapsed_s": state.get("elapsed_s", {}), "machine": _machine()}
+            "rows": rows, "elapsed_s": state.get("elapsed_s", {}), "machine": _runs_machine(state)}
+
+
+def _runs_machine(state: dict) -> dict:
+    """The machine of the newest lm-eval run that made a cell (so a re-run that runs nothing leaves it as it was);
+    this call's when no cell records one."""
+    runs = [c for s in state["schemes"] for c in s["cells"].values() if c.get("run_machine") and c.get("run_id")]
+    return max(runs, key=lambda c: c["run_id"])["run_machine"] if runs else _machine()
 
 
 def _machine() -> dict:
