@@ -37,3 +37,24 @@ def test_the_readme_table_is_the_committed_results(mark):
 def test_every_result_table_has_a_place_in_the_readme():
     """The 16k and passkey tables always exist; 32k and tune appear once their runs are committed."""
     assert {TABLE.MARK, TABLE.PASSKEY_MARK} <= set(TABLES)
+
+
+def _passkey_run(folder: Path, haystack: str | None, correct: int) -> None:
+    settings = {"chat_template": {"used": True}, **({"haystack": haystack} if haystack else {})}
+    cells = [{"scheme": "default", "length": 4096, "depth": 0.5, "correct": correct, "n": 3}]
+    folder.mkdir(parents=True)
+    (folder / "compare.json").write_text(__import__("json").dumps({"settings": settings, "passkey": cells}))
+
+
+@pytest.mark.parametrize("haystack, expected", [("prose", "2/3"), ("noise", "3/3")])
+def test_the_passkey_table_keeps_one_haystack(tmp_path, monkeypatch, haystack, expected):
+    """A run without the setting is a prose run (it predates noise); a noise run never lands in the prose table."""
+    monkeypatch.setattr(TABLE, "ROOT", tmp_path)
+    runs = tmp_path / "eval/results"
+    _passkey_run(runs / "old", None, 2)
+    _passkey_run(runs / "prose", "prose", 1)
+    _passkey_run(runs / "noise", "noise", 3)
+    table = TABLE.passkey_table([runs / "old", runs / "prose", runs / "noise"], haystack=haystack)
+    # one row: a (template, scheme, length) cell in two prose runs is the first folder's, as in the README's table
+    (row,) = table.split("\n")[2:]
+    assert row.split(" | ")[3].startswith(expected + " ")

@@ -7,7 +7,12 @@
 #   plain      chat template off, 4k and 8k, 3 prompts per cell, vanilla -> passkey_plain/
 #   beyond     chat template off, 16k (2x the window), 1 prompt per cell, vanilla / DCA / YaRN x2 (the best
 #              attention-side and frequency schemes on perplexity at 16k, ppl16k/) -> passkey16k_plain/
-# Usage: run_passkey.sh template|plain|beyond [SCHEME ...]   (beyond: the schemes to run, default all three)
+#   noise      chat template on, the passkey paper's haystack ("The grass is green. ..." lines, --haystack noise,
+#              which the model can search inside its window), one shared haystack per cell (--shared-haystack:
+#              its prefix is prefilled once), 3 prompts per cell; vanilla at 4k / 8k / 16k -> passkey_noise/, and
+#              each scheme given at 16k -> passkey_noise16k_<scheme>/ (one folder each, so they can run side by side)
+# Usage: run_passkey.sh template|plain|beyond|noise [SCHEME ...]   (beyond: the schemes to run, default all three;
+#        noise: none for vanilla, or the schemes to run at 16k)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 mode=${1:?template, plain or beyond}; shift
@@ -20,5 +25,14 @@ case $mode in
   beyond)   schemes=("$@"); [[ ${#schemes[@]} -gt 0 ]] || schemes=(default dca:chunk_size=6144,local_size=1024 yarn:factor=2)
             .venv/bin/rope-patch compare "${common[@]}" --chat-template off --passkey-samples 1 \
               --passkey-lengths 16384 --schemes "${schemes[@]}" --out "eval/results/smollm2/passkey16k_plain${OUT_SUFFIX:-}" ;;
-  *) echo "unknown mode $mode: template, plain or beyond" >&2; exit 2 ;;
+  noise)    noise=(--chat-template on --haystack noise --shared-haystack --passkey-samples 3)
+            if [[ $# -eq 0 ]]; then
+              .venv/bin/rope-patch compare "${common[@]}" "${noise[@]}" --passkey-lengths 4096 8192 16384 \
+                --schemes default --out eval/results/smollm2/passkey_noise
+            fi
+            for s in "$@"; do
+              .venv/bin/rope-patch compare "${common[@]}" "${noise[@]}" --passkey-lengths 16384 \
+                --schemes "$s" --out "eval/results/smollm2/passkey_noise16k_${s%%:*}"
+            done ;;
+  *) echo "unknown mode $mode: template, plain, beyond or noise" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """The README's SmolLM2 tables: perplexity by position from ppl16k/compare.json (run_ppl16k.sh) and ppl32k/
 (run_ppl32k.sh, the schemes finished so far), the tuned scheme against the baselines on the acceptance text
 (tune_self_extend/search_log.json, `rope-patch tune`), RULER's niah_single_1 by `rope-patch sweep` (RULER), and passkey by length x depth from the passkey runs
-(run_passkey.sh, run_passkey16k.sh: the folders in PASSKEY; a cell of one scheme, length and template setting found
+(run_passkey.sh, run_passkey16k.sh: the folders in PASSKEY, and PASSKEY_NOISE for the passkey in noise; a cell of one scheme, length and template setting found
 in several runs is taken from the first folder listed).
 
     python eval/results/smollm2/table.py            # prints the tables
@@ -24,12 +24,15 @@ MARK = "<!-- smollm2-table -->"
 MARK_32K = "<!-- smollm2-32k -->"
 TUNE_MARK = "<!-- smollm2-tune -->"
 RULER = [ROOT / "eval/results/smollm2" / d for d in  # rope-patch sweep runs; a cell in several: the first folder's
-         ("ruler4k", "ruler8k", "ruler16k_n10", "ruler16k", "ruler16k_b")]
+         ("ruler4k_n20", "ruler4k", "ruler8k_n20", "ruler8k", "ruler16k_n20", "ruler16k_n10", "ruler16k", "ruler16k_b")]
 RULER_MARK = "<!-- smollm2-ruler -->"
 PASSKEY = [ROOT / "eval/results" / d for d in
            ("chat_template_smollm2/per_sample_on", "smollm2/passkey", "smollm2/passkey16k",
             "chat_template_smollm2/per_sample_off", "smollm2/passkey_plain")]
 PASSKEY_MARK = "<!-- smollm2-passkey -->"
+PASSKEY_NOISE = [ROOT / "eval/results/smollm2" / d for d in  # run_passkey.sh noise [SCHEME ...]
+                 ("passkey_noise", "passkey_noise16k_dca", "passkey_noise16k_yarn")]
+PASSKEY_NOISE_MARK = "<!-- smollm2-passkey-noise -->"
 
 
 def table(results: dict) -> str:
@@ -100,14 +103,14 @@ def ruler_table(folders) -> str:
     return "\n".join(rows)
 
 
-def passkey_table(folders) -> str:
-    """(template, scheme, length) rows, one column per depth and one for the row: `k/n (low-high%)`, Wilson 95%."""
+def passkey_table(folders, haystack: str = "prose") -> str:
+    """(template, scheme, length) rows of the runs whose passkey hid in `haystack` (prose: also the runs from before
+    the setting existed), one column per depth and one for the row: `k/n (low-high%)`, Wilson 95%."""
     cells, order, depths = {}, [], set()
     for folder in folders:
-        path = folder / "compare.json"
-        if not path.is_file():
+        result = _read(folder / "compare.json")
+        if result is None or result["settings"].get("haystack", "prose") != haystack:
             continue
-        result = json.loads(path.read_text())
         template = "on" if result["settings"]["chat_template"]["used"] else "off"
         for c in result["passkey"]:
             key = (template, c["scheme"], c["length"])
@@ -153,6 +156,8 @@ def _read(path: Path) -> dict | None:
 def tables() -> dict[str, str]:
     """Mark -> table, for the results that exist."""
     out = {MARK: table(json.loads(RESULTS.read_text())), PASSKEY_MARK: passkey_table(PASSKEY)}
+    if any((folder / "compare.json").is_file() for folder in PASSKEY_NOISE):
+        out[PASSKEY_NOISE_MARK] = passkey_table(PASSKEY_NOISE, haystack="noise")
     if any((folder / "sweep.json").is_file() for folder in RULER):
         out[RULER_MARK] = ruler_table(RULER)
     if (results_32k := _read(RESULTS_32K)) and results_32k["records"]:
