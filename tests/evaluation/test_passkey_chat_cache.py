@@ -91,7 +91,10 @@ def test_shared_haystack_cells_share_the_filler_before_the_needle(tok, filler):
 
 
 CASES = [("llama", s) for s in (None, "yarn:2", "dynamic:2", "dynamic_yarn:2", "self_extend:group_size=2,window_size=8",
-                                "alibi")]
+                                "alibi",
+                                # the attention-side schemes whose prompts the 16k runs feed through this cache
+                                "dca:chunk_size=64,local_size=16", "rerope:window_size=32",
+                                "leaky_rerope:window_size=32,factor=4", "string:shift_size=40,window_size=16")]
 CASES += [(arch, None) for arch in ("gemma3_text", "qwen3", "cohere2")]  # sliding-window caches, q/k norms, NoPE layers
 
 
