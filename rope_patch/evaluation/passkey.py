@@ -14,8 +14,9 @@ deliberate:
   is blue. ..." lines: a language model trained on prose is then tested on in-distribution text, and it cannot
   solve the task by spotting the one sentence that breaks a repetition. The paper's own filler is one call away
   (``noise_filler``, ``haystack="noise"`` in `rope-patch compare` and `tune`): a small model that cannot find a key
-  in prose even inside its window (SmolLM2-135M from 4k on) may still find it there, which is what RULER's
-  ``niah_single_1`` measures too.
+  in prose even inside its window may still find it there, which is what RULER's ``niah_single_1`` measures too.
+  (SmolLM2-135M-Instruct does not, with its template: it answers once the lead-in "The pass key is" opens the
+  assistant turn instead of closing the user turn, as RULER's prompts do; eval/results/smollm2/leadin_check.py.)
 - The needle sits at an exact ``depth`` (0 = start, 1 = end of the filler) so that accuracy can be swept over
   depth as in the "needle in a haystack" plots, and the prompt is exactly ``length_tokens`` tokens long, measured
   in the model's own tokens, so that lengths can be set relative to its training window.

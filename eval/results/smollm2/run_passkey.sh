@@ -11,6 +11,8 @@
 #              which the model can search inside its window), one shared haystack per cell (--shared-haystack:
 #              its prefix is prefilled once), 3 prompts per cell; vanilla at 4k / 8k / 16k -> passkey_noise/, and
 #              each scheme given at 16k -> passkey_noise16k_<scheme>/ (one folder each, so they can run side by side)
+#              (101 min; vanilla is at floor in its window with the template, 0/9 at 4k and 8k, so the scheme runs
+#              were stopped: leadin_check.py shows the prompt's answer lead-in in the user turn is what fails)
 # Usage: run_passkey.sh template|plain|beyond|noise [SCHEME ...]   (beyond: the schemes to run, default all three;
 #        noise: none for vanilla, or the schemes to run at 16k)
 set -euo pipefail
