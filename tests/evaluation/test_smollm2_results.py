@@ -5,6 +5,7 @@ changes a number and forgets the README fails here. No model is loaded."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def _passkey_run(folder: Path, haystack: str | None, correct: int) -> None:
     settings = {"chat_template": {"used": True}, **({"haystack": haystack} if haystack else {})}
     cells = [{"scheme": "default", "length": 4096, "depth": 0.5, "correct": correct, "n": 3}]
     folder.mkdir(parents=True)
-    (folder / "compare.json").write_text(__import__("json").dumps({"settings": settings, "passkey": cells}))
+    (folder / "compare.json").write_text(json.dumps({"settings": settings, "passkey": cells}))
 
 
 @pytest.mark.parametrize("haystack, expected", [("prose", "2/3"), ("noise", "3/3")])
