@@ -13,7 +13,9 @@ Result JSON (`compare.json`, format "rope_patch.compare/1"; `rope-patch plot res
       "settings": {"lengths": [256, ...], "passkey_lengths": [...], "depths": [0.1, 0.5, 0.9],
                    "passkey_samples": 4, "seed": 0, "ppl_tokens": 8192, "windows_at_longest": 4,
                    "heldout": {"path", "sha256", "bytes", "tokens"},
-                   "chat_template": {"mode": "auto", "used": false}, "haystack": "prose", "shared_haystack": false,
+                   "chat_template": {"mode": "auto", "used": false},
+                   "passkey_prompt": "plain",   # or "chat" (passkey.PROMPT_FORMS; absent before 2026-12-02)
+                   "haystack": "prose", "shared_haystack": false,
                    "bucket_size": null,     # null: the default buckets [0, W), [W, 2W), [2W, 4W), ...
                    "budget": null or {"minutes", "estimate_s", "estimate_untrimmed_s", "trimmed", "fits",
                               "passkey_samples", "windows_at_longest", "line", "probe": {"tokens", "s_per_token"}},
@@ -59,7 +61,7 @@ from ..discovery import find_target
 from ..specs import parse_scheme_spec, scheme_label
 from .budget import fit_budget, run_tokens, seconds_per_token
 from .common import read_tokens, versions
-from .passkey import check_haystack, haystack_filler, use_chat_template
+from .passkey import PROMPT_FORMS, check_haystack, haystack_filler, prompt_form, use_chat_template
 from .perplexity import evaluate_perplexity, fixed_buckets, perplexity_work
 from .results import FORMAT, json_safe
 from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell, wilson_interval
@@ -140,8 +142,8 @@ def _json_params(params: dict) -> dict:
 
 # What must be equal for a cell of an earlier run to stand in a new one (the lengths and schemes may differ).
 _SAME_MODEL = ("path", "model_type", "window", "n_params", "dtype")
-_SAME_SETTINGS = ("depths", "passkey_samples", "seed", "ppl_tokens", "chat_template_used", "haystack",
-                  "shared_haystack", "bucket_size")
+_SAME_SETTINGS = ("depths", "passkey_samples", "seed", "ppl_tokens", "chat_template_used", "passkey_prompt",
+                  "haystack", "shared_haystack", "bucket_size")
 # What a result written before a setting existed ran with.
 _SETTING_DEFAULTS = {"chat_template_used": False, "haystack": "prose", "shared_haystack": False, "bucket_size": None}
 
@@ -149,6 +151,8 @@ _SETTING_DEFAULTS = {"chat_template_used": False, "haystack": "prose", "shared_h
 def _setting(settings: dict, key: str):
     if key == "chat_template_used":
         return (settings.get("chat_template") or {}).get("used", False)
+    if key == "passkey_prompt" and key not in settings:  # written before the lead-in moved to the assistant turn
+        return PROMPT_FORMS[2] if _setting(settings, "chat_template_used") else PROMPT_FORMS[0]
     return settings.get(key, _SETTING_DEFAULTS.get(key))
 
 
@@ -276,7 +280,7 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                      "windows_at_longest": windows_at_longest, "heldout": held,
                      "chat_template": {"mode": str(chat_template) if not isinstance(chat_template, bool)
                                        else ("on" if chat_template else "off"), "used": chat},
-                     "haystack": haystack, "shared_haystack": bool(shared_haystack), "bucket_size": bucket_size, "budget": plan,
+                     "passkey_prompt": prompt_form(chat), "haystack": haystack, "shared_haystack": bool(shared_haystack), "bucket_size": bucket_size, "budget": plan,
                      "machine": {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                                  "loadavg_start": load_start, "loadavg_end": None},
                      "counts": {"passkey_per_cell": passkey_samples if passkey_lengths else 0,

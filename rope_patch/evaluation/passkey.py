@@ -7,7 +7,8 @@ position it was never trained on. A prompt is
 
     <filler> The pass key is 48213. Remember it. 48213 is the pass key. <filler> What is the pass key? The pass key is
 
-and the model is right when the first number it generates is the key. Two departures from the paper, both
+and the model is right when the first number it generates is the key. The question ends with the answer's lead-in
+(``LEAD_IN``, " The pass key is"), so the next thing to say is the key. Two departures from the paper, both
 deliberate:
 
 - The filler is real prose (a random stretch of a given text) instead of the repeated "The grass is green. The sky
@@ -15,8 +16,6 @@ deliberate:
   solve the task by spotting the one sentence that breaks a repetition. The paper's own filler is one call away
   (``noise_filler``, ``haystack="noise"`` in `rope-patch compare` and `tune`): a small model that cannot find a key
   in prose even inside its window may still find it there, which is what RULER's ``niah_single_1`` measures too.
-  (SmolLM2-135M-Instruct does not, with its template: it answers once the lead-in "The pass key is" opens the
-  assistant turn instead of closing the user turn, as RULER's prompts do; eval/results/smollm2/leadin_check.py.)
 - The needle sits at an exact ``depth`` (0 = start, 1 = end of the filler) so that accuracy can be swept over
   depth as in the "needle in a haystack" plots, and the prompt is exactly ``length_tokens`` tokens long, measured
   in the model's own tokens, so that lengths can be set relative to its training window.
@@ -26,10 +25,18 @@ gives the same samples for training-data mixing (``recipes/pretrain_tiny.py``) a
 the process draws.
 
 Chat models (``chat_template``): the haystack, needle and question are the user turn of the tokenizer's own chat
-template and the answer is generated after its assistant prefix (``apply_chat_template(messages,
-add_generation_prompt=True)``). The prompt is still exactly ``length_tokens`` tokens, the template's included (the
-haystack is shortened by them), and ``depth`` is a fraction of the haystack, not of the templated prompt. An
-instruction-tuned model asked without its template often rambles instead of answering.
+template, and the lead-in opens the assistant turn, after its assistant prefix (``apply_chat_template(messages,
+add_generation_prompt=True)``), where the model's own answer would start:
+
+    <|im_start|>user\n<filler> ... <filler> What is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is
+
+That is where RULER's prompts put theirs (lm-eval's ``gen_prefix``). A lead-in that closes the user turn instead
+reads as part of the question: SmolLM2-135M-Instruct then explains what a pass key is (0/3 at 4k in the paper's
+haystack) and answers 3/3 on the same prompts with the lead-in in its own turn (eval/results/smollm2/leadin_check.py;
+``PROMPT_FORMS`` names both, and results record which one they used). The prompt is still exactly ``length_tokens``
+tokens, the template's included (the haystack is shortened by them), and ``depth`` is a fraction of the haystack,
+not of the templated prompt. An instruction-tuned model asked without its template often rambles instead of
+answering.
 """
 
 from __future__ import annotations
@@ -42,7 +49,11 @@ NEEDLE = " The pass key is {passkey}. Remember it. {passkey} is the pass key."
 # Mohtashami & Jaggi's filler line, repeated with a space between copies as in their code (Landmark Attention)
 NOISE = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 HAYSTACKS = ("prose", "noise")  # the held-out text, or NOISE
-QUESTION = " What is the pass key? The pass key is"
+QUESTION = " What is the pass key?"
+LEAD_IN = " The pass key is"  # the answer's opening: the prompt's last words (with a chat template, the assistant's first)
+# How a prompt was laid out, as results record it (`prompt_form`): no template; the template with the lead-in opening
+# the assistant turn (today's); the template with the lead-in closing the user turn (results before 2026-12-02).
+PROMPT_FORMS = ("plain", "chat", "chat-lead-in-in-user-turn")
 _FIRST_NUMBER = re.compile(r"\d+")
 
 
@@ -71,6 +82,11 @@ def use_chat_template(tokenizer, mode: str | bool | None) -> bool:
         raise ValueError("chat_template='on' was asked for, but this tokenizer has no chat template "
                          "(tokenizer.chat_template is empty): use 'auto' or 'off', or a tokenizer that ships one.")
     return mode == "on" or (mode == "auto" and has_chat_template(tokenizer))
+
+
+def prompt_form(chat_template: bool) -> str:
+    """The `PROMPT_FORMS` entry of the prompts `make_passkey_sample` builds with this `chat_template` flag."""
+    return "chat" if chat_template else "plain"
 
 
 def chat_wrap(tokenizer) -> tuple[list[int], list[int]]:
@@ -131,11 +147,13 @@ def make_passkey_sample(
     filler_ids = _encode(tokenizer, filler) if isinstance(filler, str) else filler
     passkey = rng.randint(10000, 99999)
     if chat_template:
-        bos, tail = chat_wrap(tokenizer)
+        bos, header = chat_wrap(tokenizer)
+        # the lead-in opens the assistant turn (module docstring); tokenized on its own, as the model's first words
+        question, tail = _encode(tokenizer, QUESTION), header + _encode(tokenizer, LEAD_IN.lstrip())
     else:
-        bos, tail = ([tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []), []
+        bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
+        question, tail = _encode(tokenizer, QUESTION + LEAD_IN), []
     needle = _encode(tokenizer, NEEDLE.format(passkey=passkey))
-    question = _encode(tokenizer, QUESTION)
 
     n_filler = length_tokens - len(bos) - len(needle) - len(question) - len(tail)
     if n_filler < 0:

@@ -14,9 +14,10 @@ the generated tokens' queries share one set - what a full recompute of the final
 cache that mixes them (transformers #25104); `fixed_length=False` lets them follow the length (transformers'
 behaviour, or the scheme's `cache_rotation`). See `common.at_length`.
 
-Chat templates (`chat_template=True`): every prompt is the tokenizer's chat template around the user turn, the answer
-generated after the assistant prefix (`passkey.make_passkey_sample`); the template's tokens count in the length and
-the answer gets the tokens of " The pass key is" more to be generated, for a model that restates the question.
+Chat templates (`chat_template=True`): every prompt is the tokenizer's chat template around the user turn, and the
+answer is generated after the assistant prefix and the lead-in "The pass key is" that opens the assistant turn
+(`passkey.make_passkey_sample`); the template's tokens count in the length, and the answer gets the lead-in's tokens
+more to be generated, for a model that restates it.
 
 Shared haystack and prefix reuse (`shared_haystack=True`): the prompts of a cell take the same filler stretch (one
 offset drawn per cell), so they differ only from the needle on; what they share is everything before it: BOS (or the
@@ -47,11 +48,10 @@ import torch
 from ..api import current
 from ..discovery import find_target
 from .common import at_length
-from .passkey import make_passkey_sample, score_passkey
+from .passkey import LEAD_IN, make_passkey_sample, score_passkey
 
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 MIN_SHARED_PREFIX = 16  # a shorter common prefix is not worth a separate prefill
-_ANSWER_LEAD = " The pass key is"  # what a chat model may restate before the key: its tokens are added to the budget
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -90,9 +90,9 @@ def make_cell(tokenizer, filler_ids: Sequence[int], length: int, depth: float, n
 
 
 def new_tokens(tokenizer, samples: Sequence[dict], chat_template: bool = False) -> int:
-    """Tokens to generate for a cell: the key's tokens + 1 (catches "482130" for "48213"), plus " The pass key is"
-    with a chat template."""
-    extra = len(tokenizer.encode(_ANSWER_LEAD, add_special_tokens=False)) if chat_template else 0
+    """Tokens to generate for a cell: the key's tokens + 1 (catches "482130" for "48213"), plus the lead-in's
+    (" The pass key is") with a chat template, for a chat model that restates it."""
+    extra = len(tokenizer.encode(LEAD_IN, add_special_tokens=False)) if chat_template else 0
     return max(len(s["answer_ids"]) for s in samples) + 1 + extra
 
 

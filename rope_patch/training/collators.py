@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..evaluation.passkey import NEEDLE, QUESTION, make_passkey_sample
+from ..evaluation.passkey import LEAD_IN, NEEDLE, QUESTION, make_passkey_sample
 from .data import INDEX
 from .pose import pose_inputs, pose_position_ids, validate_pose
 from .seeding import as_index, sample_rng
@@ -137,7 +137,7 @@ class PasskeyMixer:
                            else [int(t) for t in self.filler_ids])
         # BOS + needle + question with a 5-digit key: the shortest prompt this tokenizer can make.
         shortest = (self.tokenizer.bos_token_id is not None) + sum(
-            len(self.tokenizer.encode(text, add_special_tokens=False)) for text in (NEEDLE.format(passkey=99999), QUESTION))
+            len(self.tokenizer.encode(text, add_special_tokens=False)) for text in (NEEDLE.format(passkey=99999), QUESTION + LEAD_IN))
         if self.min_tokens < shortest:
             raise ValueError(f"PasskeyMixer: min_tokens={self.min_tokens} cannot hold the needle and the question, "
                              f"which take {shortest} tokens with this tokenizer: set min_tokens >= {shortest}.")

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..evaluation.passkey import PROMPT_FORMS
 from ..evaluation.results import json_safe
 from ..files import write_text_atomic
 
@@ -75,12 +76,14 @@ def parse_log(data, path: str | Path = "the log") -> dict:
 
 def _comparable(settings: dict) -> dict:
     """The settings that must match for a resume. A passkey term's prompts are what count: a log written before
-    its haystack / chat-template settings existed hid the key in the tuning text without the template, and the
-    template mode (auto, on) matters only through whether it was used."""
+    its haystack / chat-template settings existed hid the key in the tuning text without the template, one written
+    before `passkey_prompt` existed put a templated prompt's lead-in in the user turn, and the template mode (auto,
+    on) matters only through whether it was used."""
     out = {k: v for k, v in settings.items() if k not in RESUMABLE}
     if out.get("passkey_weight"):
         out.setdefault("haystack", "prose")
         out["chat_template"] = bool((out.get("chat_template") or {}).get("used", False))
+        out.setdefault("passkey_prompt", PROMPT_FORMS[2] if out["chat_template"] else PROMPT_FORMS[0])
     return out
 
 

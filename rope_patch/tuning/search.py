@@ -24,7 +24,7 @@ from pathlib import Path
 from ..api import as_scheme
 from ..discovery import find_target
 from ..evaluation.common import versions
-from ..evaluation.passkey import CHAT_TEMPLATE_MODES, check_haystack, use_chat_template
+from ..evaluation.passkey import CHAT_TEMPLATE_MODES, check_haystack, prompt_form, use_chat_template
 from ..evaluation.results import json_safe
 from ..files import write_text_atomic
 from ..registry import canonical_name
@@ -159,7 +159,8 @@ def tune(model, tokenizer, token_ids: Sequence[int], options: TuneOptions, *, lo
     chat = False
     if options.passkey_weight > 0:  # the passkey term's prompts (absent from a perplexity-only log)
         chat = use_chat_template(tokenizer, options.chat_template)
-        settings.update(haystack=options.haystack, chat_template={"mode": options.chat_template, "used": chat})
+        settings.update(haystack=options.haystack, chat_template={"mode": options.chat_template, "used": chat},
+                        passkey_prompt=prompt_form(chat))
     tuning_ids, _, split = split_heldout(token_ids, options.split_fraction)
     head = {"model": model_info(model), **(header or {}), "settings": settings, "split": split}
     if previous is not None:

@@ -44,6 +44,7 @@ def _run(setup, tok=None, **kw):
 def test_chat_template_is_resolved_and_recorded(setup, chat_tok, mode, templated, used):
     res = _run(setup, chat_tok if templated else None, chat_template=mode, passkey_samples=1, depths=[0.5])
     assert res["settings"]["chat_template"] == {"mode": mode, "used": used}
+    assert res["settings"]["passkey_prompt"] == ("chat" if used else "plain")  # where the lead-in sat: a resume key
 
 
 def test_chat_template_on_without_template_fails_before_any_evaluation(setup, monkeypatch):
@@ -92,9 +93,15 @@ def test_markdown_and_figure_show_n_and_interval(setup, tmp_path):
 def test_older_results_resume_with_the_defaults(setup):
     res = _run(setup, passkey_samples=1, depths=[0.5])
     old = json.loads(json.dumps(res))
-    for k in ("chat_template", "shared_haystack", "bucket_size"):
+    for k in ("chat_template", "passkey_prompt", "shared_haystack", "bucket_size"):
         del old["settings"][k]
     assert resume_mismatch(old, res) is None
+    # a templated result from before `passkey_prompt` put its lead-in in the user turn: not resumed into today's
+    chat = json.loads(json.dumps(res))
+    chat["settings"].update(chat_template={"mode": "on", "used": True}, passkey_prompt="chat")
+    old_chat = json.loads(json.dumps(chat))
+    del old_chat["settings"]["passkey_prompt"]
+    assert resume_mismatch(old_chat, chat) == "passkey_prompt 'chat-lead-in-in-user-turn' -> 'chat'"
     changed = _run(setup, passkey_samples=1, depths=[0.5], shared_haystack=True)
     assert "shared_haystack False -> True" in resume_mismatch(res, changed)
 

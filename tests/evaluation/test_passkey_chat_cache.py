@@ -13,7 +13,16 @@ from helpers.text import char_tokenizer
 
 import rope_patch
 from rope_patch.evaluation import retrieval
-from rope_patch.evaluation.passkey import NEEDLE, chat_wrap, make_passkey_sample, use_chat_template
+from rope_patch.evaluation.passkey import (
+    LEAD_IN,
+    NEEDLE,
+    PROMPT_FORMS,
+    QUESTION,
+    chat_wrap,
+    make_passkey_sample,
+    prompt_form,
+    use_chat_template,
+)
 from rope_patch.evaluation.retrieval import (
     common_prefix,
     evaluate_passkey,
@@ -41,10 +50,16 @@ def test_chat_prompt_is_the_templated_one(chat_tok, filler, length, depth):
     ids = s["prompt_ids"]
     assert len(ids) == length  # the template's tokens count in the length
     before, after = chat_wrap(chat_tok)
-    assert ids[: len(before)] == before and ids[-len(after):] == after and len(after) > 0
-    user = chat_tok.decode(ids[len(before): len(ids) - len(after)])
-    expected = chat_tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
-    assert ids == list(expected["input_ids"])  # what apply_chat_template(..., add_generation_prompt=True) gives
+    lead = chat_tok.encode(LEAD_IN.strip(), add_special_tokens=False)
+    assert ids[: len(before)] == before and ids[len(ids) - len(after) - len(lead):] == after + lead and after
+    user = chat_tok.decode(ids[len(before): len(ids) - len(after) - len(lead)])
+    assert user.endswith(QUESTION)  # the user turn ends with the question, not with the lead-in
+    # the lead-in opens the assistant turn: the prompt is the one transformers renders for a continued assistant
+    # message, which is how lm-eval's gen_prefix builds RULER's prompts
+    turns = [{"role": "user", "content": user}, {"role": "assistant", "content": LEAD_IN.strip()}]
+    continued = chat_tok.apply_chat_template(turns, continue_final_message=True)["input_ids"]
+    generation = chat_tok.apply_chat_template(turns[:1], add_generation_prompt=True)["input_ids"]
+    assert ids == list(continued) == list(generation) + lead
     # the needle sits at `depth` of the haystack (the filler), not of the templated prompt
     needle = chat_tok.encode(NEEDLE.format(passkey=s["passkey"]), add_special_tokens=False)
     assert ids[s["needle_start"]: s["needle_end"]] == needle
@@ -53,10 +68,16 @@ def test_chat_prompt_is_the_templated_one(chat_tok, filler, length, depth):
     assert s["needle_start"] - s["haystack_start"] == round(depth * n_filler)
 
 
+@pytest.mark.parametrize("chat,form", [(True, "chat"), (False, "plain")])
+def test_prompt_form_names_the_layout(chat, form):
+    assert prompt_form(chat) == form and form in PROMPT_FORMS
+
+
 def test_plain_prompt_unchanged_without_template(tok, filler):
     a = make_passkey_sample(tok, filler, 200, 0.5, random.Random(3))
     b = make_passkey_sample(tok, filler, 200, 0.5, random.Random(3), chat_template=False)
     assert a["prompt_ids"] == b["prompt_ids"] and a["prompt_ids"][0] == tok.bos_token_id
+    assert tok.decode(a["prompt_ids"]).endswith(" What is the pass key? The pass key is")  # the lead-in ends it
 
 
 @pytest.mark.parametrize("mode,has,expected", [("auto", True, True), ("auto", False, False), ("on", True, True),
@@ -142,7 +163,8 @@ def test_evaluate_passkey_chat_prompts_and_budget(model, chat_tok, filler, monke
     evaluate_passkey(model, chat_tok, filler, [220], [0.5], 2, chat_template=True)
     (ids, new), = seen
     before, after = chat_wrap(chat_tok)
-    assert ids.shape == (2, 220) and ids[0, : len(before)].tolist() == before and ids[0, -len(after):].tolist() == after
+    tail = after + chat_tok.encode("The pass key is", add_special_tokens=False)
+    assert ids.shape == (2, 220) and ids[0, : len(before)].tolist() == before and ids[0, -len(tail):].tolist() == tail
     lead = len(chat_tok.encode(" The pass key is", add_special_tokens=False))
     assert new == len(" 48213") + 1 + lead  # the key with its space, one more, and the restated lead
 

@@ -42,7 +42,9 @@ def test_templated_prompts_reach_the_model(assets, chat_model, monkeypatch, appl
     prompts = [s["arguments"][0][0] for s in by_doc(res["samples"][task])]
     assert len(prompts) == 3
     if apply:  # lm-eval templated the text: the raw ids no longer match it, so the model reads the templated text
-        assert all(p.startswith("<|bos|>user\n") and p.endswith("<|bos|>assistant\n") for p in prompts)
+        lead = "The pass key is" if "passkey" in task else "The special magic number for "
+        assert all(p.startswith("<|bos|>user\n") and f"<|bos|>assistant\n{lead}" in p for p in prompts)
+        assert all(p.endswith(" is") and p.count("<|bos|>assistant") == 1 for p in prompts)  # the lead-in opens it
         assert texts == prompts and exact == []
     else:  # plain prompts: the documents' exact ids, as rope-patch compare
         assert not any("assistant" in p for p in prompts)

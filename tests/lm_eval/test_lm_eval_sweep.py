@@ -146,7 +146,9 @@ def test_a_templated_sweep_prompts_with_the_template(assets, chat_model, tmp_pat
     (samples,) = (out / "schemes" / "default" / "lm_eval").rglob("samples_rope_passkey_128_*.jsonl")
     prompts = [json.loads(line)["arguments"]["gen_args_0"]["arg_0"] for line in samples.read_text().splitlines()]
     assert len(prompts) == 1
-    assert prompts[0].startswith("<|bos|>user\n") and prompts[0].endswith("<|bos|>assistant\n")
+    # the question closes the user turn, the answer's lead-in opens the assistant turn
+    assert prompts[0].startswith("<|bos|>user\n") and prompts[0].endswith("?<|eos|><|bos|>assistant\nThe pass key is")
+    assert stamp["settings"]["rope_prompt"] == "chat"  # part of the fingerprint: a 1.0 sweep is not resumed into
 
 
 def test_chat_template_auto_without_a_loadable_tokenizer_says_what_to_do(assets, tmp_path):

@@ -106,6 +106,56 @@ def test_equal_to_compare(assets, spec, params):
     assert [s["doc"]["answer"] for s in by_doc(res["samples"]["rope_passkey_128"])] == answers
 
 
+class ContextLM(ScriptedLM):
+    """Records the prompts lm-eval builds; renders chat turns with a tiny template (transformers' own rendering)."""
+
+    TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant {% endif %}")
+
+    def __init__(self, tokenizer):
+        super().__init__("never")
+        self.tok, self.contexts = tokenizer, []
+
+    def generate_until(self, requests, disable_tqdm=False):
+        self.contexts += [req.args[0] for req in requests]
+        return super().generate_until(requests, disable_tqdm)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "context-lm"
+
+    def apply_chat_template(self, chat_history, add_generation_prompt=True):
+        return self.tok.apply_chat_template(chat_history, chat_template=self.TEMPLATE, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=not add_generation_prompt)
+
+
+@pytest.mark.parametrize("task, lead", [("rope_passkey_128", "The pass key is"),
+                                        ("rope_niah_256", "The special magic number for {key} is")])
+def test_lead_in_closes_a_plain_prompt_and_opens_the_assistant_turn(assets, task, lead):
+    """Without a chat template lm-eval's prompt is exactly the document's ids (the exact-token path of the rope_patch
+    model); with --apply_chat_template the answer's lead-in opens the assistant turn, as RULER's gen_prefix and
+    `rope-patch compare --chat-template on` put it, instead of closing the user turn."""
+    tok = U.load_tokenizer(str(assets["model"]))
+    plain, chat = ContextLM(tok), ContextLM(tok)
+    res = evaluate(plain, [task], assets)
+    evaluate(chat, [task], assets, apply_chat_template=True)
+    docs = [s["doc"] for s in res["samples"][task]]
+    assert len(plain.contexts) == len(chat.contexts) == len(docs) == 6
+    for doc in docs:
+        full = tok.decode(doc["prompt_ids"], skip_special_tokens=False)
+        want = lead.format(key=doc.get("key"))
+        assert full in plain.contexts and full.endswith("? " + want)
+        assert f"<s>user {doc['text']}</s><s>assistant {want}" in chat.contexts
+
+
+def test_a_prompt_that_does_not_end_with_the_lead_in_keeps_its_text(assets):
+    tok = U.load_tokenizer(str(assets["model"]))
+    ids = tok.encode(" What is the pass key? The pass key is", add_special_tokens=False)
+    assert U.split_lead_in(tok, ids, " The pass key is") == (" What is the pass key?", "The pass key is")
+    assert U.split_lead_in(tok, ids[:-1], " The pass key is") == (tok.decode(ids[:-1]), "")  # no lead-in for lm-eval
+
+
 def test_documents_are_deterministic_and_exact(assets):
     kw = {"tokenizer": str(assets["model"]), "heldout": str(assets["heldout"]), "length": 128, "samples": 2}
     a, b = U.passkey_dataset(**kw)["test"], U.passkey_dataset(**kw)["test"]
@@ -129,7 +179,8 @@ def test_documents_are_deterministic_and_exact(assets):
     n = U.niah_dataset(**{**kw, "length": 256})["test"]
     for r in n:
         assert len(r["prompt_ids"]) == 256
-        assert r["text"].count("special magic number for") == 4 + 2  # 4 needles + the question (twice)
+        assert r["text"].count("special magic number for") == 4 + 1  # 4 needles + the question; the lead-in:
+        assert r["lead_in"] == f"The special magic number for {r['key']} is"
         assert r["key"] not in r["distractors"] and len(r["distractors"]) == 3
     p = U.ppl_dataset(**{**kw, "ppl_tokens": 1024})["test"]
     assert len(p) == 8 and all(len(r["input_ids"]) == 128 for r in p)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.training import packed
 
-from rope_patch.evaluation.passkey import NEEDLE, QUESTION
+from rope_patch.evaluation.passkey import LEAD_IN, NEEDLE, QUESTION
 from rope_patch.training import CausalLMCollator, PasskeyMixer, PoSECollator, sample_generator, sample_rng, sample_seed
 
 SEQ, TARGET = 256, 2048
@@ -173,7 +173,7 @@ def test_passkey_rows_hold_a_prompt_the_answer_and_the_rows_own_text(data):
         n = info["prompt_tokens"]
         assert MIN <= n <= SEQ - 8 and ids[0] == tok.bos_token_id
         prompt = tok.decode(ids[:n], skip_special_tokens=True)
-        assert NEEDLE.format(passkey=info["answer"]).strip() in prompt and prompt.endswith(QUESTION)
+        assert NEEDLE.format(passkey=info["answer"]).strip() in prompt and prompt.endswith(QUESTION + LEAD_IN)
         answer = tok.encode(f" {info['answer']}", add_special_tokens=False)
         assert ids[n : n + len(answer)] == answer and ids[n + len(answer)] == tok.eos_token_id
         rest = ids[n + len(answer) + 1 :]

@@ -96,6 +96,7 @@ def test_changed_settings_are_refused_but_stopping_rules_may_change():
     ({"haystack": "prose", "chat_template": {"mode": "off", "used": False}}, True),   # the same prompts
     ({"haystack": "noise", "chat_template": {"mode": "auto", "used": False}}, False),
     ({"haystack": "prose", "chat_template": {"mode": "auto", "used": True}}, False),
+    ({"haystack": "prose", "chat_template": {"mode": "off", "used": False}, "passkey_prompt": "plain"}, True),
 ])
 def test_a_passkey_log_from_before_its_haystack_setting_resumes_as_prose_untemplated(new, resumes):
     old = {"model": {"a": 1}, "split": {"s": 1}, "settings": {"seed": 0, "passkey_weight": 1.0, "target": 64}}
@@ -105,6 +106,17 @@ def test_a_passkey_log_from_before_its_haystack_setting_resumes_as_prose_untempl
     else:
         with pytest.raises(ValueError, match="settings differ in (haystack|chat_template)"):
             check_resumable(old, header, "log.json")
+
+
+def test_a_templated_log_from_before_the_lead_in_moved_is_not_resumed():
+    """Such a log's passkey prompts closed the user turn with the lead-in; today's open the assistant turn with it."""
+    chat = {"haystack": "prose", "chat_template": {"mode": "on", "used": True}}
+    old = {"model": {"a": 1}, "split": {"s": 1}, "settings": {"passkey_weight": 1.0, "target": 64, **chat}}
+    check_resumable(old, old, "log.json")
+    new = {**old, "settings": {**old["settings"], "passkey_prompt": "chat"}}
+    check_resumable(new, new, "log.json")
+    with pytest.raises(ValueError, match="settings differ in passkey_prompt"):
+        check_resumable(old, new, "log.json")
 
 
 def test_max_evals_stops_the_search():

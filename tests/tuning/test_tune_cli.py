@@ -149,6 +149,7 @@ def test_the_passkey_term_settings_reach_the_log(saved, tmp_path, capsys, extra,
                      *extra)) == 0
     settings = json.loads((out / "search_log.json").read_text())["settings"]
     assert settings.get("haystack") == haystack and settings.get("chat_template") == chat
+    assert settings.get("passkey_prompt") == (chat and "plain")  # these tokenizers have no template
 
 
 @pytest.mark.parametrize(("extra", "message"), [

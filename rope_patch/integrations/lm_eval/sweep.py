@@ -61,7 +61,7 @@ from ... import plots as figures
 from ... import zoo as models
 from ...evaluation.compare import DEFAULT_LENGTHS, parse_schemes, run_compare
 from ...evaluation.compare import FORMAT as COMPARE_FORMAT
-from ...evaluation.passkey import use_chat_template
+from ...evaluation.passkey import prompt_form, use_chat_template
 from ...evaluation.results import json_safe, write_results
 from ...evaluation.retrieval import wilson_interval
 from ...plots.tasks import SWEEP_FORMAT
@@ -187,6 +187,10 @@ def plan(args) -> dict:
                 "lengths": lengths, "metadata": metadata,
                 "model_args": model_args, "limit": args.limit, "batch_size": str(args.batch_size),
                 "apply_chat_template": chat, "include_path": include}
+    if chat and any(family(t)[0] in ("rope_passkey", "rope_niah") for t in tasks):
+        # rope_passkey / rope_niah 2.0 open the assistant turn with the answer's lead-in (1.0 closed the user turn
+        # with it): a sweep directory of the older prompts is not resumed into
+        settings["rope_prompt"] = prompt_form(True)
     return {"settings": settings, "schemes": [{"spec": s, "slug": slug(s), "args": scheme_args(s)}
                                               for s in args.schemes]}
 

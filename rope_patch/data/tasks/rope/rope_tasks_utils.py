@@ -22,6 +22,11 @@ Passkey prompts come from `rope_patch.evaluation.passkey.make_passkey_sample` th
 samples of `rope-patch compare` with the same seed, depths and sample count. Perplexity windows are
 `rope_patch.evaluation.perplexity.windows`. Documents carry their token ids (`prompt_ids` / `input_ids`): the
 `rope_patch` model evaluates those ids (see rope_patch/integrations/lm_eval/model.py); other models read `text`.
+
+The answer's lead-in ("The pass key is", "The special magic number for KEY is") is lm-eval's `gen_prefix` (the
+`lead_in` field), not part of `text`: lm-eval joins them with a space in a plain prompt, which gives back exactly the
+prompt the ids spell, and with `--apply_chat_template` opens the assistant turn with it, where RULER's tasks put
+theirs and where `rope-patch compare --chat-template on` puts it (`rope_patch.evaluation.passkey`).
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ from pathlib import Path
 
 import datasets
 
-from rope_patch.evaluation.passkey import haystack_filler, score_passkey
+from rope_patch.evaluation.passkey import LEAD_IN, haystack_filler, score_passkey
 from rope_patch.evaluation.retrieval import cell_seed, make_cell
 
 NIAH_KEYS = ("apple", "river", "garden", "window", "letter", "carriage", "horse", "candle", "mirror", "ribbon",
              "orchard", "compass", "lantern", "meadow", "violin", "harbour", "feather", "teacup", "bonnet", "saddle")
 NIAH_NEEDLE = " The special magic number for {key} is {value}."
-NIAH_QUESTION = " What is the special magic number for {key}? The special magic number for {key} is"
+NIAH_QUESTION = " What is the special magic number for {key}?"
+NIAH_LEAD_IN = " The special magic number for {key} is"
 _NIAH_SALT = 7919  # keeps niah cells independent of the passkey cells of the same seed
 
 
@@ -123,10 +129,21 @@ def passkey_dataset(**kw) -> dict:
         cell = make_cell(tokenizer, filler, length, depth, n, seed)
         new = max(len(s["answer_ids"]) for s in cell) + 1  # as rope-patch compare: the key's tokens + 1
         for k, s in enumerate(cell):
-            rows.append({"text": tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
-                         "prompt_ids": s["prompt_ids"], "answer": s["answer"], "length": length,
-                         "depth": float(depth), "sample": k, "seed": seed, "max_new_tokens": new})
+            text, lead_in = split_lead_in(tokenizer, s["prompt_ids"], LEAD_IN)
+            rows.append({"text": text, "lead_in": lead_in, "prompt_ids": s["prompt_ids"], "answer": s["answer"],
+                         "length": length, "depth": float(depth), "sample": k, "seed": seed, "max_new_tokens": new})
     return _dataset(rows)
+
+
+def split_lead_in(tokenizer, ids: list[int], lead_in: str) -> tuple[str, str]:
+    """(`text`, `lead_in` field) of a plain prompt `ids` that ends with the tokens of `lead_in` (" The pass key
+    is"): the text before it, and the lead-in without its space (lm-eval's target delimiter " " puts it back). A
+    prompt whose end does not decode that way keeps its whole text and no lead-in (the ids stay exact)."""
+    lead = tokenizer.encode(lead_in, add_special_tokens=False)
+    text = tokenizer.decode(ids[: len(ids) - len(lead)], skip_special_tokens=False)
+    if ids[len(ids) - len(lead):] == lead and text + lead_in == tokenizer.decode(ids, skip_special_tokens=False):
+        return text, lead_in.lstrip()
+    return tokenizer.decode(ids, skip_special_tokens=False), ""
 
 
 def doc_text(doc: dict) -> str:
@@ -181,7 +198,7 @@ def make_niah_sample(tokenizer, filler_ids, length: int, depth: float, rng: rand
     asked = rng.randrange(n_keys)
     depths = [depth if j == asked else rng.random() for j in range(n_keys)]
     needles = [enc(NIAH_NEEDLE.format(key=k, value=v)) for k, v in zip(keys, values, strict=True)]
-    question = enc(NIAH_QUESTION.format(key=keys[asked]))
+    question = enc(NIAH_QUESTION.format(key=keys[asked]) + NIAH_LEAD_IN.format(key=keys[asked]))
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     n_filler = length - len(bos) - sum(map(len, needles)) - len(question)
     if n_filler < 0:
@@ -215,10 +232,10 @@ def niah_dataset(**kw) -> dict:
         cell = [make_niah_sample(tokenizer, filler, length, depth, rng, n_keys) for _ in range(n)]
         new = max(len(s["answer_ids"]) for s in cell) + 1
         for k, s in enumerate(cell):
-            rows.append({"text": tokenizer.decode(s["prompt_ids"], skip_special_tokens=False),
-                         "prompt_ids": s["prompt_ids"], "answer": s["answer"], "key": s["key"],
-                         "distractors": s["distractors"], "length": length, "depth": float(depth), "sample": k,
-                         "seed": seed, "max_new_tokens": new})
+            text, lead_in = split_lead_in(tokenizer, s["prompt_ids"], NIAH_LEAD_IN.format(key=s["key"]))
+            rows.append({"text": text, "lead_in": lead_in, "prompt_ids": s["prompt_ids"], "answer": s["answer"],
+                         "key": s["key"], "distractors": s["distractors"], "length": length, "depth": float(depth),
+                         "sample": k, "seed": seed, "max_new_tokens": new})
     return _dataset(rows)
 
 
