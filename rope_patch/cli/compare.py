@@ -51,8 +51,8 @@ def add_parser(subparsers) -> None:
                    "(default: %(default)s)")
     p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
                    help="frame every passkey prompt with the tokenizer's chat template (haystack + question as the "
-                   "user turn, the answer generated after the assistant prefix; the template's tokens count in the "
-                   "length); auto: on when the tokenizer has one (default: %(default)s)")
+                   "user turn, the lead-in 'The pass key is' opening the assistant turn; the template's tokens count "
+                   "in the length); auto: on when the tokenizer has one (default: %(default)s)")
     p.add_argument("--haystack", choices=HAYSTACKS, default="prose",
                    help="where the passkey hides: prose (a stretch of the held-out text) or noise (the passkey "
                    "paper's repeated \"The grass is green. ...\" lines, which small models can search; perplexity "

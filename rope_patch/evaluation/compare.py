@@ -163,8 +163,11 @@ def resume_mismatch(previous: dict, result: dict) -> str | None:
     diffs = [f"model {k} {previous['model'].get(k)!r} -> {result['model'].get(k)!r}" for k in _SAME_MODEL
              if previous.get("model", {}).get(k) != result["model"].get(k)]
     old_settings = previous.get("settings", {})
+    # where the lead-in sat matters only to passkey cells (a perplexity-only run has none to mix)
+    both_passkey = bool(old_settings.get("passkey_lengths")) and bool(result["settings"].get("passkey_lengths"))
     diffs += [f"{k} {_setting(old_settings, k)!r} -> {_setting(result['settings'], k)!r}" for k in _SAME_SETTINGS
-              if _setting(old_settings, k) != _setting(result["settings"], k)]
+              if _setting(old_settings, k) != _setting(result["settings"], k)
+              and (k != "passkey_prompt" or both_passkey)]
     old_text = {k: v for k, v in (previous.get("settings", {}).get("heldout") or {}).items() if k != "path"}
     new_text = {k: v for k, v in result["settings"]["heldout"].items() if k != "path"}
     if old_text != new_text:

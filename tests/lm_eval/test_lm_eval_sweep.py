@@ -148,7 +148,16 @@ def test_a_templated_sweep_prompts_with_the_template(assets, chat_model, tmp_pat
     assert len(prompts) == 1
     # the question closes the user turn, the answer's lead-in opens the assistant turn
     assert prompts[0].startswith("<|bos|>user\n") and prompts[0].endswith("?<|eos|><|bos|>assistant\nThe pass key is")
-    assert stamp["settings"]["rope_prompt"] == "chat"  # part of the fingerprint: a 1.0 sweep is not resumed into
+    assert stamp["settings"]["rope_prompt"] == "chat"
+    # a directory of 1.0 templated rope_passkey cells (no rope_prompt in its stamp) is not resumed into
+    args = sweep_args(assets, out, model=str(chat_model), schemes=["default"], tasks=["rope_passkey"], lengths=["128"])
+    old = {**stamp, "settings": {k: v for k, v in stamp["settings"].items() if k != "rope_prompt"}}
+    (out / "sweep_settings.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="rope_passkey_128 cells were measured with the templated prompts of"):
+        S.sweep(args, log=lambda m: None)
+    # one without rope_* retrieval cells (RULER, perplexity) has nothing of the old layout: it resumes
+    (out / "sweep_settings.json").write_text(json.dumps({**old, "settings": {**old["settings"], "tasks": ["rope_ppl_128"]}}))
+    S.sweep(args, log=lambda m: None)
 
 
 def test_chat_template_auto_without_a_loadable_tokenizer_says_what_to_do(assets, tmp_path):

@@ -153,7 +153,27 @@ def test_a_prompt_that_does_not_end_with_the_lead_in_keeps_its_text(assets):
     tok = U.load_tokenizer(str(assets["model"]))
     ids = tok.encode(" What is the pass key? The pass key is", add_special_tokens=False)
     assert U.split_lead_in(tok, ids, " The pass key is") == (" What is the pass key?", "The pass key is")
-    assert U.split_lead_in(tok, ids[:-1], " The pass key is") == (tok.decode(ids[:-1]), "")  # no lead-in for lm-eval
+    assert U.split_lead_in(tok, ids[:-1], " The pass key is") == (tok.decode(ids[:-1]), None)  # no lead-in for lm-eval
+
+
+def test_the_lead_in_splits_on_text_for_a_sentencepiece_tokenizer():
+    """A Llama-2-style tokenizer (a "▁" prepended, pieces start with "▁") encodes " The pass key is" alone with an
+    extra "▁" token, so the prompt does not end with the lead-in's own tokens: the split is on the text, so lm-eval
+    still gets the lead-in and the plain context is still the ids' text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=False)
+    raw.train_from_iterator(["What is the pass key? The pass key is"] * 4, trainers.BpeTrainer(special_tokens=["<unk>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    ids = tok.encode(" What is the pass key? The pass key is", add_special_tokens=False)
+    lead_ids = tok.encode(" The pass key is", add_special_tokens=False)
+    assert ids[-len(lead_ids):] != lead_ids  # the premise: the token suffix is not the lead-in's tokens
+    text, lead = U.split_lead_in(tok, ids, " The pass key is")
+    assert (text, lead) == (" What is the pass key?", "The pass key is") and text + " " + lead == tok.decode(ids)
 
 
 def test_documents_are_deterministic_and_exact(assets):

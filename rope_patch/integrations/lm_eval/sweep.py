@@ -187,9 +187,7 @@ def plan(args) -> dict:
                 "lengths": lengths, "metadata": metadata,
                 "model_args": model_args, "limit": args.limit, "batch_size": str(args.batch_size),
                 "apply_chat_template": chat, "include_path": include}
-    if chat and any(family(t)[0] in ("rope_passkey", "rope_niah") for t in tasks):
-        # rope_passkey / rope_niah 2.0 open the assistant turn with the answer's lead-in (1.0 closed the user turn
-        # with it): a sweep directory of the older prompts is not resumed into
+    if chat:  # rope_passkey / rope_niah 2.0 open the assistant turn with the answer's lead-in (`layout_mismatch`)
         settings["rope_prompt"] = prompt_form(True)
     return {"settings": settings, "schemes": [{"spec": s, "slug": slug(s), "args": scheme_args(s)}
                                               for s in args.schemes]}
@@ -244,9 +242,20 @@ def check_task_names(tasks, include) -> None:
                              "`rope-patch-lm-eval ls tasks` lists lm-eval's.")
 
 
+def layout_mismatch(old: dict, settings: dict) -> str | None:
+    """Why a sweep directory stamped with `old` settings cannot take today's templated rope_passkey / rope_niah cells:
+    its own were measured with the 1.0 prompts (no `rope_prompt`), whose lead-in closed the user turn. Other tasks'
+    cells, and untemplated ones, are the same in both."""
+    own = [t for t in old.get("tasks", ()) if family(t)[0] in ("rope_passkey", "rope_niah")]
+    if settings.get("rope_prompt") and not old.get("rope_prompt") and own:
+        return (f"its {', '.join(own)} cells were measured with the templated prompts of rope_passkey / rope_niah "
+                "1.0, whose answer lead-in closed the user turn (2.0 opens the assistant turn with it)")
+    return None
+
+
 def fingerprint(settings: dict) -> str:
     """What makes two runs of a cell comparable (the task list itself may grow between resumed runs)."""
-    keep = {k: v for k, v in settings.items() if k not in ("tasks", "lengths")}
+    keep = {k: v for k, v in settings.items() if k not in ("tasks", "lengths", "rope_prompt")}
     keep["metadata"] = {k: v for k, v in settings["metadata"].items() if k != "max_seq_lengths"}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -505,6 +514,9 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
                              "size or task folder differ; perplexity reads --windows x the longest length, so a "
                              "longer --lengths changes it too: fix it with --metadata ppl_tokens=N). Use another "
                              f"--out, or delete {out}.")
+        why = layout_mismatch(old.get("settings") or {}, settings)
+        if why:
+            raise ValueError(f"{out} holds a sweep that cannot be resumed: {why}. Use another --out, or delete {out}.")
     stamp.write_text(json.dumps({"fingerprint": fp, "settings": settings}, indent=1, default=str) + "\n")
     if on_start is not None:
         on_start(out)

@@ -135,15 +135,16 @@ def passkey_dataset(**kw) -> dict:
     return _dataset(rows)
 
 
-def split_lead_in(tokenizer, ids: list[int], lead_in: str) -> tuple[str, str]:
-    """(`text`, `lead_in` field) of a plain prompt `ids` that ends with the tokens of `lead_in` (" The pass key
-    is"): the text before it, and the lead-in without its space (lm-eval's target delimiter " " puts it back). A
-    prompt whose end does not decode that way keeps its whole text and no lead-in (the ids stay exact)."""
-    lead = tokenizer.encode(lead_in, add_special_tokens=False)
-    text = tokenizer.decode(ids[: len(ids) - len(lead)], skip_special_tokens=False)
-    if ids[len(ids) - len(lead):] == lead and text + lead_in == tokenizer.decode(ids, skip_special_tokens=False):
-        return text, lead_in.lstrip()
-    return tokenizer.decode(ids, skip_special_tokens=False), ""
+def split_lead_in(tokenizer, ids: list[int], lead_in: str) -> tuple[str, str | None]:
+    """(`text`, `lead_in` field) of a plain prompt `ids` whose text ends with `lead_in` (" The pass key is"): the
+    text before it, and the lead-in without its space (lm-eval's target delimiter " " puts it back, so the plain
+    context is exactly the text of the ids). Split on the text, not on tokens: a SentencePiece tokenizer encodes
+    " The" alone as two tokens and after "?" as one. A prompt whose text does not end that way keeps its whole text
+    and no lead-in (None: lm-eval then adds neither the lead-in nor a delimiter)."""
+    full = tokenizer.decode(ids, skip_special_tokens=False)
+    if full.endswith(lead_in):
+        return full[: len(full) - len(lead_in)], lead_in.lstrip()
+    return full, None
 
 
 def doc_text(doc: dict) -> str:
