@@ -35,10 +35,14 @@ def seconds_per_token(model, token_ids: Sequence[int], length: int) -> tuple[flo
 
 
 def run_tokens(n_schemes: int, token_count: int, lengths: Sequence[int], passkey_lengths: Sequence[int],
-               n_depths: int, passkey_samples: int, windows_at_longest: int, new_tokens: int = 7) -> int:
-    """Tokens a run processes: perplexity windows + passkey prompts + generated tokens, over all schemes."""
+               n_depths: int, passkey_samples: int, windows_at_longest: int, new_tokens: int = 7,
+               longest: int | None = None) -> int:
+    """Tokens a run processes: perplexity windows + passkey prompts + generated tokens, over all schemes.
+    `longest`: the run's longest perplexity length, when `lengths` are only the ones left to run (every length reads
+    `windows_at_longest` x the longest)."""
     lengths = sorted(set(lengths))
-    n = windows_at_longest * lengths[-1] if lengths else 0
+    longest = longest or (lengths[-1] if lengths else 0)
+    n = windows_at_longest * longest if lengths else 0
     ppl = sum((min(n, token_count) // L) * L for L in lengths)
     pk = sum((L + new_tokens) * n_depths * passkey_samples for L in set(passkey_lengths))
     return n_schemes * (ppl + pk)

@@ -175,6 +175,16 @@ def resume_mismatch(previous: dict, result: dict) -> str | None:
     return "; ".join(diffs) or None
 
 
+def _cells_left(previous: dict | None, spec: str, lengths, passkey_lengths) -> tuple[list[int], list[int]]:
+    """(perplexity lengths, passkey lengths) that `spec` has no cell for in `previous`, for the time estimate (the
+    cells themselves are matched on the resolved parameters too, by `_reusable`)."""
+    if not previous or not any(s["spec"] == spec for s in previous.get("schemes", [])):
+        return list(lengths), list(passkey_lengths)
+    ppl = {r["length"] for r in previous.get("records", []) if r["scheme"] == spec and r.get("n_windows")}
+    pk = {r["length"] for r in previous.get("passkey", []) if r["scheme"] == spec}
+    return [L for L in lengths if L not in ppl], [L for L in passkey_lengths if L not in pk]
+
+
 def _reusable(previous: dict | None, spec: str, params: dict) -> dict:
     """The finished cells of `spec` in `previous`: {"ppl": {L: record}, "passkey": {L: [rows]}, "buckets": {L: rows},
     "elapsed": s}; empty when the spec was not run or resolved to other parameters."""
@@ -255,12 +265,12 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     plan = None
     if budget_minutes is not None or on_plan is not None:
         per_token, probed = seconds_per_token(model, token_ids, lengths[0])
-        done_specs = {s["spec"] for s in (resume or {}).get("schemes", [])} if resume else set()
-        n_run = sum(1 for spec, _ in parsed if spec not in done_specs) or 0
+        left = [_cells_left(resume, spec, lengths, passkey_lengths) for spec, _ in parsed]
 
         def estimate(samples: int, windows: int) -> float:
-            return per_token * run_tokens(n_run, len(token_ids), lengths, passkey_lengths, len(depths), samples,
-                                          windows if ppl_tokens is None else max(1, n_tokens // lengths[-1]))
+            w = windows if ppl_tokens is None else max(1, n_tokens // lengths[-1])
+            return per_token * sum(run_tokens(1, len(token_ids), ppl, pk, len(depths), samples, w, longest=lengths[-1])
+                                   for ppl, pk in left)
 
         plan = fit_budget(estimate, None if budget_minutes is None else 60.0 * budget_minutes, passkey_samples,
                           windows_at_longest, has_passkey=bool(passkey_lengths))

@@ -152,6 +152,18 @@ def test_run_compare_trims_to_the_budget_and_records_it(setup, monkeypatch):
     assert "passkey samples per cell 6 -> 2" in markdown_table(res)
 
 
+def test_a_resumed_run_estimates_only_the_cells_left(setup, monkeypatch):
+    """A finished scheme resumed with one more passkey length costs that length's prompts (it was estimated 0 s)."""
+    monkeypatch.setattr(compare_mod, "seconds_per_token", lambda model, ids, length: (1e-3, length))
+    first = _run(setup, passkey_samples=1)
+    plans = []
+    _run(setup, passkey_samples=1, passkey_lengths=[200, 120], resume=first, on_plan=plans.append)
+    assert plans[0]["estimate_s"] == pytest.approx(1e-3 * (120 + 7) * 2 * 1)  # 2 depths x 1 sample at 120 only
+    plans.clear()
+    _run(setup, passkey_samples=1, resume=first, on_plan=plans.append)
+    assert plans[0]["estimate_s"] == 0  # nothing left
+
+
 @pytest.mark.parametrize("minutes", [0, -1.0])
 def test_budget_must_be_positive(setup, minutes):
     with pytest.raises(ValueError, match="positive number of minutes"):
