@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct (window 8192): passkey by length x depth (0.1 / 0.5 / 0.9), one thread per run (the machine
 # has 2 shared cores; ~1.8 min per 4k-8k prompt, ~5 min per 16k prompt). Every run is resumable (--resume).
-#   template   chat template on, 4k and 8k (inside the window), 3 prompts per cell, vanilla -> passkey/
-#              (32 min; the model is at floor with its template inside its own window: 1/9 at 4k, 0/9 at 8k, so
-#              the schemes were not run with it: DCA at 4k is vanilla exactly, and nothing is left to hold)
+#   template   chat template on, 4k and 8k (inside the window), 3 prompts per cell, vanilla -> passkey/ (17 min)
 #   plain      chat template off, 4k and 8k, 3 prompts per cell, vanilla -> passkey_plain/
 #   beyond     chat template off, 16k (2x the window), 1 prompt per cell, vanilla / DCA / YaRN x2 (the best
 #              attention-side and frequency schemes on perplexity at 16k, ppl16k/) -> passkey16k_plain/
 #   noise      chat template on, the passkey paper's haystack ("The grass is green. ..." lines, --haystack noise,
 #              which the model can search inside its window), one shared haystack per cell (--shared-haystack:
-#              its prefix is prefilled once), 3 prompts per cell; vanilla at 4k / 8k / 16k -> passkey_noise/, and
-#              each scheme given at 16k -> passkey_noise16k_<scheme>/ (one folder each, so they can run side by side)
-#              (101 min; vanilla is at floor in its window with the template, 0/9 at 4k and 8k, so the scheme runs
-#              were stopped: leadin_check.py shows the prompt's answer lead-in in the user turn is what fails)
+#              its prefix is prefilled once), 3 prompts per cell; vanilla at 4k / 8k / 16k -> passkey_noise/ (33 min),
+#              and each scheme given at 8k and 16k -> passkey_noise_<scheme>/ (one folder each, so they can run
+#              side by side; ~30 min per scheme at 16k, ~10 at 8k)
 # Usage: run_passkey.sh template|plain|beyond|noise [SCHEME ...]   (beyond: the schemes to run, default all three;
-#        noise: none for vanilla, or the schemes to run at 16k)
+#        noise: none for vanilla, or the schemes to run at 8k and 16k)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 mode=${1:?template, plain or beyond}; shift
@@ -33,8 +30,8 @@ case $mode in
                 --schemes default --out eval/results/smollm2/passkey_noise
             fi
             for s in "$@"; do
-              .venv/bin/rope-patch compare "${common[@]}" "${noise[@]}" --passkey-lengths 16384 \
-                --schemes "$s" --out "eval/results/smollm2/passkey_noise16k_${s%%:*}"
+              .venv/bin/rope-patch compare "${common[@]}" "${noise[@]}" --passkey-lengths 8192 16384 \
+                --schemes "$s" --out "eval/results/smollm2/passkey_noise_${s%%:*}"
             done ;;
   *) echo "unknown mode $mode: template, plain, beyond or noise" >&2; exit 2 ;;
 esac

@@ -24,14 +24,14 @@ MARK = "<!-- smollm2-table -->"
 MARK_32K = "<!-- smollm2-32k -->"
 TUNE_MARK = "<!-- smollm2-tune -->"
 RULER = [ROOT / "eval/results/smollm2" / d for d in  # rope-patch sweep runs; a cell in several: the first folder's
-         ("ruler4k", "ruler8k_n20", "ruler8k", "ruler16k_n20", "ruler16k_n10", "ruler16k", "ruler16k_b")]
+         ("ruler4k_n20", "ruler4k", "ruler8k_n20", "ruler8k", "ruler16k_n20", "ruler16k_n10", "ruler16k", "ruler16k_b")]
 RULER_MARK = "<!-- smollm2-ruler -->"
 PASSKEY = [ROOT / "eval/results" / d for d in
            ("chat_template_smollm2/per_sample_on", "smollm2/passkey", "smollm2/passkey16k",
             "chat_template_smollm2/per_sample_off", "smollm2/passkey_plain")]
 PASSKEY_MARK = "<!-- smollm2-passkey -->"
 PASSKEY_NOISE = [ROOT / "eval/results/smollm2" / d for d in  # run_passkey.sh noise [SCHEME ...]
-                 ("passkey_noise", "passkey_noise16k_dca", "passkey_noise16k_yarn")]
+                 ("passkey_noise", "passkey_noise_dca", "passkey_noise_yarn")]
 PASSKEY_NOISE_MARK = "<!-- smollm2-passkey-noise -->"
 
 
