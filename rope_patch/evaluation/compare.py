@@ -176,23 +176,20 @@ def resume_mismatch(previous: dict, result: dict) -> str | None:
 
 
 def _cells_left(previous: dict | None, spec: str, lengths, passkey_lengths) -> tuple[list[int], list[int]]:
-    """(perplexity lengths, passkey lengths) that `spec` has no cell for in `previous`, for the time estimate (the
-    cells themselves are matched on the resolved parameters too, by `_reusable`)."""
-    if not previous or not any(s["spec"] == spec for s in previous.get("schemes", [])):
-        return list(lengths), list(passkey_lengths)
-    ppl = {r["length"] for r in previous.get("records", []) if r["scheme"] == spec and r.get("n_windows")}
-    pk = {r["length"] for r in previous.get("passkey", []) if r["scheme"] == spec}
-    return [L for L in lengths if L not in ppl], [L for L in passkey_lengths if L not in pk]
+    """(perplexity lengths, passkey lengths) that `spec` has no cell for in `previous`, for the time estimate (before
+    the scheme is applied, so matched on the spec alone)."""
+    done = _reusable(previous, spec)
+    return ([L for L in lengths if L not in done["ppl"]], [L for L in passkey_lengths if L not in done["passkey"]])
 
 
-def _reusable(previous: dict | None, spec: str, params: dict) -> dict:
+def _reusable(previous: dict | None, spec: str, params: dict | None = None) -> dict:
     """The finished cells of `spec` in `previous`: {"ppl": {L: record}, "passkey": {L: [rows]}, "buckets": {L: rows},
-    "elapsed": s}; empty when the spec was not run or resolved to other parameters."""
+    "elapsed": s}; empty when the spec was not run or (given `params`) resolved to other parameters."""
     cells = {"ppl": {}, "passkey": {}, "buckets": {}, "elapsed": 0.0}
     if not previous:
         return cells
     old = next((s for s in previous.get("schemes", []) if s["spec"] == spec), None)
-    if old is None or old.get("params") != json.loads(json.dumps(json_safe(params))):
+    if old is None or (params is not None and old.get("params") != json.loads(json.dumps(json_safe(params)))):
         return cells
     for r in previous.get("records", []):
         if r["scheme"] == spec and r.get("n_windows"):
