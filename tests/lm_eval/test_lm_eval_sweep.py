@@ -230,3 +230,48 @@ def test_a_task_sweep_writes_its_figure(tmp_path):
     (tmp_path / "quiet").mkdir()
     assert "tasks_figure" not in write_outputs(state, tmp_path / "quiet", plots=False)
     assert not (tmp_path / "quiet" / "tasks.png").exists()
+
+
+@pytest.mark.parametrize("tasks, in_process, environ, cached, refused", [
+    (["niah_single_2"], False, {}, False, "Task 'niah_single_2' reads .*baber/paul_graham_essays"),
+    (["niah_single_1", "niah_multivalue"], False, {}, False, "'niah_multivalue'"),
+    (["ruler"], False, {}, False, "group 'ruler' includes niah_single_2, niah_single_3, niah_multikey_1"),
+    (["niah_single_2"], False, {"HF_DATASETS_OFFLINE": "0"}, False, "niah_single_2"),  # the Hub is still offline
+    (["niah_single_1", "niah_multikey_2", "ruler_vt", "ruler_cwe", "ruler_fwe"], False, {}, False, None),
+    (["niah_single_2"], False, {"HF_DATASETS_OFFLINE": "0", "HF_HUB_OFFLINE": "0"}, False, None),  # online
+    (["niah_single_2"], True, {}, False, None),  # in this process, unset means online, as datasets reads it
+    (["niah_single_2"], True, {"HF_HUB_OFFLINE": "1"}, False, "niah_single_2"),
+    (["ruler"], False, {}, True, None),  # the essays in the Hub cache: datasets finds them offline
+])
+def test_a_task_that_needs_the_hub_offline_fails_at_plan_time(tmp_path, monkeypatch, tasks, in_process, environ,
+                                                              cached, refused):
+    """lm-eval's essay-haystack RULER tasks would fail after the model loaded, in every scheme's run."""
+    import huggingface_hub.constants
+
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    if cached:
+        (tmp_path / "hub" / "datasets--baber--paul_graham_essays").mkdir(parents=True)
+    if refused is None:
+        S.check_offline_data(tasks, in_process=in_process, environ=environ)
+    else:
+        with pytest.raises(ValueError, match=refused) as err:
+            S.check_offline_data(tasks, in_process=in_process, environ=environ)
+        assert "run offline: niah_single_1 niah_multikey_2" in str(err.value)
+        assert "HF_DATASETS_OFFLINE=0 and HF_HUB_OFFLINE=0" in str(err.value)
+
+
+def test_a_sweep_of_an_essay_task_offline_creates_nothing(assets, tmp_path, monkeypatch):
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(S, "_cached", lambda dataset: False)
+    args = sweep_args(assets, tmp_path / "s", tasks=["niah_single_3"])
+    args.in_process = False  # the subprocess path, which runs lm-eval offline
+    with pytest.raises(ValueError, match="niah_single_3"):
+        S.sweep(args, log=lambda m: None)
+    assert not (tmp_path / "s").exists()
+    assert S.hub_env({})["HF_HUB_OFFLINE"] == "1" and S.hub_env({"HF_HUB_OFFLINE": "0"})["HF_HUB_OFFLINE"] == "0"

@@ -25,6 +25,9 @@ HFLM cuts longer prompts from the left, and its default, each scheme's own windo
 Perplexity reads `--windows` x the longest length tokens at every length, as `rope-patch compare` does, so the
 numbers equal compare's.
 
+lm-eval runs offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE = 1 unless the environment sets them): RULER's tasks
+whose haystack is the Hub's essays are refused at plan time unless the dataset is cached (`check_offline_data`).
+
 Resume: a (scheme, task) cell whose result is in `<out>/schemes/<scheme>/cells/` is skipped. A scheme with
 missing cells runs only those when every task is a self-seeded `rope_*` task, and its whole task list when any
 other task is present (RULER's samples depend on what ran before them in the run).
@@ -182,6 +185,7 @@ def plan(args) -> dict:
                              "64, 128, ..., 131072 (powers of two); add others to LADDER in "
                              "rope_patch/data/tasks/rope/rope_tasks_utils.py and run rope_patch/data/tasks/rope/make_tasks.py.")
     check_task_names([t for t in tasks if not family(t)[0]], include)
+    check_offline_data([t for t in tasks if not family(t)[0]], in_process=getattr(args, "in_process", False))
     chat = chat_template_for(model_args.get("tokenizer") or metadata["tokenizer"], args.chat_template)
     settings = {"model": args.model, "name": models.model_name(args.model), "model_path": path, "tasks": tasks,
                 "lengths": lengths, "metadata": metadata,
@@ -242,6 +246,55 @@ def check_task_names(tasks, include) -> None:
                              "`rope-patch-lm-eval ls tasks` lists lm-eval's.")
 
 
+# lm-eval's RULER tasks that read their haystack from the Hub (Paul Graham's essays), and its group: the sweep runs
+# lm-eval offline (`hub_env`), so these fail after the model has loaded unless the dataset is in the local cache.
+# (ruler_qa_squad / ruler_qa_hotpot fetch their documents from the web on every run, offline settings or not.)
+ESSAYS = "baber/paul_graham_essays"
+HUB_DATA = {t: ESSAYS for t in ("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multiquery",
+                                "niah_multivalue")}
+GROUPS = {"ruler": ("niah_single_1", *HUB_DATA, "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe",
+                    "ruler_fwe", "ruler_qa_squad", "ruler_qa_hotpot")}
+RULER_OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+
+
+def hub_env(environ=None) -> dict:
+    """The environment of a sweep's lm-eval runs: offline unless the caller's environment says otherwise (a run
+    must not depend on what the Hub serves today, and on a machine without it the Hub calls only time out)."""
+    environ = os.environ if environ is None else environ
+    return {**environ, "HF_DATASETS_OFFLINE": environ.get("HF_DATASETS_OFFLINE", "1"),
+            "HF_HUB_OFFLINE": environ.get("HF_HUB_OFFLINE", "1")}
+
+
+def _cached(dataset: str) -> bool:
+    """Whether `datasets` finds `dataset` offline: a snapshot in the Hub cache, or a prepared copy in its own."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    hub = Path(huggingface_hub.constants.HF_HUB_CACHE) / f"datasets--{dataset.replace('/', '--')}"
+    own = Path(datasets.config.HF_DATASETS_CACHE) / dataset.replace("/", "___")
+    return hub.is_dir() or own.is_dir()
+
+
+def check_offline_data(tasks, in_process: bool = False, environ=None) -> None:
+    """A task that needs a Hub dataset the sweep cannot reach fails here, with the tasks that do run, instead of in
+    lm-eval after the model has loaded (and again in every scheme's run)."""
+    environ = os.environ if environ is None else environ
+    env = environ if in_process else hub_env(environ)  # in this process, the caller's own settings apply
+    if not any(str(env.get(k, "")).lower() in ("1", "true", "yes", "on") for k in ("HF_DATASETS_OFFLINE",
+                                                                                   "HF_HUB_OFFLINE")):
+        return
+    for task in tasks:
+        needs = sorted({HUB_DATA[t] for t in GROUPS.get(task, (task,)) if t in HUB_DATA})
+        missing = [d for d in needs if not _cached(d)]
+        if missing:
+            what = (f"The group {task!r} includes {', '.join(t for t in GROUPS[task] if t in HUB_DATA)}, which read"
+                    if task in GROUPS else f"Task {task!r} reads")
+            raise ValueError(f"{what} a haystack from the Hub dataset {', '.join(missing)}, and the sweep runs lm-eval "
+                             "offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE) with no copy of it in the local cache. "
+                             f"RULER's tasks that run offline: {' '.join(RULER_OFFLINE)}. To run this one, set "
+                             "HF_DATASETS_OFFLINE=0 and HF_HUB_OFFLINE=0 on a machine that reaches the Hub.")
+
+
 def layout_mismatch(old: dict, settings: dict) -> str | None:
     """Why a sweep directory stamped with `old` settings cannot take today's templated rope_passkey / rope_niah cells:
     its own were measured with the 1.0 prompts (no `rope_prompt`), whose lead-in closed the user turn. Other tasks'
@@ -281,8 +334,7 @@ def run_subprocess(argv: list[str], launcher: str | None, log) -> None:
     base = shlex.split(launcher) if launcher else [sys.executable]
     cmd = [*base, "-m", "rope_patch.integrations.lm_eval.cli", *argv]
     log("$ " + shlex.join(cmd))
-    env = {**os.environ, "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1"),
-           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    env = hub_env()
     if launcher:
         if not torch.cuda.is_available():  # data parallel on CPU processes (HFLM's accelerator needs to be told)
             env.setdefault("ACCELERATE_USE_CPU", "true")
