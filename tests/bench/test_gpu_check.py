@@ -1,0 +1,45 @@
+"""bench/gpu_check.sh is the prepared check for a CUDA machine (issue 14): its CPU dry run must keep working, so the
+one run a lent GPU allows is not spent on a broken script. Eager flex on CPU, a 2-layer SmolLM2-shaped model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench/gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [None, "alibii"])
+def test_the_cpu_dry_run_measures_every_case_and_fails_on_a_bad_one(tmp_path, monkeypatch, broken):
+    gc = _gpu_check()
+    monkeypatch.setitem(gc.SMOLLM2, "num_hidden_layers", 2)  # the shape of the rest is the real model's
+    if broken:
+        monkeypatch.setattr(gc, "EXACT", {"rerope": gc.EXACT["rerope"], broken: {}})
+    out = tmp_path / "gpu_check.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--device", "cpu", "--no-compile", "--lengths", "64",
+                                      "--out", str(out)])
+    assert gc.main() == (1 if broken else 0)
+    rows = json.loads(out.read_text())["rows"]
+    exact = {r["scheme"]: r for r in rows if r["case"] == "exact"}
+    assert list(exact) == list(gc.EXACT)
+    for scheme, row in exact.items():
+        if scheme == broken:
+            assert "Unknown position-encoding scheme" in row["error"]
+        else:
+            assert row["ok"] and row["max_abs_diff"] <= 1e-4, row
+    speed = [r for r in rows if r["case"] == "speed"]
+    assert [r["scheme"] for r in speed] == list(gc.SPEED)
+    assert all(r["time_s"] > 0 and r["length"] == 64 and "error" not in r for r in speed), speed
+    assert all(r["time_x_vanilla"] > 0 for r in speed)
