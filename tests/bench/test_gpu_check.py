@@ -23,7 +23,10 @@ def _gpu_check():
 @pytest.mark.slow
 @pytest.mark.parametrize("broken", [None, "alibii"])
 def test_the_cpu_dry_run_measures_every_case_and_fails_on_a_bad_one(tmp_path, monkeypatch, broken):
+    from rope_patch.attention import settings
+
     gc = _gpu_check()
+    monkeypatch.setattr(settings, "FLEX_COMPILE", settings.FLEX_COMPILE)  # the script sets it; later tests read it
     monkeypatch.setitem(gc.SMOLLM2, "num_hidden_layers", 2)  # the shape of the rest is the real model's
     if broken:
         monkeypatch.setattr(gc, "EXACT", {"rerope": gc.EXACT["rerope"], broken: {}})
