@@ -3,21 +3,11 @@ one run a lent GPU allows is not spent on a broken script. Eager flex on CPU, a 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench/gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers.scripts import load_script
 
 
 @pytest.mark.slow
@@ -25,7 +15,7 @@ def _gpu_check():
 def test_the_cpu_dry_run_measures_every_case_and_fails_on_a_bad_one(tmp_path, monkeypatch, broken):
     from rope_patch.attention import settings
 
-    gc = _gpu_check()
+    gc = load_script("bench/gpu_check.py")
     monkeypatch.setattr(settings, "FLEX_COMPILE", settings.FLEX_COMPILE)  # the script sets it; later tests read it
     monkeypatch.setitem(gc.SMOLLM2, "num_hidden_layers", 2)  # the shape of the rest is the real model's
     if broken:

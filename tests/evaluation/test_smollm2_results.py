@@ -4,23 +4,16 @@ changes a number and forgets the README fails here. No model is loaded."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _table_module():
-    spec = importlib.util.spec_from_file_location("smollm2_table", ROOT / "eval/results/smollm2/table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TABLE = _table_module()
+TABLE = load_script("eval/results/smollm2/table.py")
 TABLES = TABLE.tables()
 
 

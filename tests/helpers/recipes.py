@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 from helpers.models import WINDOW, saved_model
+from helpers.scripts import load_script
 from helpers.text import char_tokenizer, filler_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,12 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def load_recipe():
     """recipes/finetune_lora.py as a module (it is a script, not part of the package)."""
-    if "finetune_lora" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("finetune_lora", ROOT / "recipes" / "finetune_lora.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["finetune_lora"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["finetune_lora"]
+    return load_script("recipes/finetune_lora.py", register=True)
 
 
 def make_model_dir(path: Path, *, tie: bool = False, seed: int = 0, window: int = WINDOW) -> Path:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 
 import pytest
 import yaml
 from helpers.recipes import ROOT
+from helpers.scripts import load_script
 from transformers import AutoTokenizer
 
 TINY = ROOT / "rope_patch" / "data" / "rope-tiny"
@@ -17,10 +17,7 @@ TINY = ROOT / "rope_patch" / "data" / "rope-tiny"
 @pytest.fixture(scope="module")
 def pretrain():
     sys.path.insert(0, str(ROOT / "recipes"))  # the script imports its sibling check_tiny / corpus modules
-    spec = importlib.util.spec_from_file_location("pretrain_tiny", ROOT / "recipes" / "pretrain_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/pretrain_tiny.py")
 
 
 @pytest.fixture(scope="module")
