@@ -24,7 +24,8 @@ MARK = "<!-- smollm2-table -->"
 MARK_32K = "<!-- smollm2-32k -->"
 TUNE_MARK = "<!-- smollm2-tune -->"
 RULER = [ROOT / "eval/results/smollm2" / d for d in  # rope-patch sweep runs; a cell in several: the first folder's
-         ("ruler4k_n20", "ruler4k", "ruler8k_n20", "ruler8k", "ruler16k_n20", "ruler16k_n10", "ruler16k", "ruler16k_b")]
+         ("ruler4k_n20", "ruler4k_floor_n20", "ruler4k", "ruler8k_n20", "ruler8k",
+          "ruler16k_n20", "ruler16k_n10", "ruler16k", "ruler16k_b", "ruler16k_floor", "ruler16k_floor_b")]
 RULER_MARK = "<!-- smollm2-ruler -->"
 PASSKEY = [ROOT / "eval/results" / d for d in
            ("chat_template_smollm2/per_sample_on", "smollm2/passkey", "smollm2/passkey16k",
