@@ -8,10 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.scripts import load_script
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from helpers.scripts import ROOT, load_script
 
 TABLE = load_script("eval/results/smollm2/table.py")
 TABLES = TABLE.tables()

@@ -8,8 +8,6 @@ from helpers.models import WINDOW, saved_model
 from helpers.scripts import load_script
 from helpers.text import char_tokenizer, filler_text
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def load_recipe():
     """recipes/finetune_lora.py as a module (it is a script, not part of the package)."""

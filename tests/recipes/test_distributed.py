@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers.recipes import (
-    ROOT,
     adapter_weights,
     load_recipe,
     loss_curve,
@@ -23,6 +22,7 @@ from helpers.recipes import (
     max_weight_diff,
     tiny_cfg,
 )
+from helpers.scripts import ROOT
 
 ft = load_recipe()
 SCRIPT = str(ROOT / "recipes" / "finetune_lora.py")

@@ -13,7 +13,6 @@ import pytest
 import torch
 import yaml
 from helpers.recipes import (
-    ROOT,
     WINDOW,
     adapter_weights,
     load_recipe,
@@ -24,6 +23,7 @@ from helpers.recipes import (
     max_weight_diff,
     tiny_cfg,
 )
+from helpers.scripts import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import rope_patch

@@ -7,8 +7,7 @@ import sys
 
 import pytest
 import yaml
-from helpers.recipes import ROOT
-from helpers.scripts import load_script
+from helpers.scripts import ROOT, load_script
 from transformers import AutoTokenizer
 
 TINY = ROOT / "rope_patch" / "data" / "rope-tiny"
