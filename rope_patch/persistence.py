@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,10 @@ from ._version import __version__
 from .api import SchemeLike, apply, as_scheme, current, original_config, patch_modules
 from .discovery import RopeContext, find_target, unwrap
 from .files import sha256_file, write_text_atomic
-from .schemes.base import Scheme
+from .schemes.base import Scheme, without_native_form
 from .specs import parse_scheme_spec
 
+logger = logging.getLogger("rope_patch")
 MANIFEST = "rope_patch.json"
 PATCH_WEIGHTS = "rope_patch.safetensors"
 # 3: a stack ("scheme": "stack", "params": {"schemes": [{"scheme", "params"}, ...]}), written only for stacks, so a
@@ -195,9 +197,12 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
         model.save_pretrained(out, **kwargs)
     else:
         state = {k: v for k, v in base.state_dict().items() if k not in tables}
-        base.save_pretrained(out, state_dict=state, **kwargs)
-        _rewrite_config(out / "config.json", native_config(base) if manifest["native"] else original_config(base))
+        # transformers' own method: the instance's NoticedSave (undo.py) would log the plain-save notice, which says
+        # to save with rope_patch instead
+        type(base).save_pretrained(base, out, state_dict=state, **kwargs)
+        _rewrite_config(out / "config.json", saved_config(base))
     _write_patch_files(out, manifest, tables)
+    _log_notice(base, out, manifest)
     return out
 
 
@@ -215,9 +220,27 @@ def save_patch(model: nn.Module, save_directory: str | os.PathLike) -> Path:
     base, manifest, tables = _patch_record(model)
     (out / MANIFEST).unlink(missing_ok=True)
     if not manifest["adapter"] and (out / "config.json").is_file():
-        _rewrite_config(out / "config.json", native_config(base) if manifest["native"] else original_config(base))
+        _rewrite_config(out / "config.json", saved_config(base))
     _write_patch_files(out, manifest, tables)
     return out
+
+
+def saved_config(model: nn.Module) -> dict:
+    """{"rope_parameters", "max_position_embeddings"} that every save of `model` writes to config.json (the one rule,
+    `schemes.base.without_native_form`): the native form where the whole patch has one, else the unpatched RoPE. A
+    patched model's own config already holds this, so transformers' plain save_pretrained writes the same."""
+    scheme = current(model)
+    return native_config(model) if scheme is not None and _is_native(scheme) else original_config(model)
+
+
+def _log_notice(base: nn.Module, out: Path, manifest: dict) -> None:
+    """A full-model save of a patch without a native form says what config.json reloads to, and how to get the patch
+    back (adapters write no config.json: they reload through rope_patch.from_pretrained or a re-applied patch)."""
+    scheme = current(base)
+    if scheme is not None and not manifest["adapter"]:
+        notice = scheme.save_notice(out, manifest=True)
+        if notice:
+            logger.warning(notice)
 
 
 def _patch_record(model: nn.Module) -> tuple[nn.Module, dict, dict]:
@@ -443,7 +466,7 @@ def _missing_weights(file: Path, scheme: str, keys) -> None:
 
 
 def _is_native(scheme: Scheme) -> bool:
-    return scheme.kind == "frequency" and getattr(scheme, "native", False)
+    return not without_native_form(scheme)
 
 
 def _rewrite_config(path: Path, rope: dict) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import torch
 from torch import nn
@@ -154,6 +155,29 @@ class PrivateConfig:
             holder.config = self.private
 
 
+logger = logging.getLogger("rope_patch")
+
+
+class NoticedSave:
+    """`model.save_pretrained` of a model whose patch has no native transformers form (see `Scheme.save_notice`):
+    transformers' own save (the class's method, called unchanged), then one logged warning that the written
+    config.json reloads the unpatched model and how to keep the patch. Without it a plain save of such a model would
+    lose the patch without a word. Set on the instance through the undo log (remove() gives the class's method back);
+    an object of a module-level class holding the model and the log, so copies and pickles carry it."""
+
+    def __init__(self, model: nn.Module, log: UndoLog):
+        self.model, self.log = model, log
+
+    def __call__(self, save_directory, *args, **kwargs):
+        out = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        scheme = getattr(self.log, "scheme", None)
+        if kwargs.get("is_main_process", True) and scheme is not None:
+            notice = scheme.save_notice(save_directory, manifest=False)
+            if notice:
+                logger.warning(notice)
+        return out
+
+
 def _same(a, b) -> bool:
     try:
         return bool(a == b)
@@ -200,13 +224,19 @@ class UndoLog(nn.Module):
         self._push(AddHook(module, hook, handle.id, with_kwargs))
 
     def private_config(self, model: nn.Module):
-        """Give every module of `model` that holds `model.config` a private deep copy of it; returns the copy."""
+        """Give every module of `model` that holds `model.config` a private deep copy of it; returns the copy.
+
+        The private config is what `model.save_pretrained` writes: where the log's scheme (a PatchState's) says a
+        save cannot carry it (`Scheme.save_notice`), the model's save_pretrained also says so (`NoticedSave`)."""
         shared = model.config
         holders = [m for m in model.modules() if vars(m).get("config") is shared]
         private = copy.deepcopy(shared)
         self._push(PrivateConfig(holders, shared, private))
         for holder in holders:
             holder.config = private
+        scheme = getattr(self, "scheme", None)  # duck-typed: the undo log sits below the schemes
+        if callable(getattr(scheme, "save_notice", None)) and scheme.save_notice(".", manifest=False) is not None:
+            self.setattr(model, "save_pretrained", NoticedSave(model, self))
         return private
 
     def seal(self) -> None:

@@ -13,6 +13,7 @@ so a bad input fails before the model is modified, and `remove()` replays the un
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -73,3 +74,33 @@ class Scheme:
     def __str__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{self.name}({args})"
+
+    def save_notice(self, directory, *, manifest: bool) -> str | None:
+        """The warning a save of a model carrying this patch logs (None: config.json reloads the patched model).
+        `manifest`: whether the save wrote rope_patch.json beside config.json (rope_patch.save_pretrained) or not
+        (transformers' own save_pretrained)."""
+        lacking = without_native_form(self)
+        if not lacking:
+            return None
+        names = ", ".join(p.name for p in lacking)
+        dropped = [p.name for p in getattr(self, "schemes", ()) if p not in lacking]
+        config = os.path.join(os.fspath(directory), "config.json")
+        how = (f"rope_patch.from_pretrained({os.fspath(directory)!r}) reads the rope_patch.json written beside it and "
+               "re-applies the patch" if manifest else
+               "to keep the patch, save with rope_patch.save_pretrained(model, dir) instead, which adds rope_patch.json "
+               "(RopePatchCallback adds it to Trainer checkpoints), and reload with rope_patch.from_pretrained(dir)")
+        return (f"rope_patch: {config} holds the unpatched RoPE, so transformers alone reloads the unpatched model: "
+                f"{names} {'has' if len(lacking) == 1 else 'have'} no native transformers form"
+                + (f" (a config with {' + '.join(dropped)} alone would be a third model)" if dropped else "")
+                + f"; {how} ({self}).")
+
+
+def without_native_form(scheme: Scheme) -> list[Scheme]:
+    """The parts of `scheme` (the scheme itself, or each part of a stack) that transformers' `rope_parameters`
+    cannot express: the attention-side schemes, the modifiers, and frequency schemes without a native form
+    (dynamic_yarn). The one rule of every save (a plain `model.save_pretrained`, `rope_patch.save_pretrained`, a
+    merged adapter): empty, config.json carries the native form and reloads the patched model without rope_patch;
+    else config.json keeps the unpatched RoPE and reloads the unpatched model, never the expressible parts alone (yarn
+    without the Self-Extend it was stacked with would be a third model)."""
+    parts = getattr(scheme, "schemes", None) or (scheme,)
+    return [p for p in parts if not (p.kind == "frequency" and getattr(p, "native", False))]

@@ -27,6 +27,7 @@ frequency scheme's fp32 masters and length update, the modifier wraps the attent
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterable
 from typing import ClassVar
@@ -35,12 +36,14 @@ from ..discovery import PatchSite
 from ..registry import get_scheme_class, register_scheme
 from ..rotary import PatchedRotaryForward
 from ..specs import parse_spec
-from .base import InstallStep, Scheme
+from .base import InstallStep, Scheme, without_native_form
 from .chunked import DualChunk
 from .common import AttentionScheme
 from .frequency import Dynamic, FrequencyScheme, LongRope
 from .positions import _Deferred
 
+# The config fields a save writes for the position encoding (what a plain transformers reload reads back).
+PUBLIC_FIELDS = ("rope_parameters", "max_position_embeddings")
 ALLOWED = ("A stack holds at most one frequency scheme, one attention-side scheme and modifiers (logn); frequency "
            "schemes compose with the attention-side schemes that rotate with the model's RoPE (self_extend, rerope, "
            "leaky_rerope, string, dca), logn with everything.")
@@ -215,8 +218,11 @@ class Stack(Scheme):
                     for p in self.schemes]  # everything is computed (and checked) before the model is touched
 
         rotary = target.rotary
+        keep_public = bool(without_native_form(self))
 
         def install(log) -> None:
+            cfg = target.config  # the model's private config (api.apply): what any save writes to config.json
+            public = {key: copy.deepcopy(getattr(cfg, key)) for key in PUBLIC_FIELDS}
             below = None
             for part, step in zip(self.schemes, installs, strict=True):
                 step(log)
@@ -224,6 +230,13 @@ class Stack(Scheme):
                     below = vars(rotary).get("forward")
                 elif isinstance(part, AttentionScheme) and below is not None:
                     _keep_frequency_forward(log, rotary, below)
+            if keep_public:
+                # The frequency part wrote its native form there, but the stack as a whole has none: a plain
+                # save_pretrained would reload yarn without the Self-Extend it runs with, a third model. The rotary
+                # runs from its own config copy (frequency.py), so the public one can go back to the unpatched RoPE,
+                # as a single scheme without a native form leaves it (base.without_native_form).
+                for key, value in public.items():
+                    setattr(cfg, key, value)
 
         return install
 
