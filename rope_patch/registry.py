@@ -60,8 +60,8 @@ def canonical_name(name: str) -> str:
     if key in _ALIASES:
         return _ALIASES[key]
     raise ValueError(
-        f"Unknown position-encoding scheme {name!r}.{did_you_mean(key, [*_SCHEMES, *_ALIASES])} "
-        f"Available: {', '.join(sorted(_SCHEMES))} (see rope_patch.list_schemes())."
+        f"Unknown position-encoding scheme {name!r}.{did_you_mean(key, [*list_schemes(), *_ALIASES])} "
+        f"Available: {', '.join(list_schemes())} (see rope_patch.list_schemes()); '+' stacks them (yarn:4+logn)."
     )
 
 
@@ -70,8 +70,9 @@ def get_scheme_class(name: str) -> type[Scheme]:
 
 
 def list_schemes() -> list[str]:
-    """Registered scheme names (aliases excluded), sorted."""
-    return sorted(_SCHEMES)
+    """Registered scheme names (aliases excluded), sorted. A class with `listed = False` (the `stack` of several
+    schemes: a composition, not a scheme of its own) is registered, so that saved stacks resolve, but not listed."""
+    return sorted(name for name, cls in _SCHEMES.items() if getattr(cls, "listed", True))
 
 
 def aliases() -> dict[str, str]:

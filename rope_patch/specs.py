@@ -68,6 +68,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     if not name.strip():
         raise ValueError(f"Scheme spec {spec!r} has no scheme name. {_FORMS}")
     name = canonical_name(name)
+    if any(c in rest for c in "[]()"):
+        # `short_factor=[1,1.5,2]`: the commas inside would split it into items (and read `1.5` as a second
+        # positional value, "sets 'factor' twice"): say how a list is written instead.
+        raise ValueError(f"Scheme spec {spec!r}: a list is written with '/' between its values and no brackets, e.g. "
+                         f"{name + ':' + _slashed(rest)!r} (commas separate parameters). {_FORMS}")
     params: dict = {}
     for item in (part.strip() for part in rest.split(",")):
         if not item:
@@ -84,6 +89,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             raise ValueError(f"Scheme spec {spec!r} sets {key!r} twice.")
         params[key] = _value(text)
     return name, params
+
+
+def _slashed(rest: str) -> str:
+    """`short_factor=[1, 1.5],factor=4` -> `short_factor=1/1.5,factor=4`: the bracketed lists of a spec in '/' form."""
+    return re.sub(r"[\[(]([^\])]*)[\])]", lambda m: "/".join(v.strip() for v in m.group(1).split(",") if v.strip()), rest)
 
 
 def _positional(spec: str, name: str) -> str:

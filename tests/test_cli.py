@@ -17,6 +17,20 @@ def test_list_command(capsys):
     assert "yarn" in out and "beta_fast" in out and "frequency" in out and "pi" in out
 
 
+def test_a_stack_is_not_listed_as_a_scheme(capsys):
+    """`stack` is registered (a saved stack resolves) but it is several schemes joined with '+', not one to pick."""
+    import rope_patch
+
+    assert main(["list"]) == 0
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.split()[0] == "stack"]
+    assert "stack" not in rope_patch.list_schemes() and rope_patch.registry.get_scheme_class("stack").name == "stack"
+    with pytest.raises(ValueError, match="Available: ") as info:
+        rope_patch.as_scheme("stak")
+    available = str(info.value).split("Available: ")[1]
+    assert "stack," not in available and "Did you mean 'stack'" not in str(info.value)
+    assert "yarn" in available and "'+' stacks them (yarn:4+logn)" in available
+
+
 def test_spec_parsing_lives_in_the_library():
     import rope_patch.cli
 

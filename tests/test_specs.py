@@ -82,6 +82,10 @@ ERRORS = [
     ("default:0", ValueError, "rope_theta"),
     ("yarn:factor=4,original_max_position_embeddings=12.5", TypeError, "must be an integer"),
     ("longrope:short_factor=1/x", TypeError, r"short_factor\[1\]"),
+    # a bracketed list: its commas would split it ("sets 'factor' twice"); the '/' form is named instead
+    ("longrope:short_factor=[1,1.5,2],long_factor=[2,3,4]", ValueError,
+     r"a list is written with '/'.*'longrope:short_factor=1/1.5/2,long_factor=2/3/4'"),
+    ("longrope:short_factor=(1, 2)", ValueError, r"'longrope:short_factor=1/2'"),
 ]
 
 

@@ -32,6 +32,9 @@ class Scheme:
     # Whether queries and keys are still rotated (with the model's or the scheme's frequencies): False for the
     # position-free encodings (ALiBi, NoPE, T5 bias, additive absolute), whose θ′ is 0.
     keeps_rotation: ClassVar[bool] = True
+    # Named by `rope-patch list`, `list_schemes()` and "Available:" messages (False: a composition such as `stack`,
+    # registered so that a saved one resolves, but not a scheme to choose on its own).
+    listed: ClassVar[bool] = True
 
     @classmethod
     def param_names(cls) -> list[str]:

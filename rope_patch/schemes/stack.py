@@ -152,6 +152,7 @@ class Stack(Scheme):
 
     name = "stack"
     kind: ClassVar[str] = "stack"
+    listed: ClassVar[bool] = False  # several schemes, not one: `rope-patch list` names the parts
     schemes: tuple = ()
 
     def __post_init__(self):
