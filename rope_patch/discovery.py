@@ -181,28 +181,6 @@ def attention_function_limits(target: PatchSite, modules: list[nn.Module], backe
         # flex and flash functions have no sink term, so they would drop it and change every output.
         return (f"{model_type} attention sinks: each head adds a learned sink logit (`self.sinks`) to the softmax "
                 f"denominator, which rope_patch's {backend} function does not compute (its eager and sdpa ones do)")
-    mla = [m for m in modules if getattr(m, "v_head_dim", None) not in (None, getattr(m, "qk_head_dim", None))]
-    if mla:
-        m = mla[0]
-        # DeepSeek-V2/V3 MLA: queries and keys are qk_nope_head_dim + qk_rope_head_dim wide, values v_head_dim; the
-        # attention functions assume one head size for q, k and v.
-        return (f"{model_type} multi-head latent attention: query/key heads are {m.qk_head_dim} wide "
-                f"(qk_nope_head_dim + qk_rope_head_dim) and value heads {m.v_head_dim} (v_head_dim), while rope_patch's "
-                "attention functions need one head size for queries, keys and values")
-    return None
-
-
-def partial_rotation_limits(target: PatchSite, modules: list[nn.Module]) -> str | None:
-    """Why RoPE cannot be re-applied inside attention with the module-level `apply_rotary_pos_emb` (None: it can).
-    DeepSeek-V3 rotates only the last `qk_rope_head_dim` coordinates of each query head (its attention splits them
-    off before the rotation and concatenates them back, the key's rotated part is shared by all heads), and with
-    `rope_interleave` through `apply_rotary_pos_emb_interleave`, not the function of that name."""
-    for m in modules:
-        rope, full = getattr(m, "qk_rope_head_dim", None), getattr(m, "qk_head_dim", None)
-        if rope is not None and full is not None and rope < full:
-            return (f"{target.model_type} rotates only qk_rope_head_dim = {rope} of the {full} query/key coordinates "
-                    "per head (split off inside its attention layer, interleaved pairs), so its rotation cannot be "
-                    "re-applied to whole query/key heads inside attention")
     return None
 
 

@@ -15,9 +15,13 @@ log). It is an object of a module-level class, not a closure, so a patched model
    of a module-level class, called as `update(rotary, x, position_ids, layer_type)` before the class forward, that
    installs the frequencies and `attention_scaling` for the current length on the rotary module (as transformers'
    `dynamic_rope_update` does for its own dynamic types, without registering anything global).
-4. The model's own rotary forward (the class's, with `dynamic_rope_update`), then for the attention-side schemes the
-   identity rotation cos = 1, sin = 0 (q·1 + rotate_half(q)·0 = q exactly): attention layers and the KV cache see
-   un-rotated queries and keys.
+4. The model's own rotary forward (the class's, with `dynamic_rope_update`), then for the position-free
+   attention-side schemes (ALiBi, NoPE, T5 bias, ...) and `cache_rotation="consistent"` the identity rotation
+   cos = 1, sin = 0 (q·1 + rotate_half(q)·0 = q exactly): attention layers and the KV cache see un-rotated queries
+   and keys.
+5. With `tagged`, the output remembers how it was made (`attention.copies.tag`): the re-positioning schemes embed
+   other positions with the same rotary module and arguments (and the apply-time check computes the true rotation
+   of an identity-patched model from it).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class BackendChanged(RuntimeError):
 
 class PatchedRotaryForward:
     def __init__(self, rotary: nn.Module, masters: dict[str, torch.Tensor], *, identity: bool, config=None,
-                 attn_implementation: str | None = None, allowed: tuple[str, ...] = (), scheme: str = "", update=None):
+                 attn_implementation: str | None = None, allowed: tuple[str, ...] = (), scheme: str = "", update=None,
+                 tagged: bool = False):
         self.rotary = rotary
         self.masters = masters  # buffer name -> float32 tensor the patch installed
         self.identity = identity
@@ -41,6 +46,7 @@ class PatchedRotaryForward:
         self.allowed = allowed  # other names that run the patch too (its own functions for the other backends)
         self.scheme = scheme
         self.update = update  # None, or called with (rotary, x, position_ids, layer_type) before each forward
+        self.tagged = tagged  # return attention.copies.Tagged embeddings (the re-positioning schemes read them)
         self.seen = self._buffers_now()  # the buffer tensors as the patch (or the last forward) left them
 
     def __call__(self, x, position_ids, *args, **kwargs):
@@ -68,17 +74,45 @@ class PatchedRotaryForward:
             self.update(rotary, x, position_ids, args[0] if args else kwargs.get("layer_type"))
         out = type(rotary).forward(rotary, x, position_ids, *args, **kwargs)
         self.seen = self._buffers_now()
-        if not isinstance(out, tuple):  # Llama 4: one complex tensor e^{i·m·θ}·attention_scaling, not (cos, sin)
-            return out.new_ones(()).expand_as(out) if self.identity else out
-        cos, sin = out
-        if not self.identity:
-            return cos, sin
-        # broadcast views of one element: the identity costs no (L × d) tensors
-        return cos.new_ones(()).expand_as(cos), sin.new_zeros(()).expand_as(sin)
+        if self.identity:
+            if isinstance(out, tuple):  # broadcast views of one element: the identity costs no (L × d) tensors
+                cos, sin = out
+                out = (cos.new_ones(()).expand_as(cos), sin.new_zeros(()).expand_as(sin))
+            else:  # Llama 4: one complex tensor e^{i·m·θ}·attention_scaling, not (cos, sin)
+                out = out.new_ones(()).expand_as(out)
+        if self.tagged:
+            return tag(out, rotary, x, position_ids, args, kwargs)
+        return out
 
 
     def _buffers_now(self) -> dict:
         return {name: self.rotary._buffers.get(name) for name in self.masters}
+
+
+class Tagged(tuple):
+    """A rotary module's (cos, sin), remembering how it was made (`rotary`, `x`, `position_ids`, `args`, `kwargs`), so
+    other positions can be embedded alike; `memo` holds the stacked copies made from it (the decoder passes the same
+    object to every layer)."""
+
+
+def tag(out, rotary: nn.Module, x, position_ids, args: tuple, kwargs: dict):
+    """`out` (a tuple, or Llama 4's complex tensor) with its source attached."""
+    tagged = Tagged(out) if isinstance(out, tuple) else out
+    tagged.rotary, tagged.x, tagged.position_ids, tagged.args, tagged.kwargs = rotary, x, position_ids, args, kwargs
+    tagged.memo = {}
+    return tagged
+
+
+def source(embeddings) -> nn.Module | None:
+    """The rotary module that made these position embeddings (None: not a patched rotary's output)."""
+    return getattr(embeddings, "rotary", None) if embeddings is not None else None
+
+
+def embed(embeddings, positions: torch.Tensor):
+    """The embeddings that the rotary module which made `embeddings` gives at `positions`, the same way (its class
+    forward: the frequencies it holds now, its attention scaling, its layer type)."""
+    rotary = embeddings.rotary
+    return type(rotary).forward(rotary, embeddings.x, positions, *embeddings.args, **embeddings.kwargs)
 
 
 def unpatched_forward(rotary: nn.Module, x, position_ids, *args):

@@ -59,7 +59,10 @@ class ScaleQuery:
         self.factor, self.positions = factor, None
 
     def __call__(self, module, inputs, out):
-        pos = self.positions.expand(out.shape[0], -1)
+        # a re-positioned layer projects c stacked copies of its batch (rope_patch/attention/copies.py): every copy of
+        # token t is at the same true position
+        pos = self.positions
+        pos = pos.repeat(out.shape[0] // pos.shape[0], 1) if pos.shape[0] > 1 else pos.expand(out.shape[0], -1)
         t = torch.tensor([[self.factor(int(p)) for p in row] for row in pos], dtype=out.dtype)
         return out * t[..., None]
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from . import settings
 from .blocked import band_partial, blocked_attention, dense_attention, flash_causal_partial, flash_partial
+from .copies import CacheView, Identity, Layout, NotProven, Reentry
 from .flash import flash_module
 from .flex import causal_block_mask, flex_available, flex_call, restrict_block_mask
 from .protocol import STATE, AttentionCall, AttentionRule, Partial, fit_rows, merge
@@ -51,7 +52,7 @@ from .registration import BACKENDS, BLOCKED, DENSE, FA2, FLEX, AttnState, regist
 from .rotation import Rotation, floor_div
 
 __all__ = [
-    "BACKENDS", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",
+    "BACKENDS", "CacheView", "Identity", "Layout", "NotProven", "Reentry", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",
     "Rotation", "band_partial", "blocked_attention", "causal_block_mask", "dense_attention", "fit_rows",
     "flash_causal_partial", "flash_module", "flash_partial", "flex_available", "flex_call", "floor_div", "merge",
     "register", "restrict_block_mask", "settings",

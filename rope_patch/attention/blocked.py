@@ -17,25 +17,32 @@ import torch
 from torch import nn
 
 from . import settings
-from .protocol import AttentionCall, Partial, make_call, merge, module_state
+from .protocol import AttentionCall, Partial, make_call, merge, module_state, restack
 
 
 def _flash_lse_op():
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def _padded(v: torch.Tensor, d: int) -> torch.Tensor:
+    """Values zero-padded to the query/key head size d: torch's CPU flash kernel wants one head size (MLA's values
+    are narrower than its queries and keys); the padded output columns are 0 and are cut off again."""
+    return v if v.shape[-1] == d else nn.functional.pad(v, (0, d - v.shape[-1]))
+
+
 def flash_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                   mask: torch.Tensor | None = None) -> Partial:
-    """Fused attention of q (b, Hkv, G, r, d′) over all of k, v (b, Hkv, n, d′): torch's CPU flash kernel, which
-    also returns the log-sum-exp. The rows are independent, so the G query heads of a kv head are folded into the
-    rows: GQA without repeating K/V. `mask`: additive float (1, Hkv, G, r, n) (−inf = excluded); a row it excludes
-    entirely comes back with lse = −inf, i.e. weight 0 in `merge`."""
+    """Fused attention of q (b, Hkv, G, r, d) over all of k (b, Hkv, n, d), v (b, Hkv, n, dv): torch's CPU flash
+    kernel, which also returns the log-sum-exp. The rows are independent, so the G query heads of a kv head are folded
+    into the rows: GQA without repeating K/V. `mask`: additive float (1, Hkv, G, r, n) (−inf = excluded); a row it
+    excludes entirely comes back with lse = −inf, i.e. weight 0 in `merge`."""
     b, hkv, g, r, dq = q.shape
+    dv = v.shape[-1]
     if mask is not None:
         mask = mask.reshape(mask.shape[0], hkv, g * r, -1)
-    out, lse = _flash_lse_op()(q.reshape(b, hkv, g * r, dq), k, v, attn_mask=mask,
+    out, lse = _flash_lse_op()(q.reshape(b, hkv, g * r, dq), k, _padded(v, dq), attn_mask=mask,
                                scale=call.scaling if scale is None else scale)[:2]
-    out, lse = out.float().reshape(b, hkv * g, r, -1), lse.float().reshape(b, hkv * g, r)
+    out, lse = out[..., :dv].float().reshape(b, hkv * g, r, -1), lse.float().reshape(b, hkv * g, r)
     if mask is not None:  # the kernel reports a fully excluded row as lse = 0, out = 0: make its weight 0
         lse = lse.masked_fill(torch.isneginf(mask).all(-1).reshape(mask.shape[0], hkv * g, r), float("-inf"))
     return out, lse
@@ -45,10 +52,11 @@ def flash_causal_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, 
     """As `flash_partial` for the diagonal block (queries and keys are the same r slots): causal, square; the
     kernel's causal mask needs one row per query, so K/V are repeated here (r keys only)."""
     b, hkv, g, r, dq = q.shape
-    k, v = _repeat(k, g), _repeat(v, g)
+    dv = v.shape[-1]
+    k, v = _repeat(k, g), _repeat(_padded(v, dq), g)
     out, lse = _flash_lse_op()(q.reshape(b, hkv * g, r, dq), k, v, is_causal=True,
                                scale=call.scaling if scale is None else scale)[:2]
-    return out.float(), lse.float()
+    return out[..., :dv].float(), lse.float()
 
 
 def band_partial(call: AttentionCall, s: torch.Tensor, rows: slice, start: int, e: int) -> Partial:
@@ -82,11 +90,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers attention-function signature: query (b, H, q, d), key/value (b, Hkv, k, d) →
     (out (b, q, H, d), weights (b, H, q, k) for the dense variant, else None)."""
     state = module_state(module)
-    b, h, q_len, d = query.shape
-    hkv, k_len = key.shape[1], key.shape[2]
+    call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
+    query, key, value = call.query, call.key, call.value
+    b, hkv, _, q_len, _ = query.shape
+    h, d, k_len = hkv * query.shape[2], value.shape[-1], key.shape[2]
     if attention_mask is not None and attention_mask.shape[-1] != k_len:
         raise ValueError(f"attention mask covers {attention_mask.shape[-1]} keys but there are {k_len}")
-    call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
     state.scores.begin(call)
     # gpt-oss attention sinks (transformers passes `s_aux=self.sinks`): one learned logit per head that joins the
     # softmax denominator, i.e. a key with value 0, as gpt-oss's own eager function and transformers' flex have it
@@ -142,7 +151,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             out[:, :, :, rows] = block_out
         del s, p, pv
     out = out.reshape(b, h, q_len, d).transpose(1, 2).contiguous()
-    return out, (weights[0] if dense else None)
+    return restack(module, out), (weights[0] if dense else None)
 
 
 def dense_attention(module, query, key, value, attention_mask, **kwargs):

@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers.integrations.flex_attention import compile_friendly_flex_attention, get_flex_attention_lse_kwargs
 
 from . import settings
-from .protocol import AttentionCall, make_call, module_state
+from .protocol import AttentionCall, make_call, module_state, restack
 
 
 def flex_available() -> bool:
@@ -94,4 +94,4 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
     state.scores.begin(call)
     block_mask = attention_mask if attention_mask is not None else causal_block_mask(call)
     out = state.scores.flex(call, block_mask)
-    return out.to(value.dtype).transpose(1, 2).contiguous(), None
+    return restack(module, out.to(value.dtype).transpose(1, 2).contiguous()), None

@@ -61,17 +61,22 @@ def fit_rows(heads: int, extra: int, cap: int = 1024) -> int:
 
 @dataclasses.dataclass
 class AttentionCall:
-    """One attention call, laid out for GQA without expanding K/V: queries (b, Hkv, G, q, d)."""
+    """One attention call, laid out for GQA without expanding K/V: queries (b, Hkv, G, q, d).
+
+    A re-positioned layer (attention/copies.py) hands over c copies of its queries and S copies of its keys, each at
+    the positions of its copy: `queries[t]` and `keys[s]`; `query` and `key` are copy 0 and key set 0."""
 
     module: nn.Module
     query: torch.Tensor  # (b, Hkv, G, q, d)
     key: torch.Tensor  # (b, Hkv, k, d)
-    value: torch.Tensor  # (b, Hkv, k, d)
+    value: torch.Tensor  # (b, Hkv, k, dv)
     scaling: float
     softcap: float | None
     q_slot: torch.Tensor  # (q,) key-slot index of each query row: k_len − q_len + r
     offset: torch.Tensor  # (b|1, 1) true position minus slot index, per row (0 without left padding)
     scratch: dict = dataclasses.field(default_factory=dict)  # per-call values a AttentionRule computes in begin()
+    queries: tuple = ()  # per position copy: (b, Hkv, G, q, d)
+    keys: tuple = ()  # per key set: (b, Hkv, k, d)
 
     def qk(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """q (b, Hkv, G, r, d) · k (b, Hkv, e, d)ᵀ → float32 (b, Hkv, G, r, e), scaled and softcapped. G is folded
@@ -128,11 +133,40 @@ def _offsets(position_ids: torch.Tensor | None, q_slot: torch.Tensor) -> torch.T
     return pos.gather(-1, r) - q_slot[r]
 
 
+def unstack(module, query, key, value, position_ids):
+    """Split what a re-positioned layer passed (attention/copies.py): c query copies stacked on the batch axis, keys
+    either stacked likewise (no cache) or as S key sets on the head axis (what `CacheView` stored), values of copy 0.
+    Returns (queries, keys, value, true position ids); one copy of each for a layer that is not re-positioned."""
+    current = module_state(module).current
+    if current is None:
+        return (query,), (key,), value, position_ids
+    b, layout = current.rows, current.layout
+    queries = tuple(query[t * b:(t + 1) * b] for t in range(layout.copies))
+    if key.shape[0] == query.shape[0]:  # no cache: every copy's keys, stacked like the queries
+        keys = tuple(key[t * b:(t + 1) * b] for t in layout.key_copies)
+        value = value[:b]
+    else:  # the cache's key sets, side by side on the head axis
+        hkv = value.shape[1]
+        keys = tuple(key[:, s * hkv:(s + 1) * hkv] for s in range(len(layout.key_copies)))
+    return queries, keys, value, current.positions
+
+
 def make_call(module, query, key, value, scaling, softcap, position_ids) -> AttentionCall:
-    b, h, q_len, d = query.shape
-    hkv, k_len = key.shape[1], key.shape[2]
+    queries, keys, value, position_ids = unstack(module, query, key, value, position_ids)
+    b, h, q_len, d = queries[0].shape
+    hkv, k_len = keys[0].shape[1], keys[0].shape[2]
     if h % hkv:
         raise ValueError(f"{h} query heads cannot share {hkv} key/value heads")
     q_slot = torch.arange(k_len - q_len, k_len, device=query.device)
-    return AttentionCall(module, query.view(b, hkv, h // hkv, q_len, d), key, value, scaling if scaling is not None else d**-0.5,
-                softcap, q_slot, _offsets(position_ids, q_slot))
+    queries = tuple(q.view(b, hkv, h // hkv, q_len, d) for q in queries)
+    return AttentionCall(module, queries[0], keys[0], value, scaling if scaling is not None else d**-0.5,
+                         softcap, q_slot, _offsets(position_ids, q_slot), queries=queries, keys=keys)
+
+
+def restack(module, out: torch.Tensor) -> torch.Tensor:
+    """The output (b, q, H, dv) of a re-positioned layer's attention, padded with zeros to the c·b rows the layer's
+    own code expects (it reshapes by its stacked batch; only copy 0's rows are kept, by `copies.Reentry`)."""
+    current = module_state(module).current
+    if current is None or current.layout.copies == 1:
+        return out
+    return torch.cat([out, out.new_zeros(((current.layout.copies - 1) * out.shape[0], *out.shape[1:]))])

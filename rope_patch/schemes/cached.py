@@ -102,8 +102,7 @@ class _Deferral(AttentionScheme):
         return self.scheme_name
 
     def build(self, target):
-        rotations, _ = self.rotations(target)
-        return CurrentRotation(rotations), None
+        return CurrentRotation(self.rotations(target)), None
 
 
 def prepare(name: str, target: PatchSite):
@@ -121,7 +120,7 @@ def prepare(name: str, target: PatchSite):
     def install(log: UndoLog, masters: dict, update) -> None:
         log.setattr(rotary, "forward", PatchedRotaryForward(
             rotary, masters, identity=True, config=target.config, attn_implementation=impl,
-            allowed=tuple(attention.BACKENDS.values()), scheme=name, update=update))
+            allowed=tuple(attention.BACKENDS.values()), scheme=name, update=update, tagged=True))
         attention.register()
         state = attention.AttnState(rule)
         for m in modules:

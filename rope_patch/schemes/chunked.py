@@ -76,43 +76,59 @@ def _merge_lse(parts: list[attention.Partial]) -> attention.Partial:
     return out, lse
 
 
+@dataclasses.dataclass(frozen=True)
+class InChunk:
+    """p ↦ p mod c (+ c, capped at s, for the query of a successive-chunk pair): a position copy of the layer."""
+
+    chunk: int
+    successive: bool = False
+    cap: int = 0
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        q = torch.remainder(p, self.chunk)
+        return (q + self.chunk).clamp(max=self.cap) if self.successive else q
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """p ↦ a constant position (DCA's inter-chunk query at min(2c − 1, s))."""
+
+    position: int
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(p, self.position)
+
+
 class DualChunkScores(attention.AttentionRule):
     """The three DCA regions of every (query, key) pair, by the chunks of their true positions.
 
-    `rotations[layer_idx]` is that layer's own RoPE (per-layer-type models rotate each layer with its frequencies).
-    Held across blocks: the keys rotated to j mod c (once per call) and the batch's position offsets on the host
-    (the chunk boundaries in key slots, one device→host read per call)."""
+    The layer hands over its queries at the three positions and its keys at j mod c, computed by its own code
+    (attention/copies.py): `queries[INTRA]`, `queries[SUCC]`, `queries[INTER]`, `key`. Held across blocks: the batch's
+    position offsets on the host (the chunk boundaries in key slots, one device→host read per call)."""
 
     flex_lse = True  # the flex form merges three flex calls by log-sum-exp
 
-    def __init__(self, rotations: dict[int, attention.Rotation], chunk_size: int, local_size: int):
-        self.rotations, self.chunk_size, self.local_size = rotations, chunk_size, local_size
+    def __init__(self, chunk_size: int, local_size: int):
+        self.chunk_size, self.local_size = chunk_size, local_size
         self.chunk = chunk_size - local_size  # c: tokens per chunk, the key positions' modulus
         self.inter_position = min(2 * self.chunk - 1, chunk_size)
+
+    def layout(self) -> attention.Layout:
+        """Copy INTRA: queries and keys at p mod c; SUCC: queries at min(p mod c + c, s); INTER: at min(2c − 1, s)."""
+        return attention.Layout((InChunk(self.chunk), InChunk(self.chunk, True, self.chunk_size),
+                                 Fixed(self.inter_position)), key_copies=(0,))
 
     def fused_rows(self, heads):
         return 512  # nothing is materialised on the fused path; chunk boundaries split a block further
 
     # ---- positions -------------------------------------------------------------------------------------------------
     def begin(self, call):
-        rotation = self.rotations[call.module.layer_idx]
-        call.scratch["rotation"] = rotation
         call.scratch["offsets"] = call.offset.reshape(-1).tolist()
-        k_pos = torch.arange(call.key.shape[2], device=call.key.device) + call.offset  # (b|1, k) true positions
-        call.scratch["k_rot"] = rotation(call.key, torch.remainder(k_pos, self.chunk))
+        call.scratch["k_rot"] = call.key
 
     def _q(self, call, rows: slice, region: int) -> torch.Tensor:
-        """The queries of `rows` (b, Hkv, G, r, d) rotated to their `region` position."""
-        b, hkv, g, _, d = call.query.shape
-        q = call.query[:, :, :, rows].reshape(b, hkv * g, -1, d)
-        in_chunk = torch.remainder(call.q_slot[rows] + call.offset, self.chunk)  # (b|1, r)
-        if region == INTRA:
-            pos = in_chunk
-        elif region == SUCC:
-            pos = (in_chunk + self.chunk).clamp(max=self.chunk_size)
-        else:
-            pos = torch.full_like(in_chunk, self.inter_position)
-        return call.scratch["rotation"](q, pos).view(b, hkv, g, -1, d)
+        """The queries of `rows` (b, Hkv, G, r, d) at their `region` position."""
+        return call.queries[region][:, :, :, rows]
 
     def _chunk_of(self, call, slots: torch.Tensor) -> torch.Tensor:
         """(b|1, n) chunk index of key slots; padding (negative true positions) counts as chunk 0 (it is masked)."""
@@ -318,9 +334,15 @@ class DualChunk(AttentionScheme):
         _check_pair(chunk, local, origin)
         return self.replace(chunk_size=chunk, local_size=local)
 
+    def repositions(self) -> bool:
+        return True
+
+    def layout(self, module):
+        # every layer alike: sliding windows only hide pairs, the regions are per pair
+        return DualChunkScores(self.chunk_size, self.local_size).layout()
+
     def build(self, target):
-        rotations, _ = self.rotations(target)  # sliding windows only hide pairs: the regions are per pair
-        return DualChunkScores(rotations, self.chunk_size, self.local_size), None
+        return DualChunkScores(self.chunk_size, self.local_size), None
 
 
 def _config_values(raw, where: str) -> dict:

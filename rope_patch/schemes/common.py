@@ -64,15 +64,21 @@ class AttentionScheme(Scheme):
         return None, None
 
     # ---- shared machinery ------------------------------------------------------------------------------------
-    def rotations(self, target: PatchSite) -> tuple[dict[int, attention.Rotation], dict[int, int | None]]:
-        """The model's own RoPE for the deferred-RoPE schemes, per layer (`layer_idx` → Rotation; per-layer-type
-        rotaries such as Gemma 3's give each layer its layer type's frequencies), and each layer's sliding window
-        (None: full attention); or a clear error for layouts it cannot serve."""
+    def layout(self, module: nn.Module) -> attention.Layout | None:
+        """The position copies this scheme runs `module` at (attention/copies.py), or None: the layer runs once, at the
+        positions its rotary gives (the position-free schemes, whose rotary is the identity; a layer the scheme leaves
+        as it is)."""
+        return None
+
+    def repositions(self) -> bool:
+        """Whether the scheme moves positions (then every rotary module tags its output and the layers run at the
+        copies of `layout`) rather than removing the rotation (ALiBi, NoPE, T5 bias, additive encodings)."""
+        return False
+
+    def rotations(self, target: PatchSite) -> dict[int, attention.Rotation]:
+        """The model's own RoPE per layer (`layer_idx` → Rotation) for re-rotating un-rotated cached keys inside
+        attention (`cache_rotation="consistent"`, schemes/cached.py); or a clear error for layouts it cannot serve."""
         modules = attention_modules(target.model)
-        why = discovery.partial_rotation_limits(target, modules)
-        if why is not None:
-            raise ValueError(f"{self.name}: {why}. Use a frequency scheme, or a scheme that keeps the model's own "
-                             "attention (nope, sinusoidal, learned_absolute).")
         self._check_attention_function(target, modules)
         fns = {getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None) for m in modules}
         params = inspect.signature(type(target.rotary).forward).parameters
@@ -91,14 +97,11 @@ class AttentionScheme(Scheme):
                 f"`layer_types` ({layer_types!r}) or its rotary forward does not say which layer uses which; "
                 "supported per-layer-type models: gemma3_text."
             )
-        rotations, sliding = {}, {}
+        rotations = {}
         for m in modules:
             kind = None if kinds == [None] else layer_types[m.layer_idx]
-            # global NoPE layers (cohere2, exaone4) stay unrotated under every re-positioning, as in the model
-            rotates = discovery.layer_rotates(m)
-            rotations[m.layer_idx] = attention.Rotation(target.rotary, apply_rotary, kind) if rotates else NoRotation()
-            sliding[m.layer_idx] = getattr(m, "sliding_window", None)
-        return rotations, sliding
+            rotations[m.layer_idx] = attention.Rotation(target.rotary, apply_rotary, kind)
+        return rotations
 
     def _check_attention_function(self, target: PatchSite, modules: list[nn.Module]) -> None:
         """Refuse models whose attention a registered attention function cannot reproduce (attention sinks, MLA's
@@ -182,16 +185,20 @@ class AttentionScheme(Scheme):
         if scores is not None and not modules:
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
         model, rotary = target.model, target.rotary
-        # The model's own frequencies, as float32 masters: the deferred-RoPE schemes rotate with them inside attention.
+        moves = self.repositions()
+        layouts = {m: self.layout(m) for m in modules} if moves else {}
+        # The model's own frequencies, as float32 masters (a cast of the model must not round the angles).
         names = [f"{lt}_inv_freq" if lt else "inv_freq" for lt in target.layer_types]
 
         def install(log: UndoLog) -> None:
             masters = {n: rotary._buffers[n].float() for n in names}
             for n, master in masters.items():
                 log.set_buffer(rotary, n, master)
+            # The re-positioning schemes keep the model's rotation (their layers run at copies of other positions);
+            # the others remove it. Either way the embeddings remember their source, for the copies and the check.
             log.setattr(rotary, "forward", PatchedRotaryForward(
-                rotary, masters, identity=True, config=target.config, attn_implementation=impl,
-                allowed=tuple(attention.BACKENDS.values()), scheme=self.name))
+                rotary, masters, identity=not moves, config=target.config, attn_implementation=impl,
+                allowed=tuple(attention.BACKENDS.values()), scheme=self.name, tagged=scores is not None))
             if attach is not None:
                 attach(log)
             if scores is None:
@@ -200,17 +207,12 @@ class AttentionScheme(Scheme):
             state = attention.AttnState(scores)
             for m in modules:
                 log.setattr(m, attention.STATE, state)
+                if layouts.get(m) is not None:
+                    log.setattr(m, "forward", attention.Reentry(m, layouts[m]))
             log.add_hook(decoder(model), CacheGuard(self.name), with_kwargs=True)
             model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
 
         return install
-
-
-class NoRotation:
-    """The rotation of a layer that uses no RoPE (cohere2 / exaone4 global layers): the identity at any position."""
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return x
 
 
 @dataclasses.dataclass

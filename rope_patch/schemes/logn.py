@@ -44,6 +44,7 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from .. import attention
 from .. import validation as check
 from ..discovery import PatchSite
 from ..registry import register_scheme
@@ -91,14 +92,21 @@ class QueryTemperature:
             return torch.log1p(torch.floor((p + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
         return (torch.log(p + 1.0) / math.log(self.window)).clamp(min=1.0)
 
-    def scale(self, query: torch.Tensor, key: torch.Tensor, position_ids) -> torch.Tensor:
-        """query (b, H, q, d) · t(p) per query row."""
+    def scale(self, query: torch.Tensor, key: torch.Tensor, position_ids, current=None) -> torch.Tensor:
+        """query (b, H, q, d) · t(p) per query row. A re-positioned layer (attention/copies.py, `current`) passes c
+        stacked copies of its queries, whose ids are the copies' positions: t is the token's, at its true position,
+        in every copy (the temperature follows how many keys a query sees, not where its rotation puts it)."""
         q_len = query.shape[2]
+        copies = 1
+        if current is not None:
+            position_ids, copies = current.positions, current.layout.copies
         pos = position_ids if position_ids is not None else self.positions.last
         if pos is None or pos.dim() != 2 or pos.shape[-1] != q_len:
             start = key.shape[2] - q_len  # the cache slots: true positions without padding
             pos = torch.arange(start, start + q_len, device=query.device)[None]
         t = self.factor(pos.to(query.device))  # (b|1, q)
+        if copies > 1:
+            t = t.expand(query.shape[0] // copies, q_len).repeat(copies, 1)
         return (query * t[:, None, :, None]).to(query.dtype)
 
     def function(self, module: nn.Module):
@@ -119,7 +127,8 @@ def _forward(module, query, key, value, attention_mask, *args, **kwargs):
         raise RuntimeError(f"{type(module).__name__} runs rope_patch's logn attention function but carries no logn state: "
                            "the attention implementation was set by hand. Use rope_patch.apply / rope_patch.remove.")
     if state.active:
-        query = state.scale(query, key, kwargs.get("position_ids"))
+        attn = getattr(module, attention.STATE, None)
+        query = state.scale(query, key, kwargs.get("position_ids"), attn.current if attn is not None else None)
     return state.function(module)(module, query, key, value, attention_mask, *args, **kwargs)
 
 

@@ -59,52 +59,36 @@ class Shift:
 
 
 class TwoRegionScores(attention.AttentionRule):
-    """near (i − j < W): q at i, k at j.  far: q at far_q(i), k at far_k(j).
+    """near (i − j < W): q and k at their true positions.  far: q at far_q(i), k at far_k(j).
 
-    `rotations[layer_idx]` is that layer's own RoPE (per-layer-type models such as Gemma 3 rotate sliding and full
-    layers with different frequencies). `sliding[layer_idx]` is the layer's sliding window S or None: a layer that
-    never sees a key S or more slots back has no far region when S ≤ W (every visible distance is < S ≤ W), so
-    it runs as exact RoPE at its true positions: what the scheme gives there anyway, without rotating far keys."""
+    The layer hands over its queries and keys already at those positions, computed by its own code
+    (attention/copies.py): `queries[0]`/`keys[0]` at the true positions, `queries[1]` at far_q, `keys[far_key]` at far_k
+    (STRING's keys stay at j: key set 0). A layer that was not re-positioned (a sliding layer whose window S ≤ W: no
+    visible key is W back, so the scheme is exact RoPE there) hands over one copy, and is run near-only."""
 
     flex_lse = True  # the flex form merges a near and a far call by log-sum-exp
 
-    def __init__(self, rotations: dict[int, attention.Rotation], window: int, far_q: Positions, far_k: Positions,
-                 sliding: dict[int, int | None] | None = None):
-        self.rotations, self.window, self.far_q, self.far_k = rotations, window, far_q, far_k
-        self.sliding = sliding or {}
+    def __init__(self, window: int, far_key: int):
+        self.window, self.far_key = window, far_key
 
     def fused_rows(self, heads):
         # two r × r masks for the mixed keys; r ≤ W keeps the four-way split (else the near band is materialised)
         return attention.fit_rows(2 * heads, 0, cap=max(64, min(1024, self.window)))
 
-    # Rotations are made where they are needed: the block's queries, the near band's keys, and once per call the far
-    # keys (every block reads them). Nothing but k_far is held across blocks: memory stays near vanilla's.
     def begin(self, call):
         k_len = call.key.shape[2]
-        layer = call.module.layer_idx
-        call.scratch["rotation"] = self.rotations[layer]
-        s = self.sliding.get(layer)
-        # The window this call splits at; past every key (near only) when no visible key can be ≥ W slots back.
-        near_only = k_len - 1 < self.window or (s is not None and s <= self.window)
+        near_only = len(call.queries) == 1 or k_len - 1 < self.window
+        # The window this call splits at; past every key (near only) when no key can be ≥ W slots back.
         call.scratch["window"] = k_len + call.query.shape[3] if near_only else self.window
-        if not near_only:
-            call.scratch["k_far"] = self._rotate(call, call.key, self.far_k(self._k_pos(call, 0, k_len)))
-
-    @staticmethod
-    def _rotate(call, x, positions):
-        return call.scratch["rotation"](x, positions)
-
-    def _k_pos(self, call, start, end):
-        return torch.arange(start, end, device=call.key.device) + call.offset  # (b|1, end − start) true positions
 
     def _q(self, call, rows, far: bool):
-        b, hkv, g, _, d = call.query.shape
-        q = call.query[:, :, :, rows].reshape(b, hkv * g, -1, d)
-        pos = call.q_slot[rows] + call.offset
-        return self._rotate(call, q, self.far_q(pos) if far else pos).view(b, hkv, g, -1, d)
+        return call.queries[1 if far else 0][:, :, :, rows]
+
+    def _k_far(self, call, start, end):
+        return call.keys[self.far_key][:, :, start:end]
 
     def _k_near(self, call, start, end):
-        return self._rotate(call, call.key[:, :, start:end], self._k_pos(call, start, end))
+        return call.key[:, :, start:end]
 
     def logits(self, call, rows, start, end):
         w = call.scratch["window"]
@@ -114,7 +98,7 @@ class TwoRegionScores(attention.AttentionRule):
         if far_end == start:
             return call.qk(q_near, self._k_near(call, start, end))
         near_start = max(start, first - w + 1)  # keys j < near_start are far for every row of the block
-        s = call.qk(self._q(call, rows, far=True), call.scratch["k_far"][:, :, start:far_end])
+        s = call.qk(self._q(call, rows, far=True), self._k_far(call, start, far_end))
         if far_end < end:
             s = torch.cat((s, s.new_empty(*s.shape[:-1], end - far_end)), dim=-1)
         near = call.qk(q_near, self._k_near(call, near_start, end))
@@ -124,48 +108,45 @@ class TwoRegionScores(attention.AttentionRule):
 
     def fused(self, call, rows, end):
         """Split the keys of a block (first query slot c, r rows) by what every row sees:
-            [0, c − W + 1)              far for all rows       fused kernel, far rotation
-            [c − W + 1, c + r − W)      mixed                  materialised (r × r), per-element choice
-            [c + r − W, c)              near for all rows      fused kernel, true rotation
+            [0, c − W + 1)              far for all rows       fused kernel, far positions
+            [c − W + 1, c + r − W)      mixed                  two fused calls with complementary masks
+            [c + r − W, c)              near for all rows      fused kernel, true positions
             [c, c + r)                  near, diagonal         fused causal kernel
         (a block wider than W materialises its whole near band instead)."""
         w, c, r = call.scratch["window"], call.first_slot(rows), rows.stop - rows.start
         near_start = max(0, c - w + 1)
         parts = []
         if near_start > 0:
-            k_far = call.scratch["k_far"][:, :, :near_start]
-            parts.append(attention.flash_partial(call, self._q(call, rows, far=True), k_far, call.value[:, :, :near_start]))
+            parts.append(attention.flash_partial(call, self._q(call, rows, far=True), self._k_far(call, 0, near_start),
+                                                 call.value[:, :, :near_start]))
         if r > w:
             return [*parts, attention.band_partial(call, self.logits(call, rows, near_start, end), rows, near_start, end)]
         mix_end = max(near_start, c + r - w)
-        q_near, k_near = self._q(call, rows, far=False), self._k_near(call, near_start, end)  # k_near[0] is near_start
+        q_near = self._q(call, rows, far=False)
         if mix_end > near_start:  # the mixed keys: two masked fused calls, far and near, complementary masks
             far_mask, near_mask = self._mixed_masks(call, rows, near_start, mix_end)
             v = call.value[:, :, near_start:mix_end]
-            k_far = call.scratch["k_far"][:, :, near_start:mix_end]
-            parts.append(attention.flash_partial(call, self._q(call, rows, far=True), k_far, v, mask=far_mask))
-            parts.append(attention.flash_partial(call, q_near, k_near[:, :, : mix_end - near_start], v, mask=near_mask))
+            parts.append(attention.flash_partial(call, self._q(call, rows, far=True),
+                                                 self._k_far(call, near_start, mix_end), v, mask=far_mask))
+            parts.append(attention.flash_partial(call, q_near, self._k_near(call, near_start, mix_end), v, mask=near_mask))
         if c > mix_end:
-            k = k_near[:, :, mix_end - near_start : c - near_start]
-            parts.append(attention.flash_partial(call, q_near, k, call.value[:, :, mix_end:c]))
-        parts.append(attention.flash_causal_partial(call, q_near, k_near[:, :, c - near_start :], call.value[:, :, c:end]))
+            parts.append(attention.flash_partial(call, q_near, self._k_near(call, mix_end, c), call.value[:, :, mix_end:c]))
+        parts.append(attention.flash_causal_partial(call, q_near, self._k_near(call, c, end), call.value[:, :, c:end]))
         return parts
 
     def flex(self, call, block_mask):
         """Two flex_attention calls under transformers' BlockMask, split at the window: the near band (true
-        rotations, i − j < W) and the far part (far rotations, i − j ≥ W), each with only the blocks it touches;
+        positions, i − j < W) and the far part (far positions, i − j ≥ W), each with only the blocks it touches;
         their partial softmaxes merge by log-sum-exp (`attention.merge`): exact, and no L×L tensor is held."""
-        all_rows = slice(0, call.query.shape[3])
-        q_near = self._q(call, all_rows, far=False).flatten(1, 2)
-        k_near = self._k_near(call, 0, call.key.shape[2])
-        if "k_far" not in call.scratch:  # no far region: plain RoPE at true positions, one call, no lse
-            return attention.flex_call(call, q_near, k_near, call.value, block_mask)
+        q_near = call.queries[0].flatten(1, 2)
+        if call.scratch["window"] != self.window:  # no far region: plain RoPE at true positions, one call, no lse
+            return attention.flex_call(call, q_near, call.key, call.value, block_mask)
         w = self.window
         near = attention.restrict_block_mask(block_mask, call, w, near=True)
         far = attention.restrict_block_mask(block_mask, call, w, near=False)
-        q_far = self._q(call, all_rows, far=True).flatten(1, 2)
-        return attention.merge([attention.flex_call(call, q_near, k_near, call.value, near, lse=True),
-                                attention.flex_call(call, q_far, call.scratch["k_far"], call.value, far, lse=True)])
+        q_far = call.queries[1].flatten(1, 2)
+        return attention.merge([attention.flex_call(call, q_near, call.key, call.value, near, lse=True),
+                                attention.flex_call(call, q_far, call.keys[self.far_key], call.value, far, lse=True)])
 
     def _mixed_masks(self, call, rows, start, end):
         """Additive (1, Hkv, G, r, end − start) masks selecting far / near elements; the pattern depends only on the
@@ -188,7 +169,9 @@ def _check_window_size(name: str, value) -> int:
                          hint="The neighbour window W counts tokens (e.g. 512); a W longer than the sequence is plain RoPE.")
 
 
-class _Deferred(AttentionScheme):
+class TwoRegion(AttentionScheme):
+    """A scheme of two regions: true positions for i − j < split, q at far_q(i) and k at far_k(j) beyond."""
+
     def far_positions(self) -> tuple[Positions, Positions]:
         raise NotImplementedError
 
@@ -203,14 +186,31 @@ class _Deferred(AttentionScheme):
         d = i - j
         return torch.where(d < self.split(), d, far_q(i) - far_k(j))
 
+    def repositions(self) -> bool:
+        return True
+
+    def _layout(self) -> tuple[attention.Layout, int]:
+        """Copies (true, far query[, far key]) and the key set the far region reads."""
+        far_q, far_k = self.far_positions()
+        if isinstance(far_k, attention.Identity):  # STRING: the far keys stay at their own positions
+            return attention.Layout((attention.Identity(), far_q), key_copies=(0,)), 0
+        return attention.Layout((attention.Identity(), far_q, far_k), key_copies=(0, 2)), 1
+
+    def layout(self, module):
+        # A sliding layer whose window S ≤ split never sees a key `split` back: the scheme is exact RoPE there, and
+        # the layer runs as it is (no copies). A window S > split is taken as asked: the far region applies.
+        sliding = getattr(module, "sliding_window", None)
+        if isinstance(sliding, int) and sliding <= self.split():
+            return None
+        return self._layout()[0]
+
     def build(self, target):
-        rotations, sliding = self.rotations(target)
-        return TwoRegionScores(rotations, self.split(), *self.far_positions(), sliding), None
+        return TwoRegionScores(self.split(), self._layout()[1]), None
 
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
-class SelfExtend(_Deferred):
+class SelfExtend(TwoRegion):
     """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM: Self-Extend LLM Context Window Without Tuning",
     arXiv:2401.01325, §3.2 and the reference code datamllab/LongLM): neighbour attention with exact positions for
     i − j < W (`window_size`); beyond it grouped attention with floor-divided positions, the query shifted so the
@@ -244,7 +244,7 @@ class SelfExtend(_Deferred):
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
-class ReRope(_Deferred):
+class ReRope(TwoRegion):
     """ReRoPE (Su 2023, "Rectified Rotary Position Embeddings", kexue.fm/archives/9708, github.com/bojone/rerope):
     relative position min(i − j, W): exact RoPE inside the window (`window_size`), a constant W beyond it, realised
     as q at position W against un-rotated keys (position 0)."""
@@ -262,7 +262,7 @@ class ReRope(_Deferred):
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
-class LeakyReRope(_Deferred):
+class LeakyReRope(TwoRegion):
     """Leaky ReRoPE (Su 2023, same post and repository as ReRoPE): relative position i − j inside the window and
     W + (i − j − W)/k beyond it (k = `factor` ≥ 1; k = 1 is plain RoPE, k → ∞ is ReRoPE), realised as q at
     i/k + W − W/k and k at j/k (fractional positions)."""
@@ -296,7 +296,7 @@ def _string_size(name: str, key: str, value, what: str) -> int:
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
-class String(_Deferred):
+class String(TwoRegion):
     """STRING, ShifTed Rotary position embeddING (An et al. 2024, "Why Does the Effective Context Length of LLMs Fall
     Short?", arXiv:2410.18745; reference code HKUNLP/STRING `string_for_llama.py`): the relative distance
     d = i − j is kept for d < S (`shift_size`) and replaced by d − S + W for d ≥ S (`window_size` W < S), so the
@@ -345,4 +345,4 @@ class String(_Deferred):
         return self.shift_size
 
     def far_positions(self):
-        return Shift(self.window_size - self.shift_size), Shift(0)
+        return Shift(self.window_size - self.shift_size), attention.Identity()

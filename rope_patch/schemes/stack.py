@@ -37,10 +37,8 @@ from ..registry import get_scheme_class, register_scheme
 from ..rotary import PatchedRotaryForward
 from ..specs import parse_spec
 from .base import InstallStep, Scheme, without_native_form
-from .chunked import DualChunk
 from .common import AttentionScheme
 from .frequency import Dynamic, FrequencyScheme, LongRope
-from .positions import _Deferred
 
 # The config fields a save writes for the position encoding (what a plain transformers reload reads back).
 PUBLIC_FIELDS = ("rope_parameters", "max_position_embeddings")
@@ -87,9 +85,10 @@ def _rank(part: Scheme) -> int:
 
 
 def _rotates_with_model(scheme: AttentionScheme) -> bool:
-    """Does the scheme rotate q and k inside attention with the model's own rotary (deferred RoPE)? A scheme class of
-    one's own says so with a class attribute `uses_model_rotation = True`."""
-    return bool(getattr(scheme, "uses_model_rotation", isinstance(scheme, (_Deferred, DualChunk))))
+    """Does the scheme keep the model's own rotation (re-positioning: its layers run at copies of other positions with
+    the model's rotary, attention/copies.py)? A scheme class of one's own says so by returning True from
+    `repositions()`."""
+    return scheme.repositions()
 
 
 def _check(parts: list[Scheme]) -> None:

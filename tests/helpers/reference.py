@@ -53,6 +53,33 @@ def relative(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Te
     raise KeyError(scheme)
 
 
+def pair_positions(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q position, k position) of every pair, float tensors (b, L, L), from true positions i (b, L, 1), j (b, 1, L):
+    where each paper puts the query and the key (RoPE of those positions gives `relative`'s r(i, j) as their
+    difference). For architectures whose layers do more than rotate (q/k norms after RoPE, position-dependent
+    scales), the absolute positions matter, not only their difference."""
+    i, j = torch.broadcast_tensors(i.float(), j.float())
+    d = i - j
+    if scheme == "rope":
+        return i, j
+    if scheme == "dca":
+        raise KeyError("dca: use helpers.reference_dca.pair_positions")
+    w = p["window_size"]
+    if scheme == "string":  # An et al. 2024 (STRING): the query moved to i − S + W for d ≥ S, keys in place
+        far = d >= p["shift_size"]
+        return torch.where(far, i - p["shift_size"] + w, i), j
+    far = d >= w
+    if scheme == "rerope":  # Su 2023: q at W, k un-rotated (position 0) beyond the window
+        return torch.where(far, torch.full_like(i, w), i), torch.where(far, torch.zeros_like(j), j)
+    if scheme == "leaky_rerope":  # Su 2023: q at i/k + W − W/k, k at j/k
+        k = p["factor"]
+        return torch.where(far, i / k + w - w / k, i), torch.where(far, j / k, j)
+    if scheme == "self_extend":  # Jin et al. 2024, Algorithm 1: q at ⌊i/G⌋ + W − ⌊W/G⌋, k at ⌊j/G⌋
+        g = p["group_size"]
+        return torch.where(far, torch.floor(i / g) + w - w // g, i), torch.where(far, torch.floor(j / g), j)
+    raise KeyError(scheme)
+
+
 def alibi_slopes(n, max_bias=8.0):
     """Press et al.: 2^(−8h/n) for a power of two, else the closest power's slopes + every other of twice it."""
     if math.log2(n).is_integer():

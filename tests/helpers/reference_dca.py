@@ -33,6 +33,21 @@ def position_lists(n: int, s: int, c: int, w: int, q_inter: int) -> tuple[list[i
     return p_k, list(p_k), p_succ, [q_inter] * n
 
 
+def pair_positions(n: int, chunk_size: int, local_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, n) float (q position, k position) of every pair by eqs. 2, 5, 7, 8: the query at P_q^Intra / P_q^Succ /
+    P_q^Inter by the chunk gap, the key at P_k (entries j > i are unused: masked)."""
+    p = paper_parameters(chunk_size, local_size)
+    s = p["s"]
+    p_k, p_intra, p_succ, p_inter = position_lists(n, **p)
+    pq, pk = torch.zeros(n, n), torch.zeros(n, n)
+    for i in range(n):
+        for j in range(i + 1):
+            gap = i // s - j // s
+            pq[i, j] = p_intra[i] if gap == 0 else p_succ[i] if gap == 1 else p_inter[i]
+            pk[i, j] = p_k[j]
+    return pq, pk
+
+
 def relative_matrix(n: int, chunk_size: int, local_size: int) -> torch.Tensor:
     """(n, n) float M[i][j] by eq. 8 (entries j > i are unused: masked)."""
     p = paper_parameters(chunk_size, local_size)

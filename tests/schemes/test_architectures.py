@@ -34,12 +34,7 @@ OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope
 DEFERRED = {"self_extend", "rerope", "leaky_rerope", "string", "dca"}
 # arch -> {scheme: regex of the refusal}; every other (arch, scheme) pair must equal the reference
 REFUSED = {
-    "deepseek_v3": {**{s: r"deepseek_v3 multi-head latent attention: query/key heads are 32 wide" for s in ("alibi", "relative_bias")},
-                    **{s: r"deepseek_v3 rotates only qk_rope_head_dim = 16 of the 32" for s in DEFERRED}},
     "falcon": {s: r"falcon computes attention in its own module code" for s in OWN_FUNCTION},
-    # Llama 4 rotates q and k with complex freqs_cis inside its attention module (no cos/sin to re-apply)
-    "llama4_text": {s: r"cannot re-apply the RoPE of llama4_text inside attention \(no module-level "
-                       r"`apply_rotary_pos_emb" for s in DEFERRED},
 }
 BACKENDS = {"gpt_oss": ["eager"]}  # gpt-oss has no sdpa in transformers
 
@@ -71,9 +66,10 @@ def test_reference_with_rope_is_the_model(arch):
     """Sanity of the reference: with r(i, j) = i − j it reproduces the unpatched model (global NoPE layers included)."""
     model = tiny_model(arch, attn_implementation="eager")
     ids, mask = batch()
-    want = reference_forward(tiny_model(arch), model, ids, "rope", {}, mask)
+    want = reference_forward(tiny_model(arch), model, ids, "rope", {}, mask, **true_positions(mask))
     real = mask.bool()
-    assert (logits(model, ids, attention_mask=mask) - want)[real].abs().max().item() <= 1e-5
+    got = logits(model, ids, attention_mask=mask, **true_positions(mask))
+    assert (got - want)[real].abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("arch,backend,scheme,params", CASES, ids=[f"{a}-{b}-{s}" for a, b, s, _ in CASES])

@@ -1,0 +1,186 @@
+"""Re-positioned attention: an attention layer's own code, run at several sets of positions at once.
+
+The schemes that give queries and keys positions other than their own (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA)
+need q and k exactly as the model computes them at those positions: after the model's own rotation, and after whatever
+the layer does between the rotation and the scores. Layers differ there: q/k RMSNorm after RoPE (HunYuan), a
+per-channel query scale after RoPE (Dory), the partial-rotary split inside attention (Phi, StableLM, Persimmon), the
+one-tensor rotary API (Gemma 3n/4), MLA's rope/nope split with a shared rotated key (DeepSeek-V2/V3, Mistral 4),
+layers that use no RoPE at all (Cohere 2, AFMoE, ...: their q and k simply do not change with the positions). Rather
+than re-implementing each layout, the layer's own `forward` runs once on c stacked copies of its input batch:
+
+    copy t      hidden states h (the same), position embeddings of positions map_t(p), position ids map_t(p)
+    module      its own projections, norms, rotation, post-rotation operations, cache update, attention call
+    attention   rope_patch's function reads copy t's queries and the key copies a scheme keeps, and combines them
+                per (query, key) pair by the scheme's regions (near / far, DCA's intra / successive / inter)
+
+So nothing about the architecture is assumed beyond "positions reach the layer as position embeddings from a rotary
+module (or as position ids)": what the layer does with them is its own code. A layer that ignores positions gives
+identical copies, and the scheme is exactly the model there.
+
+Where the positions come from: every rotary module of a patched model returns its (cos, sin) as `Tagged`, a tuple
+carrying the rotary module and the arguments it was called with, so a layer's wrapper can compute the same embeddings
+at other positions with the same rotary (models with several rotary modules, per-layer-type frequencies, shipped or
+patched frequency scaling: whatever produced the layer's embeddings produces its copies).
+
+The KV cache keeps what the scheme's math fixes once a key is written: the keys of the copies a scheme reads keys from
+(`Layout.key_copies`: true positions and Self-Extend's ⌊j/G⌋; DCA's j mod c alone), concatenated along the head axis
+(b, S·Hkv, n, d), and the values once. So decoding rotates nothing but the new token, and each cached key is read from
+one copy per step. A cache layer sees one more head group than the model's; beam search's reordering, cropping and
+offloading act on the batch and sequence axes and keep working.
+
+Cost: the attention layer's projections run on c·b rows (c = 2 for STRING, 3 for the others); the attention itself
+reads each key once. The cache holds S key copies and one value copy: (S + 1)/2 of vanilla (1.5× for S = 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..rotary import embed, source
+from .protocol import module_state
+
+PositionMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """p ↦ p: the tokens' own positions."""
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The position copies a layer runs at and which of them the cache keeps keys of.
+
+    `maps[t]` gives copy t's positions from the true ones; `key_copies` lists the copies whose keys the attention
+    reads (key set s is copy key_copies[s]); values are read from copy 0 (values do not depend on positions)."""
+
+    maps: tuple[PositionMap, ...]
+    key_copies: tuple[int, ...] = (0,)
+
+    @property
+    def copies(self) -> int:
+        return len(self.maps)
+
+
+def _rows(t: torch.Tensor, b: int) -> torch.Tensor:
+    return t.expand(b, *t.shape[1:]) if t.shape[0] != b else t
+
+
+def stack_embeddings(embeddings, maps: Sequence[PositionMap], b: int, key) -> object:
+    """The embeddings of every copy, stacked on the batch axis (copy t's rows t·b … (t + 1)·b − 1). Memoised on the
+    tagged object per layout (`key`): the decoder hands the same embeddings to every layer."""
+    if key in embeddings.memo:
+        return embeddings.memo[key]
+    pos = embeddings.position_ids
+    parts = [embeddings if isinstance(m, Identity) else embed(embeddings, m(pos)) for m in maps]
+    if isinstance(embeddings, tuple):
+        out = tuple(torch.cat([_rows(p[i], b) for p in parts]) for i in range(len(embeddings)))
+    else:  # Llama 4: one complex tensor
+        out = torch.cat([_rows(p, b) for p in parts])
+    embeddings.memo[key] = out
+    return out
+
+
+class NotProven(RuntimeError):
+    """A layer did something with its cache that the stacked copies are not proven to preserve."""
+
+
+class CacheView:
+    """The cache as a layer of a re-positioned model sees it: `update` stores the key copies the scheme reads (on the
+    head axis) and one copy of the values; the reads a layer makes pass through; anything else that writes is
+    refused, since the copies would reach it stacked on the batch axis."""
+
+    READS = frozenset({"get_seq_length", "get_mask_sizes", "is_compileable", "is_sliding", "get_max_cache_shape",
+                       "max_batch_size", "max_cache_len", "is_initialized", "layers"})
+
+    def __init__(self, cache, rows: int, key_copies: tuple[int, ...]):
+        self._cache, self._rows, self._key_copies = cache, rows, key_copies
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        b = self._rows
+        keys = torch.cat([key_states[t * b:(t + 1) * b] for t in self._key_copies], dim=1)
+        return self._cache.update(keys, value_states[:b], layer_idx, *args, **kwargs)
+
+    def __getattr__(self, name):
+        if name in CacheView.READS:
+            return getattr(self._cache, name)
+        raise NotProven(f"calls cache.{name}(), which rope_patch's stacked position copies are not proven to serve")
+
+    def __bool__(self):
+        return True
+
+
+@functools.cache
+def _signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+CACHE_ARGS = ("cache", "past_key_values", "layer_past")
+
+
+@dataclasses.dataclass
+class Current:
+    """What the attention function needs beyond its arguments during one re-positioned layer call."""
+
+    rows: int  # b: the batch the decoder has; the query batch is copies · b
+    positions: torch.Tensor | None  # (b|1, n) the true position ids of the queries
+    layout: Layout
+
+
+class Reentry:
+    """The `forward` of a re-positioned attention module (an instance attribute, installed through the undo log):
+    runs the module's own class forward on the stacked copies (see the module docstring) and returns copy 0's rows.
+
+    An object of a module-level class holding only the module and its layout, so a patched model deep-copies and
+    pickles."""
+
+    def __init__(self, module: nn.Module, layout: Layout):
+        self.module, self.layout = module, layout
+
+    def __call__(self, *args, **kwargs):
+        module, layout = self.module, self.layout
+        bound = _signature(type(module)).bind(module, *args, **kwargs)
+        call = dict(bound.arguments)
+        call.pop("self", None)
+        extra = call.pop("kwargs", {}) if "kwargs" in _signature(type(module)).parameters else {}
+        names = list(call)
+        hidden = call[names[0]]  # the layer input, whatever the architecture calls it
+        b, c = hidden.shape[0], layout.copies
+        embeddings = call.get("position_embeddings")
+        positions = embeddings.position_ids if source(embeddings) is not None else None
+        given = call.get("position_ids", extra.get("position_ids"))
+        if positions is None:
+            positions = given
+        if positions is None:
+            raise NotProven(f"{type(module).__name__} received neither position embeddings from a rotary module nor "
+                            "position ids, so its positions cannot be moved")
+        call[names[0]] = hidden.repeat(c, *([1] * (hidden.dim() - 1)))
+        if source(embeddings) is not None:
+            call["position_embeddings"] = stack_embeddings(embeddings, layout.maps, b, id(layout))
+        if given is not None:
+            # Copy t sees the ids map_t(p) too: layers that rotate with a rotary of their own (Moshi, RecurrentGemma)
+            # or scale by position after RoPE (Ministral 3's Llama 4 temperature) compute copy t at map_t(p) as well.
+            stacked = torch.cat([_rows(m(given), b) for m in layout.maps])
+            (call if "position_ids" in call else extra)["position_ids"] = stacked
+        for name in CACHE_ARGS:
+            cache = call.get(name, extra.get(name))
+            if cache is not None:
+                (call if name in call else extra)[name] = CacheView(cache, b, layout.key_copies)
+        state = module_state(module)
+        previous, state.current = state.current, Current(b, positions, layout)
+        try:
+            out = type(module).forward(module, **call, **extra)
+        finally:
+            state.current = previous
+        if isinstance(out, tuple):
+            return (out[0][:b], *out[1:])
+        return out[:b]
