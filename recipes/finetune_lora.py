@@ -96,21 +96,32 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 # Config: one flat dataclass per YAML section; per-field checks in __post_init__, cross-field checks in validate().
 # ---------------------------------------------------------------------------------------------------------------
+def _check(name: str, value, spec) -> None:
+    """`value` of the config key `name` against a spec of rope_patch's one file schema (rope_patch/schema.py)."""
+    from rope_patch import schema  # the package is imported where it is used, as everywhere in this recipe
+
+    expected = schema.problem(spec, value)
+    if expected:
+        raise ConfigError(f"`{name}` must be {expected}, got {value!r}.")
+
+
 def _int(name: str, value, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+    from rope_patch import schema
+
+    _check(name, value, schema.Int(ge=minimum))
 
 
 def _number(name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > low if low_open else value >= low)
-    if not ok or value > high:
-        bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
-        raise ConfigError(f"`{name}` must be a number {bound}, got {value!r}.")
+    from rope_patch import schema
+
+    le = high if high < math.inf else None
+    _check(name, value, schema.Num(gt=low, le=le) if low_open else schema.Num(ge=low, le=le))
 
 
 def _choice(name: str, value, options) -> None:
-    if value not in options:
-        raise ConfigError(f"`{name}` must be one of {tuple(options)}, got {value!r}.")
+    from rope_patch import schema
+
+    _check(name, value, schema.Str(choices=tuple(options)))
 
 
 @dataclass
@@ -282,6 +293,7 @@ class Config:
     eval: EvalArgs | None
     merge: bool = False
     raw: dict = field(default_factory=dict, repr=False)  # the merged YAML, for the fingerprint and the record
+    source: str | None = None  # the YAML file it was read from: config errors name it
 
 
 SECTIONS = {"model", "tokenizer", "output_dir", "seed", "rope_patch", "lora", "data", "pose", "train", "eval", "output"}
@@ -333,12 +345,31 @@ def load_config(source, overrides: list[str] | None = None) -> Config:
     given to --set; the overridden keys go through the same checks as the file's."""
     if isinstance(source, Config):
         return source
+    file = None
     if isinstance(source, (str, os.PathLike)):
+        from rope_patch import schema
+
         if not Path(source).is_file():
             raise ConfigError(f"Config file {str(source)!r} does not exist.")
-        raw = yaml.safe_load(Path(source).read_text()) or {}
+        file = str(source) + (f" (with --set {' '.join(overrides)})" if overrides else "")
+        try:  # an empty, binary or unparsable file, or one that is not a mapping: named, one line
+            raw = schema.read(source, schema.RECIPE_CONFIG)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     else:
         raw = copy.deepcopy(source)
+    try:
+        cfg = _overridden(raw, overrides)
+    except ConfigError as err:
+        if file is None:
+            raise
+        raise ConfigError(f"{file}: {err}") from None
+    cfg.source = file
+    return cfg
+
+
+def _overridden(raw: dict, overrides: list[str] | None) -> Config:
+    """The Config of the parsed YAML `raw` with the --set `overrides` applied (the same checks for both)."""
     for item in overrides or []:
         key, eq, value = item.partition("=")
         if not eq or not key:
@@ -380,7 +411,16 @@ def _from_raw(raw: dict) -> Config:
 
 def validate(cfg: Config, num_processes: int = 1) -> dict:
     """The checks that span sections (everything that can be checked without the model weights). Returns the
-    derived values: accumulation steps and the target length."""
+    derived values: accumulation steps and the target length. Errors name the config file it came from."""
+    try:
+        return _validate(cfg, num_processes)
+    except ConfigError as err:
+        if cfg.source is None:
+            raise
+        raise ConfigError(f"{cfg.source}: {err}") from None
+
+
+def _validate(cfg: Config, num_processes: int = 1) -> dict:
     from rope_patch.training.pose import validate_pose
 
     t, d = cfg.train, cfg.data

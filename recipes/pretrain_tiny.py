@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from check_tiny import passkey_accuracy, perplexity  # noqa: E402
 from corpus import HELDOUT_TITLE, load_austen  # noqa: E402
 
+from rope_patch import schema  # noqa: E402
 from rope_patch.evaluation.passkey import make_passkey_sample  # noqa: E402
 
 BOS, EOS = "<s>", "</s>"
@@ -321,11 +321,20 @@ Re-measure with `python recipes/check_tiny.py`.
 """
 
 
+def read_config(path: Path) -> dict:
+    """The checked config (rope_patch's one file schema, schema.PRETRAIN_CONFIG): a missing key, a value of the wrong
+    type, or a broken file stops the run at once with one line naming the file and the key, not mid-training."""
+    try:
+        return schema.read(path, schema.PRETRAIN_CONFIG)
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"pretrain_tiny: config error: {err}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, type=Path)
     args = parser.parse_args()
-    cfg = yaml.safe_load(args.config.read_text())
+    cfg = read_config(args.config)
     t = cfg["train"]
     torch.set_num_threads(t["threads"])
     torch.use_deterministic_algorithms(True)

@@ -28,6 +28,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import schema
 from ._version import __version__
 from .api import SchemeLike, apply, as_scheme, current, original_config, patch_modules
 from .discovery import RopeContext, find_target, unwrap
@@ -40,12 +41,10 @@ MANIFEST = "rope_patch.json"
 PATCH_WEIGHTS = "rope_patch.safetensors"
 # 3: a stack ("scheme": "stack", "params": {"schemes": [{"scheme", "params"}, ...]}), written only for stacks, so a
 # single scheme's save stays readable by rope_patch versions that read format 2; 2: records the learned parameters
-# ("weights": {"file", "keys", "sha256"}); 1 (no "weights") is still read.
-FORMAT = 3
-SINGLE_FORMAT = 2  # what a save of one scheme (or none) writes
-REQUIRED_KEYS = ("format", "scheme", "params", "original")
-_FIX = ("Restore the folder from the original save, or load the model again and re-save it with "
-        "rope_patch.save_pretrained(model, dir).")
+# ("weights": {"file", "keys", "sha256"}); 1 (no "weights") is still read. The file's schema: schema.MANIFEST.
+FORMAT = schema.MANIFEST_FORMAT
+SINGLE_FORMAT = schema.MANIFEST_SINGLE_FORMAT  # what a save of one scheme (or none) writes
+_FIX = schema.MANIFEST_FIX
 
 
 def native_config(model: nn.Module) -> dict:
@@ -113,16 +112,25 @@ def export_info(directory: str | os.PathLike, base: str | os.PathLike | None = N
     path = Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"{str(path)!r} is not a directory (expected a folder written by rope_patch.save_pretrained).")
-    manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else None
+    manifest = read_manifest(path)
     config_path, adapter_path = path / "config.json", path / "adapter_config.json"
     if manifest is None and not config_path.is_file():
         raise FileNotFoundError(f"{path} holds neither rope_patch.json nor config.json: not a saved model.")
     scheme_name = manifest["scheme"] if manifest else None
 
     if manifest and scheme_name and not manifest["native"]:
-        # Raises the library's error: why there is no native form and what to use instead.
-        to_rope_parameters(as_scheme(scheme_name, **manifest["params"]))
-        raise ValueError(f"{scheme_name} has no native rope_parameters form.")  # pragma: no cover
+        file = path / MANIFEST
+        try:
+            scheme = as_scheme(scheme_name, **manifest["params"])
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{file}: the recorded scheme {scheme_name!r} with params {_short(manifest['params'], 200)} "
+                            f"cannot be read: {err} If it is a scheme of your own, call rope_patch.register_scheme "
+                            "first.") from None
+        try:  # the library's error: why there is no native form and what to use instead
+            to_rope_parameters(scheme)
+        except ValueError as err:
+            raise ValueError(f"{file} records {scheme}: {err}") from None
+        raise ValueError(f"{file}: 'native' is false, but {scheme} has a native form: the file was edited. {_FIX}")
 
     if config_path.is_file():
         # A full or merged model: save_pretrained wrote the native form into config.json already.
@@ -279,65 +287,13 @@ def _write_patch_files(out: Path, manifest: dict, tables: dict) -> None:
 def read_manifest(directory: str | os.PathLike) -> dict | None:
     """The checked `rope_patch.json` of a folder written by `save_pretrained`, or None where there is none.
 
-    Raises ValueError (naming the file and what to do) for a file that is not valid JSON (corrupt, truncated),
-    lacks a required key, has a value of the wrong type, or has a format newer than this rope_patch reads."""
+    Raises ValueError (schema.FileFormatError, naming the file, the field and what to do) for a file that is empty,
+    binary or not valid JSON (corrupt, truncated), lacks a required key, has a value of the wrong type or range, or has
+    a format newer than this rope_patch reads (`schema.MANIFEST`)."""
     file = Path(directory) / MANIFEST
     if not file.is_file():
         return None
-    try:
-        manifest = json.loads(file.read_bytes().decode("utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}, char {err.pos}): "
-                         f"the file is corrupt or truncated (an interrupted save or copy?). {_FIX}") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start}): the file is corrupt. {_FIX}") from None
-    if not isinstance(manifest, dict):
-        raise ValueError(f"{file}: expected a JSON object with keys {list(REQUIRED_KEYS)}, found a JSON "
-                         f"{type(manifest).__name__}: {_short(manifest)}. {_FIX}")
-    fmt = manifest.get("format")
-    if "format" in manifest and (not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1):
-        raise ValueError(f"{file}: 'format' must be a positive integer, found {_short(fmt)}. {_FIX}")
-    if isinstance(fmt, int) and fmt > FORMAT:  # before the key checks: a newer format may name its keys otherwise
-        versions = manifest.get("versions")
-        writer = versions.get("rope_patch") if isinstance(versions, dict) else None
-        raise ValueError(f"{file} has format {fmt}, written by rope_patch {writer or '(version not recorded)'}; this "
-                         f"rope_patch {__version__} reads formats 1 to {FORMAT}. Upgrade rope_patch (pip install -U "
-                         f"rope_patch{'>=' + writer if isinstance(writer, str) and writer != __version__ else ''}) "
-                         "to load it.")
-    missing = [k for k in REQUIRED_KEYS if k not in manifest]
-    if missing:
-        raise ValueError(f"{file} lacks the required key{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
-                         f"(a rope_patch.json holds {', '.join(REQUIRED_KEYS)}): it was not written by "
-                         f"rope_patch.save_pretrained or was edited. {_FIX}")
-
-    def bad(key, expected, value):
-        return ValueError(f"{file}: {key!r} must be {expected}, found {type(value).__name__} {_short(value)}. {_FIX}")
-
-    if manifest["scheme"] is not None and not isinstance(manifest["scheme"], str):
-        raise bad("scheme", "a scheme name (str) or null", manifest["scheme"])
-    if not isinstance(manifest["params"], dict):
-        raise bad("params", "a JSON object of scheme parameters", manifest["params"])
-    original = manifest["original"]
-    if not isinstance(original, dict):
-        raise bad("original", 'a JSON object {"rope_parameters": {...}, "max_position_embeddings": N}', original)
-    if not isinstance(original.get("rope_parameters"), dict):
-        raise bad("original.rope_parameters", "a JSON object", original.get("rope_parameters"))
-    window = original.get("max_position_embeddings")
-    if not isinstance(window, int) or isinstance(window, bool):
-        raise bad("original.max_position_embeddings", "an integer", window)
-    for key in ("native", "adapter"):
-        if key in manifest and not isinstance(manifest[key], bool):
-            raise bad(key, "true or false", manifest[key])
-    weights = manifest.get("weights")
-    if weights is not None:
-        ok = (isinstance(weights, dict) and isinstance(weights.get("file"), str) and weights["file"]
-              and Path(weights["file"]).name == weights["file"] and weights["file"] not in (".", "..")
-              and isinstance(weights.get("keys"), list) and all(isinstance(k, str) for k in weights["keys"])
-              and isinstance(weights.get("sha256", ""), str))
-        if not ok:
-            raise bad("weights", f'null or {{"file": "{PATCH_WEIGHTS}", "keys": [...], "sha256": "..."}} '
-                                 "(a file name inside the folder)", weights)
-    return manifest
+    return schema.read(file, schema.MANIFEST)
 
 
 def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | nn.Module | None = None,

@@ -89,9 +89,10 @@ def test_plot_errors():
 
 # ------------------------------------------------------------------------------------------------------------------
 # Results files
-COMPARE = {
+COMPARE = {  # the keys its schema requires (rope_patch.schema.COMPARE)
     "format": "rope_patch.compare/1",
     "model": {"name": "tiny", "window": 256},
+    "settings": {"lengths": [256, 1024], "depths": [0.1, 0.5], "passkey_samples": 2, "seed": 0, "ppl_tokens": 2048},
     "schemes": [{"spec": "default", "label": "default", "name": "default", "params": {}},
                 {"spec": "yarn:8", "label": "yarn×8", "name": "yarn", "params": {"factor": 8.0}}],
     "records": [
@@ -100,8 +101,8 @@ COMPARE = {
         {"scheme": "yarn:8", "label": "yarn×8", "length": 256, "perplexity": 90.0, "passkey_accuracy": 0.9},
         {"scheme": "yarn:8", "label": "yarn×8", "length": 1024, "perplexity": 91.0, "passkey_accuracy": None},
     ],
-    "passkey": [{"scheme": "yarn:8", "label": "yarn×8", "length": 1024, "depth": d, "accuracy": a}
-                for d, a in ((0.1, 1.0), (0.5, 0.5))],
+    "passkey": [{"scheme": "yarn:8", "label": "yarn×8", "length": 1024, "depth": d, "accuracy": a, "n": 2,
+                 "correct": int(2 * a)} for d, a in ((0.1, 1.0), (0.5, 0.5))],
     "buckets": [{"scheme": s, "label": s, "length": 1024, "start": a, "end": b, "perplexity": p}
                 for s, (a, b, p) in [("default", (0, 256, 80.0)), ("default", (256, 1024, 400.0)),
                                      ("yarn:8", (0, 256, 88.0)), ("yarn:8", (256, 1024, 92.0))]],
@@ -162,8 +163,11 @@ def test_results_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_results(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(ValueError, match="neither JSON nor JSON Lines"):
+    bad.write_text("{not json")  # one broken document: the JSON parser's position, naming the file
+    with pytest.raises(ValueError, match=r"bad.json: not valid JSON \(.*line 1, column 2"):
+        read_results(bad)
+    bad.write_text('{"scheme": "a", "length": 1}\n{not json\n')  # lines, one of them broken
+    with pytest.raises(ValueError, match="bad.json: neither JSON nor JSON Lines"):
         read_results(bad)
     with pytest.raises(ValueError, match="no records"):
         read_results([{"perplexity": 3}])
@@ -200,8 +204,12 @@ def test_cli_svg_default_name_and_results(tmp_path, monkeypatch):
     assert (tmp_path / "summary.svg").exists()
 
 
-SEARCH_LOG = {"format": "rope_patch.tune/1", "settings": {"method": "grid", "target": 64}, "evaluations": [
-    {"index": 0, "generation": 0, "objective": 3.0}, {"index": 1, "generation": 0, "objective": "inf"}]}
+SEARCH_LOG = {  # the keys its schema requires (rope_patch.schema.SEARCH_LOG)
+    "format": "rope_patch.tune/1", "model": {}, "split": {}, "status": "done",
+    "settings": {"scheme": "yarn", "method": "grid", "target": 64, "window": 32},
+    "evaluations": [{"index": 0, "generation": 0, "spec": "yarn:2", "params": {"factor": 2}, "objective": 3.0},
+                    {"index": 1, "generation": 0, "spec": "yarn:4", "params": {"factor": 4}, "objective": "inf"}],
+    "best": {"index": 0, "spec": "yarn:2", "params": {"factor": 2}, "objective": 3.0}}
 
 
 def _row(scheme, task, length, value, family=None):
@@ -209,7 +217,8 @@ def _row(scheme, task, length, value, family=None):
             "value": value, "metrics": {str(length): value}, "n_samples": 5}
 
 
-RULER_SWEEP = {"format": "rope_patch.sweep/1", "settings": {"name": "tiny"},
+RULER_SWEEP = {"format": "rope_patch.sweep/1",
+               "settings": {"name": "tiny", "model": "tiny", "tasks": ["niah_single_1", "ruler_vt"], "lengths": [4096, 8192]},
                "schemes": [{"spec": "default"}, {"spec": "dca:chunk_size=64,local_size=16"}],
                "rows": [_row("default", "niah_single_1", 4096, 1.0), _row("default", "ruler_vt", 4096, 0.16),
                         _row("dca:chunk_size=64,local_size=16", "niah_single_1", 4096, 0.4),

@@ -94,9 +94,8 @@ def run(args) -> int:
         if (out / "compare.json").is_file():
             try:
                 previous = load_results(out / "compare.json")
-            except ValueError as err:  # not JSON, or another format
-                raise ValueError(f"cannot resume from {out / 'compare.json'}: {err} Move it away, or drop --resume "
-                                 "to start over.") from None
+            except ValueError as err:  # names the file, the field and what to do (schema.COMPARE)
+                raise ValueError(f"cannot resume: {err}") from None
             console.print(f"Resuming: {len(previous['schemes'])} finished scheme(s) in {out / 'compare.json'}")
         else:
             console.print(f"Nothing to resume in {out} (no compare.json): starting from the beginning.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import plots
+from .. import plots, schema
 from ..plots.tasks import SWEEP_FORMAT
 from ..tuning.log import FORMAT as SEARCH_LOG_FORMAT
 from ..tuning.log import parse_log
@@ -86,7 +86,8 @@ def check_size(args, schemes, rope) -> None:
 
 def _special(path) -> tuple[str, dict] | None:
     """("search", log) for a `rope-patch tune` log, ("tasks", sweep) for a sweep of lm-eval's own tasks only (RULER,
-    ...); None for anything else (read_results then reads it, or says what is wrong)."""
+    ...), each checked against its schema; None for anything else (read_results then reads it, or says what is
+    wrong)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -95,8 +96,10 @@ def _special(path) -> tuple[str, dict] | None:
         return None
     if data.get("format") == SEARCH_LOG_FORMAT:
         return "search", parse_log(data, path)
-    if data.get("format") == SWEEP_FORMAT and not any(r.get("family") for r in data.get("rows", [])):
-        return "tasks", data
+    if data.get("format") == SWEEP_FORMAT:
+        data = schema.check(data, schema.SWEEP, path)
+        if not any(r.get("family") for r in data["rows"]):
+            return "tasks", data
     return None
 
 

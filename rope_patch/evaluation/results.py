@@ -17,9 +17,10 @@ from pathlib import Path
 
 from rich.table import Table
 
+from .. import schema
 from ..files import write_text_atomic
 
-FORMAT = "rope_patch.compare/1"
+FORMAT = schema.COMPARE_FORMAT
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
@@ -34,12 +35,16 @@ def json_safe(obj):
 
 
 def load_results(path: str | Path) -> dict:
-    """Read a compare.json back (string "inf"/"nan" perplexities become floats)."""
-    data = json.loads(Path(path).read_text())
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a rope-patch compare result (format {data.get('format')!r}, expected {FORMAT!r}).")
+    """Read a compare.json back, checked against its schema (`schema.COMPARE`: a damaged or foreign file raises a
+    ValueError naming the file, the field and what to do); string "inf"/"nan" perplexities become floats."""
+    return _floats(schema.read(path, schema.COMPARE))
+
+
+def _floats(data: dict) -> dict:
+    for key in ("passkey", "buckets"):
+        data.setdefault(key, [])  # optional in the schema (results from before they existed)
     for key in ("records", "buckets", "passkey"):
-        for row in data.get(key, []):
+        for row in data[key]:
             for k in ("perplexity", "nll", "accuracy", "passkey_accuracy"):
                 if isinstance(row.get(k), str):
                     row[k] = float(row[k])
@@ -274,29 +279,34 @@ def read_results(source) -> dict:
     "buckets": [{"scheme", "label", "length", "start", "end", "perplexity"}]}.
     """
     data = source
-    name = "results"
+    name, where = "results", "results"
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.exists():
             raise FileNotFoundError(f"results file {str(path)!r} does not exist (run `rope-patch compare --out DIR` first).")
-        text = path.read_text()
-        name = path.stem
+        name, where = path.stem, str(path)
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
+            data = schema.parse_text(path, schema.COMPARE)
+        except schema.FileFormatError as err:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if err.expected != "JSON" or "\n" not in text.strip():  # empty, binary, or one broken JSON document
+                raise
             try:
                 data = [json.loads(line) for line in text.splitlines() if line.strip()]
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: neither JSON nor JSON Lines ({err}).") from None
+            except json.JSONDecodeError as line_err:
+                raise ValueError(f"{path}: neither JSON nor JSON Lines ({line_err}). {schema.COMPARE.fix}") from None
+    family = schema.COMPARE_FORMAT.rsplit("/", 1)[0] + "/"
+    if isinstance(data, dict) and str(data.get("format", "")).startswith(family):
+        data = _floats(schema.check(data, schema.COMPARE, where))  # this project's own file: its schema, no guesses
     if isinstance(data, dict):
         meta = data
         rows = _first(data, ("records", "results", "rows"), [])
     elif isinstance(data, list):
         meta, rows = {}, data
     else:
-        raise ValueError(f"results must be a JSON object or a list of records, got {type(data).__name__}.")
+        raise ValueError(f"{where}: expected a JSON object or a list of records, found {schema.describe(data)}.")
     if not isinstance(rows, list):
-        raise ValueError("results: `records` must be a list of records.")
+        raise ValueError(f"{where}: 'records' must be a list of records, found {schema.describe(rows)}.")
     model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
     window = _num(_first(model, ("window", "max_position_embeddings")) or _first(meta, ("window", "max_position_embeddings", "original_window")))
     out = {"normalised": True, "name": str(model.get("name") or meta.get("name") or name), "window": int(window) if window else None,
@@ -359,7 +369,8 @@ def read_results(source) -> dict:
     order = [k for k in labels if k in seen] + sorted(seen - set(labels))
     out["schemes"] = [(k, labels.get(k, k)) for k in order]
     if not out["schemes"]:
-        raise ValueError("results: found no records with a scheme and a length (see rope_patch.evaluation.results.read_results for the format).")
+        raise ValueError(f"{where}: found no records with a scheme and a length (see "
+                         "rope_patch.evaluation.results.read_results for the format).")
     return out
 
 

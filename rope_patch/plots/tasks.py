@@ -3,17 +3,17 @@ drawn from a `rope-patch sweep` result (rope_patch/integrations/lm_eval/sweep.py
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import schema
 from ..specs import scheme_label
 from . import style as S
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-SWEEP_FORMAT = "rope_patch.sweep/1"
+SWEEP_FORMAT = schema.SWEEP_FORMAT
 
 
 def task_rows(sweep: dict) -> list[dict]:
@@ -24,7 +24,7 @@ def task_rows(sweep: dict) -> list[dict]:
 def tasks(source) -> Figure:
     """`source`: a sweep result dict or the path of a sweep.json. Scores in [0, 1] are drawn in %; each bar is
     labelled with its value and the group with its sample count."""
-    sweep = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+    sweep = source if isinstance(source, dict) else schema.read(source, schema.SWEEP)
     rows = task_rows(sweep)
     if not rows:
         raise ValueError("tasks plot: the sweep has no lm-eval task scores (its rope_* cells are drawn by "

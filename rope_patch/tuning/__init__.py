@@ -9,12 +9,12 @@ scalar schemes, LongRoPE's evolutionary search of per-pair rescale factors; ever
 """
 
 from .evolution import EvolutionSettings, crossover, evolve, initial_factors, monotone, mutate, to_factors, to_genes
-from .log import FORMAT, SearchLog, StopSearch, load_log
+from .log import FORMAT, SearchLog, StopSearch, load_best, load_log
 from .objective import Objective, spec_of, split_heldout
 from .scalar import default_space, grid_points, random_points, scalar_search
 from .search import TuneOptions, accept, baselines, longrope_params, planned_evaluations, resolve_options, tune
 
 __all__ = ["FORMAT", "EvolutionSettings", "Objective", "SearchLog", "StopSearch", "TuneOptions", "accept", "baselines",
-           "crossover", "default_space", "evolve", "grid_points", "initial_factors", "load_log", "longrope_params",
+           "crossover", "default_space", "evolve", "grid_points", "initial_factors", "load_best", "load_log", "longrope_params",
            "monotone", "mutate", "planned_evaluations", "random_points", "resolve_options", "scalar_search",
            "spec_of", "split_heldout", "to_factors", "to_genes", "tune"]

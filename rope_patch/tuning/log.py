@@ -26,11 +26,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import schema
 from ..evaluation.passkey import PROMPT_FORMS
 from ..evaluation.results import json_safe
 from ..files import write_text_atomic
 
-FORMAT = "rope_patch.tune/1"
+FORMAT = schema.SEARCH_LOG_FORMAT
 # Settings a resumed run may change: the stopping rules (a resume usually exists to extend them).
 RESUMABLE = ("max_evals", "budget_minutes")
 
@@ -55,22 +56,27 @@ def _plain(obj):
 
 
 def load_log(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not a search log (not JSON: {err}).") from None
-    return parse_log(data, path)
+    """Read a search_log.json back, checked against its schema (`schema.SEARCH_LOG`: a damaged or foreign file raises
+    a ValueError naming the file, the field and what to do)."""
+    return parse_log(schema.parse_text(path, schema.SEARCH_LOG), path)
 
 
 def parse_log(data, path: str | Path = "the log") -> dict:
     """A search log from its parsed JSON `data` (checked, "inf"/"nan" objectives made floats again)."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{path} is not a rope-patch tune search log (format {got!r}, expected {FORMAT!r}).")
-    for rec in data.get("evaluations", []):
-        if isinstance(rec.get("objective"), str):  # "inf" / "nan" as json_safe wrote them
-            rec["objective"] = float(rec["objective"])
+    schema.check(data, schema.SEARCH_LOG, path)
+    for rec in [*data["evaluations"], *([data["best"]] if data["best"] else [])]:
+        for key in ("objective", "perplexity"):
+            if isinstance(rec.get(key), str):  # "inf" / "nan" as json_safe wrote them
+                rec[key] = float(rec[key])
+    return data
+
+
+def load_best(path: str | Path) -> dict:
+    """Read a best.json that `rope-patch tune` wrote (checked against `schema.BEST`): {"scheme", "spec", "params",
+    "objective", "target", ...}; `spec` is ready for `rope_patch.apply`."""
+    data = schema.read(path, schema.BEST)
+    if isinstance(data["objective"], str):
+        data["objective"] = float(data["objective"])
     return data
 
 

@@ -252,7 +252,8 @@ def test_resume_from_a_broken_file_is_one_line(saved, tmp_path, evaluations, cap
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "compare.json").write_text('{"format": "rope_patch.compare/1", "schem')
     assert main(compare_argv(saved, tmp_path / "out", extra=["--resume"])) == 2
-    assert "cannot resume from" in one_line(capsys.readouterr().err) and evaluations[0] == []
+    line = one_line(capsys.readouterr().err)
+    assert f"cannot resume: {tmp_path / 'out' / 'compare.json'}: not valid JSON" in line and evaluations[0] == []
 
 
 def test_resume_reuses_cells_and_equals_a_fresh_run(setup, evaluations):

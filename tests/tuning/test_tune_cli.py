@@ -73,7 +73,8 @@ def test_a_target_inside_the_window_is_refused_for_longrope(saved, tmp_path, cap
 def test_resume_from_a_file_that_is_not_a_log_is_one_line(saved, tmp_path, capsys):
     (tmp_path / "search_log.json").write_text("{not json")
     assert main(argv(saved, tmp_path, "--scheme", "longrope", "--resume")) == 2
-    assert "is not a search log" in error_line(capsys)
+    line = error_line(capsys)
+    assert f"{tmp_path / 'search_log.json'}: not valid JSON" in line and "drop --resume to start over" in line
     (tmp_path / "search_log.json").write_text(json.dumps({"format": "rope_patch.compare/1"}))
     assert main(argv(saved, tmp_path, "--scheme", "longrope", "--resume")) == 2
     assert "is not a rope-patch tune search log" in error_line(capsys)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import logging
 import warnings
 from pathlib import Path
@@ -57,7 +56,7 @@ import rope_patch
 from ...api import context_window
 from ...discovery import unwrap
 from ...evaluation import common, perplexity, retrieval
-from ...persistence import MANIFEST
+from ...persistence import read_manifest
 from ...registry import canonical_name, did_you_mean, get_scheme_class, list_schemes
 from ...specs import _value as parse_value
 from ...zoo import resolve_model_path
@@ -112,8 +111,8 @@ def split_model_args(scheme, kwargs: dict) -> tuple[dict, dict]:
 
 
 def _manifest(path) -> dict | None:
-    p = Path(path) / MANIFEST
-    return json.loads(p.read_text()) if p.is_file() else None
+    """The checked rope_patch.json of a folder (None: none there); a damaged one raises, naming the file."""
+    return read_manifest(path)
 
 
 def _check_adapter(adapter) -> Path:

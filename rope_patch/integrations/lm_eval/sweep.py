@@ -61,6 +61,7 @@ import torch
 import transformers  # a lazy module: AutoTokenizer is imported on first use, not when the CLI starts
 
 from ... import plots as figures
+from ... import schema
 from ... import zoo as models
 from ...evaluation.compare import DEFAULT_LENGTHS, parse_schemes, run_compare
 from ...evaluation.compare import FORMAT as COMPARE_FORMAT
@@ -560,8 +561,8 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
     fp = fingerprint(settings)
     stamp = out / "sweep_settings.json"
     if stamp.exists():
-        old = json.loads(stamp.read_text())
-        if old.get("fingerprint") != fp:
+        old = schema.read(stamp, schema.SWEEP_STAMP)
+        if old["fingerprint"] != fp:
             raise ValueError(f"{out} holds a sweep with other settings (model, metadata, model_args, limit, batch "
                              "size or task folder differ; perplexity reads --windows x the longest length, so a "
                              "longer --lengths changes it too: fix it with --metadata ppl_tokens=N). Use another "
@@ -579,7 +580,7 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
         sdir = out / "schemes" / sch["slug"]
         cdir = sdir / "cells"
         cdir.mkdir(parents=True, exist_ok=True)
-        done = {t: json.loads((cdir / f"{t}.json").read_text()) for t in tasks if (cdir / f"{t}.json").exists()}
+        done = {t: schema.read(cdir / f"{t}.json", schema.SWEEP_CELL) for t in tasks if (cdir / f"{t}.json").exists()}
         missing = [t for t in tasks if t not in done]
         if missing:
             # rope_* tasks seed themselves; anything else (RULER) depends on the whole list: keep it whole then.
