@@ -85,25 +85,31 @@ def _detach(target: PatchSite) -> None:
     target.rotary._modules.pop(STATE, None)
 
 
-def apply(model: M, scheme: SchemeLike = "default", **params: Any) -> M:
+def apply(model: M, scheme: SchemeLike = "default", *, check: bool = True, **params: Any) -> M:
     """Patch the position encoding of this one model instance; returns `model` (unchanged wrapper).
 
     `scheme` is a registered name (see `list_schemes()`), a spec string such as `"yarn:4"`, or a `Scheme`; `params`
     use transformers' `rope_parameters` keys. Applying to a patched model replaces its scheme (schemes are defined
     relative to the model as loaded). On any error the model is left exactly as it was.
+
+    `check`: an attention-side scheme that runs its own attention function is first run side by side with the
+    model's own layers at an identity setting (once per architecture and process, rope_patch/attention/plumbing.py)
+    and refused if they differ; False skips that.
     """
-    return _apply(model, as_scheme(scheme, **params), temporary=False)
+    return _apply(model, as_scheme(scheme, **params), temporary=False, check=check)
 
 
-def _apply(model: M, new: Scheme, *, temporary: bool) -> M:
+def _apply(model: M, new: Scheme, *, temporary: bool, check: bool = True) -> M:
     """`apply`; `temporary` (patched()): the previous patch comes back afterwards, so its tables are not lost."""
     target = find_target(model)
+    target.check = check
     old = _state(target)
     trained = patch_modules(model) if old is not None and not temporary else {}
     if old is not None:
         old.undo()
         _detach(target)
         target = find_target(model)  # the config object is the model's own again
+        target.check = check
     try:
         resolved = new.resolve(target)
         install = resolved.prepare(target)

@@ -46,6 +46,7 @@ class PatchSite:
     model: nn.Module  # the unwrapped PreTrainedModel that was passed (ForCausalLM or bare decoder)
     rotary: nn.Module
     config: object  # model.config; the rotary module's own config is this object until a patch swaps it
+    check: bool = True  # run the apply-time plumbing check of the attention-side schemes (attention/plumbing.py)
 
     @property
     def layer_types(self) -> list[str | None]:

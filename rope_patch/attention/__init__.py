@@ -42,9 +42,9 @@ caches break the contiguity (keys are padded to the maximum length); the schemes
 
 from __future__ import annotations
 
-from . import settings
+from . import plumbing, settings
 from .blocked import band_partial, blocked_attention, dense_attention, flash_causal_partial, flash_partial
-from .copies import CacheView, Identity, Layout, NotProven, Reentry
+from .copies import HEADS, ROWS, CacheView, Identity, Layout, NotProven, Reentry
 from .flash import flash_module
 from .flex import causal_block_mask, flex_available, flex_call, restrict_block_mask
 from .protocol import STATE, AttentionCall, AttentionRule, Partial, fit_rows, merge
@@ -52,8 +52,8 @@ from .registration import BACKENDS, BLOCKED, DENSE, FA2, FLEX, AttnState, regist
 from .rotation import Rotation, floor_div
 
 __all__ = [
-    "BACKENDS", "CacheView", "Identity", "Layout", "NotProven", "Reentry", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",
+    "BACKENDS", "HEADS", "ROWS", "CacheView", "Identity", "Layout", "NotProven", "Reentry", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",
     "Rotation", "band_partial", "blocked_attention", "causal_block_mask", "dense_attention", "fit_rows",
     "flash_causal_partial", "flash_module", "flash_partial", "flex_available", "flex_call", "floor_div", "merge",
-    "register", "restrict_block_mask", "settings",
+    "plumbing", "register", "restrict_block_mask", "settings",
 ]

@@ -94,21 +94,49 @@ class NotProven(RuntimeError):
     """A layer did something with its cache that the stacked copies are not proven to preserve."""
 
 
+HEADS, ROWS = "heads", "rows"  # how a cache hands the stored copies back to the layer
+
+
 class CacheView:
-    """The cache as a layer of a re-positioned model sees it: `update` stores the key copies the scheme reads (on the
-    head axis) and one copy of the values; the reads a layer makes pass through; anything else that writes is
-    refused, since the copies would reach it stacked on the batch axis."""
+    """The cache as a layer of a re-positioned model sees it.
+
+    `update` stores what the scheme reads: the keys of the key copies, side by side on the head axis (b, S·H, n, d),
+    so the cache keeps the model's batch (beam search's reordering, cropping and offloading act on the batch and
+    sequence axes as before). Two ways, chosen per model by the apply-time check (attention/plumbing.py):
+
+        HEADS   the values once (copy 0: values do not depend on positions), and the stored tensors handed back as they
+                are: the attention function reads key set s from the head axis. For layers that pass what the cache
+                returns straight to attention (most), at (S + 1)/2 of vanilla's cache memory.
+        ROWS    both tensors of every key copy, handed back as c copies stacked on the batch axis again, as the layer's
+                own code computed them: for layers that process what the cache returns (DeepSeek's MLA caches its
+                latent and expands it afterwards). S times vanilla's cache memory, and a copy per step.
+
+    Reads a layer makes pass through; anything else a layer asks of its cache is refused (`NotProven`), since the
+    copies would reach it stacked on the batch axis."""
 
     READS = frozenset({"get_seq_length", "get_mask_sizes", "is_compileable", "is_sliding", "get_max_cache_shape",
                        "max_batch_size", "max_cache_len", "is_initialized", "layers"})
 
-    def __init__(self, cache, rows: int, key_copies: tuple[int, ...]):
-        self._cache, self._rows, self._key_copies = cache, rows, key_copies
+    def __init__(self, cache, rows: int, layout: Layout, mode: str = HEADS):
+        self._cache, self._rows, self._layout, self._mode = cache, rows, layout, mode
+
+    def _keep(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._rows
+        return torch.cat([x[t * b:(t + 1) * b] for t in self._layout.key_copies], dim=1)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        b = self._rows
-        keys = torch.cat([key_states[t * b:(t + 1) * b] for t in self._key_copies], dim=1)
-        return self._cache.update(keys, value_states[:b], layer_idx, *args, **kwargs)
+        if self._mode == HEADS:
+            return self._cache.update(self._keep(key_states), value_states[:self._rows], layer_idx, *args, **kwargs)
+        keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args, **kwargs)
+        return self._unstack(keys), self._unstack(values)
+
+    def _unstack(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, S·H, N, d) → (c·b, H, N, d): copy t gets its own stored set, the copies the scheme reads no keys of get
+        set 0 (their keys are never read)."""
+        kept = self._layout.key_copies
+        heads = x.shape[1] // len(kept)
+        sets = [x[:, s * heads:(s + 1) * heads] for s in range(len(kept))]
+        return torch.cat([sets[kept.index(t)] if t in kept else sets[0] for t in range(self._layout.copies)])
 
     def __getattr__(self, name):
         if name in CacheView.READS:
@@ -143,8 +171,8 @@ class Reentry:
     An object of a module-level class holding only the module and its layout, so a patched model deep-copies and
     pickles."""
 
-    def __init__(self, module: nn.Module, layout: Layout):
-        self.module, self.layout = module, layout
+    def __init__(self, module: nn.Module, layout: Layout, cache_mode: str = HEADS):
+        self.module, self.layout, self.cache_mode = module, layout, cache_mode
 
     def __call__(self, *args, **kwargs):
         module, layout = self.module, self.layout
@@ -174,7 +202,7 @@ class Reentry:
         for name in CACHE_ARGS:
             cache = call.get(name, extra.get(name))
             if cache is not None:
-                (call if name in call else extra)[name] = CacheView(cache, b, layout.key_copies)
+                (call if name in call else extra)[name] = CacheView(cache, b, layout, self.cache_mode)
         state = module_state(module)
         previous, state.current = state.current, Current(b, positions, layout)
         try:

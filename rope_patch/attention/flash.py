@@ -38,6 +38,8 @@ def fa2_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=
     (`flash_attn_func`), else the 2-D mask of real tokens (unpadded `flash_attn_varlen_func`, per sequence
     bottom-right aligned, so left and right padding both keep slot distances). Returns (out (b, q, H, d), None)."""
     state = module_state(module)
+    if state.recorder is not None:  # the apply-time check (plumbing.py)
+        state.recorder.seen(query, key)
     fa = flash_module()
     slopes = state.scores.flash_slopes(query.device)
     b, h, q_len, d = query.shape

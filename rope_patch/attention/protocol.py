@@ -49,6 +49,12 @@ class AttentionRule:
         """(H,) float32 ALiBi slopes for flash_attn's `alibi_slopes`, or None: the scheme has no flash-attention form."""
         return None
 
+    def probe(self, length: int) -> AttentionRule:
+        """This rule at an identity setting that still runs its own code paths on a `length`-token input (a window
+        or chunk short enough to split it, a zero bias): the apply-time check (attention/plumbing.py) runs it on
+        identical position copies, where it must reproduce the model's own attention."""
+        return self
+
 
 def fit_rows(heads: int, extra: int, cap: int = 1024) -> int:
     """The largest power-of-two block (64 ≤ r ≤ cap) whose materialised band, heads × r × (r + extra) numbers, fits
@@ -137,15 +143,18 @@ def unstack(module, query, key, value, position_ids):
     """Split what a re-positioned layer passed (attention/copies.py): c query copies stacked on the batch axis, keys
     either stacked likewise (no cache) or as S key sets on the head axis (what `CacheView` stored), values of copy 0.
     Returns (queries, keys, value, true position ids); one copy of each for a layer that is not re-positioned."""
-    current = module_state(module).current
+    state = module_state(module)
+    if state.recorder is not None:
+        state.recorder.seen(query, key)
+    current = state.current
     if current is None:
         return (query,), (key,), value, position_ids
     b, layout = current.rows, current.layout
     queries = tuple(query[t * b:(t + 1) * b] for t in range(layout.copies))
-    if key.shape[0] == query.shape[0]:  # no cache: every copy's keys, stacked like the queries
+    if key.shape[0] == query.shape[0]:  # no cache, or a ROWS cache: every copy's keys, stacked like the queries
         keys = tuple(key[t * b:(t + 1) * b] for t in layout.key_copies)
         value = value[:b]
-    else:  # the cache's key sets, side by side on the head axis
+    else:  # a HEADS cache: its key sets, side by side on the head axis
         hkv = value.shape[1]
         keys = tuple(key[:, s * hkv:(s + 1) * hkv] for s in range(len(layout.key_copies)))
     return queries, keys, value, current.positions

@@ -27,6 +27,7 @@ class AttnState:
     scores: AttentionRule
     block_elements: int | None = None  # None: settings.BLOCK_ELEMENTS (read at call time, tests shrink it)
     current: object = None  # during a re-positioned layer's call: its `copies.Current` (rows, true positions, layout)
+    recorder: object = None  # during the apply-time check (plumbing.py): what the attention function received
 
     def __setstate__(self, state):
         # A patched model unpickled in a fresh process (torch.load) finds its attention functions registered.

@@ -54,6 +54,9 @@ class AlibiScores(attention.AttentionRule):
     def fused_rows(self, heads):
         return 1024  # nothing is materialised on the fused path
 
+    def probe(self, length):
+        return AlibiScores(torch.zeros_like(self.slopes))  # slopes 0: the model without positions (NoPE)
+
     def fused(self, call, rows, end):
         """Fused kernels only: −m_h(i − j) = m_h(j − c) − m_h(i − c) with c the block's first slot. The first term is
         rank one (an extra q channel m_h/scale against a k channel j − c), the second is constant per row, so it only
@@ -158,6 +161,9 @@ class RelativeBiasScores(attention.AttentionRule):
     def fused_rows(self, heads):
         return attention.fit_rows(heads, self.max_distance)  # the band: r × (r + max_distance) bias + mask
 
+    def probe(self, length):
+        return _ZeroTable(self.num_buckets, self.max_distance)  # a zero bias: the model without positions (NoPE)
+
     def table(self, call) -> torch.Tensor:
         return getattr(self.owner, MODULE_NAME)(call.module.layer_idx)  # (H, buckets)
 
@@ -206,6 +212,16 @@ class RelativeBiasScores(attention.AttentionRule):
         out, lse = attention.flash_partial(call, q, call.key[:, :, :start], call.value[:, :, :start])
         last = self.table(call)[:, -1].float().view(1, -1, 1)  # (1, H, 1)
         return [(out, lse + last), band]
+
+
+class _ZeroTable(RelativeBiasScores):
+    """The relative bias with an all-zero table (the identity setting the apply-time check runs)."""
+
+    def __init__(self, num_buckets: int, max_distance: int):
+        super().__init__(None, num_buckets, max_distance)
+
+    def table(self, call) -> torch.Tensor:
+        return torch.zeros(call.query.shape[1] * call.query.shape[2], self.num_buckets, device=call.query.device)
 
 
 @register_scheme

@@ -118,6 +118,9 @@ class DualChunkScores(attention.AttentionRule):
         return attention.Layout((InChunk(self.chunk), InChunk(self.chunk, True, self.chunk_size),
                                  Fixed(self.inter_position)), key_copies=(0,))
 
+    def probe(self, length):
+        return DualChunkScores(length // 4 + 2, 2)  # four chunks: the intra, successive and inter regions all occur
+
     def fused_rows(self, heads):
         return 512  # nothing is materialised on the fused path; chunk boundaries split a block further
 

@@ -15,6 +15,7 @@ the exact identity (q·1 + rotate_half(q)·0 = q). What a scheme adds on top:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -186,11 +187,13 @@ class AttentionScheme(Scheme):
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
         model, rotary = target.model, target.rotary
         moves = self.repositions()
-        layouts = {m: self.layout(m) for m in modules} if moves else {}
+        layouts = {m: self.layout(m) if moves else None for m in modules}
+        native = target.config._attn_implementation
         # The model's own frequencies, as float32 masters (a cast of the model must not round the angles).
         names = [f"{lt}_inv_freq" if lt else "inv_freq" for lt in target.layer_types]
 
-        def install(log: UndoLog) -> None:
+        def put(log: UndoLog, rule, layouts: dict, cache_mode: str, wrap=None) -> None:
+            """Install `rule` with these layouts (the scheme's own, or the check's probes) through `log`."""
             masters = {n: rotary._buffers[n].float() for n in names}
             for n, master in masters.items():
                 log.set_buffer(rotary, n, master)
@@ -198,19 +201,30 @@ class AttentionScheme(Scheme):
             # the others remove it. Either way the embeddings remember their source, for the copies and the check.
             log.setattr(rotary, "forward", PatchedRotaryForward(
                 rotary, masters, identity=not moves, config=target.config, attn_implementation=impl,
-                allowed=tuple(attention.BACKENDS.values()), scheme=self.name, tagged=scores is not None))
-            if attach is not None:
-                attach(log)
-            if scores is None:
+                allowed=tuple(attention.BACKENDS.values()), scheme=self.name, tagged=rule is not None))
+            if rule is None:
                 return
             attention.register()
-            state = attention.AttnState(scores)
+            state = attention.AttnState(rule)
             for m in modules:
                 log.setattr(m, attention.STATE, state)
-                if layouts.get(m) is not None:
-                    log.setattr(m, "forward", attention.Reentry(m, layouts[m]))
+                inner = attention.Reentry(m, layouts[m], cache_mode) if layouts[m] is not None else None
+                if wrap is not None:
+                    inner = wrap(m, inner or functools.partial(type(m).forward, m))
+                if inner is not None:
+                    log.setattr(m, "forward", inner)
             log.add_hook(decoder(model), CacheGuard(self.name), with_kwargs=True)
             model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
+
+        def install(log: UndoLog) -> None:
+            mode = attention.HEADS
+            if scores is not None and target.check:
+                # on the model's private config (api.apply), before anything of the scheme is on the model
+                mode = attention.plumbing.verify(target, self.name, scores, layouts, impl, native,
+                                                 rotate_reference=False, install=put)
+            put(log, scores, layouts, mode)
+            if attach is not None:
+                attach(log)
 
         return install
 

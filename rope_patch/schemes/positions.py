@@ -71,6 +71,9 @@ class TwoRegionScores(attention.AttentionRule):
     def __init__(self, window: int, far_key: int):
         self.window, self.far_key = window, far_key
 
+    def probe(self, length):
+        return TwoRegionScores(max(2, length // 4), self.far_key)  # near band, mixed and far keys all occur
+
     def fused_rows(self, heads):
         # two r × r masks for the mixed keys; r ≤ W keeps the four-way split (else the near band is materialised)
         return attention.fit_rows(2 * heads, 0, cap=max(64, min(1024, self.window)))

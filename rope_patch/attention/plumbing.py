@@ -1,0 +1,367 @@
+"""The apply-time plumbing check: an attention-side scheme runs side by side with the model's own layers, at an
+identity setting, before it is accepted on an architecture; a difference refuses it and leaves the model as it was.
+
+Why. A scheme that replaces the attention function (ALiBi, T5 bias, Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA,
+`cache_rotation="consistent"`) relies on properties of the architecture's code: that its layers call transformers'
+attention interface with what their own attention would get, and, for the re-positioning schemes, that a layer
+computes its queries and keys at whatever positions it is handed (attention/copies.py). rope_patch does not decide
+that by model name; it runs the code.
+
+What runs. The model, patched with the scheme's rule at an identity setting (`AttentionRule.probe`: a window or chunk
+short enough to split the input, or a zero bias, so every code path of the rule runs) and every position copy at the
+tokens' own positions, plus one extra copy at p + SHIFT; on a 2-row batch (row 0 left-padded) of `length(model)`
+tokens: (1) a prefill without cache, (2) a prefill of all but the last two tokens into the model's cache, then two
+one-token steps. Every attention layer call also runs
+    - the layer's own forward with the model's own attention function on the same input (a cache of its own for the
+      cached steps): the outputs must agree (relative max difference within the dtype's tolerance);
+    - the layer's own forward at positions p + SHIFT with a capturing attention function: the extra copy's queries
+      (and keys, where the copies reach attention stacked) must agree with it, i.e. the copies' positions move what
+      the layer's own rotation moves;
+and the layer must have called rope_patch's attention function, and must not have raised (e.g. `NotProven`: a layer
+that writes to its cache other than through `update`). The cache's hand-back (`CacheView` HEADS, else ROWS) is the
+first that passes.
+
+Cost. About 3 + c forwards of a `length`-token input per mode tried (c position copies; `length` ≥ 48 and beyond
+every sliding window / attention chunk / sparse top-k the config or layers declare, at most 1040), in the model's
+own dtype and device. Checked once per architecture and process: a second model of the same class, attention layer
+kinds, scheme family and backend is not checked again. `rope_patch.apply(..., check=False)` skips it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+
+import torch
+import transformers
+from torch import nn
+
+from ..rotary import embed, source
+from ..undo import UndoLog
+from .copies import CACHE_ARGS, HEADS, ROWS, Identity, Layout, NotProven
+from .protocol import module_state
+
+SHIFT = 3  # the extra copy's positions: p + SHIFT
+CAPTURE = "rope_patch_capture"  # an attention function that keeps q and k (registered under our own name)
+MIN_LENGTH, MAX_LENGTH = 48, 1040
+CHECKED: dict = {}  # architecture key -> the cache mode that passed, for this process
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative max difference allowed between two computations of one layer: kernels differ in summation order."""
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 3e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Shifted:
+    """p ↦ p + SHIFT: the extra copy of the check."""
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        return p + SHIFT
+
+
+def length(model: nn.Module, modules: list[nn.Module]) -> int:
+    """Input length of the check: past every window-like size the config or the layers declare (sliding windows,
+    attention chunks, sparse-attention top-k), so the paths that only run beyond them run."""
+    sizes = [MIN_LENGTH - 16]
+    for obj in [getattr(model, "config", None), *modules]:
+        for key, value in vars(obj or object()).items():
+            if isinstance(value, int) and not isinstance(value, bool) and "expert" not in key and any(
+                    w in key for w in ("window", "chunk", "topk", "top_k")):
+                sizes.append(value)
+    return min(max(sizes) + 16, MAX_LENGTH)
+
+
+def probe_layout(layout: Layout | None) -> Layout | None:
+    """Every copy at the true positions, plus the extra copy at p + SHIFT (which no rule reads)."""
+    if layout is None:
+        return None
+    return Layout((Identity(),) * layout.copies + (Shifted(),), layout.key_copies)
+
+
+@dataclasses.dataclass
+class Finding:
+    layer: int
+    module: str
+    what: str
+    size: float | None
+    step: str
+
+
+class Recorder:
+    """On a layer's AttnState during the check: what rope_patch's attention function received."""
+
+    def __init__(self):
+        self.calls, self.query, self.key = 0, None, None
+
+    def seen(self, query, key):
+        self.calls, self.query, self.key = self.calls + 1, query, key
+
+
+def _capture(module, query, key, value, attention_mask, *args, **kwargs):
+    """The attention function of the check's moved-position runs: keeps q and k, returns zeros."""
+    module._rope_patch_captured = (query, key)
+    b, h, n, _ = query.shape
+    return query.new_zeros(b, n, h, value.shape[-1]), None
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    if got.shape != want.shape:
+        return float("inf")
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+class Check:
+    """One run of the check on a model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, native: str, rotate_reference: bool):
+        self.model, self.native, self.rotate_reference = model, native, rotate_reference
+        self.dtype = next(model.parameters()).dtype
+        self.tol = tolerance(self.dtype)
+        self.findings: list[Finding] = []
+        self.step = ""
+        self.cached = False  # the current model call runs with a cache (keys come from it, not from the copies)
+        self.rows: torch.Tensor | None = None  # (b, q) real query tokens of the current model call
+        self.shadows: dict[int, object] = {}
+
+    def shadow(self, cache):
+        """The layers' own cache for the native runs: a copy of the model's cache taken before any layer wrote."""
+        if id(cache) not in self.shadows:
+            self.shadows[id(cache)] = copy.deepcopy(cache)
+        return self.shadows[id(cache)]
+
+    def note(self, module, what: str, size: float | None = None):
+        self.findings.append(Finding(getattr(module, "layer_idx", -1), type(module).__name__, what, size, self.step))
+
+    def compare(self, module, what: str, got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor | None):
+        """got/want (b, n, ...) or (b, H, n, d) with `rows` (b, n) the real tokens, compared on those."""
+        if got.shape != want.shape:
+            self.note(module, f"{what}: shape {tuple(got.shape)} where the model has {tuple(want.shape)}")
+            return
+        if rows is not None:
+            keep = rows.to(got.device)
+            keep = keep if got.dim() == 3 else keep[:, None, :].expand(got.shape[0], got.shape[1], -1)
+            got, want = got[keep.bool()], want[keep.bool()]
+        size = _relative(got, want)
+        if not size <= self.tol:
+            self.note(module, what, size)
+
+
+class SideBySide:
+    """The forward of an attention module during the check: the scheme's, then the layer's own on the same input."""
+
+    def __init__(self, check: Check, module: nn.Module, inner, layout: Layout | None):
+        self.check, self.module, self.inner, self.layout = check, module, inner, layout
+
+    def __call__(self, *args, **kwargs):
+        check, module = self.check, self.module
+        signature = inspect.signature(type(module).forward)
+        call = dict(signature.bind(module, *args, **kwargs).arguments)
+        call.pop("self", None)
+        extra = call.pop("kwargs", {}) if "kwargs" in signature.parameters else {}
+        for name in CACHE_ARGS:
+            if call.get(name, extra.get(name)) is not None:
+                check.shadow(call.get(name, extra.get(name)))
+        recorder = module_state(module).recorder
+        before = recorder.calls
+        out = self.inner(*args, **kwargs)  # NotProven and errors propagate: the run stops, the check refuses
+        if recorder.calls == before:
+            check.note(module, "rope_patch's attention function never ran (the layer computes attention in its own "
+                               "code, so a scheme that replaces the attention function has no effect)")
+            return out
+        got = out[0] if isinstance(out, tuple) else out
+        want = self._native(call, extra)
+        check.compare(module, "its output", got, want[0] if isinstance(want, tuple) else want, check.rows)
+        if self.layout is not None:
+            self._moved(call, extra, recorder)
+        return out
+
+    def _native(self, call: dict, extra: dict):
+        """The layer's own forward with the model's own attention function and its own cache."""
+        check, module = self.check, self.module
+        call, extra = dict(call), dict(extra)
+        embeddings = call.get("position_embeddings")
+        if check.rotate_reference and source(embeddings) is not None:
+            call["position_embeddings"] = embed(embeddings, embeddings.position_ids)
+        for name in CACHE_ARGS:
+            for where in (call, extra):
+                if where.get(name) is not None:
+                    where[name] = check.shadow(where[name])
+        hidden = call[next(iter(call))]
+        for where in (call, extra):
+            if "attention_mask" in where:
+                where["attention_mask"] = eager_mask(where["attention_mask"], hidden, check.dtype)
+        return self._with_backend("eager", call, extra)
+
+    def _moved(self, call: dict, extra: dict, recorder: Recorder):
+        """The extra copy against the layer's own forward at p + SHIFT."""
+        check, module = self.check, self.module
+        b = recorder.query.shape[0] // (self.layout.copies)
+        last = self.layout.copies - 1
+        call, extra = dict(call), dict(extra)
+        embeddings = call.get("position_embeddings")
+        if source(embeddings) is not None:
+            call["position_embeddings"] = embed(embeddings, embeddings.position_ids + SHIFT)
+        for where in (call, extra):
+            if where.get("position_ids") is not None:
+                where["position_ids"] = where["position_ids"] + SHIFT
+            for name in CACHE_ARGS:
+                if name in where:
+                    where[name] = None
+        self._with_backend(CAPTURE, call, extra)
+        q, k = module.__dict__.pop("_rope_patch_captured")
+        check.compare(module, f"its queries at moved positions (p + {SHIFT})", recorder.query[last * b:(last + 1) * b], q,
+                      check.rows)
+        if not check.cached:  # without a cache the keys reach attention stacked like the queries: the copy's own
+            keys = recorder.key[last * b:(last + 1) * b]
+            check.compare(module, f"its keys at moved positions (p + {SHIFT})", keys[:, :, -k.shape[2]:], k, check.rows)
+
+    def _with_backend(self, backend: str, call: dict, extra: dict):
+        config = self.module.config
+        before = config._attn_implementation_internal
+        config._attn_implementation_internal = backend
+        try:
+            with torch.no_grad():
+                return type(self.module).forward(self.module, **call, **extra)
+        finally:
+            config._attn_implementation_internal = before
+
+
+def eager_mask(mask, hidden: torch.Tensor, dtype: torch.dtype):
+    """The mask rope_patch's function received, as the modeling file's eager function takes it: additive float
+    (b|1, 1, q, k). The reference run is eager whatever the backend (the model's own eager code: softcapping, sinks
+    and all; transformers' compiled flex and flash kernels need not run here): sdpa's boolean mask and flex's
+    BlockMask are materialised, a 2-D padding mask (flash) or no mask (causal, skipped) become the causal mask."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        if mask.dtype != torch.bool:
+            return mask
+        allowed = mask
+    elif mask is not None and hasattr(mask, "mask_mod"):  # flex BlockMask
+        from torch.nn.attention.flex_attention import create_mask
+
+        q_len, k_len = mask.seq_lengths
+        allowed = create_mask(mask.mask_mod, mask.kv_num_blocks.shape[0], 1, q_len, k_len, device=hidden.device)
+    else:
+        return None if mask is None and hidden.shape[1] == 1 else _causal(mask, hidden, dtype)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _causal(mask, hidden, dtype):
+    """Bottom-right-aligned causal (and 2-D padding) mask for q new tokens over k keys."""
+    q_len = hidden.shape[1]
+    k_len = mask.shape[-1] if mask is not None else q_len
+    i = torch.arange(k_len - q_len, k_len, device=hidden.device)[:, None]
+    allowed = (torch.arange(k_len, device=hidden.device)[None, :] <= i)[None, None]
+    if mask is not None:
+        allowed = allowed & mask.bool()[:, None, None, :]
+    return torch.zeros(allowed.shape, dtype=dtype, device=hidden.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def register_capture() -> None:
+    if transformers.AttentionInterface._global_mapping.get(CAPTURE) is not _capture:
+        transformers.AttentionInterface.register(CAPTURE, _capture)
+
+
+def _inputs(model: nn.Module, n: int):
+    """2 rows of n tokens, row 0 left-padded by 3, with the mask and the position ids generate passes."""
+    device = next(model.parameters()).device
+    vocab = int(getattr(model.config, "vocab_size", 0) or model.get_input_embeddings().num_embeddings)
+    ids = torch.randint(min(3, vocab - 1), vocab, (2, n), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    return ids, mask, positions
+
+
+def _cache_keyword(model: nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def run(check: Check, model: nn.Module, n: int) -> None:
+    """The two steps of the check on the patched model (its layers wrapped by SideBySide)."""
+    ids, mask, positions = _inputs(model, n)
+    with torch.no_grad():
+        check.step, check.rows = "a prefill without cache", mask
+        model(ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        check.step, check.rows, check.cached = "a prefill into the model's cache", mask[:, : n - 2], True
+        out = model(ids[:, : n - 2], attention_mask=mask[:, : n - 2], position_ids=positions[:, : n - 2], use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        for t in (n - 2, n - 1):
+            check.step, check.rows = "cached decoding", mask[:, t: t + 1]
+            model(ids[:, t: t + 1], attention_mask=mask[:, : t + 1], position_ids=positions[:, t: t + 1],
+                  use_cache=True, **{_cache_keyword(model): cache})
+
+
+def architecture(model: nn.Module, modules: list[nn.Module], rule, backend: str, rotate_reference: bool):
+    """What the check's verdict depends on: the model class, its attention layer kinds (class and scalar attributes),
+    the scheme's rule class and the backend."""
+    kinds = set()
+    for m in modules:
+        scalars = tuple(sorted((k, v) for k, v in vars(m).items() if k not in ("layer_idx", "training")
+                               and isinstance(v, (int, float, str, bool, type(None)))))
+        kinds.add((type(m).__qualname__, scalars))
+    return (type(model).__qualname__, frozenset(kinds), type(rule).__qualname__, backend, rotate_reference)
+
+
+def describe(findings: list[Finding], tol: float) -> str:
+    first = findings[0]
+    size = f" ({first.size:.1e} relative, tolerance {tol:g})" if first.size is not None else ""
+    layers = sorted({f.layer for f in findings})
+    more = f"; {len(layers)} layers differ ({', '.join(map(str, layers[:8]))}{', ...' if len(layers) > 8 else ''})" \
+        if len(layers) > 1 else ""
+    return f"{first.module} (layer {first.layer}): {first.what}{size}, in {first.step}{more}"
+
+
+def verify(target, name: str, rule, layouts: dict, backend: str, native: str, rotate_reference: bool, install) -> str:
+    """Run the check; return the cache mode that passed, or raise ValueError naming the layer and the difference.
+    `install(log, rule, layouts, mode, wrap)` installs the scheme through `log` (a scratch undo log, undone here)."""
+    model = target.model
+    modules = list(layouts)
+    key = architecture(model, modules, rule, backend, rotate_reference)
+    if key in CHECKED:
+        return CHECKED[key]
+    register_capture()
+    n = length(model, modules)
+    probe = rule.probe(n)
+    probes = {m: probe_layout(layout) for m, layout in layouts.items()}
+    modes = (HEADS, ROWS) if any(v is not None for v in layouts.values()) else (HEADS,)
+    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
+               if hasattr(c, "_attn_implementation_internal")}
+    backends = {k: c._attn_implementation_internal for k, c in configs.items()}
+    failure = None
+    for mode in modes:
+        check = Check(model, native, rotate_reference)
+        log = UndoLog()
+
+        def wrap(module, inner, _check=check):
+            return SideBySide(_check, module, inner, probes[module])
+
+        try:
+            install(log, probe, probes, mode, wrap)
+            for m in modules:
+                module_state(m).recorder = Recorder()
+            run(check, model, n)
+        except NotProven as e:
+            check.note(getattr(e, "module", model), str(e))
+        except Exception as e:  # a layer that cannot run the copies (shapes it did not expect, ...)
+            check.note(model, f"raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        finally:
+            log.undo()
+            for k, c in configs.items():  # as it was (set_attn_implementation would re-check e.g. flash_attn)
+                c._attn_implementation_internal = backends[k]
+        if not check.findings:
+            CHECKED[key] = mode
+            return mode
+        failure = failure or check
+        if any(f.step == "a prefill without cache" for f in check.findings):
+            break  # the prefill without cache failed: another cache mode will not help
+    raise ValueError(
+        f"{name}: the apply-time check ran the scheme side by side with {target.model_type}'s own attention layers "
+        f"(at an identity setting, which must reproduce the model) and found a difference: "
+        f"{describe(failure.findings, failure.tol)}. rope_patch cannot show this scheme correct on this architecture, "
+        "so it is refused and the model is left as it was. The frequency schemes and the schemes that keep the "
+        "model's own attention (nope, sinusoidal, learned_absolute) are not affected; rope_patch.apply(..., "
+        "check=False) skips the check at your own risk.")
