@@ -180,7 +180,7 @@ class SideBySide:
 
     def _native(self, call: dict, extra: dict):
         """The layer's own forward with the model's own attention function and its own cache."""
-        check, module = self.check, self.module
+        check = self.check
         call, extra = dict(call), dict(extra)
         embeddings = call.get("position_embeddings")
         if check.rotate_reference and source(embeddings) is not None:
@@ -193,7 +193,7 @@ class SideBySide:
         for where in (call, extra):
             if "attention_mask" in where:
                 where["attention_mask"] = eager_mask(where["attention_mask"], hidden, check.dtype)
-        return self._with_backend("eager", call, extra)
+        return self._with_backend("eager", call, extra)  # the modeling file's own (eager_mask says why)
 
     def _moved(self, call: dict, extra: dict, recorder: Recorder):
         """The extra copy against the layer's own forward at p + SHIFT."""

@@ -227,7 +227,7 @@ def forward(model, patched, ids, scheme, params, mask=None, **kw):
     if scheme == "learned_absolute":
         embeds = embeds + patched.rope_patch_position_embeddings.weight[pos]
     backend = model.config._attn_implementation
-    run = _Run.current = _Run(model, patched, scheme, params, pos)
+    _Run.current = _Run(model, patched, scheme, params, pos)
     hooks, layers = [], []
     if scheme in POSITIONAL:
         hooks = [r.register_forward_hook(_record, with_kwargs=True) for r in _rotaries(model)]
