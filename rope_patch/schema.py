@@ -14,6 +14,7 @@
 | BEST          | best.json                             | rope-patch tune                             |
 | RECIPE_CONFIG | recipes/configs/*.yaml (fine-tuning)  | people (recipes/finetune_lora.py reads it)   |
 | PRETRAIN_CONFIG | recipes/configs/pretrain_tiny.yaml  | people (recipes/pretrain_tiny.py reads it)   |
+| FINGERPRINTS  | $ROPE_PATCH_CACHE/fingerprints.json   | fingerprint.py (a cache of file digests)     |
 
 Every failure is one `FileFormatError` whose message names the file, the field (`records[3].perplexity`), what was
 expected, what was found and what to do, on one line (the command line prints a ValueError's message as its one
@@ -487,6 +488,12 @@ PRETRAIN_CONFIG = Kind(
                                                       "min_tokens": Int(ge=1), "max_tokens": Int(ge=1)}))}),
         "eval": Obj({"passkey_samples": Int(ge=1), "heldout_tokens": Int(ge=1)}),
     }, {"init_from": Str(nonempty=True)}, name="a pretrain_tiny config"),
+)
+
+
+FINGERPRINTS = Kind(
+    "fingerprint cache", fix="It is a cache: delete it, and the digests are computed again (fingerprint.py).",
+    spec=Map(Obj({"size": Int(ge=0), "mtime_ns": Int(ge=0), "sha256": Str(nonempty=True)})),
 )
 
 

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from .. import zoo
+from ..evaluation import loading
 from ..evaluation.common import auto_threads
 
 
@@ -84,9 +85,13 @@ def rope_layout(args) -> dict:
 
 
 def load_model(console, spec, threads: int | None, dtype):
-    """Set the torch threads (--threads, else the cores not busy), load `spec` and say so: (path, model, tokenizer)."""
+    """Set the torch threads (--threads, else the cores not busy), load `spec` as saved (with the patch of its
+    rope_patch.json, evaluation.loading) and say so: (path, model, tokenizer)."""
     torch.set_num_threads(threads or auto_threads())
     path = zoo.resolve_model_path(spec)
     console.print(f"Loading {spec} from {path} ({torch.get_num_threads()} threads) ...")
-    model, tokenizer = zoo.load_model(spec, dtype=dtype)
+    model, tokenizer = loading.load_model(spec, dtype=dtype)
+    patch = loading.loaded_patch(model, path)
+    if patch:
+        console.print(f"{spec} carries {patch['label']}, re-applied from {patch['file']} (the `loaded` row).")
     return path, model, tokenizer

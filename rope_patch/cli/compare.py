@@ -14,7 +14,7 @@ from .. import zoo as models
 from ..evaluation.common import read_tokens
 from ..evaluation.compare import DEFAULT_LENGTHS, DEFAULT_SCHEMES, parse_schemes, resumed_units, run_compare, work_units
 from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS
-from ..evaluation.results import check_writable, load_results, rich_table, write_results
+from ..evaluation.results import RESULT_FILES, check_writable, load_results, rich_table, write_results
 from ..evaluation.retrieval import DEFAULT_DEPTHS
 from ..suggest import pretraining_window, specs_for_target
 from .args import count, fraction, load_model, positive, real
@@ -88,7 +88,8 @@ def run(args) -> int:
     if given is not None:
         parse_schemes(given)  # bad specs fail here, before the model loads
     args.schemes = given or list(DEFAULT_SCHEMES)
-    out = check_writable(args.out)  # and an unwritable --out too
+    # and an unwritable --out, or any one file of those it writes, too
+    out = check_writable(args.out, RESULT_FILES + (() if args.no_plots else plots.FIGURE_FILES))
     previous = None
     if args.resume:
         if (out / "compare.json").is_file():
@@ -97,6 +98,10 @@ def run(args) -> int:
             except ValueError as err:  # names the file, the field and what to do (schema.COMPARE)
                 raise ValueError(f"cannot resume: {err}") from None
             console.print(f"Resuming: {len(previous['schemes'])} finished scheme(s) in {out / 'compare.json'}")
+            if not previous["model"].get("fingerprint"):
+                console.print(f"{out / 'compare.json'} predates the model fingerprint: its cells are matched on the "
+                              "model's path, type, window, size and dtype only; the rewritten file records the "
+                              "fingerprint, so later resumes compare the files' contents.")
         else:
             console.print(f"Nothing to resume in {out} (no compare.json): starting from the beginning.")
     path, model, tokenizer = load_model(console, args.model, args.threads, args.dtype)

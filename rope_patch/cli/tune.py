@@ -16,9 +16,12 @@ from .. import plots
 from .. import zoo as models
 from ..api import as_scheme
 from ..evaluation.common import read_tokens
+from ..evaluation.compare import AS_LOADED
+from ..evaluation.loading import loaded_patch
 from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS
-from ..evaluation.results import check_writable, json_safe
+from ..evaluation.results import check_writable, json_safe, patch_note
 from ..files import write_text_atomic
+from ..fingerprint import model_fingerprint
 from ..specs import parse_spec
 from ..tuning import EvolutionSettings, TuneOptions, accept, baselines, load_log, planned_evaluations, resolve_options
 from ..tuning import tune as tune_search
@@ -129,7 +132,7 @@ def run(args) -> int:
     for spec in args.accept or []:
         as_scheme(spec)  # a bad acceptance spec fails now, not after the search
     check_options(options)  # an unknown scheme or bad search settings fail here, before the model loads
-    out = check_writable(args.out)
+    out = check_writable(args.out, (LOG, BEST) + (() if args.no_plots else (plots.SEARCH_FIGURE,)))
     log_path = out / LOG
     previous = None
     if args.resume:
@@ -141,7 +144,9 @@ def run(args) -> int:
     path, model, tokenizer = load_model(console, args.model, args.threads, args.dtype)
     _, _, settings = resolve_options(model, options)  # bad options fail before the first evaluation
     token_ids, heldout = read_tokens(tokenizer, args.heldout)
-    header = {"model": {**model_info(model, args.model), "name": models.model_name(args.model), "path": str(path)},
+    patch = loaded_patch(model, path)  # a folder saved with rope_patch.json: the search replaces its patch
+    header = {"model": {**model_info(model, args.model), "name": models.model_name(args.model), "path": str(path),
+                        "fingerprint": model_fingerprint(path), "patch": patch},
               "heldout": heldout}
     args.kept = (f"No evaluation finished in this run; {log_path} is unchanged." if log_path.exists()
                  else "No evaluation had finished; nothing was written.")
@@ -161,12 +166,15 @@ def run(args) -> int:
         log = tune_search(model, tokenizer, token_ids, options, log_path=log_path, previous=previous, header=header,
                           on_record=on_record)
         if log["best"] is None:
-            raise ValueError(f"no candidate could be evaluated (every one was refused; see {log_path}).")
+            raise ValueError(f"no candidate could be evaluated: {evaluation_count(log)}; see {log_path}. Choose a "
+                             "--space the scheme accepts on this model.")
         write_text_atomic(out / BEST, json.dumps(json_safe({"scheme": settings["scheme"], **log["best"],
                                                             "target": args.target}), indent=1) + "\n")
         args.kept = f"The search is complete in {log_path}; the best spec is in {out / BEST}."
         if not args.no_accept:
             specs = baselines(args.scheme, args.target, settings["window"]) if args.accept is None else args.accept
+            if patch and args.accept is None:  # `default` is the unpatched model; the model as saved is `loaded`
+                specs = [AS_LOADED, *specs]
             acc = bar.add_task("acceptance", total=len(specs) + 1)
             accept(model, token_ids, log, specs, n_tokens=args.accept_tokens, log_path=log_path,
                    on_scheme=lambda label: bar.update(acc, advance=1, description=f"acceptance: {label}"))
@@ -176,15 +184,34 @@ def run(args) -> int:
     args.kept = None
     Console().print(_summary(log))
     stop = {"max_evals": " (stopped by --max-evals)", "budget": " (stopped by --budget-minutes)"}.get(log["stopped"], "")
-    console.print(f"{len(log['evaluations'])} evaluations, {sum(r.get('seconds') or 0 for r in log['evaluations']):.0f} s"
+    console.print(f"{evaluation_count(log)}, {sum(r.get('seconds') or 0 for r in log['evaluations']):.0f} s"
                   f"{stop}. Wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
+def evaluation_count(log: dict) -> str:
+    """"12 evaluations" or "12 candidates: 10 evaluated, 2 refused by the scheme (2x group_size ...: why)": a refused
+    candidate (objective null: the scheme's own check rejected its parameters) is no evaluation, and says why."""
+    records = log["evaluations"]
+    refused = [r for r in records if r.get("objective") is None]
+    if not refused:
+        return f"{len(records)} evaluations"
+    reasons: dict[str, int] = {}
+    for r in refused:
+        why = r.get("error") or "no reason recorded"
+        reasons[why] = reasons.get(why, 0) + 1
+    shown = "; ".join(f"{n}x {why if len(why) <= 160 else why[:159] + '…'}" for why, n in list(reasons.items())[:3])
+    more = f"; and {len(reasons) - 3} other reason(s) in {LOG}" if len(reasons) > 3 else ""
+    return (f"{len(records)} candidates: {len(records) - len(refused)} evaluated, {len(refused)} refused by the scheme "
+            f"({shown}{more})")
+
+
 def _summary(log: dict) -> Table:
     best = log["best"]
+    model = log.get("model") or {}
     table = Table(title=f"best {log['settings']['scheme']} at {log['settings']['target']} (tuning text): "
                   f"objective {best['objective']:.3f}")
+    table.caption = f"Model `{model.get('name') or model.get('spec')}` (window {log['settings']['window']}){patch_note(model)}"
     acc = log.get("acceptance")
     if not acc:
         table.add_column("best spec")

@@ -57,10 +57,12 @@ import torch
 
 from .. import api
 from ..api import original_config
-from ..discovery import find_target
+from ..fingerprint import model_fingerprint
 from ..specs import parse_scheme_spec, scheme_label
+from ..suggest import pretraining_window
 from .budget import fit_budget, run_tokens, seconds_per_token
 from .common import read_tokens, versions
+from .loading import loaded_patch
 from .passkey import PROMPT_FORMS, check_haystack, haystack_filler, prompt_form, use_chat_template
 from .perplexity import evaluate_perplexity, fixed_buckets, perplexity_work
 from .results import FORMAT, json_safe
@@ -74,13 +76,18 @@ DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 
 
 def _shipped_scaling(model) -> str | None:
-    """The rope_type a checkpoint ships with when it is a scaling, else None."""
-    return next(iter(find_target(model).contexts().values())).shipped_scaling
+    """The rope_type a checkpoint ships with when it is a scaling, else None: read from the config as loaded before
+    any patch (a folder saved with a yarn patch ships plain RoPE; its yarn is the patch's)."""
+    params = original_config(model)["rope_parameters"] or {}
+    if params and all(isinstance(v, dict) or v is None for v in params.values()):  # per layer type: the first
+        params = next((params[k] for k in sorted(params) if params[k]), {})
+    rope_type = params.get("rope_type", "default")
+    return None if rope_type == "default" else rope_type
 
 
-def _row_label(spec: str, scheme, shipped: str | None) -> str:
+def _row_label(spec: str, scheme, shipped: str | None, patch: dict | None = None) -> str:
     if scheme is None:
-        return f"as loaded ({shipped or 'RoPE'})"
+        return f"as loaded ({patch['label'] if patch else shipped or 'RoPE'})"
     if shipped and scheme.name == "default":
         return "unscaled RoPE" + (f" θ={scheme.rope_theta:g}" if scheme.rope_theta is not None else "")
     return scheme_label(spec)
@@ -140,8 +147,11 @@ def _json_params(params: dict) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
 
 
-# What must be equal for a cell of an earlier run to stand in a new one (the lengths and schemes may differ).
-_SAME_MODEL = ("path", "model_type", "window", "n_params", "dtype")
+# What must be equal for a cell of an earlier run to stand in a new one (the lengths and schemes may differ). The
+# fingerprint (fingerprint.py: the weights, config, tokenizer and saved patch) is compared where both runs have one;
+# results written before it existed are matched on the rest (cli/compare.py says so). A loaded patch (rope_patch.json)
+# shows in the `loaded` row's params, which _reusable compares per scheme.
+_SAME_MODEL = ("path", "model_type", "window", "n_params", "dtype", "fingerprint")
 _SAME_SETTINGS = ("depths", "passkey_samples", "seed", "ppl_tokens", "chat_template_used", "passkey_prompt",
                   "haystack", "shared_haystack", "bucket_size")
 # What a result written before a setting existed ran with.
@@ -160,8 +170,9 @@ def resume_mismatch(previous: dict, result: dict) -> str | None:
     """Why the cells of `previous` (a compare result) cannot be reused in `result` (same shape), or None."""
     if previous.get("format") != FORMAT:
         return f"it is not a {FORMAT} result"
-    diffs = [f"model {k} {previous['model'].get(k)!r} -> {result['model'].get(k)!r}" for k in _SAME_MODEL
-             if previous.get("model", {}).get(k) != result["model"].get(k)]
+    old_model, new_model = previous.get("model", {}), result["model"]
+    diffs = [_model_change(k, old_model.get(k), new_model.get(k)) for k in _SAME_MODEL
+             if old_model.get(k) != new_model.get(k) and (k != "fingerprint" or old_model.get(k) is not None)]
     old_settings = previous.get("settings", {})
     # where the lead-in sat matters only to passkey cells (a perplexity-only run has none to mix)
     both_passkey = bool(old_settings.get("passkey_lengths")) and bool(result["settings"].get("passkey_lengths"))
@@ -173,6 +184,13 @@ def resume_mismatch(previous: dict, result: dict) -> str | None:
     if old_text != new_text:
         diffs.append("held-out text")
     return "; ".join(diffs) or None
+
+
+def _model_change(key: str, old, new) -> str:
+    if key == "fingerprint":
+        return ("the model's files (weights, config, tokenizer or saved patch) changed since those cells were measured "
+                f"(fingerprint {str(old)[:19]}... -> {str(new)[:19]}...)")
+    return f"model {key} {old!r} -> {new!r}"
 
 
 def _cells_left(previous: dict | None, spec: str, lengths, passkey_lengths) -> tuple[list[int], list[int]]:
@@ -240,7 +258,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         raise ValueError(f"budget_minutes must be a positive number of minutes, got {budget_minutes!r}.")
     parsed = parse_schemes(schemes)
     shipped = _shipped_scaling(model)
-    if shipped and AS_LOADED not in [spec for spec, _ in parsed]:
+    patch = loaded_patch(model, model_path)  # a folder saved with its patch: what `loaded` measures
+    if (shipped or patch) and AS_LOADED not in [spec for spec, _ in parsed]:
         parsed.insert(0, (AS_LOADED, None))
     lengths = sorted(set(int(x) for x in lengths))
     passkey_lengths = lengths if passkey_lengths is None else sorted(set(int(x) for x in passkey_lengths))
@@ -253,8 +272,9 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     n_tokens = ppl_tokens if ppl_tokens is not None else windows_at_longest * lengths[-1]
     if n_tokens > len(token_ids):
         raise ValueError(f"The held-out text has {len(token_ids)} tokens; {n_tokens} requested for perplexity.")
-    # the window the model was trained on (a shipped-scaling checkpoint's pre-training window): buckets, stars
-    window = find_target(model).pretraining_window
+    # the window the model was trained on (a shipped-scaling checkpoint's pre-training window, also under a loaded
+    # patch): buckets, stars
+    window = pretraining_window(model)
     check_schemes(model, parsed)
     check_haystack(haystack)
     check_passkey_prompts(tokenizer, token_ids, passkey_lengths, depths, seed, chat, haystack)
@@ -284,7 +304,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         "model": {"spec": model_spec, "name": model_spec or type(model).__name__, "path": model_path,
                   "model_type": getattr(model.config, "model_type", None), "window": window,
                   "n_params": sum(p.numel() for p in model.parameters()),
-                  "dtype": str(next(model.parameters()).dtype).replace("torch.", "")},
+                  "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                  "fingerprint": model_fingerprint(model_path) if model_path else None, "patch": patch},
         "settings": {"lengths": lengths, "passkey_lengths": passkey_lengths, "depths": [float(d) for d in depths],
                      "passkey_samples": passkey_samples, "seed": seed, "ppl_tokens": n_tokens,
                      "windows_at_longest": windows_at_longest, "heldout": held,
@@ -311,7 +332,7 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     t_all = time.perf_counter()
     for spec, scheme in parsed:
         t0 = time.perf_counter()
-        label = _row_label(spec, scheme, shipped)
+        label = _row_label(spec, scheme, shipped, patch)
 
         def tick(n, _label=label):
             if progress is not None:

@@ -96,6 +96,16 @@ def _run_line(s: dict) -> str:
     return ("; ".join(parts) + ".") if parts else ""
 
 
+def patch_note(model: dict) -> str:
+    """The model line's words for a model loaded with a saved patch (evaluation.loading; "" for none)."""
+    patch = model.get("patch")
+    if not patch:
+        return ""
+    source = "its rope_patch.json" if patch.get("file") else "the patch it carried"
+    return (f" as saved, with {source}: {patch['label']} (the `as loaded` row; every other scheme replaces it and is "
+            "relative to the unpatched model)")
+
+
 def _lengths(result) -> list[int]:
     return sorted({r["length"] for r in result["records"]})
 
@@ -112,7 +122,8 @@ def markdown_table(result: dict) -> str:
     lengths = _lengths(result)
     m, s = result["model"], result["settings"]
     lines = [
-        f"Model `{m['name']}` (window {m['window']}); perplexity on {s['ppl_tokens']} held-out tokens per length; "
+        f"Model `{m['name']}` (window {m['window']}){patch_note(m)}; perplexity on {s['ppl_tokens']} held-out tokens "
+        "per length; "
         f"passkey: {s['passkey_samples']} samples x depths {', '.join(f'{d:g}' for d in s['depths'])} per length, "
         f"seed {s['seed']}." + (" " + _run_line(s) if _run_line(s) else ""),
         "",
@@ -146,9 +157,14 @@ def write_json(result: dict, path: str | Path) -> None:
     write_text_atomic(path, json.dumps(json_safe(result), indent=1) + "\n")
 
 
-def check_writable(out_dir: str | Path) -> Path:
-    """Create `out_dir` and write and remove a probe file there, so that an unwritable --out fails before any
-    evaluation runs. Raises OSError with a message that names the folder."""
+RESULT_FILES = ("compare.json", "compare.csv", "compare.md")  # write_results; the figures: plots.FIGURE_FILES
+
+
+def check_writable(out_dir: str | Path, files=()) -> Path:
+    """Create `out_dir` and write and remove a probe file there, and check that each of `files` (names inside it)
+    can be written: so that an unwritable --out, or one file that cannot be written (a folder, or a read-only file,
+    in its place), fails before any evaluation runs instead of after the work it was to hold. Raises OSError with a
+    message that names the folder or the file."""
     out = Path(out_dir)
     probe = out / f".rope-patch-write-test-{os.getpid()}"
     try:
@@ -158,6 +174,20 @@ def check_writable(out_dir: str | Path) -> Path:
     except OSError as err:
         raise OSError(f"cannot write results to --out {str(out)!r} ({err.strerror or err}); choose another folder "
                       "or fix its permissions. Nothing has been evaluated yet.") from None
+    for name in files:
+        path = out / name
+        if not path.exists() and not path.is_symlink():
+            continue  # the folder is writable: a new file can be made
+        why = ("a folder is in its place" if path.is_dir() else None if path.is_file() else "it is not a regular file")
+        if why is None:
+            try:  # append mode: opens for writing without changing the file
+                with open(path, "a"):
+                    pass
+            except OSError as err:
+                why = err.strerror or str(err)
+        if why:
+            raise OSError(f"cannot write {path} ({why}); move it away, or choose another --out. Nothing has been "
+                          "evaluated yet.")
     return out
 
 
@@ -189,7 +219,8 @@ def rich_table(result: dict):
     """A rich Table: one row per scheme, one column per length, cells "perplexity  accuracy"."""
     lengths = _lengths(result)
     window = result["model"].get("window")
-    table = Table(title=f"rope-patch compare - {result['model']['name']} (window {window}): perplexity / passkey")
+    table = Table(title=f"rope-patch compare - {result['model']['name']} (window {window}){patch_note(result['model'])}: "
+                  "perplexity / passkey")
     table.add_column("scheme")
     for L in lengths:
         table.add_column(f"{L}" + (" *" if window and L > window else ""), justify="right")

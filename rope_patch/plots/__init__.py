@@ -23,16 +23,16 @@ from typing import TYPE_CHECKING
 
 from ..registry import did_you_mean
 from .memory import MEMORY_LIMIT, figure_memory, plot_bytes
-from .results import passkey, perplexity, results, write_figures
+from .results import FIGURE_FILES, passkey, perplexity, results, write_figures
 from .style import save
 from .tasks import tasks, write_tasks_figure
 from .theory import angles, decay, distance, frequencies, score, wavelengths
-from .tuning import search, write_search_figure
+from .tuning import SEARCH_FIGURE, search, write_search_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["KINDS", "MEMORY_LIMIT", "angles", "decay", "distance", "figure_memory", "frequencies", "make", "passkey",
+__all__ = ["FIGURE_FILES", "KINDS", "SEARCH_FIGURE", "MEMORY_LIMIT", "angles", "decay", "distance", "figure_memory", "frequencies", "make", "passkey",
            "perplexity", "plot_bytes", "results", "save", "score", "search", "tasks", "wavelengths", "write_figures",
            "write_search_figure", "write_tasks_figure"]
 

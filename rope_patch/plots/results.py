@@ -167,11 +167,14 @@ def passkey(source) -> Figure:
     return fig
 
 
+FIGURE_FILES = ("perplexity.png", "passkey.png")  # what write_figures may write (checked writable before a run)
+
+
 def write_figures(result, out_dir) -> dict[str, Path]:
     """perplexity.png (and passkey.png when passkey ran) for a compare result in `out_dir`; returns {kind: path}."""
     res = _normalised(result)
     out = Path(out_dir)
-    paths = {"perplexity_plot": S.save(perplexity(res), out / "perplexity.png", dpi=120)}
+    paths = {"perplexity_plot": S.save(perplexity(res), out / FIGURE_FILES[0], dpi=120)}
     if any(p["depth"] is not None for p in res["passkey"]):
-        paths["passkey_plot"] = S.save(passkey(res), out / "passkey.png", dpi=120)
+        paths["passkey_plot"] = S.save(passkey(res), out / FIGURE_FILES[1], dpi=120)
     return paths

@@ -50,5 +50,8 @@ def search(source) -> Figure:
     return fig
 
 
+SEARCH_FIGURE = "search.png"
+
+
 def write_search_figure(source, out_dir) -> Path:
-    return S.save(search(source), Path(out_dir) / "search.png")
+    return S.save(search(source), Path(out_dir) / SEARCH_FIGURE)

@@ -32,6 +32,8 @@ from ..evaluation.results import json_safe
 from ..files import write_text_atomic
 
 FORMAT = schema.SEARCH_LOG_FORMAT
+# Keys of the log's "model" that logs written before them lack (check_resumable skips them there).
+OPTIONAL_MODEL_KEYS = ("fingerprint", "patch")
 # Settings a resumed run may change: the stopping rules (a resume usually exists to extend them).
 RESUMABLE = ("max_evals", "budget_minutes")
 
@@ -96,7 +98,17 @@ def _comparable(settings: dict) -> dict:
 def check_resumable(previous: dict, header: dict, path) -> None:
     """A log resumes only a search with the same model, settings and split (the stopping rules may change)."""
     for key in ("model", "split", "heldout"):
-        if _plain(previous.get(key)) != _plain(header.get(key)):
+        old, new = _plain(previous.get(key)), _plain(header.get(key))
+        if key == "model" and isinstance(old, dict) and isinstance(new, dict):
+            # a log written before the fingerprint / the loaded patch were recorded is matched on the rest (the
+            # search replaces a loaded patch, so its evaluations are relative to the unpatched model either way)
+            new = {k: v for k, v in new.items() if k in old or k not in OPTIONAL_MODEL_KEYS}
+            if old.get("fingerprint") and old.get("fingerprint") != new.get("fingerprint"):
+                raise ValueError(f"cannot resume from {path}: the model's files (weights, config, tokenizer or saved "
+                                 f"patch) changed since its evaluations were made (fingerprint "
+                                 f"{str(old['fingerprint'])[:19]}... -> {str(new.get('fingerprint'))[:19]}...). Use "
+                                 "another --out, or drop --resume to start over.")
+        if old != new:
             raise ValueError(f"cannot resume from {path}: it was written for another {key} ({previous.get(key)}). "
                              "Use another --out, or drop --resume to start over.")
     old = _comparable(previous.get("settings") or {})

@@ -63,11 +63,15 @@ import transformers  # a lazy module: AutoTokenizer is imported on first use, no
 from ... import plots as figures
 from ... import schema
 from ... import zoo as models
-from ...evaluation.compare import DEFAULT_LENGTHS, parse_schemes, run_compare
+from ...api import as_scheme
+from ...evaluation.compare import AS_LOADED, DEFAULT_LENGTHS, parse_schemes, run_compare
 from ...evaluation.compare import FORMAT as COMPARE_FORMAT
+from ...evaluation.loading import patch_label
 from ...evaluation.passkey import prompt_form, use_chat_template
-from ...evaluation.results import json_safe, write_results
+from ...evaluation.results import json_safe, patch_note, write_results
 from ...evaluation.retrieval import wilson_interval
+from ...fingerprint import model_fingerprint
+from ...persistence import MANIFEST, read_manifest
 from ...plots.tasks import SWEEP_FORMAT
 from ...registry import did_you_mean
 from ...specs import scheme_label
@@ -149,9 +153,26 @@ def _kv(items) -> dict:
 
 
 def scheme_args(spec: str) -> dict:
-    """`yarn:4` -> {"scheme": "yarn", "factor": 4} (validated: same errors as apply())."""
+    """`yarn:4` -> {"scheme": "yarn", "factor": 4} (validated: same errors as apply()); `loaded` -> {} (no scheme=:
+    the model as saved, with the patch of its rope_patch.json)."""
     ((_, scheme),) = parse_schemes([spec])
+    if scheme is None:
+        return {}
     return {"scheme": scheme.name, **{k: list(v) if isinstance(v, tuple) else v for k, v in scheme.params().items()}}
+
+
+def saved_patch(path: str) -> dict | None:
+    """{"scheme", "label", "file"} of the patch a model folder's rope_patch.json records (None: none), as
+    evaluation.loading.loaded_patch describes a loaded one; the file is checked (schema.MANIFEST)."""
+    manifest = read_manifest(path)
+    if manifest is None or manifest["scheme"] is None:
+        return None
+    scheme = as_scheme(manifest["scheme"], **manifest["params"])
+    return {"scheme": scheme.name, "label": patch_label(scheme), "file": str(Path(path) / MANIFEST)}
+
+
+def _label(spec: str, patch: dict | None) -> str:
+    return f"as loaded ({patch['label'] if patch else 'RoPE'})" if spec == AS_LOADED else scheme_label(spec)
 
 
 def plan(args) -> dict:
@@ -163,6 +184,12 @@ def plan(args) -> dict:
     lengths = sorted(set(args.lengths))
     tasks = expand_tasks(args.tasks, lengths)
     path = str(models.resolve_model_path(args.model))
+    # A folder saved with its patch: every lm-eval run loads it with that patch (RopePatchLM), which each scheme
+    # replaces; the model as saved is the `loaded` row, first, as `rope-patch compare` puts it.
+    patch = saved_patch(path)
+    schemes = list(args.schemes)
+    if patch and AS_LOADED not in schemes:
+        schemes.insert(0, AS_LOADED)
     metadata = {"tokenizer": path, "depths": [float(d) for d in args.depths], "samples": args.passkey_samples,
                 "seed": args.seed, "ppl_tokens": args.windows * lengths[-1], "max_seq_lengths": lengths}
     if args.heldout:
@@ -194,8 +221,9 @@ def plan(args) -> dict:
                 "apply_chat_template": chat, "include_path": include}
     if chat:  # rope_passkey / rope_niah 2.0 open the assistant turn with the answer's lead-in (`layout_mismatch`)
         settings["rope_prompt"] = prompt_form(True)
-    return {"settings": settings, "schemes": [{"spec": s, "slug": slug(s), "args": scheme_args(s)}
-                                              for s in args.schemes]}
+    if patch:  # (absent without one: an unpatched folder's settings, hence its resume fingerprint, stay as they were)
+        settings["patch"] = patch
+    return {"settings": settings, "schemes": [{"spec": s, "slug": slug(s), "args": scheme_args(s)} for s in schemes]}
 
 
 def chat_template_for(tokenizer_path: str, mode: str) -> bool:
@@ -456,7 +484,9 @@ def _machine() -> dict:
 def markdown(result: dict) -> str:
     tasks = result["settings"]["tasks"]
     by = {(r["scheme"], r["task"]): r for r in result["rows"]}
-    lines = [f"Model `{result['settings'].get('name', result['settings']['model'])}`; lm-eval tasks x schemes (main metric of each task).", "",
+    patch = result["settings"].get("patch")
+    lines = [f"Model `{result['settings'].get('name', result['settings']['model'])}`{patch_note({'patch': patch})}; "
+             "lm-eval tasks x schemes (main metric of each task).", "",
              "| scheme | " + " | ".join(tasks) + " |", "| --- | " + " | ".join("---:" for _ in tasks) + " |"]
     for sch in result["schemes"]:
         cells = []
@@ -464,7 +494,7 @@ def markdown(result: dict) -> str:
             r = by.get((sch["spec"], t))
             v = None if r is None else r["value"]
             cells.append("-" if v is None else (f"{100 * v:.0f}%" if r["metric"] == "acc" else f"{v:.4g}"))
-        lines.append(f"| {scheme_label(sch['spec'])} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(sch['spec'], patch)} | " + " | ".join(cells) + " |")
     metrics = sorted({f"{r['task']}: {r['metric']}" for r in result["rows"] if not r["family"] and r["metric"]})
     if metrics:
         lines += ["", "Other tasks' metrics: " + "; ".join(metrics) + "."]
@@ -479,8 +509,9 @@ def compare_format(result: dict) -> dict | None:
     s = result["settings"]
     meta = s["metadata"]
     records, passkey = [], []
+    names = {x["spec"]: x["args"].get("scheme", AS_LOADED) for x in result["schemes"]}  # `loaded`: no scheme=
     for sch in result["schemes"]:
-        spec, label = sch["spec"], scheme_label(sch["spec"])
+        spec, label = sch["spec"], _label(sch["spec"], s.get("patch"))
         lengths = sorted({r["length"] for r in rows if r["scheme"] == spec})
         for L in lengths:
             ppl = next((r for r in rows if r["scheme"] == spec and r["family"] == "rope_ppl" and r["length"] == L), None)
@@ -488,7 +519,7 @@ def compare_format(result: dict) -> dict | None:
             cells = list((pk or {}).get("by_depth", {}).values()) if pk is not None else []
             k, n = sum(c["correct"] for c in cells), sum(c["n"] for c in cells)
             low, high = wilson_interval(k, n) if n else (None, None)
-            records.append({"scheme": spec, "label": label, "name": sch["args"]["scheme"], "length": L,
+            records.append({"scheme": spec, "label": label, "name": names[spec], "length": L,
                             "perplexity": None if ppl is None else ppl["metrics"].get("token_perplexity"),
                             "nll": None if ppl is None else ppl["metrics"].get("nll"),
                             "n_windows": 0 if ppl is None else ppl["n_samples"], "n_tokens": None,
@@ -503,7 +534,8 @@ def compare_format(result: dict) -> dict | None:
                                     "ci_high": high_d, "answers": [], "outputs": []})
     return {"format": COMPARE_FORMAT,
             "model": {"spec": s["model"], "name": s.get("name", s["model"]), "path": s["model_path"], "model_type": None,
-                      "window": _saved_window(s["model_path"]), "n_params": None, "dtype": None},
+                      "window": _saved_window(s["model_path"]), "n_params": None, "dtype": None,
+                      "patch": s.get("patch")},
             "settings": {"lengths": s["lengths"], "passkey_lengths": s["lengths"], "depths": meta.get("depths", []),
                          "passkey_samples": meta.get("samples"), "seed": meta.get("seed"),
                          "ppl_tokens": meta.get("ppl_tokens"), "windows_at_longest": None,
@@ -511,14 +543,19 @@ def compare_format(result: dict) -> dict | None:
                          "machine": {"threads": (result.get("machine") or {}).get("threads"),
                                      "cpu_count": (result.get("machine") or {}).get("cpu_count"), "loadavg_start": None,
                                      "loadavg_end": (result.get("machine") or {}).get("loadavg")}},
-            "versions": {}, "schemes": [{"spec": x["spec"], "label": scheme_label(x["spec"]), "name": x["args"]["scheme"],
+            "versions": {}, "schemes": [{"spec": x["spec"], "label": _label(x["spec"], s.get("patch")),
+                                         "name": names[x["spec"]],
                                          "params": {k: v for k, v in x["args"].items() if k != "scheme"}}
                                         for x in result["schemes"]],
             "records": records, "passkey": passkey, "buckets": [], "elapsed_s": result.get("elapsed_s", {})}
 
 
 def _saved_window(path) -> int | None:
+    """The model's window as loaded before any patch: a saved patch's recorded original, else config.json's."""
     try:
+        manifest = read_manifest(path)
+        if manifest is not None:
+            return int(manifest["original"]["max_position_embeddings"])
         return int(json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings"))
     except (OSError, ValueError, TypeError):
         return None
@@ -559,9 +596,14 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
     out.mkdir(parents=True, exist_ok=True)
     settings = p["settings"]
     fp = fingerprint(settings)
+    weights = model_fingerprint(settings["model_path"])
     stamp = out / "sweep_settings.json"
     if stamp.exists():
         old = schema.read(stamp, schema.SWEEP_STAMP)
+        if old.get("weights") and old["weights"] != weights:  # stamps from before fingerprints: matched on the rest
+            raise ValueError(f"{out} holds a sweep of other model files: the weights, config, tokenizer or saved patch "
+                             f"in {settings['model_path']} changed since its cells were measured (fingerprint "
+                             f"{old['weights'][:19]}... -> {str(weights)[:19]}...). Use another --out, or delete {out}.")
         if old["fingerprint"] != fp:
             raise ValueError(f"{out} holds a sweep with other settings (model, metadata, model_args, limit, batch "
                              "size or task folder differ; perplexity reads --windows x the longest length, so a "
@@ -570,7 +612,8 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
         why = layout_mismatch(old.get("settings") or {}, settings)
         if why:
             raise ValueError(f"{out} holds a sweep that cannot be resumed: {why}. Use another --out, or delete {out}.")
-    stamp.write_text(json.dumps({"fingerprint": fp, "settings": settings}, indent=1, default=str) + "\n")
+    stamp.write_text(json.dumps({"fingerprint": fp, "weights": weights, "settings": settings}, indent=1, default=str)
+                     + "\n")
     if on_start is not None:
         on_start(out)
     tasks = settings["tasks"]
