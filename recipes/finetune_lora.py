@@ -5,7 +5,8 @@ One self-contained recipe (torchtune style): read a YAML config, patch the model
 `transformers.Trainer` on packed rows (`rope_patch.training.PackedDataset`), optionally with synthetic passkey rows
 (`PasskeyMixer`, answer tokens weighted by `data.answer_loss_weight`) and PoSE position ids (`PoSECollator`).
 Evaluate before/after (`rope_patch.evaluation`: perplexity and passkey), save the adapter with its `rope_patch.json`,
-and with --merge a merged model whose config.json carries native `rope_parameters`.
+and with --merge a merged model (rope_patch.save_pretrained: config.json carries the native `rope_parameters` where the
+whole patch has them, else the unpatched RoPE with a logged warning; rope_patch.from_pretrained reads its rope_patch.json).
 
     # one process (CPU or one GPU)
     python recipes/finetune_lora.py --config recipes/configs/tiny_yarn_4x.yaml [--merge]
@@ -919,7 +920,7 @@ def _run(cfg: Config, derived: dict, resume: bool, extra_callbacks: list) -> dic
                  if sharded else unwrapped)
         if cfg.merge:
             merged = (final if sharded else copy.deepcopy(final)).merge_and_unload()  # merge_and_unload keeps the patch
-            rope_patch.save_pretrained(merged, out / "merged")  # config.json gets native rope_parameters where they exist
+            rope_patch.save_pretrained(merged, out / "merged")  # the one save rule: native config.json or a warning
             tokenizer.save_pretrained(out / "merged")
             summary["merged"] = str(out / "merged")
         if cfg.eval is not None:

@@ -4,12 +4,15 @@ The model is loaded once; each scheme is applied with `rope_patch.patched`, so t
 between schemes (and after an error). For every scheme the same text (perplexity) and the same passkey prompts
 (same seed) are used, so differences between rows are differences between schemes.
 
-Result JSON (`compare.json`, format "rope_patch.compare/1"; `rope-patch plot results` redraws the plots from it):
+Result JSON (`compare.json`, format "rope_patch.compare/1", checked on reading by schema.COMPARE; `rope-patch plot
+results` redraws the plots from it):
 
     {
       "format": "rope_patch.compare/1",
       "model":    {"spec": "tiny", "name": "tiny", "path": ..., "model_type": "llama", "window": 256,
-                   "n_params": ..., "dtype": "float32"},
+                   "n_params": ..., "dtype": "float32",
+                   "fingerprint": "sha256:..." or null,   # the folder's files (fingerprint.py), what --resume checks
+                   "patch": null or {"scheme", "label", "file"}},  # the patch it was loaded with (rope_patch.json)
       "settings": {"lengths": [256, ...], "passkey_lengths": [...], "depths": [0.1, 0.5, 0.9],
                    "passkey_samples": 4, "seed": 0, "ppl_tokens": 8192, "windows_at_longest": 4,
                    "heldout": {"path", "sha256", "bytes", "tokens"},

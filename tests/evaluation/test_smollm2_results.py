@@ -31,10 +31,15 @@ def test_every_result_table_has_a_place_in_the_readme():
 
 
 def _passkey_run(folder: Path, haystack: str | None, correct: int) -> None:
-    settings = {"chat_template": {"used": True}, **({"haystack": haystack} if haystack else {})}
+    """A passkey-only compare.json (the keys its schema requires, rope_patch/schema.py)."""
+    settings = {"lengths": [], "passkey_lengths": [4096], "depths": [0.5], "passkey_samples": 3, "seed": 0,
+                "ppl_tokens": 0, "chat_template": {"used": True}, **({"haystack": haystack} if haystack else {})}
     cells = [{"scheme": "default", "length": 4096, "depth": 0.5, "correct": correct, "n": 3}]
+    records = [{"scheme": "default", "length": 4096, "perplexity": None, "passkey_accuracy": correct / 3}]
     folder.mkdir(parents=True)
-    (folder / "compare.json").write_text(json.dumps({"settings": settings, "passkey": cells}))
+    (folder / "compare.json").write_text(json.dumps({
+        "format": "rope_patch.compare/1", "model": {"name": "smollm2"}, "settings": settings,
+        "schemes": [{"spec": "default", "label": "default"}], "records": records, "passkey": cells}))
 
 
 @pytest.mark.parametrize("haystack, expected", [("prose", "2/3"), ("noise", "3/3")])

@@ -10,11 +10,13 @@ in several runs is taken from the first folder listed).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from rope_patch import schema
+from rope_patch.evaluation.results import load_results
 from rope_patch.evaluation.retrieval import wilson_interval
+from rope_patch.tuning import load_log
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "eval/results/smollm2/ppl16k/compare.json"
@@ -75,7 +77,7 @@ def ruler_table(folders) -> str:
         path = folder / "sweep.json"
         if not path.is_file():
             continue
-        result = json.loads(path.read_text())
+        result = schema.read(path, schema.SWEEP)
         (length,) = result["settings"]["lengths"]  # RULER: one length per call (its docs are sorted by length)
         source = folder.relative_to(ROOT / "eval/results").as_posix() + "/"
         for r in result["rows"]:
@@ -151,12 +153,16 @@ def replace_table(lines: list[str], mark: str, text: str) -> list[str]:
 
 
 def _read(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    """A compare.json or search_log.json of the runs, checked against its schema (rope_patch/schema.py); None where
+    the run has not been made."""
+    if not path.is_file():
+        return None
+    return load_log(path) if path.name == "search_log.json" else load_results(path)
 
 
 def tables() -> dict[str, str]:
     """Mark -> table, for the results that exist."""
-    out = {MARK: table(json.loads(RESULTS.read_text())), PASSKEY_MARK: passkey_table(PASSKEY)}
+    out = {MARK: table(load_results(RESULTS)), PASSKEY_MARK: passkey_table(PASSKEY)}
     if any((folder / "compare.json").is_file() for folder in PASSKEY_NOISE):
         out[PASSKEY_NOISE_MARK] = passkey_table(PASSKEY_NOISE, haystack="noise")
     if any((folder / "sweep.json").is_file() for folder in RULER):
