@@ -67,9 +67,9 @@ class PatchSite:
     def contexts(self) -> dict[str | None, RopeContext]:
         """RopeContext per layer type, from the model's current (unpatched) state."""
         cfg = self.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         out = {}
         for lt in self.layer_types:
+            head_dim = head_size(layer_config(cfg, lt))
             params = cfg.rope_parameters[lt] if lt is not None else cfg.rope_parameters
             prefix = f"{lt}_" if lt else ""
             n_pairs = getattr(self.rotary, f"{prefix}inv_freq").numel()
@@ -85,6 +85,26 @@ class PatchSite:
                 original_max_position_embeddings=int(original) if original and int(original) < window else None,
             )
         return out
+
+
+def layer_config(config, layer: str | int | None):
+    """The config a layer (a layer type or index) is built from. Heterogeneous configs (Gemma 4, dots3: head_dim or
+    head counts per layer) refuse the global value of a per-layer attribute; transformers' own accessor
+    `config.per_layer_config[layer]` resolves it (a view of the current config, so patched rope_parameters show)."""
+    if layer is None or not getattr(config, "is_heterogeneous", False):
+        return config
+    return config.per_layer_config[layer]
+
+
+def head_size(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def query_heads(config) -> int:
+    """The most query heads any layer has (heterogeneous configs may vary them per layer)."""
+    if not getattr(config, "is_heterogeneous", False):
+        return int(config.num_attention_heads)
+    return max(int(c.num_attention_heads) for c in config.per_layer_config)
 
 
 def unwrap(model) -> nn.Module:

@@ -48,6 +48,10 @@ class PatchedRotaryForward:
         self.update = update  # None, or called with (rotary, x, position_ids, layer_type) before each forward
         self.tagged = tagged  # return attention.copies.Tagged embeddings (the re-positioning schemes read them)
         self.seen = self._buffers_now()  # the buffer tensors as the patch (or the last forward) left them
+        self.recent: list = []  # the tagged outputs of the current forward (run-time only: not copied or pickled)
+
+    def __getstate__(self):
+        return {**self.__dict__, "recent": []}
 
     def __call__(self, x, position_ids, *args, **kwargs):
         rotary = self.rotary
@@ -81,7 +85,9 @@ class PatchedRotaryForward:
             else:  # Llama 4: one complex tensor e^{i·m·θ}·attention_scaling, not (cos, sin)
                 out = out.new_ones(()).expand_as(out)
         if self.tagged:
-            return tag(out, rotary, x, position_ids, args, kwargs)
+            out = tag(out, rotary, x, position_ids, args, kwargs)
+            # a decoder calls its rotary once per layer type and forward: a few outputs are the current forward's
+            self.recent = [*self.recent[-7:], out]
         return out
 
 
@@ -101,6 +107,24 @@ def tag(out, rotary: nn.Module, x, position_ids, args: tuple, kwargs: dict):
     tagged.rotary, tagged.x, tagged.position_ids, tagged.args, tagged.kwargs = rotary, x, position_ids, args, kwargs
     tagged.memo = {}
     return tagged
+
+
+def recover(embeddings, rotaries) -> object | None:
+    """Position embeddings a decoder sliced from a rotary's tagged output (Gemma 4 keeps only the last positions for
+    its KV-shared layers, as new tensors without the tag), tagged again: the recent output of one of `rotaries` whose
+    last positions they equal, with those positions. None when there is none."""
+    if not isinstance(embeddings, tuple) or not embeddings or not isinstance(embeddings[0], torch.Tensor):
+        return None
+    first = embeddings[0]
+    n = first.shape[-2]
+    for rotary in rotaries:
+        for made in reversed(getattr(vars(rotary).get("forward"), "recent", ())):
+            whole = made[0] if isinstance(made, tuple) else None
+            if (whole is None or whole.shape[:-2] != first.shape[:-2] or whole.shape[-2] < n
+                    or whole.shape[-1] != first.shape[-1] or not torch.equal(whole[..., -n:, :], first)):
+                continue
+            return tag(tuple(embeddings), made.rotary, made.x, made.position_ids[..., -n:], made.args, made.kwargs)
+    return None
 
 
 def source(embeddings) -> nn.Module | None:

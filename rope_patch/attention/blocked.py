@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import settings
-from .protocol import AttentionCall, Partial, make_call, merge, module_state, restack
+from .protocol import AttentionCall, Partial, make_call, merge, module_state, own_rows, restack
 
 
 def _flash_lse_op():
@@ -78,11 +78,14 @@ def _repeat(x: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def _mask_block(attention_mask, call: AttentionCall, rows: slice, e: int):
-    """(b|1, 1, 1, r, e) bool 'may attend' or float additive mask for one block; causal when no mask was built."""
+    """(b|1, 1|Hkv, 1|G, r, e) bool 'may attend' or float additive mask for one block; causal when no mask was built.
+    A mask per query head (Doge's dynamic mask, (b, H, q, k)) is laid out as the scores: kv head, then group."""
     if attention_mask is None:
         return (call.distance(rows, 0, e) >= 0).view(1, 1, 1, -1, e)
     m = attention_mask[:, :, rows, :e]
-    return m.unsqueeze(2)
+    if m.shape[1] == 1:
+        return m.unsqueeze(2)
+    return m.view(m.shape[0], call.query.shape[1], call.query.shape[2], *m.shape[2:])
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
@@ -90,6 +93,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers attention-function signature: query (b, H, q, d), key/value (b, Hkv, k, d) →
     (out (b, q, H, d), weights (b, H, q, k) for the dense variant, else None)."""
     state = module_state(module)
+    attention_mask = own_rows(module, attention_mask)
     call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
     query, key, value = call.query, call.key, call.value
     b, hkv, _, q_len, _ = query.shape

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..rotary import embed, source
+from ..rotary import embed, recover, source
 from .protocol import module_state
 
 PositionMap = Callable[[torch.Tensor], torch.Tensor]
@@ -73,6 +73,11 @@ class Layout:
 
 def _rows(t: torch.Tensor, b: int) -> torch.Tensor:
     return t.expand(b, *t.shape[1:]) if t.shape[0] != b else t
+
+
+def _id_rows(ids: torch.Tensor, b: int) -> torch.Tensor:
+    """Position ids (b|1, n), or (sections, b|1, n) for M-RoPE, with b rows: the batch axis is the second last."""
+    return ids.expand(*ids.shape[:-2], b, ids.shape[-1]) if ids.shape[-2] != b else ids
 
 
 def stack_embeddings(embeddings, maps: Sequence[PositionMap], b: int, key) -> object:
@@ -184,27 +189,40 @@ class Reentry:
         hidden = call[names[0]]  # the layer input, whatever the architecture calls it
         b, c = hidden.shape[0], layout.copies
         embeddings = call.get("position_embeddings")
+        if embeddings is not None and source(embeddings) is None:
+            embeddings = recover(embeddings, module_state(module).rotaries)
+            if embeddings is None:
+                raise NotProven(f"{type(module).__name__} received position embeddings that no rotary module of the "
+                                "model made, so they cannot be made at other positions")
+            call["position_embeddings"] = embeddings
         positions = embeddings.position_ids if source(embeddings) is not None else None
         given = call.get("position_ids", extra.get("position_ids"))
         if positions is None:
             positions = given
-        if positions is None:
-            raise NotProven(f"{type(module).__name__} received neither position embeddings from a rotary module nor "
-                            "position ids, so its positions cannot be moved")
+        if positions is None:  # no positions reach the layer (a NoPE layer): nothing to move, it runs as it is
+            return type(module).forward(module, *args, **kwargs)
         call[names[0]] = hidden.repeat(c, *([1] * (hidden.dim() - 1)))
         if source(embeddings) is not None:
             call["position_embeddings"] = stack_embeddings(embeddings, layout.maps, b, id(layout))
         if given is not None:
             # Copy t sees the ids map_t(p) too: layers that rotate with a rotary of their own (Moshi, RecurrentGemma)
             # or scale by position after RoPE (Ministral 3's Llama 4 temperature) compute copy t at map_t(p) as well.
-            stacked = torch.cat([_rows(m(given), b) for m in layout.maps])
+            stacked = torch.cat([_id_rows(m(given), b) for m in layout.maps], dim=-2)
             (call if "position_ids" in call else extra)["position_ids"] = stacked
         for name in CACHE_ARGS:
             cache = call.get(name, extra.get(name))
             if cache is not None:
                 (call if name in call else extra)[name] = CacheView(cache, b, layout, self.cache_mode)
+        # Whatever else the layer receives per row (a mask, a position-dependent query scale computed by the decoder,
+        # as Beam's NoPE layers get) is the same for every copy: only positions differ between copies.
+        done = {names[0], "position_embeddings", "position_ids", *CACHE_ARGS}
+        for where in (call, extra):
+            for name, value in where.items():
+                if name not in done and isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == b:
+                    where[name] = value.repeat(c, *([1] * (value.dim() - 1)))
         state = module_state(module)
-        previous, state.current = state.current, Current(b, positions, layout)
+        true = positions if positions.dim() == 2 else positions[0]  # M-RoPE: text tokens' sections are equal
+        previous, state.current = state.current, Current(b, true, layout)
         try:
             out = type(module).forward(module, **call, **extra)
         finally:

@@ -41,7 +41,7 @@ def fa2_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=
     if state.recorder is not None:  # the apply-time check (plumbing.py)
         state.recorder.seen(query, key)
     fa = flash_module()
-    slopes = state.scores.flash_slopes(query.device)
+    slopes = state.scores.flash_slopes(query.device, query.shape[1])
     b, h, q_len, d = query.shape
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # flash layout (b, n, heads, d)
     common = dict(dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=True, alibi_slopes=slopes)

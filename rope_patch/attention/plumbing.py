@@ -32,12 +32,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+from collections.abc import MutableMapping
 
 import torch
 import transformers
 from torch import nn
 
-from ..rotary import embed, source
+from ..rotary import embed, recover, source
 from ..undo import UndoLog
 from .copies import CACHE_ARGS, HEADS, ROWS, Identity, Layout, NotProven
 from .protocol import module_state
@@ -106,6 +107,15 @@ def _capture(module, query, key, value, attention_mask, *args, **kwargs):
     return query.new_zeros(b, n, h, value.shape[-1]), None
 
 
+class Stop(Exception):
+    """A layer failed during the check (its finding is noted): the run stops."""
+
+
+def _raised(e: Exception) -> str:
+    text = str(e).splitlines()[0][:300] if str(e) else ""
+    return text if isinstance(e, NotProven) else f"raised {type(e).__name__}: {text}"
+
+
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.float(), want.float()
     if got.shape != want.shape:
@@ -126,11 +136,14 @@ class Check:
         self.rows: torch.Tensor | None = None  # (b, q) real query tokens of the current model call
         self.shadows: dict[int, object] = {}
 
-    def shadow(self, cache):
-        """The layers' own cache for the native runs: a copy of the model's cache taken before any layer wrote."""
-        if id(cache) not in self.shadows:
-            self.shadows[id(cache)] = copy.deepcopy(cache)
-        return self.shadows[id(cache)]
+    def shadow(self, obj, run: str = "native"):
+        """The layers' own state for the reference runs: a copy of the model's cache, or of a dict the decoder hands
+        every layer (Gemma 4's shared_kv_states: a producing layer stores its keys there, later layers read them),
+        taken when first seen, before any layer wrote; one per kind of run, so the native and moved-position runs
+        chain through their own producers."""
+        if (id(obj), run) not in self.shadows:
+            self.shadows[(id(obj), run)] = copy.copy(obj) if isinstance(obj, MutableMapping) else copy.deepcopy(obj)
+        return self.shadows[(id(obj), run)]
 
     def note(self, module, what: str, size: float | None = None):
         self.findings.append(Finding(getattr(module, "layer_idx", -1), type(module).__name__, what, size, self.step))
@@ -164,9 +177,22 @@ class SideBySide:
         for name in CACHE_ARGS:
             if call.get(name, extra.get(name)) is not None:
                 check.shadow(call.get(name, extra.get(name)))
+        for value in (*call.values(), *extra.values()):
+            if isinstance(value, MutableMapping):
+                check.shadow(value)
+                check.shadow(value, "moved")
+        embeddings = call.get("position_embeddings")
+        if embeddings is not None and source(embeddings) is None:  # sliced by the decoder (Gemma 4's shared layers)
+            call["position_embeddings"] = recover(embeddings, module_state(module).rotaries) or embeddings
         recorder = module_state(module).recorder
         before = recorder.calls
-        out = self.inner(*args, **kwargs)  # NotProven and errors propagate: the run stops, the check refuses
+        try:
+            out = self.inner(*args, **kwargs)
+        except Stop:
+            raise
+        except Exception as e:  # NotProven, or a layer that cannot run the copies: the run stops, the check refuses
+            check.note(module, _raised(e))
+            raise Stop from e
         if recorder.calls == before:
             check.note(module, "rope_patch's attention function never ran (the layer computes attention in its own "
                                "code, so a scheme that replaces the attention function has no effect)")
@@ -185,10 +211,10 @@ class SideBySide:
         embeddings = call.get("position_embeddings")
         if check.rotate_reference and source(embeddings) is not None:
             call["position_embeddings"] = embed(embeddings, embeddings.position_ids)
-        for name in CACHE_ARGS:
-            for where in (call, extra):
-                if where.get(name) is not None:
-                    where[name] = check.shadow(where[name])
+        for where in (call, extra):
+            for name, value in where.items():
+                if (name in CACHE_ARGS and value is not None) or isinstance(value, MutableMapping):
+                    where[name] = check.shadow(value)
         hidden = call[next(iter(call))]
         for where in (call, extra):
             if "attention_mask" in where:
@@ -198,7 +224,9 @@ class SideBySide:
     def _moved(self, call: dict, extra: dict, recorder: Recorder):
         """The extra copy against the layer's own forward at p + SHIFT."""
         check, module = self.check, self.module
-        b = recorder.query.shape[0] // (self.layout.copies)
+        b = check.rows.shape[0]
+        if recorder.query.shape[0] != b * self.layout.copies:  # the layer ran once: no positions reached it
+            return
         last = self.layout.copies - 1
         call, extra = dict(call), dict(extra)
         embeddings = call.get("position_embeddings")
@@ -210,6 +238,9 @@ class SideBySide:
             for name in CACHE_ARGS:
                 if name in where:
                     where[name] = None
+            for name, value in where.items():
+                if isinstance(value, MutableMapping):
+                    where[name] = check.shadow(value, "moved")
         self._with_backend(CAPTURE, call, extra)
         q, k = module.__dict__.pop("_rope_patch_captured")
         check.compare(module, f"its queries at moved positions (p + {SHIFT})", recorder.query[last * b:(last + 1) * b], q,
@@ -344,10 +375,10 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
             for m in modules:
                 module_state(m).recorder = Recorder()
             run(check, model, n)
-        except NotProven as e:
-            check.note(getattr(e, "module", model), str(e))
-        except Exception as e:  # a layer that cannot run the copies (shapes it did not expect, ...)
-            check.note(model, f"raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        except Stop:
+            pass
+        except Exception as e:  # outside any attention layer (the decoder, a cache the copies changed, ...)
+            check.note(model, _raised(e))
         finally:
             log.undo()
             for k, c in configs.items():  # as it was (set_attn_implementation would re-check e.g. flash_attn)

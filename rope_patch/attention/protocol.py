@@ -45,8 +45,9 @@ class AttentionRule:
     def flex(self, call: AttentionCall, block_mask) -> torch.Tensor:
         raise NotImplementedError
 
-    def flash_slopes(self, device) -> torch.Tensor | None:
-        """(H,) float32 ALiBi slopes for flash_attn's `alibi_slopes`, or None: the scheme has no flash-attention form."""
+    def flash_slopes(self, device, heads: int = 0) -> torch.Tensor | None:
+        """(H,) float32 ALiBi slopes of `heads` query heads for flash_attn's `alibi_slopes`, or None: the scheme has no
+        flash-attention form."""
         return None
 
     def probe(self, length: int) -> AttentionRule:
@@ -54,6 +55,32 @@ class AttentionRule:
         or chunk short enough to split it, a zero bias): the apply-time check (attention/plumbing.py) runs it on
         identical position copies, where it must reproduce the model's own attention."""
         return self
+
+
+class Plain(AttentionRule):
+    """Attention as the model has it: copy 0's queries against key set 0, no bias. What a re-positioning rule runs on
+    a layer that handed over one copy (a layer without positions, or one the scheme leaves as it is)."""
+
+    def logits(self, call, rows, start, end):
+        return call.qk(call.query[:, :, :, rows], call.key[:, :, start:end])
+
+    def fused_rows(self, heads):
+        return 1024
+
+    def fused(self, call, rows, end):
+        from .blocked import flash_causal_partial, flash_partial  # the kernels sit above the protocol
+
+        c, q, k, v = call.first_slot(rows), call.query[:, :, :, rows], call.key, call.value
+        parts = [flash_partial(call, q, k[:, :, :c], v[:, :, :c])] if c > 0 else []
+        return [*parts, flash_causal_partial(call, q, k[:, :, c:end], v[:, :, c:end])]
+
+    def flex(self, call, block_mask):
+        from .flex import flex_call
+
+        return flex_call(call, call.query.flatten(1, 2), call.key, call.value, block_mask)
+
+
+PLAIN = Plain()
 
 
 def fit_rows(heads: int, extra: int, cap: int = 1024) -> int:
@@ -170,6 +197,15 @@ def make_call(module, query, key, value, scaling, softcap, position_ids) -> Atte
     queries = tuple(q.view(b, hkv, h // hkv, q_len, d) for q in queries)
     return AttentionCall(module, queries[0], keys[0], value, scaling if scaling is not None else d**-0.5,
                          softcap, q_slot, _offsets(position_ids, q_slot), queries=queries, keys=keys)
+
+
+def own_rows(module, mask):
+    """The rows of `mask` that belong to copy 0 of a re-positioned layer (its tensors reach the layer repeated for every
+    copy, attention/copies.py); the mask itself otherwise."""
+    current = module_state(module).current
+    if current is None or not isinstance(mask, torch.Tensor) or mask.shape[0] != current.rows * current.layout.copies:
+        return mask
+    return mask[:current.rows]
 
 
 def restack(module, out: torch.Tensor) -> torch.Tensor:

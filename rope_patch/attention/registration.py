@@ -28,6 +28,7 @@ class AttnState:
     block_elements: int | None = None  # None: settings.BLOCK_ELEMENTS (read at call time, tests shrink it)
     current: object = None  # during a re-positioned layer's call: its `copies.Current` (rows, true positions, layout)
     recorder: object = None  # during the apply-time check (plumbing.py): what the attention function received
+    rotaries: tuple = ()  # the model's rotary modules (copies.Reentry recovers embeddings a decoder sliced)
 
     def __setstate__(self, state):
         # A patched model unpickled in a fresh process (torch.load) finds its attention functions registered.

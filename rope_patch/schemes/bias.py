@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from .. import attention
+from .. import attention, discovery
 from .. import validation as check
 from ..discovery import PatchSite
 from ..registry import register_scheme
@@ -41,11 +41,23 @@ def _heads(q: torch.Tensor) -> torch.Tensor:
 
 
 class AlibiScores(attention.AttentionRule):
-    def __init__(self, slopes: torch.Tensor):
-        self.slopes = slopes  # (H,) float32, one per query head (GQA: not per kv head)
+    """−m_h·(i − j) with the slopes of the call's query head count (layers may differ in it: heterogeneous configs);
+    `max_bias` None: all slopes 0 (the apply-time check's identity setting)."""
+
+    def __init__(self, max_bias: float | None):
+        self.max_bias = max_bias
+        self._by_heads: dict[int, torch.Tensor] = {}
+
+    def heads_slopes(self, heads: int) -> torch.Tensor:
+        """(H,) float32, one per query head (GQA: not per kv head)."""
+        if heads not in self._by_heads:
+            values = alibi_slopes(heads, self.max_bias) if self.max_bias is not None else [0.0] * heads
+            self._by_heads[heads] = torch.tensor(values, dtype=torch.float32)
+        return self._by_heads[heads]
 
     def _slopes(self, call):
-        return self.slopes.to(call.query.device).view(1, *call.query.shape[1:3], 1, 1)  # (1, Hkv, G, 1, 1)
+        heads = call.query.shape[1] * call.query.shape[2]
+        return self.heads_slopes(heads).to(call.query.device).view(1, *call.query.shape[1:3], 1, 1)  # (1, Hkv, G, 1, 1)
 
     def logits(self, call, rows, start, end):
         s = call.qk(call.query[:, :, :, rows], call.key[:, :, start:end])
@@ -55,7 +67,7 @@ class AlibiScores(attention.AttentionRule):
         return 1024  # nothing is materialised on the fused path
 
     def probe(self, length):
-        return AlibiScores(torch.zeros_like(self.slopes))  # slopes 0: the model without positions (NoPE)
+        return AlibiScores(None)  # slopes 0: the model without positions (NoPE)
 
     def fused(self, call, rows, end):
         """Fused kernels only: −m_h(i − j) = m_h(j − c) − m_h(i − c) with c the block's first slot. The first term is
@@ -79,7 +91,7 @@ class AlibiScores(attention.AttentionRule):
 
     def flex(self, call, block_mask):
         """One flex_attention call; the bias is a score_mod (nothing of size L×L): s − m_h·(i − j), i − j in slots."""
-        slopes = self.slopes.to(call.query.device)  # (H,): flex's head index is the query head
+        slopes = self.heads_slopes(call.query.shape[1] * call.query.shape[2]).to(call.query.device)  # flex: query head
         first = torch.tensor(call.key.shape[2] - call.query.shape[3], device=call.query.device)
 
         def alibi(score, b, h, qi, kv):
@@ -87,8 +99,9 @@ class AlibiScores(attention.AttentionRule):
 
         return attention.flex_call(call, _heads(call.query), call.key, call.value, block_mask, alibi)
 
-    def flash_slopes(self, device):
-        return self.slopes.to(device=device, dtype=torch.float32)  # flash_attn: fp32 (H,), bias −slope·|i − j|
+    def flash_slopes(self, device, heads: int = 0):
+        # flash_attn: fp32 (H,), bias −slope·|i − j|; asked with no head count: "has a flash form" (common.py)
+        return self.heads_slopes(heads or 1).to(device=device, dtype=torch.float32)
 
 
 @register_scheme
@@ -111,8 +124,7 @@ class Alibi(AttentionScheme):
                  "underflow to 0 (NoPE on those heads)."))
 
     def build(self, target):
-        n_heads = target.config.num_attention_heads
-        return AlibiScores(torch.tensor(alibi_slopes(n_heads, self.max_bias), dtype=torch.float32)), None
+        return AlibiScores(self.max_bias), None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -165,7 +177,8 @@ class RelativeBiasScores(attention.AttentionRule):
         return _ZeroTable(self.num_buckets, self.max_distance)  # a zero bias: the model without positions (NoPE)
 
     def table(self, call) -> torch.Tensor:
-        return getattr(self.owner, MODULE_NAME)(call.module.layer_idx)  # (H, buckets)
+        heads = call.query.shape[1] * call.query.shape[2]  # the table has rows for the most heads any layer has
+        return getattr(self.owner, MODULE_NAME)(call.module.layer_idx)[:heads]  # (H, buckets)
 
     def bias(self, call, rows, start, end) -> torch.Tensor:
         """(1, Hkv, G, r, end − start) float32. Every full block of the fused path has the same distance pattern, so
@@ -260,9 +273,10 @@ class RelativeBiasScheme(AttentionScheme):
         # one row per layer index (the table is looked up by `layer_idx`): hybrid models (qwen3_next) have attention
         # modules on some layers only, and their rows for the other (linear-attention) layers stay unused
         layers = 1 + max((m.layer_idx for m in attention_modules(target.model)), default=-1)
-        table = RelativeBias(layers, cfg.num_attention_heads, self.num_buckets, self.max_distance)
+        heads = discovery.query_heads(cfg)
+        table = RelativeBias(layers, heads, self.num_buckets, self.max_distance)
         if self.init == "alibi":
-            slopes = torch.tensor(alibi_slopes(cfg.num_attention_heads))
+            slopes = torch.tensor(alibi_slopes(heads))
             with torch.no_grad():
                 table.weight.copy_(-slopes[:, None] * bucket_start(self.num_buckets, self.max_distance))
         param = next(target.model.parameters())

@@ -128,6 +128,7 @@ class DualChunkScores(attention.AttentionRule):
     def begin(self, call):
         call.scratch["offsets"] = call.offset.reshape(-1).tolist()
         call.scratch["k_rot"] = call.key
+        call.scratch["plain"] = len(call.queries) == 1  # a layer without positions: attention as the model has it
 
     def _q(self, call, rows: slice, region: int) -> torch.Tensor:
         """The queries of `rows` (b, Hkv, G, r, d) at their `region` position."""
@@ -158,6 +159,8 @@ class DualChunkScores(attention.AttentionRule):
     # ---- materialised (eager, training, padding) -----------------------------------------------------------------
     def logits(self, call, rows, start, end):
         """Each region's logits over only its key range, combined element by element by the pair's region."""
+        if call.scratch["plain"]:
+            return attention.PLAIN.logits(call, rows, start, end)
         ranges = [(r, max(lo, start), min(hi, end)) for r, (lo, hi) in enumerate(self._ranges(call, rows, end))]
         ranges = [(r, lo, hi) for r, lo, hi in ranges if lo < hi]
         k_rot = call.scratch["k_rot"]
@@ -182,6 +185,8 @@ class DualChunkScores(attention.AttentionRule):
             [first slot of n, group)        intra, full          [group]   intra, causal (the diagonal)
             [first slot of n − 1, of n)     successive, full     [0, first slot of n − 1)   inter, full
         merged by log-sum-exp. Needs one offset for the whole batch (else: the materialised path)."""
+        if call.scratch["plain"]:
+            return attention.PLAIN.fused(call, rows, end)
         offsets = call.scratch["offsets"]
         if len(set(offsets)) != 1 or offsets[0] < 0:
             return None
@@ -214,6 +219,8 @@ class DualChunkScores(attention.AttentionRule):
         """Three flex_attention calls under transformers' BlockMask, one per region (its own rotated queries against
         the keys at j mod c; the region is part of the mask_mod and blocks holding none of it are dropped), merged by
         log-sum-exp. Inside one chunk (every position < c) it is one call: plain RoPE."""
+        if call.scratch["plain"]:
+            return attention.PLAIN.flex(call, block_mask)
         all_rows = slice(0, call.query.shape[3])
         k_rot = call.scratch["k_rot"]
         k_len = call.key.shape[2]

@@ -205,7 +205,7 @@ class AttentionScheme(Scheme):
             if rule is None:
                 return
             attention.register()
-            state = attention.AttnState(rule)
+            state = attention.AttnState(rule, rotaries=(rotary,))
             for m in modules:
                 log.setattr(m, attention.STATE, state)
                 inner = attention.Reentry(m, layouts[m], cache_mode) if layouts[m] is not None else None
@@ -255,9 +255,10 @@ class CacheGuard:
     def __call__(self, module, args, kwargs):
         cache = cache_arg(kwargs)
         layers = getattr(cache, "layers", None) or ()
-        # a hybrid model's linear-attention layers (qwen3_next's gated delta net) cache a recurrent state, no keys:
-        # their (compileable) state layers say nothing about key slots
-        layers = [layer for layer in layers if not _state_only(layer)]
+        # only layers that hold keys say anything about key slots: not a hybrid model's linear-attention layers
+        # (qwen3_next's gated delta net caches a recurrent state), nor the empty placeholders of KV-shared layers
+        # (Gemma 4's DummyLayer), which are "compileable" because they hold nothing
+        layers = [layer for layer in layers if isinstance(layer, CacheLayerMixin) and not _state_only(layer)]
         if any(getattr(layer, "is_compileable", False) for layer in layers):
             raise ValueError(
                 f"{self.scheme}: a static KV cache ({type(cache).__name__}) is not supported: it pads keys to its "

@@ -118,7 +118,8 @@ class FrequencyScheme(Scheme):
         contexts = target.contexts()
         layered = target.layer_types != [None]
         params = {lt: self.rope_parameters(ctx) for lt, ctx in contexts.items()}
-        public = params if layered else params[None]
+        # per layer type; a layer type whose entry is None uses no RoPE (Beam, Cohere Compass) and keeps its None
+        public = {lt: params.get(lt) for lt in target.config.rope_parameters} if layered else params[None]
         any_ctx = next(iter(contexts.values()))
 
         # The rotary module runs with a private copy of the config: transformers' dynamic NTK reads the window
@@ -127,8 +128,9 @@ class FrequencyScheme(Scheme):
         rotary_config = copy.deepcopy(target.config)
         rotary_config.rope_parameters = copy.deepcopy(public)
         rotary_config.max_position_embeddings = self.init_window(any_ctx)
-        if getattr(rotary_config, "head_dim", None) is None:  # Mixtral & co. set head_dim=None, which breaks
-            rotary_config.head_dim = any_ctx.head_dim  # transformers' non-default init functions (getattr default unused)
+        if not getattr(rotary_config, "is_heterogeneous", False) and getattr(rotary_config, "head_dim", None) is None:
+            # Mixtral & co. set head_dim=None, which breaks transformers' non-default init functions
+            rotary_config.head_dim = any_ctx.head_dim
         _validate_with_transformers(self, target, rotary_config)
         shipped, new_window = any_ctx.shipped_scaling, self.public_window(any_ctx)
         if shipped and new_window is not None and new_window < any_ctx.max_position_embeddings:
@@ -152,9 +154,10 @@ class FrequencyScheme(Scheme):
                 continue
             fn = _init_fn(params[lt]["rope_type"], type(target.rotary))
             kwargs = {"layer_type": lt} if layered else {}
-            inv_freq, scaling = fn(rotary_config, **kwargs)
+            inv_freq, scaling = fn(discovery.layer_config(rotary_config, lt), **kwargs)
             buffers[lt] = self.adjust(inv_freq.float(), ctx).to(device)
             scalings[lt] = float(scaling)
+            _check_width(self, target, lt, buffers[lt])
         def install(log: UndoLog) -> None:
             rot, cfg = target.rotary, target.config  # cfg: the model's private config (api.apply)
             log.setattr(rot, "config", rotary_config)
@@ -186,6 +189,25 @@ class FrequencyScheme(Scheme):
                 log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False, update=update))
 
         return install
+
+
+def _check_width(scheme: FrequencyScheme, target: PatchSite, layer_type, inv_freq: torch.Tensor) -> None:
+    """The attention layers rotate as many coordinates as the rotary module's frequencies cover: a scheme whose
+    frequencies are fewer or more cannot run there. Gemma 4's global layers use `proportional` RoPE, full-width
+    frequencies of which only the first quarter are non-zero; the other rope types give only that quarter's pairs for
+    the same `partial_rotary_factor`, and a model configured so fails at its first forward."""
+    prefix = f"{layer_type}_" if layer_type else ""
+    have = getattr(target.rotary, f"{prefix}inv_freq").numel()
+    if inv_freq.numel() == have:
+        return
+    rope_type = (target.config.rope_parameters[layer_type] if layer_type else target.config.rope_parameters)["rope_type"]
+    where = f" for its {layer_type} layers" if layer_type else ""
+    raise ValueError(
+        f"{scheme.name}: {target.model_type}'s rotary module{where} ({rope_type!r}) gives {have} frequencies per head, "
+        f"and its attention rotates that many coordinate pairs; {scheme.name} gives {inv_freq.numel()} there, a "
+        "configuration a model built by transformers cannot run either. Use a scheme of the same width for these "
+        "layers (p_rope, or the attention-side schemes)."
+    )
 
 
 class _StandaloneConfig:
@@ -224,7 +246,7 @@ def _attention_scales(scheme: FrequencyScheme, target: PatchSite, public: dict) 
 def _default_init(config, device=None, layer_type=None, **_):
     """transformers' default RoPE (each model's `compute_default_rope_parameters`): θ_i = b^(−2i/d)."""
     params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = discovery.head_size(config)
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
 
