@@ -47,12 +47,13 @@ from helpers.models import VOCAB, WINDOW, logits, roundtrip, tiny_config
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 import rope_patch
 from rope_patch.registry import get_scheme_class
 from rope_patch.rotary import BackendChanged
+from rope_patch.schemes.base import without_native_form
 from rope_patch.tuning.objective import spec_of
 
 LONG = os.environ.get("ROPE_PATCH_STATEFUL_LONG") == "1"
@@ -481,6 +482,39 @@ class PatchingMachine(RuleBasedStateMachine):
             self.model, self.shares = reloaded, False
             if self.patch is not None:
                 self.applied()
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    @timed
+    def plain_save_and_reload(self):
+        """transformers' own model.save_pretrained, reloaded by transformers alone (the one rule of every save,
+        tests/test_saving_rule.py): the patched model where the whole patch has a native form, else the unpatched
+        model (the twin), never a third one (a stack's frequency part alone); saving leaves the model as it was."""
+        COUNTS["plain_save"] += 1
+        self.settle(self.model)
+        out = self.forward()
+        scheme = rope_patch.current(self.model)
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the learned tables are unexpected keys for plain transformers
+                self.model.save_pretrained(d)
+                plain = AutoModelForCausalLM.from_pretrained(d, dtype=self.dtype,
+                                                             attn_implementation=self.user_backend).eval()
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        assert rope_patch.current(plain) is None
+        same(self.forward(), out, "the model after a plain save_pretrained vs before")
+        native = scheme is not None and not without_native_form(scheme)
+        if self.exact() and not _rounding(self.dtypes):  # a fresh load has exact fp32 frequencies
+            COUNTS["plain_save-" + ("unpatched" if scheme is None else "native" if native else "non-native")] += 1
+            self.settle(self.twin)
+            expected = out if native else self.forward(model=self.twin)
+            diff = (self.forward(model=plain).float() - expected.float()).abs().max().item()
+            assert diff <= 1e-5, (f"a plain save of {scheme} reloads {diff:.3g} away from the "
+                                  f"{'patched' if native else 'unpatched'} model; dtypes {self.dtypes}")
 
     @rule(to=st.sampled_from(["bf16", "fp32", "bf16-and-back", "bf16", "fp32", "half"]), spelling=st.booleans(),
           verify=st.booleans())
