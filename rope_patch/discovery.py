@@ -43,10 +43,27 @@ class RopeContext:
 
 @dataclass
 class PatchSite:
+    """Where a patch goes: the model, its rotary module and config. A model may have several rotary modules (one
+    per block kind or base: Blt's encoder / global / decoder, Granite-SWA's per-theta rotaries, Moshi's per-layer
+    ones, DeepSeek-V4's compressors); `rotary` is the primary one (built from `config` itself, where one is; the patch
+    state lives on it) and `rotaries` all of them, which a scheme patches alike (`site(r)`: the site of one)."""
+
     model: nn.Module  # the unwrapped PreTrainedModel that was passed (ForCausalLM or bare decoder)
     rotary: nn.Module
     config: object  # model.config; the rotary module's own config is this object until a patch swaps it
     check: bool = True  # run the apply-time plumbing check of the attention-side schemes (attention/plumbing.py)
+    rotaries: tuple = ()  # every rotary module (the primary first); () means (rotary,)
+
+    def __post_init__(self):
+        if not self.rotaries:
+            self.rotaries = (self.rotary,)
+
+    def site(self, rotary: nn.Module) -> PatchSite:
+        """The site of one rotary module: its own config (a sub-config, or a config derived for it), else the
+        model's."""
+        config = vars(rotary).get("config")
+        config = config if getattr(config, "rope_parameters", None) is not None else self.config
+        return PatchSite(self.model, rotary, config, self.check, (rotary,))
 
     @property
     def layer_types(self) -> list[str | None]:
@@ -149,14 +166,16 @@ def find_target(model) -> PatchSite:
             "granite, ...), which keep one `*RotaryEmbedding` module with an `inv_freq` buffer. Models with "
             f"absolute or learned position embeddings (gpt2, bert, ...) are not supported. Schemes: {', '.join(list_schemes())}."
         )
-    if len(rotaries) > 1:
-        raise TypeError(
-            f"{type(base).__name__} (model_type={model_type!r}) has {len(rotaries)} rotary modules; rope_patch "
-            "supports the transformers 5 layout with one shared rotary module per model."
-        )
-    if getattr(base.config, "rope_parameters", None) is None:
-        raise TypeError(f"{type(base).__name__} has a rotary module but its config has no `rope_parameters`.")
-    return PatchSite(model=base, rotary=rotaries[0], config=base.config)
+    # the primary rotary: one built from the model's config itself, else the first (the state of a patch lives there)
+    primary = next((m for m in rotaries if vars(m).get("config") is base.config), rotaries[0])
+    config = base.config
+    if getattr(config, "rope_parameters", None) is None:
+        # a composite config whose RoPE lives in its sub-configs (Blt): the primary rotary's own config
+        config = vars(primary).get("config")
+        if getattr(config, "rope_parameters", None) is None:
+            raise TypeError(f"{type(base).__name__} has a rotary module but its config has no `rope_parameters`.")
+    return PatchSite(model=base, rotary=primary, config=base.config,
+                     rotaries=(primary, *(m for m in rotaries if m is not primary)))
 
 
 # ---- per-architecture facts beyond the rotary module -----------------------------------------------------------------

@@ -125,10 +125,11 @@ class PrivateConfig:
     back at the original object and carries over the fields the user changed while patched (those that differ from
     what the patch left there, `baseline`), so a user's own edit of `model.config` survives `remove()`."""
 
-    holders: list
+    holders: list  # (module, its original config object): model.config, or a sub-config of it (Blt's encoder/...)
     shared: object
     private: object
     baseline: dict | None = None
+    copies: dict = dataclasses.field(default_factory=dict)  # id(original config object) -> its private copy
 
     def undo(self, log: UndoLog) -> None:
         if self.baseline is None:  # undone before the patch was complete (a failed apply): no user edits to keep
@@ -142,8 +143,8 @@ class PrivateConfig:
         self._restore()
 
     def _restore(self) -> None:
-        for holder in self.holders:
-            holder.config = self.shared
+        for holder, original in self.holders:
+            holder.config = original
 
     def redo(self, log: UndoLog) -> None:
         # The undo this follows (patched(), a failed replacement) carried the user's edits to the shared config
@@ -151,8 +152,8 @@ class PrivateConfig:
         # would count as "unchanged" and the carried value would win on the next undo.
         if self.baseline is not None:
             self.baseline = copy.deepcopy(vars(self.private))
-        for holder in self.holders:
-            holder.config = self.private
+        for holder, original in self.holders:
+            holder.config = self.copies.get(id(original), self.private)
 
 
 logger = logging.getLogger("rope_patch")
@@ -229,11 +230,15 @@ class UndoLog(nn.Module):
         The private config is what `model.save_pretrained` writes: where the log's scheme (a PatchState's) says a
         save cannot carry it (`Scheme.save_notice`), the model's save_pretrained also says so (`NoticedSave`)."""
         shared = model.config
-        holders = [m for m in model.modules() if vars(m).get("config") is shared]
-        private = copy.deepcopy(shared)
-        self._push(PrivateConfig(holders, shared, private))
-        for holder in holders:
-            holder.config = private
+        memo: dict = {}
+        private = copy.deepcopy(shared, memo)
+        # every config object of the model's config tree (sub-configs too: Blt's rotary modules hold its encoder /
+        # global / decoder configs) -> its copy inside the private tree
+        copies = {key: value for key, value in memo.items() if hasattr(value, "to_dict") and key != id(memo)}
+        holders = [(m, vars(m)["config"]) for m in model.modules() if id(vars(m).get("config")) in copies]
+        self._push(PrivateConfig(holders, shared, private, copies=copies))
+        for holder, original in holders:
+            holder.config = copies[id(original)]
         scheme = getattr(self, "scheme", None)  # duck-typed: the undo log sits below the schemes
         if callable(getattr(scheme, "save_notice", None)) and scheme.save_notice(".", manifest=False) is not None:
             self.setattr(model, "save_pretrained", NoticedSave(model, self))

@@ -185,27 +185,31 @@ class AttentionScheme(Scheme):
         impl = self._check_backend(target, scores) if scores is not None else None
         if scores is not None and not modules:
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
-        model, rotary = target.model, target.rotary
+        model = target.model
         moves = self.repositions()
         layouts = {m: self.layout(m) if moves else None for m in modules}
         native = target.config._attn_implementation
-        # The model's own frequencies, as float32 masters (a cast of the model must not round the angles).
-        names = [f"{lt}_inv_freq" if lt else "inv_freq" for lt in target.layer_types]
+        # The model's own frequencies, as float32 masters (a cast of the model must not round the angles), of every
+        # rotary module (one per block kind or base in some models: each is patched alike).
+        names = {r: [f"{lt}_inv_freq" if lt else "inv_freq" for lt in target.site(r).layer_types]
+                 for r in target.rotaries}
 
         def put(log: UndoLog, rule, layouts: dict, cache_mode: str, wrap=None) -> None:
             """Install `rule` with these layouts (the scheme's own, or the check's probes) through `log`."""
-            masters = {n: rotary._buffers[n].float() for n in names}
-            for n, master in masters.items():
-                log.set_buffer(rotary, n, master)
-            # The re-positioning schemes keep the model's rotation (their layers run at copies of other positions);
-            # the others remove it. Either way the embeddings remember their source, for the copies and the check.
-            log.setattr(rotary, "forward", PatchedRotaryForward(
-                rotary, masters, identity=not moves, config=target.config, attn_implementation=impl,
-                allowed=tuple(attention.BACKENDS.values()), scheme=self.name, tagged=rule is not None))
+            for r in target.rotaries:
+                masters = {n: r._buffers[n].float() for n in names[r]}
+                for n, master in masters.items():
+                    log.set_buffer(r, n, master)
+                # The re-positioning schemes keep the model's rotation (their layers run at copies of other
+                # positions); the others remove it. Either way the embeddings remember their source, for the copies
+                # and the check.
+                log.setattr(r, "forward", PatchedRotaryForward(
+                    r, masters, identity=not moves, config=target.config, attn_implementation=impl,
+                    allowed=tuple(attention.BACKENDS.values()), scheme=self.name, tagged=rule is not None))
             if rule is None:
                 return
             attention.register()
-            state = attention.AttnState(rule, rotaries=(rotary,))
+            state = attention.AttnState(rule, rotaries=tuple(target.rotaries))
             for m in modules:
                 log.setattr(m, attention.STATE, state)
                 inner = attention.Reentry(m, layouts[m], cache_mode) if layouts[m] is not None else None

@@ -115,6 +115,26 @@ class FrequencyScheme(Scheme):
         return self.adjust(inv_freq.float(), ctx), float(scaling)
 
     def prepare(self, target: PatchSite) -> InstallStep:
+        """Every rotary module of the model (one in most; one per block kind or base in Blt, Granite-SWA, Moshi,
+        DeepSeek-V4) gets the scheme applied to its own RoPE, as a model built with the patched rope_parameters would
+        compute it from its config; the model's config announces the patched form."""
+        if getattr(self, "cache_rotation", None) and len(target.rotaries) > 1:
+            raise ValueError(
+                f"{self.name}: cache_rotation='consistent' re-rotates cached keys inside attention with the model's one "
+                f"rotary module; {target.model_type} has {len(target.rotaries)} rotary modules. Use the default "
+                "cache_rotation='native'.")
+        installs = [self._prepare_site(target, target.site(r), primary=r is target.rotary) for r in target.rotaries]
+
+        def install(log: UndoLog) -> None:
+            for step in installs:
+                step(log)
+
+        return install
+
+    def _prepare_site(self, model_site: PatchSite, target: PatchSite, primary: bool) -> InstallStep:
+        """One rotary module (`target`: its site, `model_site`: the model's). The primary one also writes the model's
+        config and the attention scales; a rotary built from a sub-config of the model's (Blt) writes that
+        sub-config; one built from a config derived for it (Granite-SWA's per-theta copies) only its own copy."""
         contexts = target.contexts()
         layered = target.layer_types != [None]
         params = {lt: self.rope_parameters(ctx) for lt, ctx in contexts.items()}
@@ -133,7 +153,7 @@ class FrequencyScheme(Scheme):
             rotary_config.head_dim = any_ctx.head_dim
         _validate_with_transformers(self, target, rotary_config)
         shipped, new_window = any_ctx.shipped_scaling, self.public_window(any_ctx)
-        if shipped and new_window is not None and new_window < any_ctx.max_position_embeddings:
+        if primary and shipped and new_window is not None and new_window < any_ctx.max_position_embeddings:
             warnings.warn(
                 f"rope_patch: {self.name} replaces the {shipped!r} scaling this checkpoint ships with and serves "
                 f"{new_window} tokens, fewer than the shipped window of {any_ctx.max_position_embeddings} "
@@ -141,12 +161,12 @@ class FrequencyScheme(Scheme):
                 UserWarning, stacklevel=4,
             )
 
-        scales = _attention_scales(self, target, public)
+        scales = _attention_scales(self, model_site, public) if primary else []
         device = next(iter(target.rotary.buffers())).device
         buffers, scalings = {}, {}
         update = self.rotary_update(target, rotary_config)
         # cache_rotation="consistent" (dynamic, dynamic_yarn, longrope): keys cached un-rotated, rotated in attention
-        consistent = _prepare_consistent(self.name, target) if getattr(self, "cache_rotation", None) else None
+        consistent = _prepare_consistent(self.name, model_site) if getattr(self, "cache_rotation", None) else None
         for lt, ctx in contexts.items():
             if update is not None:  # the frequencies at ℓ ≤ L, i.e. before the first forward
                 inv_freq, scaling = update.start[lt]
@@ -159,11 +179,17 @@ class FrequencyScheme(Scheme):
             scalings[lt] = float(scaling)
             _check_width(self, target, lt, buffers[lt])
         def install(log: UndoLog) -> None:
-            rot, cfg = target.rotary, target.config  # cfg: the model's private config (api.apply)
+            rot = target.rotary
+            # the config this rotary was built from, as the patch found it: the model's private config (api.apply) or
+            # its private sub-config; a config derived for the rotary alone is not part of what a save writes
+            built_from = vars(rot).get("config", model_site.config)
+            written = [c for c in (model_site.config if primary else None, built_from)
+                       if c is not None and _in_tree(c, model_site.config)]
             log.setattr(rot, "config", rotary_config)
             if self.native:  # else the public config keeps the unpatched RoPE, so a plain save reloads the unpatched model
-                cfg.rope_parameters = copy.deepcopy(public)
-                cfg.max_position_embeddings = self.public_window(any_ctx) or cfg.max_position_embeddings
+                for cfg in {id(c): c for c in written}.values():
+                    cfg.rope_parameters = copy.deepcopy(public) if cfg is built_from else _public_of(self, cfg)
+                    cfg.max_position_embeddings = self.public_window(any_ctx) or cfg.max_position_embeddings
             for module, value in scales:  # DeepSeek: the softmax scale a model built with `public` has
                 log.setattr(module, "scaling", value)
             rope_types = {lt: p["rope_type"] for lt, p in params.items()}
@@ -189,6 +215,23 @@ class FrequencyScheme(Scheme):
                 log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False, update=update))
 
         return install
+
+
+def _in_tree(config, root) -> bool:
+    """Whether `config` is `root` or one of its sub-configs (what `save_pretrained` writes)."""
+    if config is root:
+        return True
+    return any(_in_tree(config, value) for value in vars(root).values() if hasattr(value, "to_dict") and value is not root)
+
+
+def _public_of(scheme: FrequencyScheme, config) -> dict:
+    """The scheme's rope_parameters for a config whose own RoPE no rotary module is built from (Blt's top-level
+    config beside its sub-configs'): applied to that config's own entry."""
+    params = config.rope_parameters
+    head_dim = discovery.head_size(config) if hasattr(config, "num_attention_heads") else 2
+    ctx = RopeContext(head_dim=head_dim, rotary_dim=head_dim, rope_theta=float(params["rope_theta"]),
+                      max_position_embeddings=int(config.max_position_embeddings), rope_parameters=dict(params))
+    return scheme.rope_parameters(ctx)
 
 
 def _check_width(scheme: FrequencyScheme, target: PatchSite, layer_type, inv_freq: torch.Tensor) -> None:

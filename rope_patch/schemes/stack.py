@@ -217,7 +217,7 @@ class Stack(Scheme):
         installs = [p.prepare(target, under=attn) if isinstance(p, Modifier) else p.prepare(target)
                     for p in self.schemes]  # everything is computed (and checked) before the model is touched
 
-        rotary = target.rotary
+        rotaries = target.rotaries
         keep_public = bool(without_native_form(self))
 
         def install(log) -> None:
@@ -227,9 +227,10 @@ class Stack(Scheme):
             for part, step in zip(self.schemes, installs, strict=True):
                 step(log)
                 if isinstance(part, FrequencyScheme):
-                    below = vars(rotary).get("forward")
+                    below = {id(r): vars(r).get("forward") for r in rotaries}
                 elif isinstance(part, AttentionScheme) and below is not None:
-                    _keep_frequency_forward(log, rotary, below)
+                    for r in rotaries:
+                        _keep_frequency_forward(log, r, below[id(r)])
             if keep_public:
                 # The frequency part wrote its native form there, but the stack as a whole has none: a plain
                 # save_pretrained would reload yarn without the Self-Extend it runs with, a third model. The rotary
