@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from .discovery import PatchSite, find_target
+from .discovery import NoRotary, PatchSite, find_target
 from .registry import get_scheme_class
 from .schemes.base import Scheme
 from .schemes.stack import Stack
@@ -153,7 +153,10 @@ def remove(model: M) -> M:
 
     The model's modules get their original config object back, with the changes the user made to `model.config`
     while patched carried over (the fields the patch itself set revert)."""
-    target = find_target(model)
+    try:
+        target = find_target(model)
+    except NoRotary:  # no rotary module, so no patch: nothing to undo (GPT-J's tables, GPT-2's learned positions)
+        return model
     state = _state(target)
     if state is not None:
         state.undo()

@@ -147,6 +147,10 @@ def _is_rotary(module: nn.Module) -> bool:
     return False
 
 
+class NoRotary(TypeError):
+    """A transformers model without a rotary module: nothing to patch (and nothing a patch could have left)."""
+
+
 def find_target(model) -> PatchSite:
     """The model's rotary module, or a TypeError saying what was found and what is supported."""
     base = unwrap(model)
@@ -160,7 +164,7 @@ def find_target(model) -> PatchSite:
     rotaries = list({id(m): m for m in rotaries}.values())
     model_type = getattr(base.config, "model_type", "?")
     if not rotaries:
-        raise TypeError(
+        raise NoRotary(
             f"{type(base).__name__} (model_type={model_type!r}) has no rotary position embedding module: "
             "rope_patch patches the RoPE of LLaMA-family models (llama, mistral, qwen2/3, gemma, phi3, olmo2, "
             "granite, ...), which keep one `*RotaryEmbedding` module with an `inv_freq` buffer. Models with "
@@ -178,23 +182,9 @@ def find_target(model) -> PatchSite:
                      rotaries=(primary, *(m for m in rotaries if m is not primary)))
 
 
-# ---- per-architecture facts beyond the rotary module -----------------------------------------------------------------
-# The attention-side schemes replace the attention function and re-apply RoPE inside it; a few architectures do more
-# (or less) in their attention layers than the llama layout that the attention functions serve. What each does is read
-# from its transformers 5 modeling file; the functions below say it once, for the schemes to consult at apply() time.
-
-
-def layer_rotates(module: nn.Module) -> bool:
-    """Whether this attention layer applies RoPE in the unpatched model. Cohere 2 and EXAONE 4 interleave RoPE
-    sliding-window layers with global layers that use no position encoding at all ("global NoPE"): cohere2 rotates
-    only `if self.sliding_window is not None`, exaone4 `if self.sliding_window is None or self.is_sliding`. A scheme
-    that moves RoPE inside attention must leave those global layers unrotated, as the model does."""
-    model_type = getattr(getattr(module, "config", None), "model_type", None)
-    if model_type == "cohere2":
-        return module.sliding_window is not None
-    if model_type == "exaone4":
-        return module.sliding_window is None or bool(module.is_sliding)
-    return True
+# ---- facts beyond the rotary module -------------------------------------------------------------------------------
+# Read from the modules themselves, for the schemes to consult at apply() time; what cannot be read is tested by the
+# apply-time check (attention/plumbing.py).
 
 
 def has_sinks(module: nn.Module) -> bool:
@@ -208,13 +198,6 @@ def attention_function_limits(target: PatchSite, modules: list[nn.Module], backe
     their own attention function (alibi, relative_bias, self_extend, rerope, leaky_rerope, string, dca);
     nope/sinusoidal/learned_absolute keep the model's own."""
     model_type = target.model_type
-    inline = [m for m in modules if "ALL_ATTENTION_FUNCTIONS" not in vars(sys.modules[type(m).__module__])]
-    if inline:
-        # Falcon computes attention inline in its module (its own eager/sdpa code; its modeling file never looks up
-        # ALL_ATTENTION_FUNCTIONS): a function registered with transformers' AttentionInterface is never called, so
-        # the model would silently run without positions.
-        return (f"{model_type} computes attention in its own module code ({type(inline[0]).__name__} does not call "
-                "transformers' AttentionInterface), so a registered attention function never runs")
     if backend in ("flex_attention", "flash_attention_2") and any(has_sinks(m) for m in modules):
         # gpt-oss: every head has a learned sink logit that joins the softmax denominator (its eager function cats it to
         # the scores, transformers' flex renormalises by log-sum-exp). rope_patch's eager/sdpa functions add it; its

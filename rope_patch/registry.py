@@ -1,15 +1,36 @@
-"""Name -> scheme class registry, with aliases and "Did you mean" errors (lm-eval style)."""
+"""Name -> scheme class registry, with aliases and "Did you mean" errors (lm-eval style).
+
+The built-in schemes register themselves when rope_patch.schemes is imported; every lookup here imports it first,
+so the registry is complete however the package was entered (`import rope_patch` itself imports nothing heavy).
+"""
 
 from __future__ import annotations
 
 import difflib
+import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from .schemes.base import Scheme
 
 _SCHEMES: dict[str, type[Scheme]] = {}
 _ALIASES: dict[str, str] = {}
+_BUILTINS = {"loaded": False}
+
+
+def _load_builtins() -> None:
+    """Import rope_patch.schemes (torch) once, which registers the built-in schemes. Imported on first use, not at
+    module level: the registry sits below the schemes, and the command line parses its arguments without torch."""
+    if _BUILTINS["loaded"]:
+        return
+    _BUILTINS["loaded"] = True  # first: the scheme modules call register_scheme while they are being imported
+    try:
+        importlib.import_module("rope_patch.schemes")
+    except BaseException:
+        _BUILTINS["loaded"] = False
+        raise
 
 
 def did_you_mean(name: str, options) -> str:
@@ -27,6 +48,7 @@ def register_scheme(cls: type[Scheme] | None = None, *, name: str | None = None,
     """
 
     def add(scheme_cls):
+        _load_builtins()  # a user's scheme is checked against the built-in names before it takes one
         # The Scheme protocol checked by its methods: the registry sits below schemes/ (which register into it).
         if not (isinstance(scheme_cls, type) and all(callable(getattr(scheme_cls, m, None))
                                                       for m in ("from_params", "resolve", "prepare", "param_names"))):
@@ -51,22 +73,40 @@ def register_scheme(cls: type[Scheme] | None = None, *, name: str | None = None,
     return add if cls is None else add(cls)
 
 
-def canonical_name(name: str) -> str:
+def normalise_name(name: str) -> str:
+    """How a given scheme name is looked up: `Self-Extend ` -> `self_extend`."""
     if not isinstance(name, str):
         raise TypeError(f"A scheme name must be a str, got {type(name).__name__} {name!r}.")
-    key = name.strip().lower().replace("-", "_")
+    return name.strip().lower().replace("-", "_")
+
+
+def unknown_scheme(name: str, listed: list[str], aliases: Iterable[str], see: str = "rope_patch.list_schemes()"
+                   ) -> ValueError:
+    """The error for a name that is no registered scheme (the registry's; the command line's name table's, which
+    points to `rope-patch list`)."""
+    return ValueError(
+        f"Unknown position-encoding scheme {name!r}.{did_you_mean(normalise_name(name), [*listed, *aliases])} "
+        f"Available: {', '.join(listed)} (see {see}); '+' stacks them (yarn:4+logn)."
+    )
+
+
+def canonical_name(name: str) -> str:
+    key = normalise_name(name)
+    _load_builtins()
     if key in _SCHEMES:
         return key
     if key in _ALIASES:
         return _ALIASES[key]
-    raise ValueError(
-        f"Unknown position-encoding scheme {name!r}.{did_you_mean(key, [*list_schemes(), *_ALIASES])} "
-        f"Available: {', '.join(list_schemes())} (see rope_patch.list_schemes()); '+' stacks them (yarn:4+logn)."
-    )
+    raise unknown_scheme(name, list_schemes(), _ALIASES)
 
 
 def get_scheme_class(name: str) -> type[Scheme]:
     return _SCHEMES[canonical_name(name)]
+
+
+def param_names(name: str) -> list[str]:
+    """The parameter names of scheme `name` (or alias), in the class's order."""
+    return get_scheme_class(name).param_names()
 
 
 def list_schemes() -> list[str]:
@@ -75,6 +115,13 @@ def list_schemes() -> list[str]:
     return sorted(name for name, cls in _SCHEMES.items() if getattr(cls, "listed", True))
 
 
+def registered() -> dict[str, type[Scheme]]:
+    """Every registered name -> class, the unlisted (`stack`) included."""
+    _load_builtins()
+    return dict(_SCHEMES)
+
+
 def aliases() -> dict[str, str]:
     """alias -> scheme name."""
+    _load_builtins()
     return dict(_ALIASES)

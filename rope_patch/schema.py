@@ -287,6 +287,9 @@ MANIFEST_FIX = ("Restore the folder from the original save, or load the model ag
 COMPARE_FORMAT = "rope_patch.compare/1"
 SWEEP_FORMAT = "rope_patch.sweep/1"
 SEARCH_LOG_FORMAT = "rope_patch.tune/1"
+# `rope-patch tune --method` (tuning.search.METHODS): defined here, torch-free, so the command line offers them before
+# it imports torch, and the search log accepts the same words.
+SEARCH_METHODS = ("evolution", "grid", "random")
 
 
 _FLAT_ROPE = Obj({}, {"rope_type": Str(), "rope_theta": Num(gt=0), "factor": Num(gt=0),
@@ -451,7 +454,7 @@ SEARCH_LOG = Kind(
     }, {
         # what a resume compares (tune writes all three; the readers take what is there)
         "model": Map(), "split": Map(),
-        "settings": Obj({}, {"scheme": Str(nonempty=True), "method": Str(choices=("evolution", "grid", "random")),
+        "settings": Obj({}, {"scheme": Str(nonempty=True), "method": Str(choices=SEARCH_METHODS),
                              "target": Int(ge=2), "window": Int(ge=1)}),
         "stopped": Opt(Str()), "versions": Map(), "heldout": Opt(Map()),
         "acceptance": Obj({"lengths": List(Int(ge=1)), "n_tokens": Int(ge=1),

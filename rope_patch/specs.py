@@ -9,18 +9,28 @@
 
 `parse_spec` gives (canonical name, params) without building anything; `parse_scheme_spec` builds the Scheme
 through the registry (the same class and the same validation as `apply()`). This module depends on the registry
-only, so that `api` can import it.
+only, so that `api` can import it. `parse_spec(spec, names=scheme_names)` reads the names from the generated name
+table instead of the scheme classes: the command line checks its arguments with it before importing torch.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from .registry import canonical_name, get_scheme_class
+from . import registry
 
 if TYPE_CHECKING:
     from .schemes.base import Scheme
+
+
+class SchemeNames(Protocol):
+    """Where the spec grammar reads scheme names from: the registry (the classes) or rope_patch.scheme_names (the
+    table generated from them, readable without torch)."""
+
+    def canonical_name(self, name: str) -> str: ...
+
+    def param_names(self, name: str) -> list[str]: ...
 
 # The parameter that the bare VALUE of `name:VALUE` sets; every other scheme: `factor`.
 _POSITIONAL = {"default": "rope_theta", "p_rope": "partial_rotary_factor", "alibi": "max_bias",
@@ -48,13 +58,14 @@ def _value(text: str):
     return text
 
 
-def parse_spec(spec: str) -> tuple[str, dict]:
+def parse_spec(spec: str, *, names: SchemeNames | None = None) -> tuple[str, dict]:
     """`yarn:8` -> ("yarn", {"factor": 8}); `pi:factor=4` -> ("linear", {"factor": 4}).
 
     Checks the form (name, positional value, keys); the values are checked when the Scheme is built. Raises
     ValueError (unknown name, with "Did you mean"; malformed items) or TypeError (not a string; a positional value
-    for a scheme that has no positional parameter).
+    for a scheme that has no positional parameter). `names`: where the names come from (default: the registry).
     """
+    names = registry if names is None else names
     if not isinstance(spec, str):
         raise TypeError(f"A scheme spec must be a str such as 'yarn:8', got {type(spec).__name__} {spec!r}.")
     parts = _JOIN.split(spec)
@@ -62,12 +73,12 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         for part in parts:
             if not part.strip():
                 raise ValueError(f"Scheme spec {spec!r} has an empty part around '+'. Stacks look like `yarn:4+logn`.")
-            parse_spec(part)
+            parse_spec(part, names=names)
         return "stack", {"schemes": [part.strip() for part in parts]}
     name, _, rest = spec.strip().partition(":")
     if not name.strip():
         raise ValueError(f"Scheme spec {spec!r} has no scheme name. {_FORMS}")
-    name = canonical_name(name)
+    name = names.canonical_name(name)
     if any(c in rest for c in "[]()"):
         # `short_factor=[1,1.5,2]`: the commas inside would split it into items (and read `1.5` as a second
         # positional value, "sets 'factor' twice"): say how a list is written instead.
@@ -84,7 +95,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             if not text:
                 raise ValueError(f"Scheme spec {spec!r}: parameter {key!r} has no value after '='. {_FORMS}")
         else:
-            key, text = _positional(spec, name), key
+            key, text = _positional(spec, name, names.param_names(name)), key
         if key in params:
             raise ValueError(f"Scheme spec {spec!r} sets {key!r} twice.")
         params[key] = _value(text)
@@ -96,9 +107,8 @@ def _slashed(rest: str) -> str:
     return re.sub(r"[\[(]([^\])]*)[\])]", lambda m: "/".join(v.strip() for v in m.group(1).split(",") if v.strip()), rest)
 
 
-def _positional(spec: str, name: str) -> str:
+def _positional(spec: str, name: str, known: list[str]) -> str:
     key = _POSITIONAL.get(name, "factor")
-    known = get_scheme_class(name).param_names()
     if key not in known:
         raise TypeError(f"Scheme spec {spec!r}: {name} takes no positional value; "
                         + (f"name the parameter, e.g. {name}:{known[0]}=... (parameters: {', '.join(known)})."
@@ -112,7 +122,7 @@ def parse_scheme_spec(spec: str) -> Scheme:
     Raises ValueError/TypeError with the same messages as `apply()` (unknown names and keys with "Did you mean").
     """
     name, params = parse_spec(spec)
-    return get_scheme_class(name).from_params(**params)
+    return registry.get_scheme_class(name).from_params(**params)
 
 
 def scheme_label(spec: str) -> str:

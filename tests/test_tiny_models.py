@@ -29,7 +29,11 @@ import torch
 from helpers.models import (
     ARCHS,
     FOLDER_OVERRIDES,
+    GENERATE_INPUTS,
+    INPUTS,
     LAYER_KIND_KEYS,
+    PADDING_INEXACT,
+    POSITION_IDS_IGNORED,
     WINDOW,
     causal_lm_class,
     logits,
@@ -42,38 +46,6 @@ L, PAD, GAP_AT, SHIFT, NEW = 40, 5, 20, 7, 4
 EXACT = 1e-4  # |Δ| / max |logit|: float noise is ≤ 1e-5 here (linear-attention kernels, several rotary tables)
 MOVED = 5e-5  # a change in the positions must move the logits by more than this (the smallest seen: gemma, 4e-4)
 
-# folder -> extra arguments of forward and generate
-INPUTS = {
-    # BltModel builds DynamicCache(config=BltConfig), and BltConfig has no num_hidden_layers: with the default cache
-    # (use_cache=True) neither forward nor generate runs (test_default_cache_fails)
-    "blt": dict(use_cache=False),
-}
-# folder -> extra arguments of generate
-GENERATE_INPUTS = {
-    # the depth decoder is driven by CsmForConditionalGeneration, which passes the backbone's last hidden state;
-    # generate without it raises KeyError (test_generate_needs_its_inputs)
-    "csm": lambda: dict(backbone_last_hidden_state=torch.zeros(2, 64)),
-}
-# folder -> why position_ids do not reach the position encoding
-POSITION_IDS_IGNORED = {
-    "csm": "the depth decoder numbers its positions itself (position i is codebook i) and warns that position_ids are "
-           "ignored",
-}
-# folder -> why a left-padded row does not get the logits it gets alone
-PADDING_INEXACT = {
-    **dict.fromkeys(
-        ["axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "hy_v4"],
-        "DeepSeek sparse attention: the indexer keeps the top index_topk keys by a sum of ReLU scores, which ties at "
-        "exactly 0 in a random model, and ties go by key index, which the padding shifts (exact with index_topk ≥ 40)"),
-    "deepseek_v4": "keys are compressed in blocks of compress_rate tokens counted from the first token of the row, "
-                   "pads included, so padding moves the block boundaries (and pads are compressed into the first "
-                   "entries)",
-    "recurrent_gemma": "the recurrent blocks' causal conv1d reads the pads before the first real token",
-    "blt": "the patch-level (global) transformer runs with no attention mask and numbers the patches from the row's "
-           "first byte, pads included, and the patcher cuts patches over the pads too",
-    "csm": "each position has its own codebook head and embedding offset (codebook i), so a shifted row is another "
-           "input",
-}
 # folder -> what in the model reads absolute positions (its logits change when every position id moves by 7)
 SHIFT_VARIANT = {
     "hunyuan_v1_dense": "q/k RMSNorm (per-channel weights) after RoPE",

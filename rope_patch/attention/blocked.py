@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import settings
-from .protocol import AttentionCall, Partial, make_call, merge, module_state, own_rows, restack
+from .protocol import STATE, AttentionCall, Partial, make_call, merge, own_rows, restack, stand_in
 
 
 def _flash_lse_op():
@@ -92,7 +92,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       *, dense: bool, **kwargs):
     """transformers attention-function signature: query (b, H, q, d), key/value (b, Hkv, k, d) →
     (out (b, q, H, d), weights (b, H, q, k) for the dense variant, else None)."""
-    state = module_state(module)
+    state = getattr(module, STATE, None)
+    if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
+        return stand_in("eager" if dense else "sdpa", module)(module, query, key, value, attention_mask, dropout=dropout,
+                                                              scaling=scaling, softcap=softcap, **kwargs)
     attention_mask = own_rows(module, attention_mask)
     call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
     query, key, value = call.query, call.key, call.value

@@ -99,6 +99,16 @@ class NotProven(RuntimeError):
     """A layer did something with its cache that the stacked copies are not proven to preserve."""
 
 
+def _repeated(value, b: int, c: int):
+    """A per-row tensor (first axis b) repeated for the c copies; a plain dict of such (Zaya's {"causal", "conv"}
+    masks) entry by entry; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == b:
+        return value.repeat(c, *([1] * (value.dim() - 1)))
+    if type(value) is dict:
+        return {k: _repeated(v, b, c) for k, v in value.items()}
+    return value
+
+
 HEADS, ROWS = "heads", "rows"  # how a cache hands the stored copies back to the layer
 
 
@@ -218,8 +228,8 @@ class Reentry:
         done = {names[0], "position_embeddings", "position_ids", *CACHE_ARGS}
         for where in (call, extra):
             for name, value in where.items():
-                if name not in done and isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == b:
-                    where[name] = value.repeat(c, *([1] * (value.dim() - 1)))
+                if name not in done:
+                    where[name] = _repeated(value, b, c)
         state = module_state(module)
         true = positions if positions.dim() == 2 else positions[0]  # M-RoPE: text tokens' sections are equal
         previous, state.current = state.current, Current(b, true, layout)

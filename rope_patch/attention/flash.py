@@ -9,7 +9,7 @@ import sys
 import torch
 from torch import nn
 
-from .protocol import module_state
+from .protocol import STATE, stand_in
 
 
 def flash_module():
@@ -37,9 +37,13 @@ def fa2_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=
     causal attention). `attention_mask` is transformers' `flash_attention_mask`: None without padding
     (`flash_attn_func`), else the 2-D mask of real tokens (unpadded `flash_attn_varlen_func`, per sequence
     bottom-right aligned, so left and right padding both keep slot distances). Returns (out (b, q, H, d), None)."""
-    state = module_state(module)
+    state = getattr(module, STATE, None)
+    if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
+        return stand_in("flash_attention_2", module)(module, query, key, value, attention_mask, dropout=dropout,
+                                                     scaling=scaling, softcap=softcap, sliding_window=sliding_window,
+                                                     **kwargs)
     if state.recorder is not None:  # the apply-time check (plumbing.py)
-        state.recorder.seen(query, key)
+        state.recorder.seen(query, key, value)
     fa = flash_module()
     slopes = state.scores.flash_slopes(query.device, query.shape[1])
     b, h, q_len, d = query.shape

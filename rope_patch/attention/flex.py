@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 import transformers
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from transformers.integrations.flex_attention import compile_friendly_flex_attention, get_flex_attention_lse_kwargs
 
 from . import settings
-from .protocol import AttentionCall, make_call, module_state, restack
+from .protocol import STATE, AttentionCall, make_call, restack, stand_in
 
 
 def flex_available() -> bool:
@@ -23,6 +22,10 @@ def flex_call(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     softcap (before `score_mod`, as in `AttentionCall.qk`). Compiled through transformers' singleton (the same compiled
     function its own flex backend uses) unless settings.FLEX_COMPILE is off. Returns out (b, H, q, d), or the Partial
     (out float32, lse float32) when `lse`; a row the mask excludes entirely comes back with out 0, lse −inf."""
+    # Imported here, not at module level: transformers' flex integration imports torch._dynamo (~1.5 s), which
+    # `import rope_patch` and every path that never runs flex should not pay.
+    from transformers.integrations.flex_attention import compile_friendly_flex_attention, get_flex_attention_lse_kwargs
+
     softcap = call.softcap
 
     def mod(score, b, h, qi, kv):
@@ -83,7 +86,10 @@ def restrict_block_mask(block_mask, call: AttentionCall, window: int, near: bool
 def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
     """transformers attention-function signature on top of flex_attention: `attention_mask` is transformers' BlockMask
     (causal, padding, sliding window) from `flex_attention_mask`. Returns (out (b, q, H, d), None)."""
-    state = module_state(module)
+    state = getattr(module, STATE, None)
+    if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
+        return stand_in("flex_attention", module)(module, query, key, value, attention_mask, dropout=dropout,
+                                                  scaling=scaling, softcap=softcap, **kwargs)
     if dropout and module.training:
         raise ValueError("flex_attention does not support attention dropout (as in transformers): use model.eval() or "
                          "set the config's attention_dropout to 0.")

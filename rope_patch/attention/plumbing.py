@@ -94,10 +94,10 @@ class Recorder:
     """On a layer's AttnState during the check: what rope_patch's attention function received."""
 
     def __init__(self):
-        self.calls, self.query, self.key = 0, None, None
+        self.calls, self.query, self.key, self.value = 0, None, None, None
 
-    def seen(self, query, key):
-        self.calls, self.query, self.key = self.calls + 1, query, key
+    def seen(self, query, key, value=None):
+        self.calls, self.query, self.key, self.value = self.calls + 1, query, key, value
 
 
 def _capture(module, query, key, value, attention_mask, *args, **kwargs):
@@ -153,8 +153,9 @@ class Check:
         if got.shape != want.shape:
             self.note(module, f"{what}: shape {tuple(got.shape)} where the model has {tuple(want.shape)}")
             return
-        if rows is not None:
-            keep = rows.to(got.device)
+        seq = got.shape[1] if got.dim() == 3 else got.shape[2]
+        if rows is not None and tuple(rows.shape) == (got.shape[0], seq):  # (a layer over other units than the
+            keep = rows.to(got.device)                                     # tokens, Blt's patches: every row)
             keep = keep if got.dim() == 3 else keep[:, None, :].expand(got.shape[0], got.shape[1], -1)
             got, want = got[keep.bool()], want[keep.bool()]
         size = _relative(got, want)
@@ -197,8 +198,18 @@ class SideBySide:
             check.note(module, "rope_patch's attention function never ran (the layer computes attention in its own "
                                "code, so a scheme that replaces the attention function has no effect)")
             return out
+        if not check.cached and recorder.key.shape[2] != recorder.query.shape[2]:
+            # the schemes place keys by their slot (a token at a position): slots that are not tokens (DeepSeek-V4's
+            # compressed memory, appended to the keys) have no position the schemes define
+            check.note(module, f"it attends to {recorder.key.shape[2]} keys for {recorder.query.shape[2]} tokens (keys "
+                               "that are not tokens at positions, such as compressed memory, have no position a scheme "
+                               "can place)")
         got = out[0] if isinstance(out, tuple) else out
-        want = self._native(call, extra)
+        try:
+            want = self._native(call, extra)
+        except Exception as e:  # the layer's own run with the copies' inputs: what the copies changed, it rejects
+            check.note(module, f"its own forward on the same input {_raised(e)}")
+            raise Stop from e
         check.compare(module, "its output", got, want[0] if isinstance(want, tuple) else want, check.rows)
         if self.layout is not None:
             self._moved(call, extra, recorder)
@@ -248,6 +259,12 @@ class SideBySide:
         if not check.cached:  # without a cache the keys reach attention stacked like the queries: the copy's own
             keys = recorder.key[last * b:(last + 1) * b]
             check.compare(module, f"its keys at moved positions (p + {SHIFT})", keys[:, :, -k.shape[2]:], k, check.rows)
+            values = recorder.value
+            if values is not None and values.shape[0] == recorder.query.shape[0]:
+                # a key's value is read from copy 0 whatever copy its key comes from: values must not move with positions
+                check.compare(module, f"its values, which move with the positions (p + {SHIFT}: a rotated value, "
+                                      "as DeepSeek-V4's K = V, has no position the schemes' regions define)",
+                              values[last * b:(last + 1) * b], values[:b], None)
 
     def _with_backend(self, backend: str, call: dict, extra: dict):
         config = self.module.config
@@ -265,6 +282,9 @@ def eager_mask(mask, hidden: torch.Tensor, dtype: torch.dtype):
     (b|1, 1, q, k). The reference run is eager whatever the backend (the model's own eager code: softcapping, sinks
     and all; transformers' compiled flex and flash kernels need not run here): sdpa's boolean mask and flex's
     BlockMask are materialised, a 2-D padding mask (flash) or no mask (causal, skipped) become the causal mask."""
+    if type(mask) is dict:  # masks per purpose (Zaya: {"causal", "conv"}): the 4-D / block masks converted, as given else
+        return {k: eager_mask(v, hidden, dtype) if (isinstance(v, torch.Tensor) and v.dim() == 4) or hasattr(v, "mask_mod")
+                else v for k, v in mask.items()}
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         if mask.dtype != torch.bool:
             return mask
@@ -295,15 +315,45 @@ def register_capture() -> None:
         transformers.AttentionInterface.register(CAPTURE, _capture)
 
 
-def _inputs(model: nn.Module, n: int):
-    """2 rows of n tokens, row 0 left-padded by 3, with the mask and the position ids generate passes."""
+@dataclasses.dataclass
+class Inputs:
+    """The check's input: 2 rows of n tokens, row 0 left-padded by 3 (the mask and the position ids generate passes),
+    and whether the cached steps run. What the model itself cannot run is left out (`native_inputs`)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    positions: torch.Tensor
+    cached: bool = True
+
+    def kwargs(self, rows: slice) -> dict:
+        mask = self.mask[:, : rows.stop] if self.mask is not None else None
+        return {"attention_mask": mask, "position_ids": self.positions[:, rows]}
+
+    def real(self, rows: slice) -> torch.Tensor:
+        return (self.mask if self.mask is not None else torch.ones_like(self.ids))[:, rows]
+
+
+def native_inputs(model: nn.Module, n: int) -> Inputs:
+    """The check's input, simplified where the unpatched model itself cannot run it: without left padding (a model
+    that takes no 2-D padding mask, as Blt's patcher), without the cached steps (a model whose default cache does not
+    build, as Blt's)."""
     device = next(model.parameters()).device
     vocab = int(getattr(model.config, "vocab_size", 0) or model.get_input_embeddings().num_embeddings)
     ids = torch.randint(min(3, vocab - 1), vocab, (2, n), generator=torch.Generator().manual_seed(0)).to(device)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    return ids, mask, positions
+    inputs = Inputs(ids.masked_fill(mask == 0, 0), mask, positions)
+    with torch.no_grad():
+        try:
+            model(inputs.ids, **inputs.kwargs(slice(0, n)), use_cache=False)
+        except Exception:  # noqa: BLE001 (what the model cannot run is left out, not a finding)
+            inputs = Inputs(ids, None, torch.arange(n, device=device).expand(2, n))
+        try:
+            model(inputs.ids[:, : n - 2], **inputs.kwargs(slice(0, n - 2)), use_cache=True)
+        except Exception:  # noqa: BLE001
+            inputs.cached = False
+    return inputs
 
 
 def _cache_keyword(model: nn.Module) -> str:
@@ -311,19 +361,39 @@ def _cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def run(check: Check, model: nn.Module, n: int) -> None:
+class _Call:
+    """One model call of the check: the mappings the decoder hands its layers are this call's (their shadows are
+    dropped after it; the caches' shadows live on, as the caches do)."""
+
+    def __init__(self, check: Check):
+        self.check = check
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.check.shadows = {k: v for k, v in self.check.shadows.items() if not isinstance(v, MutableMapping)}
+
+
+def run(check: Check, model: nn.Module, inputs: Inputs) -> None:
     """The two steps of the check on the patched model (its layers wrapped by SideBySide)."""
-    ids, mask, positions = _inputs(model, n)
+    ids, n = inputs.ids, inputs.ids.shape[1]
+    calls = _Call(check)
     with torch.no_grad():
-        check.step, check.rows = "a prefill without cache", mask
-        model(ids, attention_mask=mask, position_ids=positions, use_cache=False)
-        check.step, check.rows, check.cached = "a prefill into the model's cache", mask[:, : n - 2], True
-        out = model(ids[:, : n - 2], attention_mask=mask[:, : n - 2], position_ids=positions[:, : n - 2], use_cache=True)
+        check.step, check.rows = "a prefill without cache", inputs.real(slice(0, n))
+        with calls:
+            model(ids, **inputs.kwargs(slice(0, n)), use_cache=False)
+        if not inputs.cached:
+            return
+        check.step, check.rows, check.cached = "a prefill into the model's cache", inputs.real(slice(0, n - 2)), True
+        with calls:
+            out = model(ids[:, : n - 2], **inputs.kwargs(slice(0, n - 2)), use_cache=True)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         for t in (n - 2, n - 1):
-            check.step, check.rows = "cached decoding", mask[:, t: t + 1]
-            model(ids[:, t: t + 1], attention_mask=mask[:, : t + 1], position_ids=positions[:, t: t + 1],
-                  use_cache=True, **{_cache_keyword(model): cache})
+            check.step, check.rows = "cached decoding", inputs.real(slice(t, t + 1))
+            with calls:
+                model(ids[:, t: t + 1], **inputs.kwargs(slice(t, t + 1)), use_cache=True,
+                      **{_cache_keyword(model): cache})
 
 
 def architecture(model: nn.Module, modules: list[nn.Module], rule, backend: str, rotate_reference: bool):
@@ -356,6 +426,7 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
         return CHECKED[key]
     register_capture()
     n = length(model, modules)
+    inputs = native_inputs(model, n)
     probe = rule.probe(n)
     probes = {m: probe_layout(layout) for m, layout in layouts.items()}
     modes = (HEADS, ROWS) if any(v is not None for v in layouts.values()) else (HEADS,)
@@ -374,7 +445,7 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
             install(log, probe, probes, mode, wrap)
             for m in modules:
                 module_state(m).recorder = Recorder()
-            run(check, model, n)
+            run(check, model, inputs)
         except Stop:
             pass
         except Exception as e:  # outside any attention layer (the decoder, a cache the copies changed, ...)

@@ -144,6 +144,20 @@ def merge(parts: list[Partial]) -> torch.Tensor:
     return sum(w * o for w, (o, _) in zip(weights, parts, strict=True)) / total.clamp_min(torch.finfo(total.dtype).tiny)
 
 
+def stand_in(backend: str, module):
+    """The attention function that one of ours stands in for (`backend`: "eager" — the modeling file's own —, "sdpa",
+    "flex_attention", "flash_attention_2"): what a module that carries no rope_patch state runs when the model's
+    backend is ours. A patched model can hold attention modules the scheme leaves alone (Blt's cross-attention, which
+    takes no positions): they attend as the model does."""
+    if backend == "eager":
+        import sys
+
+        return sys.modules[type(module).__module__].eager_attention_forward
+    import transformers
+
+    return transformers.AttentionInterface._global_mapping[backend]
+
+
 def module_state(module):
     """The `AttnState` a patched attention module carries (registration.py), or a clear error for a module whose
     attention implementation was set by hand."""
@@ -172,7 +186,7 @@ def unstack(module, query, key, value, position_ids):
     Returns (queries, keys, value, true position ids); one copy of each for a layer that is not re-positioned."""
     state = module_state(module)
     if state.recorder is not None:
-        state.recorder.seen(query, key)
+        state.recorder.seen(query, key, value)
     current = state.current
     if current is None:
         return (query,), (key,), value, position_ids

@@ -1,7 +1,7 @@
 """Registration with transformers: our functions under names of our own (no existing key is touched) in
 `AttentionInterface`, plus the same names in `AttentionMaskInterface` (transformers' own mask function of the backend
 each one stands in for: `sdpa_mask`, `flex_attention_mask`, `flash_attention_mask`), without which
-`create_causal_mask` returns None and padding would be silently dropped; and `AttnState`, what a patched attention
+`create_causal_mask` returns None and padding would be silently dropped (eager_mask for the eager stand-in); and `AttnState`, what a patched attention
 module carries."""
 
 from __future__ import annotations
@@ -9,7 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import transformers
-from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, flex_attention_mask, sdpa_mask
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    eager_mask,
+    flash_attention_mask,
+    flex_attention_mask,
+    sdpa_mask,
+)
 
 from .blocked import blocked_attention, dense_attention
 from .flash import fa2_forward
@@ -38,7 +44,9 @@ class AttnState:
 
 # backend the model had -> our function's name
 BACKENDS = {"eager": DENSE, "sdpa": BLOCKED, "flex_attention": FLEX, "flash_attention_2": FA2}
-_FUNCTIONS = {DENSE: (dense_attention, sdpa_mask), BLOCKED: (blocked_attention, sdpa_mask),
+# each with the mask function of the backend it stands in for: a model's own code may extend the mask it is handed
+# (DeepSeek-V4 concatenates a float block bias to an eager mask), so the format must be that backend's
+_FUNCTIONS = {DENSE: (dense_attention, eager_mask), BLOCKED: (blocked_attention, sdpa_mask),
               FLEX: (flex_forward, flex_attention_mask), FA2: (fa2_forward, flash_attention_mask)}
 
 

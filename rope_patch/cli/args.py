@@ -1,18 +1,19 @@
-"""What the `rope-patch` subcommands share in parsing their arguments: argparse types (a bad number fails while
-parsing, with one line that names the flag, the value and the allowed range; argparse adds `argument --flag:` in
-front), and the RoPE layout that `plot` and `explain` read from --head-dim/--rope-theta/--window or --config."""
+"""What the `rope-patch` subcommands share in parsing their arguments: argparse types (a bad number or an unknown
+scheme name fails while parsing, with one line that names the flag, the value and what is allowed; argparse adds
+`argument --flag:` in front), and the RoPE layout that `plot` and `explain` read from --head-dim/--rope-theta/--window
+or --config.
+
+Nothing here imports torch or transformers at module level: parsing (and so `--help` and every argument error) runs
+before the library is imported. Scheme specs are checked against the generated name table (rope_patch.scheme_names).
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
 
-import torch
-import transformers
-
-from .. import zoo
-from ..evaluation import loading
-from ..evaluation.common import auto_threads
+from .. import scheme_names
+from ..evaluation.defaults import AS_LOADED
 
 
 def _number(text: str) -> float:
@@ -66,12 +67,43 @@ positive = count(1)
 fraction = real(0.0, 1.0)
 
 
+def scheme_spec(*, loaded: bool = False):
+    """A scheme spec (`yarn:8`, `yarn:factor=8`, `yarn:4+logn`) whose names are known: the scheme (with "Did you
+    mean"), its positional value and its parameter keys, with the messages of `apply()`. The values are checked when
+    the command builds the schemes. `loaded`: `loaded` (the model as loaded, compare's baseline row) is accepted too."""
+
+    def parse(text: str) -> str:
+        if loaded and text == AS_LOADED:
+            return text
+        try:
+            scheme_names.check_spec(text)
+        except (ValueError, TypeError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    parse.__name__ = "scheme spec"
+    return parse
+
+
+def scheme_name(text: str) -> str:
+    """A registered scheme name or alias (with "Did you mean"), as given."""
+    try:
+        scheme_names.canonical_name(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def rope_layout(args) -> dict:
     """The RoPE keyword arguments of rope_patch.analysis / rope_patch.plots from `--head-dim --rope-theta --window
     --partial-rotary-factor [--seq-len]`, or `--config MODEL` (tiny, smollm2 or a model folder; then "_num_heads" too: the config's head count)."""
     if args.config is not None:
         if args.window is not None or args.partial_rotary_factor is not None:
             raise ValueError("--config gives the window and rotary layout; drop --window / --partial-rotary-factor.")
+        import transformers
+
+        from .. import zoo
+
         # tiny / smollm2 / a local folder (never the hub: an unknown name is an error, not a download); only its
         # config.json is read. The lazy transformers module loads its auto classes only now.
         cfg = transformers.AutoConfig.from_pretrained(zoo.resolve_model_path(args.config))
@@ -87,6 +119,12 @@ def rope_layout(args) -> dict:
 def load_model(console, spec, threads: int | None, dtype):
     """Set the torch threads (--threads, else the cores not busy), load `spec` as saved (with the patch of its
     rope_patch.json, evaluation.loading) and say so: (path, model, tokenizer)."""
+    import torch
+
+    from .. import zoo
+    from ..evaluation import loading
+    from ..evaluation.common import auto_threads
+
     torch.set_num_threads(threads or auto_threads())
     path = zoo.resolve_model_path(spec)
     console.print(f"Loading {spec} from {path} ({torch.get_num_threads()} threads) ...")

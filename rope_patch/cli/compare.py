@@ -6,18 +6,16 @@
 
 from __future__ import annotations
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-from .. import plots
-from .. import zoo as models
-from ..evaluation.common import read_tokens
-from ..evaluation.compare import DEFAULT_LENGTHS, DEFAULT_SCHEMES, parse_schemes, resumed_units, run_compare, work_units
+from ..evaluation.defaults import (
+    DEFAULT_DEPTHS,
+    DEFAULT_LENGTHS,
+    DEFAULT_SCHEMES,
+    PASSKEY_SAMPLES,
+    SEED,
+    WINDOWS_AT_LONGEST,
+)
 from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS
-from ..evaluation.results import RESULT_FILES, check_writable, load_results, rich_table, write_results
-from ..evaluation.retrieval import DEFAULT_DEPTHS
-from ..suggest import pretraining_window, specs_for_target
-from .args import count, fraction, load_model, positive, real
+from .args import count, fraction, load_model, positive, real, scheme_spec
 
 
 def add_parser(subparsers) -> None:
@@ -30,7 +28,7 @@ def add_parser(subparsers) -> None:
         "keeps what finished and --resume completes it. Writes compare.json/.csv/.md and "
         "perplexity.png/passkey.png to --out.")
     p.add_argument("--model", default="tiny", help="tiny, smollm2, or a local model folder (default: tiny)")
-    p.add_argument("--schemes", nargs="+", default=None, metavar="SPEC",
+    p.add_argument("--schemes", nargs="+", type=scheme_spec(loaded=True), default=None, metavar="SPEC",
                    help="scheme specs: name, name:factor, or name:key=value,... (default: "
                    f"{' '.join(DEFAULT_SCHEMES)}; with --target: default + rope_patch.suggest's schemes)")
     p.add_argument("--target", type=length, default=None, metavar="N",
@@ -44,9 +42,9 @@ def add_parser(subparsers) -> None:
                    help="lengths for passkey retrieval (default: --lengths; give none to skip passkey)")
     p.add_argument("--depths", nargs="+", type=fraction, default=list(DEFAULT_DEPTHS), metavar="D",
                    help="needle depths in [0, 1] (default: %(default)s)")
-    p.add_argument("--passkey-samples", type=positive, default=4, metavar="N",
+    p.add_argument("--passkey-samples", type=positive, default=PASSKEY_SAMPLES, metavar="N",
                    help="passkey prompts per (length, depth) cell, >= 1 (default: %(default)s)")
-    p.add_argument("--windows", type=positive, default=2, metavar="N",
+    p.add_argument("--windows", type=positive, default=WINDOWS_AT_LONGEST, metavar="N",
                    help="perplexity windows at the longest length; every length reads the same N x longest tokens "
                    "(default: %(default)s)")
     p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
@@ -68,7 +66,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--budget-minutes", type=real(above=0), default=None, metavar="M",
                    help="fit the run into M minutes: from a timed probe forward, trim passkey samples per cell "
                    "first, then perplexity windows, and say so (recorded in compare.json)")
-    p.add_argument("--seed", type=int, default=0, help="passkey seed (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=SEED, help="passkey seed (default: %(default)s)")
     p.add_argument("--heldout", default=None, help="held-out text (default: rope_patch/data/heldout.txt)")
     p.add_argument("--dtype", default="float32", help="model dtype (default: %(default)s)")
     p.add_argument("--threads", type=positive, default=None, metavar="N",
@@ -83,6 +81,17 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    # The library, imported only now: parsing the arguments (and --help, and their errors) needs none of it.
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .. import plots
+    from .. import zoo as models
+    from ..evaluation.common import read_tokens
+    from ..evaluation.compare import parse_schemes, resumed_units, run_compare, work_units
+    from ..evaluation.results import RESULT_FILES, check_writable, load_results, rich_table, write_results
+    from ..suggest import pretraining_window, specs_for_target
+
     console = Console(stderr=True)
     given = args.schemes
     if given is not None:

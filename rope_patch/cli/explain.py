@@ -6,8 +6,7 @@
 
 from __future__ import annotations
 
-from .. import analysis
-from .args import count, positive, real, rope_layout
+from .args import count, positive, real, rope_layout, scheme_spec
 
 
 def add_parser(subparsers) -> None:
@@ -17,7 +16,7 @@ def add_parser(subparsers) -> None:
         "turn inside the pre-training window, how many it keeps or fully interpolates, the longest wavelength, the "
         "cos/sin scale, and the RoFormer decay bound over distances L/16..L (numbers from rope_patch.analysis, "
         "the same that a patched model uses).")
-    p.add_argument("schemes", nargs="+", metavar="SPEC", help="scheme specs: name, name:value, name:key=value,...")
+    p.add_argument("schemes", nargs="+", type=scheme_spec(), metavar="SPEC", help="scheme specs: name, name:value, name:key=value,...")
     rope = p.add_argument_group("model RoPE (or --config)")
     rope.add_argument("--head-dim", type=count(2), default=128, help="per-head dimension d (default: %(default)s)")
     rope.add_argument("--rope-theta", type=real(above=1.0), default=10000.0, help="RoPE base b (default: %(default)s)")
@@ -30,6 +29,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from .. import analysis  # torch: only now, after the arguments parsed
+
     rope = {k: v for k, v in rope_layout(args).items() if not k.startswith("_")}
     for spec in args.schemes:
         print("\n".join(analysis.explain(spec, **rope).lines()))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 
-from ..persistence import export_info
-
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("export", help="print the native rope_parameters and vLLM --hf-overrides of a saved model")
@@ -22,6 +20,8 @@ def add_parser(subparsers) -> None:
 
 
 def _export(args) -> int:
+    from ..persistence import export_info  # torch: only now, after the arguments parsed
+
     info = export_info(args.dir, args.base)  # errors: one line from cli.main
     if args.json:
         print(json.dumps(info, indent=2))

@@ -1,5 +1,9 @@
 """`rope-patch` command line. Subcommands live in their own modules (SUBCOMMANDS) and register here; `main` turns
-every error into one line on stderr (exit status 2; 130 when interrupted), or re-raises it under `--debug`."""
+every error into one line on stderr (exit status 2; 130 when interrupted), or re-raises it under `--debug`.
+
+Parsing imports neither torch nor transformers: the subcommand modules import the library inside their `run`, and
+scheme names come from the generated name table (rope_patch.scheme_names), so `--help`, `rope-patch list` and every
+argument error answer in a fraction of a bare `import torch` (bench/cli_startup.py measures it)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import argparse
 import sys
 import textwrap
 
-from .. import registry
+from .. import scheme_names
 from . import compare, explain, export, models, plot, sweep, tune
 
 DESCRIPTION = (
@@ -68,12 +72,11 @@ def _tag(sub) -> None:
 
 def _list(args) -> int:
     by_scheme: dict[str, list[str]] = {}
-    for alias, name in registry.aliases().items():
+    for alias, name in scheme_names.aliases().items():
         by_scheme.setdefault(name, []).append(alias)
-    for name in registry.list_schemes():
-        cls = registry.get_scheme_class(name)
+    for name in scheme_names.list_schemes():  # the built-in schemes, from the table generated from their classes
         extra = f" (aliases: {', '.join(sorted(by_scheme.get(name, [])))})" if name in by_scheme else ""
-        print(f"{name:<16} {cls.kind:<10} {', '.join(cls.param_names()) or '-'}{extra}")
+        print(f"{name:<16} {scheme_names.kind(name):<10} {', '.join(scheme_names.param_names(name)) or '-'}{extra}")
     return 0
 
 

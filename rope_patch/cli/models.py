@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from .. import zoo as models
-
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("models", help="list the named models; fetch SmolLM2 into the cache")
@@ -18,6 +16,8 @@ def add_parser(subparsers) -> None:
 
 
 def _list(args) -> int:
+    from .. import zoo as models  # torch: only now, after the arguments parsed
+
     for name, info in models.MODELS.items():
         try:
             where = str(models.resolve_model_path(name))
@@ -29,5 +29,7 @@ def _list(args) -> int:
 
 
 def _fetch(args) -> int:
+    from .. import zoo as models
+
     print(models.fetch_smollm2(cache=args.cache, force=args.force))  # errors: one line from cli.main
     return 0

@@ -12,11 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import plots, schema
-from ..plots.tasks import SWEEP_FORMAT
-from ..tuning.log import FORMAT as SEARCH_LOG_FORMAT
-from ..tuning.log import parse_log
-from .args import count, positive, real, rope_layout
+from .args import count, positive, real, rope_layout, scheme_spec
 
 ANALYSIS_KINDS = ("decay", "wavelengths", "frequencies", "angles", "distance", "score")
 DEFAULT_SCHEMES = {"*": ["default", "yarn:8", "linear:8", "ntk:8"],
@@ -38,7 +34,7 @@ def add_parser(subparsers) -> None:
                    "ALiBi bias; score: q·k vs distance; results: redraw compare/sweep JSON or a tune search log")
     p.add_argument("results_file", nargs="?", default=None, metavar="RESULTS.json",
                    help="for `results`: compare.json (or a JSON/JSONL list of records), or a tune search_log.json")
-    p.add_argument("--schemes", nargs="+", default=None, metavar="SPEC",
+    p.add_argument("--schemes", nargs="+", type=scheme_spec(), default=None, metavar="SPEC",
                    help="scheme specs: name, name:value, name:key=value,... (default: default yarn:8 linear:8 ntk:8; for "
                    "distance: rerope, leaky_rerope, self_extend, alibi)")
     rope = p.add_argument_group("model RoPE (or --config)")
@@ -55,7 +51,8 @@ def add_parser(subparsers) -> None:
                       help="current length for dynamic NTK / LongRoPE (default: the scheme's extended window)")
     p.add_argument("--max-distance", type=positive, default=None,
                    help="largest distance (decay, score, distance) or the length N (angles); default max(4L, s·L); "
-                   f"refused when the figure would need more than {plots.MEMORY_LIMIT >> 30} GiB of memory")
+                   "refused before anything is computed when the figure would need more memory than the plots' limit "
+                   "(the error says how much, and the largest distance that fits)")
     p.add_argument("--normalize", action="store_true", help="decay: divide by the value at Δ = 0")
     p.add_argument("--linear", action="store_true", help="decay: linear distance axis (like the RoFormer figure)")
     p.add_argument("--logits", action="store_true", help="score: a²·q·k/√d plus ALiBi's bias (what softmax sees)")
@@ -73,6 +70,8 @@ def run(args) -> int:
 
 def check_size(args, schemes, rope) -> None:
     """Refuse a figure whose arrays would not fit (e.g. `plot decay --max-distance 1e8`) with the estimate."""
+    from .. import plots
+
     need, n = plots.figure_memory(args.kind, schemes, max_distance=args.max_distance,
                                   num_heads=args.num_heads or rope.get("_num_heads"),
                                   **{k: v for k, v in rope.items() if not k.startswith("_")})
@@ -88,6 +87,11 @@ def _special(path) -> tuple[str, dict] | None:
     """("search", log) for a `rope-patch tune` log, ("tasks", sweep) for a sweep of lm-eval's own tasks only (RULER,
     ...), each checked against its schema; None for anything else (read_results then reads it, or says what is
     wrong)."""
+    from .. import schema
+    from ..plots.tasks import SWEEP_FORMAT
+    from ..tuning.log import FORMAT as SEARCH_LOG_FORMAT
+    from ..tuning.log import parse_log
+
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -104,6 +108,8 @@ def _special(path) -> tuple[str, dict] | None:
 
 
 def _run(args):
+    from .. import plots  # torch, matplotlib: only now, after the arguments parsed
+
     if args.kind == "results":
         if args.results_file is None:
             raise ValueError("`rope-patch plot results` needs the results file, e.g. results/compare.json.")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 
 from ..evaluation.passkey import CHAT_TEMPLATE_MODES
-from ..integrations.lm_eval.sweep import SweepOptions, aggregate, markdown, sweep
-from .args import count, fraction, positive, real
+from ..integrations.lm_eval.options import SweepOptions
+from .args import count, fraction, positive, real, scheme_spec
 
 
 def add_parser(subparsers) -> None:
@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
         description="`rope-patch sweep`: lm-eval tasks x position-encoding schemes on one model, one lm-eval run "
         "per scheme. Writes sweep.json/.md (+ compare-format files and plots) to --out.")
     p.add_argument("--model", default=d.model, help="tiny, smollm2, or a local model folder (default: tiny)")
-    p.add_argument("--schemes", nargs="+", default=d.schemes, metavar="SPEC",
+    p.add_argument("--schemes", nargs="+", type=scheme_spec(loaded=True), default=d.schemes, metavar="SPEC",
                    help="scheme specs as in compare: name, name:factor, name:key=value,... (default: %(default)s)")
     p.add_argument("--tasks", nargs="+", default=d.tasks, metavar="TASK",
                    help="rope_passkey / rope_ppl / rope_niah (expanded per length) and any lm-eval task "
@@ -62,6 +62,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from ..integrations.lm_eval.sweep import aggregate, markdown, sweep  # torch: only now, after the arguments parsed
+
     def started(out) -> None:  # what an error or Ctrl-C from here on leaves behind (cli.main prints it)
         args.kept = (f"Finished (scheme, task) cells stay in {out / 'schemes'}; rerun the same command to run only "
                      "the missing ones.")

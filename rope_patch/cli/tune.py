@@ -7,26 +7,15 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
-
-from .. import plots
-from .. import zoo as models
-from ..api import as_scheme
-from ..evaluation.common import read_tokens
-from ..evaluation.compare import AS_LOADED
-from ..evaluation.loading import loaded_patch
+from ..evaluation.defaults import AS_LOADED
 from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS
-from ..evaluation.results import check_writable, json_safe, patch_note
-from ..files import write_text_atomic
-from ..fingerprint import model_fingerprint
-from ..specs import parse_spec
-from ..tuning import EvolutionSettings, TuneOptions, accept, baselines, load_log, planned_evaluations, resolve_options
-from ..tuning import tune as tune_search
-from ..tuning.search import METHODS, check_options, model_info
-from .args import count, load_model, positive, real
+from ..schema import SEARCH_METHODS as METHODS
+from .args import count, load_model, positive, real, scheme_name, scheme_spec
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 LOG, BEST = "search_log.json", "best.json"
 
@@ -41,7 +30,7 @@ def add_parser(subparsers) -> None:
         "and reproduces the log of an uninterrupted one. Writes OUT/search_log.json, OUT/best.json (the best spec, "
         "ready for rope_patch.apply) and OUT/search.png.")
     p.add_argument("--model", default="tiny", help="tiny, smollm2, or a local model folder (default: tiny)")
-    p.add_argument("--scheme", required=True, help="the scheme to tune: longrope (evolutionary search of its long "
+    p.add_argument("--scheme", type=scheme_name, required=True, help="the scheme to tune: longrope (evolutionary search of its long "
                    "factors) or a scalar scheme (self_extend, string, rerope, yarn, dynamic, ...)")
     p.add_argument("--target", type=count(8), required=True, metavar="N", help="target length in tokens")
     p.add_argument("--method", choices=METHODS, default=None,
@@ -61,7 +50,7 @@ def add_parser(subparsers) -> None:
                    "generation (default: the rest of population - parents)")
     p.add_argument("--max-factor", type=real(1.0), default=None, metavar="X", help="evolution: largest rescale factor "
                    "(default: 1.25 x target/window, the paper's search space)")
-    p.add_argument("--init", nargs="+", default=None, metavar="SPEC", help="evolution: frequency schemes whose "
+    p.add_argument("--init", nargs="+", type=scheme_spec(), default=None, metavar="SPEC", help="evolution: frequency schemes whose "
                    "factors (θ_i/θ′_i) seed the population (default: linear, ntk and yarn at target/window, the paper's)")
     p.add_argument("--tokens", type=positive, default=None, metavar="N", help="tuning tokens per evaluation "
                    "(default: 4 windows of the target)")
@@ -78,7 +67,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-evals", type=positive, default=None, metavar="N", help="stop after N evaluations in all")
     p.add_argument("--budget-minutes", type=real(above=0.0), default=None, metavar="M",
                    help="stop once the logged evaluations took M minutes in all (resumed ones count)")
-    p.add_argument("--accept", nargs="*", default=None, metavar="SPEC", help="schemes to measure the best spec "
+    p.add_argument("--accept", nargs="*", type=scheme_spec(loaded=True), default=None, metavar="SPEC", help="schemes to measure the best spec "
                    "against on the acceptance text (default: default, and for longrope linear/ntk/yarn at "
                    "target/window; give none to measure only the best)")
     p.add_argument("--no-accept", action="store_true", help="skip the acceptance evaluation")
@@ -99,6 +88,8 @@ def parse_space(items) -> dict | None:
     """['group_size=2,4,8', 'factor=2..8'] -> {'group_size': [2, 4, 8], 'factor': (2, 8)}."""
     if items is None:
         return None
+    from ..specs import parse_spec
+
     space = {}
     for item in items:
         key, eq, text = (s.strip() for s in item.partition("="))
@@ -121,6 +112,30 @@ def parse_space(items) -> dict | None:
 
 
 def run(args) -> int:
+    # The library, imported only now: parsing the arguments (and --help, and their errors) needs none of it.
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .. import plots
+    from .. import zoo as models
+    from ..api import as_scheme
+    from ..evaluation.common import read_tokens
+    from ..evaluation.loading import loaded_patch
+    from ..evaluation.results import check_writable, json_safe
+    from ..files import write_text_atomic
+    from ..fingerprint import model_fingerprint
+    from ..tuning import (
+        EvolutionSettings,
+        TuneOptions,
+        accept,
+        baselines,
+        load_log,
+        planned_evaluations,
+        resolve_options,
+    )
+    from ..tuning import tune as tune_search
+    from ..tuning.search import check_options, model_info
+
     console = Console(stderr=True)
     evolution = EvolutionSettings(population=args.population, generations=args.generations, parents=args.parents,
                                   mutations=args.mutations, crossovers=args.crossovers, max_factor=args.max_factor)
@@ -207,6 +222,10 @@ def evaluation_count(log: dict) -> str:
 
 
 def _summary(log: dict) -> Table:
+    from rich.table import Table
+
+    from ..evaluation.results import patch_note
+
     best = log["best"]
     model = log.get("model") or {}
     table = Table(title=f"best {log['settings']['scheme']} at {log['settings']['target']} (tuning text): "

@@ -65,17 +65,15 @@ from ..specs import parse_scheme_spec, scheme_label
 from ..suggest import pretraining_window
 from .budget import fit_budget, run_tokens, seconds_per_token
 from .common import read_tokens, versions
+from .defaults import AS_LOADED, DEFAULT_LENGTHS, DEFAULT_SCHEMES, PASSKEY_SAMPLES, SEED, WINDOWS_AT_LONGEST
 from .loading import loaded_patch
 from .passkey import PROMPT_FORMS, check_haystack, haystack_filler, prompt_form, use_chat_template
 from .perplexity import evaluate_perplexity, fixed_buckets, perplexity_work
 from .results import FORMAT, json_safe
 from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell, wilson_interval
 
-DEFAULT_SCHEMES = ("default", "linear:4", "ntk:8", "dynamic:4", "yarn:8", "llama3:8")
-# The model as loaded, no patch: the baseline row. Added first on a checkpoint that ships with scaling (Llama 3.x
-# `llama3`, Qwen/gpt-oss `yarn`, Phi-3 `longrope`), where `default` is unscaled RoPE, not the model people run.
-AS_LOADED = "loaded"
-DEFAULT_LENGTHS = (256, 512, 1024, 2048)
+# DEFAULT_SCHEMES, AS_LOADED (the model as loaded: the baseline row) and DEFAULT_LENGTHS live in .defaults, which
+# imports nothing: the command line shows them before it imports torch. They are imported from here as before.
 
 
 def _shipped_scaling(model) -> str | None:
@@ -228,7 +226,8 @@ def _reusable(previous: dict | None, spec: str, params: dict | None = None) -> d
 @torch.no_grad()
 def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, lengths: Sequence[int] = DEFAULT_LENGTHS, *,
                 passkey_lengths: Sequence[int] | None = None, depths: Sequence[float] = DEFAULT_DEPTHS,
-                passkey_samples: int = 4, windows_at_longest: int = 2, ppl_tokens: int | None = None, seed: int = 0,
+                passkey_samples: int = PASSKEY_SAMPLES, windows_at_longest: int = WINDOWS_AT_LONGEST,
+                ppl_tokens: int | None = None, seed: int = SEED,
                 heldout: str | Path | None = None, token_ids: Sequence[int] | None = None, model_spec: str = "",
                 model_path: str = "", progress: Callable[[int, str], None] | None = None,
                 resume: dict | None = None, on_scheme: Callable[[dict], None] | None = None,

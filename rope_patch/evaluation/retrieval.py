@@ -48,9 +48,9 @@ import torch
 from ..api import current
 from ..discovery import find_target
 from .common import at_length
+from .defaults import DEFAULT_DEPTHS
 from .passkey import LEAD_IN, make_passkey_sample, score_passkey
 
-DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 MIN_SHARED_PREFIX = 16  # a shorter common prefix is not worth a separate prefill
 
 

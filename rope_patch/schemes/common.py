@@ -32,9 +32,33 @@ from ..undo import UndoLog
 from .base import InstallStep, Scheme
 
 
+def _takes_positions(module: nn.Module) -> bool:
+    params = inspect.signature(type(module).forward).parameters
+    return "position_embeddings" in params or "position_ids" in params
+
+
+@functools.cache
+def _runs_attention(cls: type) -> bool:
+    """Whether the class's forward looks its attention function up in transformers' interface (or calls the modeling
+    file's eager function): what a scheme that replaces the attention function can reach. Read from the source;
+    where none is available, assumed (the apply-time check then has the last word)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
+    return any(name in source for name in ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "eager_attention_forward"))
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules (one per decoder layer): `*Attention` classes with a `layer_idx`."""
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    """The attention modules: the modules of a decoder layer (a `layer_idx`) that receive positions (a
+    `position_embeddings` or `position_ids` argument) and run their attention through transformers' attention
+    interface. So LlamaAttention, LongCat's MLA, DBRX's attention inside its norm-attention-norm block; not the
+    sparse-attention indexers inside DeepSeek-V3.2's attention, not linear attention (MiniMax's lightning layers,
+    which are handed positions they do not use), not cross-attention. Nested matches: the innermost."""
+    candidates = [m for m in model.modules()
+                  if hasattr(m, "layer_idx") and _takes_positions(m) and _runs_attention(type(m))]
+    ids = {id(m) for m in candidates}
+    return [m for m in candidates if not any(id(c) in ids for c in m.modules() if c is not m)]
 
 
 def decoder(model: nn.Module) -> nn.Module:
@@ -184,6 +208,14 @@ class AttentionScheme(Scheme):
             self._check_attention_function(target, modules)
         impl = self._check_backend(target, scores) if scores is not None else None
         if scores is not None and not modules:
+            own = [m for m in target.model.modules() if hasattr(m, "layer_idx") and _takes_positions(m)]
+            if own:  # layers that take positions, none of which runs attention through transformers' interface
+                raise ValueError(
+                    f"{self.name}: {target.model_type} computes attention in its own module code ({type(own[0]).__name__} "
+                    "does not call transformers' AttentionInterface), so a registered attention function never runs. "
+                    f"This scheme runs its own attention function, so it is not supported on {target.model_type}; the "
+                    "schemes that keep the model's own attention (nope, sinusoidal, learned_absolute) and the frequency "
+                    "schemes are.")
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
         model = target.model
         moves = self.repositions()
@@ -203,9 +235,12 @@ class AttentionScheme(Scheme):
                 # The re-positioning schemes keep the model's rotation (their layers run at copies of other
                 # positions); the others remove it. Either way the embeddings remember their source, for the copies
                 # and the check.
+                # (the check's reference runs switch a layer to eager or a capturing function for one call: a rotary
+                # inside the layer, as Moshi's, must not take that for a user's backend change)
+                during_check = ("eager", attention.plumbing.CAPTURE) if wrap is not None else ()
                 log.setattr(r, "forward", PatchedRotaryForward(
                     r, masters, identity=not moves, config=target.config, attn_implementation=impl,
-                    allowed=tuple(attention.BACKENDS.values()), scheme=self.name, tagged=rule is not None))
+                    allowed=(*attention.BACKENDS.values(), *during_check), scheme=self.name, tagged=rule is not None))
             if rule is None:
                 return
             attention.register()

@@ -28,6 +28,7 @@ from ..evaluation.passkey import CHAT_TEMPLATE_MODES, check_haystack, prompt_for
 from ..evaluation.results import json_safe
 from ..files import write_text_atomic
 from ..registry import canonical_name
+from ..schema import SEARCH_METHODS as METHODS
 from ..specs import scheme_label
 from ..suggest import pretraining_window
 from .evolution import EvolutionSettings, evolve, initial_factors
@@ -35,7 +36,7 @@ from .log import SearchLog, check_resumable
 from .objective import SPLIT_FRACTION, Objective, perplexities, spec_of, split_heldout
 from .scalar import Space, check_space, default_space, grid_points, random_points, scalar_search
 
-METHODS = ("evolution", "grid", "random")
+# METHODS (`--method`): schema.SEARCH_METHODS, torch-free for the command line.
 
 
 @dataclasses.dataclass

@@ -42,10 +42,8 @@ with `rope-patch plot results`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -64,7 +62,7 @@ from ... import plots as figures
 from ... import schema
 from ... import zoo as models
 from ...api import as_scheme
-from ...evaluation.compare import AS_LOADED, DEFAULT_LENGTHS, parse_schemes, run_compare
+from ...evaluation.compare import AS_LOADED, parse_schemes
 from ...evaluation.compare import FORMAT as COMPARE_FORMAT
 from ...evaluation.loading import patch_label
 from ...evaluation.passkey import prompt_form, use_chat_template
@@ -75,47 +73,12 @@ from ...persistence import MANIFEST, read_manifest
 from ...plots.tasks import SWEEP_FORMAT
 from ...registry import did_you_mean
 from ...specs import scheme_label
+from .options import SweepOptions  # noqa: F401  (defined apart: the CLI reads it without torch)
 from .tasks import tasks_dir
 
 FORMAT = SWEEP_FORMAT  # defined with its figure (rope_patch.plots.tasks), which the CLI imports without torch
 FAMILIES = ("rope_passkey", "rope_ppl", "rope_niah")
 MAIN_METRIC = {"rope_passkey": "acc", "rope_niah": "acc", "rope_ppl": "token_perplexity"}
-
-
-def compare_defaults() -> dict:
-    """`rope-patch compare`'s defaults, read from `run_compare` so that a sweep and compare agree."""
-    p = inspect.signature(run_compare).parameters
-    return {"samples": p["passkey_samples"].default, "windows": p["windows_at_longest"].default,
-            "seed": p["seed"].default, "depths": list(p["depths"].default), "lengths": list(DEFAULT_LENGTHS)}
-
-
-_COMPARE = compare_defaults()
-
-
-@dataclasses.dataclass
-class SweepOptions:
-    """What `sweep` reads: the `rope-patch sweep` options under the names of their flags (the CLI passes its
-    argparse Namespace, which has the same attributes). Defaults: those of the command, i.e. compare's."""
-
-    model: str = "tiny"  # tiny, smollm2, or a local model folder
-    schemes: list[str] = dataclasses.field(default_factory=lambda: ["default", "yarn:4"])  # scheme specs
-    tasks: list[str] = dataclasses.field(default_factory=lambda: ["rope_passkey", "rope_ppl"])
-    lengths: list[int] = dataclasses.field(default_factory=lambda: list(_COMPARE["lengths"]))
-    depths: list[float] = dataclasses.field(default_factory=lambda: list(_COMPARE["depths"]))
-    passkey_samples: int = _COMPARE["samples"]
-    windows: int = _COMPARE["windows"]  # perplexity reads windows x the longest length tokens at every length
-    seed: int = _COMPARE["seed"]
-    heldout: str | None = None  # held-out text (default: the packaged one)
-    model_args: list[str] = dataclasses.field(default_factory=list)  # extra KEY=VALUE model_args
-    metadata: list[str] = dataclasses.field(default_factory=list)  # extra KEY=VALUE lm-eval metadata
-    limit: float | None = None  # lm-eval --limit
-    batch_size: str = "1"
-    chat_template: str = "auto"  # auto | on | off: lm-eval's --apply_chat_template (auto: on when the tokenizer has one)
-    include_path: str | None = None  # task folder (default: the packaged rope_patch/data/tasks)
-    launcher: str | None = None  # e.g. "torchrun --nproc_per_node 2" or "accelerate launch"
-    in_process: bool = False  # run lm-eval in this process (no launcher)
-    out: str = "results/sweep"
-    no_plots: bool = False
 
 
 # ---- planning -------------------------------------------------------------------------------------------------

@@ -1,0 +1,12 @@
+"""The defaults of `rope-patch compare` (and of the sweep, which takes compare's), in a module that imports nothing:
+the command line shows them in its help and checks its arguments before it imports torch."""
+
+DEFAULT_SCHEMES = ("default", "linear:4", "ntk:8", "dynamic:4", "yarn:8", "llama3:8")
+# The model as loaded, no patch: the baseline row. Added first on a checkpoint that ships with scaling (Llama 3.x
+# `llama3`, Qwen/gpt-oss `yarn`, Phi-3 `longrope`), where `default` is unscaled RoPE, not the model people run.
+AS_LOADED = "loaded"
+DEFAULT_LENGTHS = (256, 512, 1024, 2048)
+DEFAULT_DEPTHS = (0.1, 0.5, 0.9)  # needle depths of the passkey cells
+PASSKEY_SAMPLES = 4  # passkey prompts per (length, depth) cell
+WINDOWS_AT_LONGEST = 2  # perplexity windows at the longest length; every length reads as many tokens
+SEED = 0  # the passkey seed

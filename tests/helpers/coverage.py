@@ -1,0 +1,155 @@
+"""Every scheme family on every RoPE folder of the installed transformers: what happens, measured.
+
+`outcomes(folder)` runs, on the folder's tiny model (`helpers.models.tiny_model`, 2 rows × 40 tokens, row 0
+left-padded where the architecture pads exactly):
+
+- the frequency family, represented by yarn ×4: the patched model against a model built by transformers from the
+  config the patch wrote (what a plain save reloads), and `remove()` bit-exact;
+- each attention-side scheme at its identity setting (a window or chunk that covers the input) against the unpatched
+  model, then at a real setting against `helpers.reference_any` (the papers' positions, the layer's own code), and
+  `remove()` bit-exact after each;
+
+and reports per scheme "exact", or "refused: <the message>" when `apply()` refuses, or what went wrong ("wrong: ...",
+"crash: ..."). `tests/schemes/test_architectures.py` compares that with its table of expected refusals, and
+`docs/architectures.md` is generated from the same table (`helpers.coverage.page`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import rope_patch
+from helpers.models import INPUTS, PADDING_INEXACT, VOCAB, rope_folders, tiny_model
+from helpers.reference_any import forward as reference_forward
+
+L, PAD = 40, 5
+# |Δlogit| ≤ TOL · max(1, max |logit|): float noise of one more code path (the blocked attention, several kernels)
+TOL = 1e-5
+FREQUENCY = ("yarn", {"factor": 4.0})
+# scheme -> (identity setting: must reproduce the unpatched model, or None; a real setting: must equal the reference)
+ATTENTION = {
+    "self_extend": ({"group_size": 4, "window_size": 64}, {"group_size": 4, "window_size": 12}),
+    "rerope": ({"window_size": 64}, {"window_size": 12}),
+    "leaky_rerope": ({"window_size": 64, "factor": 4.0}, {"window_size": 12, "factor": 4.0}),
+    "string": ({"shift_size": 64, "window_size": 8}, {"shift_size": 20, "window_size": 6}),
+    "dca": ({"chunk_size": 64, "local_size": 4}, {"chunk_size": 24, "local_size": 4}),
+    "alibi": (None, {}),
+}
+SCHEMES = (FREQUENCY[0], *ATTENTION)
+FAMILY = {"yarn": "frequency", "alibi": "bias", **{s: "re-positioning" for s in ATTENTION if s != "alibi"}}
+
+
+def folders() -> list[str]:
+    return sorted(rope_folders())
+
+
+def backend(folder: str) -> str:
+    """sdpa where the architecture has it, else eager (transformers refuses sdpa for some: gpt-oss, DeepSeek-V4)."""
+    try:
+        tiny_model(folder, attn_implementation="sdpa")
+    except ValueError:
+        return "eager"
+    return "sdpa"
+
+
+def batch(folder: str):
+    """ids (2, L), forward kwargs (mask and the position ids generate passes, or none where padding is not exact),
+    real-token mask (2, L)."""
+    ids = torch.randint(3, VOCAB, (2, L), generator=torch.Generator().manual_seed(0))
+    if folder in PADDING_INEXACT:
+        return ids, {}, torch.ones_like(ids, dtype=torch.bool)
+    mask = torch.ones_like(ids)
+    mask[0, :PAD] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    return ids, {"attention_mask": mask, "position_ids": positions}, mask.bool()
+
+
+def _logits(folder, model, ids, kw):
+    with torch.no_grad():
+        return model(ids, **kw, **INPUTS.get(folder, {})).logits
+
+
+def _delta(got, want, real) -> float:
+    n = got.shape[1]  # csm's depth decoder returns no logits for position 0: aligned from the right
+    real = real[:, -n:]
+    return ((got - want)[real].abs().max() / want[real].abs().max().clamp(min=1.0)).item()
+
+
+def _native(model):
+    """A model built by transformers from the config the patch wrote, with the same weights."""
+    twin = type(model)(copy.deepcopy(model.config)).eval()
+    twin.load_state_dict(model.state_dict())
+    twin.set_attn_implementation(model.config._attn_implementation)
+    return twin
+
+
+def _frequency(folder, make, ids, kw, real) -> str:
+    model = make()
+    before = _logits(folder, model, ids, kw)
+    scheme, params = FREQUENCY
+    try:
+        rope_patch.apply(model, scheme, **params)
+    except (ValueError, TypeError) as e:
+        return f"refused: {e}"
+    got = _logits(folder, model, ids, kw)
+    d = _delta(got, _logits(folder, _native(model), ids, kw), real)
+    rope_patch.remove(model)
+    if not torch.equal(_logits(folder, model, ids, kw), before):
+        return "wrong: remove() is not bit-exact"
+    return "exact" if d <= TOL else f"wrong: {d:.1e} from a natively configured model"
+
+
+def _attention(folder, scheme, make, ids, kw, real) -> str:
+    identity, setting = ATTENTION[scheme]
+    model = make()
+    before = _logits(folder, model, ids, kw)
+    if identity is not None:
+        try:
+            rope_patch.apply(model, scheme, **identity)
+        except (ValueError, TypeError) as e:
+            return f"refused: {e}"
+        d = _delta(_logits(folder, model, ids, kw), before, real)
+        rope_patch.remove(model)
+        if d > TOL:
+            return f"wrong: {d:.1e} from the model at the identity setting {identity}"
+        if not torch.equal(_logits(folder, model, ids, kw), before):
+            return "wrong: remove() is not bit-exact"
+    try:
+        rope_patch.apply(model, scheme, **setting)
+    except (ValueError, TypeError) as e:
+        return f"refused: {e}"
+    got = _logits(folder, model, ids, kw)
+    want = reference_forward(make(), model, ids, scheme, setting, kw.get("attention_mask"),
+                             **{k: v for k, v in kw.items() if k != "attention_mask"}, **INPUTS.get(folder, {}))
+    d = _delta(got, want, real)
+    rope_patch.remove(model)
+    if d > TOL:
+        return f"wrong: {d:.1e} from the reference at {setting}"
+    if not torch.equal(_logits(folder, model, ids, kw), before):
+        return "wrong: remove() is not bit-exact"
+    return "exact"
+
+
+def outcomes(folder: str, schemes=SCHEMES) -> dict[str, str]:
+    """scheme -> "exact" | "refused: ..." | "wrong: ..." | "crash: ..." on the folder's tiny model."""
+    impl = backend(folder)
+
+    def make():
+        return tiny_model(folder, attn_implementation=impl)
+
+    ids, kw, real = batch(folder)
+    out = {}
+    unpatched = make()
+    before = _logits(folder, unpatched, ids, kw)
+    rope_patch.remove(unpatched)  # a no-op on an unpatched model of any architecture
+    out["remove_unpatched"] = "exact" if torch.equal(_logits(folder, unpatched, ids, kw), before) else "wrong"
+    for scheme in schemes:
+        try:
+            out[scheme] = (_frequency(folder, make, ids, kw, real) if scheme == FREQUENCY[0]
+                           else _attention(folder, scheme, make, ids, kw, real))
+        except Exception as e:  # noqa: BLE001 (a crash is an outcome, reported as such)
+            out[scheme] = f"crash: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return out
