@@ -341,6 +341,8 @@ def test_schema_is_the_one_reader():
         "rope_patch/integrations/lm_eval/sweep.py": "lm-eval's results and samples files; transformers' config.json",
         "rope_patch/persistence.py": "transformers' config.json and peft's adapter_config.json",
         "rope_patch/schema.py": "the one reader",
+        "rope_patch/scheme_names.py": "the committed name table (package data generated from the scheme classes and "
+                                      "checked equal to them by tests/test_scheme_names.py), read before the CLI parses",
     }
     found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "rope_patch").rglob("*.py")
                    if ("json.loads(" in p.read_text() or "yaml.safe_load(" in p.read_text()) and "data" not in p.parts)

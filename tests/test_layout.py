@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1] / "rope_patch"
 
 # Lowest first. A module may import its own layer and the ones below (the README's Development tree draws this).
 LAYERS = [
-    ("foundation", ["_version", "files", "resources", "registry", "undo", "rotary", "validation", "discovery", "specs",
-                    "zoo", "schema", "fingerprint"]),
+    ("foundation", ["_version", "files", "resources", "registry", "scheme_names", "undo", "rotary", "validation",
+                    "discovery", "specs", "zoo", "schema", "fingerprint"]),
     ("attention", ["attention"]),
     ("schemes", ["schemes"]),
     ("api", ["api", "lengths", "persistence", "suggest"]),
