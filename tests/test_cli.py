@@ -1,7 +1,9 @@
-"""`rope-patch` command line: `list`, the help text, and errors as one line (exit 2; 130 when interrupted)."""
+"""`rope-patch` command line: `list`, the help text, and errors as one line (exit 2; 130 when interrupted); parsing
+(--help, `list`, every argument error) imports neither torch nor transformers."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -110,12 +112,12 @@ class Boom(Exception):
     (KeyboardInterrupt(), 130, "rope-patch list: interrupted."),
 ])
 def test_errors_are_one_line(monkeypatch, capsys, exc, code, message):
-    import rope_patch.registry
+    import rope_patch.scheme_names
 
     def fail():
         raise exc
 
-    monkeypatch.setattr(rope_patch.registry, "list_schemes", fail)
+    monkeypatch.setattr(rope_patch.scheme_names, "list_schemes", fail)
     assert main(["list"]) == code
     assert message in error_line(capsys)
 
@@ -133,9 +135,13 @@ def test_debug_prints_the_traceback_from_the_console(tmp_path):
         return subprocess.run([sys.executable, "-m", "rope_patch.cli", *argv], capture_output=True, text=True,
                               cwd=tmp_path)
 
-    debug = run("--debug", "plot", "decay", "--schemes", "yran:8")
+    debug = run("--debug", "plot", "decay", "--config", "no_such_model")
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
-    assert "Did you mean 'yarn'" in debug.stderr
+    assert "no_such_model" in debug.stderr
+    # an argument error is a usage error: one line even under --debug (there is no traceback worth showing)
+    usage = run("--debug", "plot", "decay", "--schemes", "yran:8")
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr and len(usage.stderr.strip().splitlines()) == 1
+    assert "argument --schemes: Unknown position-encoding scheme 'yran'. Did you mean 'yarn'?" in usage.stderr
 
 
 def sweep_argv(tmp_path, *tasks):
@@ -161,6 +167,104 @@ def test_sweep_unknown_lm_eval_task_did_you_mean(tmp_path, capsys):
     assert "Unknown task 'no_such_task'" in line and "Did you mean" in line and "ls tasks" in line
     assert main(sweep_argv(tmp_path, "arc_easyy")) == 2
     assert "Did you mean 'arc_easy'?" in error_line(capsys)
+
+
+# Runs each command line in turn through the console script's entry point (as `rope-patch` does: the package's
+# __init__ first, then the entry module), in one fresh interpreter, and reports per call what it printed and which
+# heavy modules were imported by then: the first call that imports torch is the one to blame.
+STARTUP_PROBE = """
+import contextlib, io, json, sys
+from importlib.metadata import entry_points
+
+(script,) = entry_points(group="console_scripts", name="rope-patch")
+main = script.load()
+report = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code
+    heavy = [m for m in ("torch", "transformers", "torch._dynamo", "numpy", "matplotlib", "rich", "lm_eval")
+             if m in sys.modules]
+    report.append({"argv": argv, "code": code, "out": out.getvalue(), "err": err.getvalue(), "heavy": heavy})
+print(json.dumps(report))
+"""
+
+
+def startup_calls() -> list[list[str]]:
+    """`--help` of the program and of every (sub)command, `list`, and argument errors of every kind."""
+    from rope_patch.cli import build_parser
+
+    calls = [["--help"], ["list"]]
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for name, parser in sub.choices.items():
+        calls.append([name, "--help"])
+        for action in parser._actions:
+            if action.dest == "models_command":
+                calls += [[name, inner, "--help"] for inner in action.choices]
+    calls += [argv for argv, _ in BAD_ARGS]
+    return calls + [argv for argv, _ in SCHEME_ERRORS] + [["bogus"], ["export"], ["tune", "--target", "64"]]
+
+
+# Scheme and parameter names are checked while parsing, from the name table (rope_patch.scheme_names)
+SCHEME_ERRORS = [
+    (["compare", "--model", "tiny", "--lengths", "1k"], "argument --lengths: expected a number, got '1k'"),
+    (["compare", "--schemes", "default", "yran:8"], "argument --schemes: Unknown position-encoding scheme 'yran'. "
+     "Did you mean 'yarn'?"),
+    (["sweep", "--schemes", "yarn:fctor=2"], "argument --schemes: yarn: unknown parameter 'fctor'. Did you mean 'factor'?"),
+    (["plot", "decay", "--schemes", "self_extend:4+yran"], "Did you mean 'yarn'?"),
+    (["explain", "nope:3"], "nope takes no positional value"),
+    (["tune", "--scheme", "longrop", "--target", "64"], "argument --scheme: Unknown position-encoding scheme 'longrop'. "
+     "Did you mean 'longrope'?"),
+    (["tune", "--scheme", "yarn", "--target", "64", "--accept", "loaded", "ymr"], "argument --accept: Unknown"),
+    (["tune", "--scheme", "longrope", "--target", "64", "--init", "yarn:beta=2"], "unknown parameter 'beta'"),
+    (["tune", "--scheme", "yarn", "--target", "64", "--method", "evolve"], "argument --method: invalid choice"),
+]
+
+
+def test_parsing_imports_neither_torch_nor_transformers():
+    """Issue 29: `rope-patch --help`, every command's --help, `rope-patch list` and every argument error answer
+    without importing torch or transformers (nor numpy, matplotlib, rich, lm_eval): parsing is ~0.1 s, a bare
+    `import torch` ~1.5-2 s (bench/cli_startup.py)."""
+    calls = startup_calls()
+    proc = subprocess.run([sys.executable, "-c", STARTUP_PROBE, json.dumps(calls)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert [r["argv"] for r in report] == calls
+    heavy = [(r["argv"], r["heavy"]) for r in report if r["heavy"]]
+    assert not heavy, f"the first call that imported a heavy module: {heavy[0]}"
+    for r in report:
+        if "--help" in r["argv"]:
+            assert r["code"] == 0 and "usage: rope-patch" in r["out"], r
+        elif r["argv"] == ["list"]:
+            assert r["code"] == 0 and "yarn" in r["out"], r
+        else:  # an argument error: exit status 2, one line
+            assert r["code"] == 2 and len(r["err"].strip().splitlines()) == 1 and r["out"] == "", r
+    errors = {json.dumps(r["argv"]): r["err"] for r in report}
+    for argv, message in SCHEME_ERRORS:
+        assert message in errors[json.dumps(argv)], errors[json.dumps(argv)]
+
+
+def test_list_prints_the_live_registry(capsys):
+    """`rope-patch list` reads the name table; it prints what the scheme classes say (name, kind, parameters,
+    aliases), as it did when it read the registry."""
+    from rope_patch import registry
+
+    assert main(["list"]) == 0
+    by_scheme: dict[str, list[str]] = {}
+    for alias, name in registry.aliases().items():
+        by_scheme.setdefault(name, []).append(alias)
+    expected = []
+    for name in registry.list_schemes():
+        cls = registry.get_scheme_class(name)
+        if not cls.__module__.startswith("rope_patch.schemes."):  # a test's own scheme, registered in this process
+            continue
+        extra = f" (aliases: {', '.join(sorted(by_scheme[name]))})" if name in by_scheme else ""
+        expected.append(f"{name:<16} {cls.kind:<10} {', '.join(cls.param_names()) or '-'}{extra}")
+    assert capsys.readouterr().out.splitlines() == expected
 
 
 def test_the_command_line_starts_without_optional_or_heavy_imports():

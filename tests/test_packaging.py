@@ -51,7 +51,8 @@ def test_wheel_carries_the_data_the_commands_need(installed):
     names = set(zipfile.ZipFile(installed[3]).namelist())
     for needed in ("rope_patch/py.typed", "rope_patch/data/heldout.txt", "rope_patch/data/rope-tiny/model.safetensors",
                    "rope_patch/data/rope-tiny/tokenizer.json", "rope_patch/data/tasks/rope/rope_passkey_128.yaml",
-                   "rope_patch/data/tasks/rope/rope_tasks_utils.py"):
+                   "rope_patch/data/tasks/rope/rope_tasks_utils.py",
+                   "rope_patch/data/scheme_names.json"):  # the name table `rope-patch` parses with, before torch
         assert needed in names, needed
     assert any(n.endswith("licenses/LICENSE") for n in names)
 
@@ -70,6 +71,8 @@ def test_commands_run_from_an_empty_directory(installed):
     _, bin_dir, work, _ = installed
     listing = run([str(bin_dir / "rope-patch"), "models", "list"], cwd=work)
     assert "tiny" in listing and "smollm2" in listing
+    schemes = run([str(bin_dir / "rope-patch"), "list"], cwd=work)  # from the wheel's name table
+    assert "yarn " in schemes and "self_extend " in schemes
     run([str(bin_dir / "rope-patch"), "compare", "--model", "tiny", "--schemes", "default", "yarn:2", "--lengths", "64",
          "--passkey-lengths", "128", "--depths", "0.5", "--passkey-samples", "1", "--windows", "1", "--threads", "1",
          "--out", "res", "--no-plots"], cwd=work)

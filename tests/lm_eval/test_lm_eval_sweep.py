@@ -90,8 +90,10 @@ def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
 def test_sweep_refuses_other_settings_and_bad_schemes(assets, tmp_path):
     import rope_patch.integrations.lm_eval.sweep as S
 
+    args = sweep_args(assets, tmp_path / "a")
+    args.schemes = ["default", "yarnn:2"]  # the command line refuses it while parsing; the engine on its own, too
     with pytest.raises(ValueError, match="yarnn"):
-        S.sweep(sweep_args(assets, tmp_path / "a", schemes=["default", "yarnn:2"]), log=lambda m: None)
+        S.sweep(args, log=lambda m: None)
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "sweep_settings.json").write_text(json.dumps({"fingerprint": "other"}))
     with pytest.raises(ValueError, match="other settings"):
