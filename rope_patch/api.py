@@ -45,7 +45,8 @@ class PatchState(UndoLog):
 
 def _unpatched_rope_fields(target: PatchSite) -> dict:
     cfg = target.config
-    return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": cfg.max_position_embeddings}
+    return {"rope_parameters": copy.deepcopy(cfg.rope_parameters),
+            "max_position_embeddings": getattr(cfg, "max_position_embeddings", None)}  # RecurrentGemma records none
 
 
 def as_scheme(scheme: SchemeLike | list | tuple, **params: Any) -> Scheme:

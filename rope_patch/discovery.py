@@ -86,10 +86,20 @@ class PatchSite:
         cfg = self.config
         out = {}
         for lt in self.layer_types:
-            head_dim = head_size(layer_config(cfg, lt))
             params = cfg.rope_parameters[lt] if lt is not None else cfg.rope_parameters
             prefix = f"{lt}_" if lt else ""
             n_pairs = getattr(self.rotary, f"{prefix}inv_freq").numel()
+            try:
+                head_dim = head_size(layer_config(cfg, lt))
+            except AttributeError:  # a composite config (Blt's top level): the rotary's own config has the sizes
+                own = vars(self.rotary).get("config")
+                head_dim = head_size(layer_config(own, lt)) if own is not None and own is not cfg else 2 * n_pairs
+            if getattr(cfg, "max_position_embeddings", None) is None:
+                raise ValueError(
+                    f"{self.model_type}'s config records no max_position_embeddings, the window a frequency scheme's "
+                    "factor and defaults are relative to (transformers' own scaled RoPE types read it too, so a model "
+                    "configured with one fails the same way). The attention-side schemes that need no window "
+                    "(self_extend, rerope, leaky_rerope, string, alibi, nope) apply.")
             window = int(cfg.max_position_embeddings)
             original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
             out[lt] = RopeContext(

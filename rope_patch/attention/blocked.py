@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import settings
+from .copies import Identity, NotProven
 from .protocol import STATE, AttentionCall, Partial, make_call, merge, own_rows, restack, stand_in
 
 
@@ -88,6 +89,21 @@ def _mask_block(attention_mask, call: AttentionCall, rows: slice, e: int):
     return m.view(m.shape[0], call.query.shape[1], call.query.shape[2], *m.shape[2:])
 
 
+def with_indices(attention_mask, indices: torch.Tensor, k_len: int, dtype) -> torch.Tensor:
+    """The mask of a sparse-attention layer that hands its indexer's top-k keys (b, q, k) as `indices` to backends
+    other than eager/sdpa: the keys not chosen are masked, as the model's own eager/sdpa path does (it merges the same
+    `index_mask` into its mask). Without a mask the causal one is the base."""
+    b, q_len = indices.shape[:2]
+    chosen = torch.zeros(b, q_len, k_len, dtype=torch.bool, device=indices.device).scatter(-1, indices.long(), True)
+    chosen = chosen[:, None]  # (b, 1, q, k)
+    if attention_mask is None:
+        i = torch.arange(k_len - q_len, k_len, device=indices.device)[:, None]
+        return chosen & (torch.arange(k_len, device=indices.device)[None, :] <= i)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & chosen
+    return attention_mask.masked_fill(~chosen, torch.finfo(attention_mask.dtype).min)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                       *, dense: bool, **kwargs):
     """transformers attention-function signature: query (b, H, q, d), key/value (b, Hkv, k, d) →
@@ -97,7 +113,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return stand_in("eager" if dense else "sdpa", module)(module, query, key, value, attention_mask, dropout=dropout,
                                                               scaling=scaling, softcap=softcap, **kwargs)
     attention_mask = own_rows(module, attention_mask)
-    call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
+    if kwargs.get("indices") is not None:  # a sparse-attention indexer's choice of keys (DeepSeek-V3.2 & co.)
+        attention_mask = with_indices(attention_mask, own_rows(module, kwargs["indices"]), key.shape[2], query.dtype)
+        current = state.current if state is not None else None
+        if current is not None and not isinstance(current.layout.maps[0], Identity):
+            # copy 0's indexer chose these keys at copy 0's positions; DCA's copy 0 is chunk positions, not the tokens'
+            raise NotProven("hands its sparse-attention indexer's choice of keys to attention, and this scheme moves "
+                            "every copy's positions, so no copy is the tokens' own to choose keys at")
+    call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"), kwargs.get("indices"))
     query, key, value = call.query, call.key, call.value
     b, hkv, _, q_len, _ = query.shape
     h, d, k_len = hkv * query.shape[2], value.shape[-1], key.shape[2]

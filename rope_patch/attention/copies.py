@@ -109,6 +109,16 @@ def _repeated(value, b: int, c: int):
     return value
 
 
+def _copy_zero(out, b: int, c: int):
+    """What the layer returns, as copy 0's: every tensor of c·b rows cut to its first b (the output, and what some
+    layers hand the next one, as HunYuan-V4's top-k indices)."""
+    if isinstance(out, tuple):
+        return tuple(_copy_zero(x, b, c) for x in out)
+    if isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == b * c:
+        return out[:b]
+    return out
+
+
 HEADS, ROWS = "heads", "rows"  # how a cache hands the stored copies back to the layer
 
 
@@ -126,8 +136,12 @@ class CacheView:
                 own code computed them: for layers that process what the cache returns (DeepSeek's MLA caches its
                 latent and expands it afterwards). S times vanilla's cache memory, and a copy per step.
 
-    Reads a layer makes pass through; anything else a layer asks of its cache is refused (`NotProven`), since the
-    copies would reach it stacked on the batch axis."""
+    Reads a layer makes pass through. Any other method (a sparse-attention indexer's `update_indexer`, a conv state
+    of Zaya's projections) keeps copy 0's rows and hands its results back repeated for every copy: exact for copy 0,
+    which is all the layer reads from such state when it is position-free or only feeds copy 0's choices (the
+    indexer's top-k: rope_patch's function reads copy 0's); the apply-time check compares the copies' queries and keys
+    with the layer's own at other positions, in the cached steps too, so a state that would carry copy 0's positions
+    into another copy is caught there."""
 
     READS = frozenset({"get_seq_length", "get_mask_sizes", "is_compileable", "is_sliding", "get_max_cache_shape",
                        "max_batch_size", "max_cache_len", "is_initialized", "layers"})
@@ -154,12 +168,34 @@ class CacheView:
         return torch.cat([sets[kept.index(t)] if t in kept else sets[0] for t in range(self._layout.copies)])
 
     def __getattr__(self, name):
-        if name in CacheView.READS:
-            return getattr(self._cache, name)
-        raise NotProven(f"calls cache.{name}(), which rope_patch's stacked position copies are not proven to serve")
+        found = getattr(self._cache, name)
+        if name in CacheView.READS or not callable(found):
+            return found
+        return _CopyZero(found, self._rows, self._layout.copies)
 
     def __bool__(self):
         return True
+
+
+class _CopyZero:
+    """A cache method called with the copies' rows: called with copy 0's, its tensors handed back for every copy."""
+
+    def __init__(self, method, rows: int, copies: int):
+        self.method, self.rows, self.copies = method, rows, copies
+
+    def _in(self, x):
+        return x[: self.rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.rows * self.copies else x
+
+    def _out(self, x):
+        if isinstance(x, tuple):
+            return tuple(self._out(v) for v in x)
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.rows:
+            return x.repeat(self.copies, *([1] * (x.dim() - 1)))
+        return x
+
+    def __call__(self, *args, **kwargs):
+        out = self.method(*(self._in(a) for a in args), **{k: self._in(v) for k, v in kwargs.items()})
+        return self._out(out)
 
 
 @functools.cache
@@ -195,41 +231,48 @@ class Reentry:
         call = dict(bound.arguments)
         call.pop("self", None)
         extra = call.pop("kwargs", {}) if "kwargs" in _signature(type(module)).parameters else {}
-        names = list(call)
-        hidden = call[names[0]]  # the layer input, whatever the architecture calls it
-        b, c = hidden.shape[0], layout.copies
+        hidden = call[next(iter(call))]  # the layer input, whatever the architecture calls it
+        b = hidden.shape[0]
         embeddings = call.get("position_embeddings")
-        if embeddings is not None and source(embeddings) is None:
-            embeddings = recover(embeddings, module_state(module).rotaries)
-            if embeddings is None:
-                raise NotProven(f"{type(module).__name__} received position embeddings that no rotary module of the "
-                                "model made, so they cannot be made at other positions")
-            call["position_embeddings"] = embeddings
-        positions = embeddings.position_ids if source(embeddings) is not None else None
+        kinds = embeddings if type(embeddings) is dict else {None: embeddings}  # DeepSeek-V4: {"main", "compress"}
+        tagged = {}
+        for kind, made in kinds.items():
+            if made is not None and source(made) is None:
+                made = recover(made, module_state(module).rotaries)
+                if made is None:
+                    raise NotProven(f"{type(module).__name__} received position embeddings that no rotary module of "
+                                    "the model made, so they cannot be made at other positions")
+            tagged[kind] = made
         given = call.get("position_ids", extra.get("position_ids"))
-        if positions is None:
-            positions = given
+        made = next((m for m in tagged.values() if m is not None), None)
+        positions = made.position_ids if made is not None else given
         if positions is None:  # no positions reach the layer (a NoPE layer): nothing to move, it runs as it is
             return type(module).forward(module, *args, **kwargs)
-        call[names[0]] = hidden.repeat(c, *([1] * (hidden.dim() - 1)))
-        if source(embeddings) is not None:
-            call["position_embeddings"] = stack_embeddings(embeddings, layout.maps, b, id(layout))
+        if made is not None:
+            stacked = {k: stack_embeddings(v, layout.maps, b, id(layout)) if v is not None else None
+                       for k, v in tagged.items()}
+            call["position_embeddings"] = stacked if type(embeddings) is dict else stacked[None]
+        call[next(iter(call))] = hidden.repeat(layout.copies, *([1] * (hidden.dim() - 1)))
         if given is not None:
             # Copy t sees the ids map_t(p) too: layers that rotate with a rotary of their own (Moshi, RecurrentGemma)
             # or scale by position after RoPE (Ministral 3's Llama 4 temperature) compute copy t at map_t(p) as well.
-            stacked = torch.cat([_id_rows(m(given), b) for m in layout.maps], dim=-2)
-            (call if "position_ids" in call else extra)["position_ids"] = stacked
+            ids = torch.cat([_id_rows(m(given), b) for m in layout.maps], dim=-2)
+            (call if "position_ids" in call else extra)["position_ids"] = ids
         for name in CACHE_ARGS:
             cache = call.get(name, extra.get(name))
             if cache is not None:
                 (call if name in call else extra)[name] = CacheView(cache, b, layout, self.cache_mode)
         # Whatever else the layer receives per row (a mask, a position-dependent query scale computed by the decoder,
         # as Beam's NoPE layers get) is the same for every copy: only positions differ between copies.
-        done = {names[0], "position_embeddings", "position_ids", *CACHE_ARGS}
+        done = {next(iter(call)), "position_embeddings", "position_ids", *CACHE_ARGS}
         for where in (call, extra):
             for name, value in where.items():
                 if name not in done:
-                    where[name] = _repeated(value, b, c)
+                    where[name] = _repeated(value, b, layout.copies)
+        return self._run(call, extra, b, positions)
+
+    def _run(self, call: dict, extra: dict, b: int, positions: torch.Tensor):
+        module, layout = self.module, self.layout
         state = module_state(module)
         true = positions if positions.dim() == 2 else positions[0]  # M-RoPE: text tokens' sections are equal
         previous, state.current = state.current, Current(b, true, layout)
@@ -237,6 +280,4 @@ class Reentry:
             out = type(module).forward(module, **call, **extra)
         finally:
             state.current = previous
-        if isinstance(out, tuple):
-            return (out[0][:b], *out[1:])
-        return out[:b]
+        return _copy_zero(out, b, layout.copies)

@@ -9,6 +9,7 @@ import transformers
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from . import settings
+from .copies import NotProven
 from .protocol import STATE, AttentionCall, make_call, restack, stand_in
 
 
@@ -96,6 +97,9 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
     if attention_mask is not None and not isinstance(attention_mask, BlockMask):
         raise ValueError(f"the flex_attention backend expects a BlockMask, got {type(attention_mask).__name__}: pass "
                          "a 2-D padding mask and let transformers build it, or use the sdpa backend for custom masks.")
+    if kwargs.get("indices") is not None:
+        raise NotProven("hands its sparse-attention indexer's chosen keys (`indices`) to attention, which rope_patch's "
+                        "flex_attention function does not take (its eager and sdpa ones do)")
     call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
     state.scores.begin(call)
     block_mask = attention_mask if attention_mask is not None else causal_block_mask(call)

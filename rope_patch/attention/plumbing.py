@@ -95,9 +95,12 @@ class Recorder:
 
     def __init__(self):
         self.calls, self.query, self.key, self.value = 0, None, None, None
+        self.chooses: set = set()  # layers that hand attention a sparse-attention indexer's choice of keys
 
-    def seen(self, query, key, value=None):
+    def seen(self, query, key, value=None, module=None, indices=None):
         self.calls, self.query, self.key, self.value = self.calls + 1, query, key, value
+        if indices is not None and module is not None:
+            self.chooses.add(module)
 
 
 def _capture(module, query, key, value, attention_mask, *args, **kwargs):
@@ -178,6 +181,7 @@ class SideBySide:
         for name in CACHE_ARGS:
             if call.get(name, extra.get(name)) is not None:
                 check.shadow(call.get(name, extra.get(name)))
+                check.shadow(call.get(name, extra.get(name)), "moved")
         for value in (*call.values(), *extra.values()):
             if isinstance(value, MutableMapping):
                 check.shadow(value)
@@ -246,11 +250,10 @@ class SideBySide:
         for where in (call, extra):
             if where.get("position_ids") is not None:
                 where["position_ids"] = where["position_ids"] + SHIFT
-            for name in CACHE_ARGS:
-                if name in where:
-                    where[name] = None
             for name, value in where.items():
-                if isinstance(value, MutableMapping):
+                # the moved run keeps its own cache and shared state, fed by the moved runs of every step and layer
+                # (a layer whose queries depend on cached state, as Zaya's convolved projections, needs its own past)
+                if (name in CACHE_ARGS and value is not None) or isinstance(value, MutableMapping):
                     where[name] = check.shadow(value, "moved")
         self._with_backend(CAPTURE, call, extra)
         q, k = module.__dict__.pop("_rope_patch_captured")
@@ -350,8 +353,13 @@ def native_inputs(model: nn.Module, n: int) -> Inputs:
         except Exception:  # noqa: BLE001 (what the model cannot run is left out, not a finding)
             inputs = Inputs(ids, None, torch.arange(n, device=device).expand(2, n))
         try:
-            model(inputs.ids[:, : n - 2], **inputs.kwargs(slice(0, n - 2)), use_cache=True)
-        except Exception:  # noqa: BLE001
+            out = model(inputs.ids[:, : n - 2], **inputs.kwargs(slice(0, n - 2)), use_cache=True)
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            if cache is None:  # a model that keeps its cache to itself (RecurrentGemma): no cached steps to check
+                raise LookupError("no cache returned")
+            model(inputs.ids[:, n - 2: n - 1], **inputs.kwargs(slice(n - 2, n - 1)), use_cache=True,
+                  **{_cache_keyword(model): cache})
+        except Exception:  # noqa: BLE001 (CSM's depth decoder decodes only under its parent model)
             inputs.cached = False
     return inputs
 
@@ -441,10 +449,11 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
         def wrap(module, inner, _check=check):
             return SideBySide(_check, module, inner, probes[module])
 
+        recorder = Recorder()
         try:
             install(log, probe, probes, mode, wrap)
             for m in modules:
-                module_state(m).recorder = Recorder()
+                module_state(m).recorder = recorder
             run(check, model, inputs)
         except Stop:
             pass
@@ -454,6 +463,13 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
             log.undo()
             for k, c in configs.items():  # as it was (set_attn_implementation would re-check e.g. flash_attn)
                 c._attn_implementation_internal = backends[k]
+        check.step = "the layers' structure"
+        for m in recorder.chooses:  # a sparse-attention indexer chooses keys at copy 0's positions
+            layout = layouts.get(m)
+            if layout is not None and not isinstance(layout.maps[0], Identity):
+                check.note(m, "it hands attention a sparse-attention indexer's choice of keys, made at copy 0's "
+                              "positions; this scheme moves every copy (DCA: chunk positions), so none is the tokens' "
+                              "own for the indexer to choose at")
         if not check.findings:
             CHECKED[key] = mode
             return mode
@@ -462,7 +478,7 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
             break  # the prefill without cache failed: another cache mode will not help
     raise ValueError(
         f"{name}: the apply-time check ran the scheme side by side with {target.model_type}'s own attention layers "
-        f"(at an identity setting, which must reproduce the model) and found a difference: "
+        f"(at an identity setting, which must reproduce the model) and it does not hold: "
         f"{describe(failure.findings, failure.tol)}. rope_patch cannot show this scheme correct on this architecture, "
         "so it is refused and the model is left as it was. The frequency schemes and the schemes that keep the "
         "model's own attention (nope, sinusoidal, learned_absolute) are not affected; rope_patch.apply(..., "

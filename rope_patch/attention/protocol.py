@@ -180,13 +180,13 @@ def _offsets(position_ids: torch.Tensor | None, q_slot: torch.Tensor) -> torch.T
     return pos.gather(-1, r) - q_slot[r]
 
 
-def unstack(module, query, key, value, position_ids):
+def unstack(module, query, key, value, position_ids, indices=None):
     """Split what a re-positioned layer passed (attention/copies.py): c query copies stacked on the batch axis, keys
     either stacked likewise (no cache) or as S key sets on the head axis (what `CacheView` stored), values of copy 0.
     Returns (queries, keys, value, true position ids); one copy of each for a layer that is not re-positioned."""
     state = module_state(module)
     if state.recorder is not None:
-        state.recorder.seen(query, key, value)
+        state.recorder.seen(query, key, value, module, indices)
     current = state.current
     if current is None:
         return (query,), (key,), value, position_ids
@@ -201,8 +201,8 @@ def unstack(module, query, key, value, position_ids):
     return queries, keys, value, current.positions
 
 
-def make_call(module, query, key, value, scaling, softcap, position_ids) -> AttentionCall:
-    queries, keys, value, position_ids = unstack(module, query, key, value, position_ids)
+def make_call(module, query, key, value, scaling, softcap, position_ids, indices=None) -> AttentionCall:
+    queries, keys, value, position_ids = unstack(module, query, key, value, position_ids, indices)
     b, h, q_len, d = queries[0].shape
     hkv, k_len = keys[0].shape[1], keys[0].shape[2]
     if h % hkv:

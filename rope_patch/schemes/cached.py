@@ -28,6 +28,7 @@ flash-attention-2 and static caches are refused at apply() time, as for the othe
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -116,16 +117,29 @@ def prepare(name: str, target: PatchSite):
     if not modules:
         raise ValueError(f"{name}: cache_rotation='consistent' found no attention modules in {type(target.model).__name__}.")
     model, rotary = target.model, target.rotary
+    native = target.config._attn_implementation
 
     def install(log: UndoLog, masters: dict, update) -> None:
-        log.setattr(rotary, "forward", PatchedRotaryForward(
-            rotary, masters, identity=True, config=target.config, attn_implementation=impl,
-            allowed=tuple(attention.BACKENDS.values()), scheme=name, update=update, tagged=True))
-        attention.register()
-        state = attention.AttnState(rule)
-        for m in modules:
-            log.setattr(m, attention.STATE, state)
-        log.add_hook(decoder(model), CacheGuard(name), with_kwargs=True)
-        model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
+        def put(log: UndoLog, rule, layouts, cache_mode, wrap=None) -> None:
+            during_check = ("eager", attention.plumbing.CAPTURE) if wrap is not None else ()
+            log.setattr(rotary, "forward", PatchedRotaryForward(
+                rotary, masters, identity=True, config=target.config, attn_implementation=impl,
+                allowed=(*attention.BACKENDS.values(), *during_check), scheme=name, update=update, tagged=True))
+            attention.register()
+            state = attention.AttnState(rule, rotaries=(rotary,))
+            for m in modules:
+                log.setattr(m, attention.STATE, state)
+                if wrap is not None:
+                    log.setattr(m, "forward", wrap(m, functools.partial(type(m).forward, m)))
+            log.add_hook(decoder(model), CacheGuard(name), with_kwargs=True)
+            model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
+
+        if target.check:
+            # The rotation moves inside attention here (the deferred design): a layer that does something after its
+            # RoPE (HunYuan's q/k norms, Dory's query scale) or no RoPE at all gets another model. Checked against
+            # the layer's own rotation at the frequencies just installed (within the window: one set of them).
+            attention.plumbing.verify(target, name, rule, dict.fromkeys(modules), impl, native,
+                                      rotate_reference=True, install=put)
+        put(log, rule, dict.fromkeys(modules), attention.HEADS)
 
     return install

@@ -335,9 +335,11 @@ class DualChunk(AttentionScheme):
     def resolve(self, target):
         raw = getattr(target.config, CONFIG_KEY, None)
         values = {} if raw is None else _config_values(raw, f" (from the model config's {CONFIG_KEY})")
-        window = values.pop("original_max_position_embeddings", None) or target.pretraining_window
-        chunk = self.chunk_size if self.chunk_size is not None else values.get("chunk_size", window * 3 // 4)
-        local = self.local_size if self.local_size is not None else values.get("local_size", max(1, window // 8))
+        window = values.pop("original_max_position_embeddings", None)
+        if window is None and (self.chunk_size is None or self.local_size is None):  # only the defaults need L
+            window = target.pretraining_window
+        chunk = self.chunk_size if self.chunk_size is not None else values.get("chunk_size") or window * 3 // 4
+        local = self.local_size if self.local_size is not None else values.get("local_size") or max(1, window // 8)
         origin = {k: "given" if getattr(self, k) is not None else ("from the model config's " + CONFIG_KEY if k in values
                                                                      else f"the default for a {window}-token window")
                   for k in ("chunk_size", "local_size")}

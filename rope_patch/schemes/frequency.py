@@ -174,7 +174,14 @@ class FrequencyScheme(Scheme):
                 continue
             fn = _init_fn(params[lt]["rope_type"], type(target.rotary))
             kwargs = {"layer_type": lt} if layered else {}
-            inv_freq, scaling = fn(discovery.layer_config(rotary_config, lt), **kwargs)
+            try:
+                inv_freq, scaling = fn(discovery.layer_config(rotary_config, lt), **kwargs)
+            except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as err:
+                where = f" for its {lt} layers" if lt else ""
+                raise ValueError(
+                    f"{self.name}: transformers' own {params[lt]['rope_type']!r} RoPE computation fails on "
+                    f"{target.model_type}'s config{where} ({type(err).__name__}: {err}), so a model configured with "
+                    "this scheme cannot be built either. Use a scheme this architecture's config supports.") from None
             buffers[lt] = self.adjust(inv_freq.float(), ctx).to(device)
             scalings[lt] = float(scaling)
             _check_width(self, target, lt, buffers[lt])
@@ -228,7 +235,10 @@ def _public_of(scheme: FrequencyScheme, config) -> dict:
     """The scheme's rope_parameters for a config whose own RoPE no rotary module is built from (Blt's top-level
     config beside its sub-configs'): applied to that config's own entry."""
     params = config.rope_parameters
-    head_dim = discovery.head_size(config) if hasattr(config, "num_attention_heads") else 2
+    try:
+        head_dim = discovery.head_size(config)
+    except AttributeError:  # a composite config (Blt's top level) with no attention sizes of its own: unused here
+        head_dim = 2
     ctx = RopeContext(head_dim=head_dim, rotary_dim=head_dim, rope_theta=float(params["rope_theta"]),
                       max_position_embeddings=int(config.max_position_embeddings), rope_parameters=dict(params))
     return scheme.rope_parameters(ctx)

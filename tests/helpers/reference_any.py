@@ -24,7 +24,9 @@ Nothing here uses rope_patch: not its copies, caches, attention functions or pos
 
 from __future__ import annotations
 
+import copy
 import inspect
+from collections.abc import MutableMapping
 
 import torch
 from transformers import AttentionInterface
@@ -47,7 +49,9 @@ class _Run:
     def __init__(self, model, patched, scheme, params, pos):
         self.model, self.patched, self.scheme, self.params, self.pos = model, patched, scheme, params, pos
         self.made = {}  # id(position embeddings) -> (rotary module, its call args, kwargs)
-        self.mode, self.captured, self.emit = None, None, None
+        self.mode, self.captured, self.emit = None, [], []
+        self.shared = {}  # (id(mapping), positions) -> the copy a layer run at those positions reads and writes
+        self.outputs, self.outputs_by_id = {}, {}  # the rotary outputs of the forward, for embeddings cut from them
 
 
 def _rotaries(model):
@@ -56,21 +60,29 @@ def _rotaries(model):
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     run = _Run.current
-    if run.mode == "capture":  # a positional layer run: keep q, k, v, return nothing useful
-        run.captured = dict(q=query, k=key, v=value, scaling=scaling, softcap=kwargs.get("softcap"),
-                            sinks=kwargs.get("s_aux"), mask=attention_mask)
+    if run.mode == "capture":  # a positional layer run: keep q, k, v of every call, return nothing useful
+        run.captured.append(dict(q=query, k=key, v=value, scaling=scaling, softcap=kwargs.get("softcap"),
+                                 sinks=kwargs.get("s_aux"), mask=attention_mask, indices=kwargs.get("indices")))
         b, h, n, _ = query.shape
         return query.new_zeros(b, n, h, value.shape[-1]), None
-    if run.mode == "emit":  # the layer's last run: the reference attention output
-        return run.emit, None
+    if run.mode == "emit":  # the layer's last run: the reference attention output of each call in turn
+        return run.emit.pop(0), None
+    if module not in run.layers:  # cross-attention (Blt's): not a layer the scheme moves, attention as it is
+        b, h, n, d = query.shape
+        s = _softcapped((query @ _expand_kv(key, h).transpose(-1, -2)).float() * (scaling or d**-0.5),
+                        kwargs.get("softcap"))
+        return _softmax_out(s, _expand_kv(value, h), attention_mask, kwargs.get("s_aux")), None
     return _bias_attention(module, query, key, value, attention_mask, scaling, **kwargs)
 
 
-def _softmax_out(s, value, attention_mask, softcap, sinks):
-    """(b, H, n, k) float scores → (b, n, H, dv): softcap, eager mask, softmax (with sinks), times the values."""
+def _softcapped(s, softcap):
+    """Gemma 2: c·tanh(s / c) on the scaled q·k, before any bias or mask (as the model's eager function)."""
+    return s if softcap is None else torch.tanh(s / softcap) * softcap
+
+
+def _softmax_out(s, value, attention_mask, sinks):
+    """(b, H, n, k) float scores (softcapped, biased) → (b, n, H, dv): eager mask, softmax (with sinks), values."""
     b, h, n, _ = s.shape
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
     if attention_mask is not None:
         s = s + attention_mask[:, :, :, : value.shape[-2]]
     if sinks is not None:  # gpt-oss: a per-head logit in the denominator (a key with value 0)
@@ -90,9 +102,11 @@ def _bias_attention(module, query, key, value, attention_mask, scaling, **kwargs
     b, h, n, d = query.shape
     key, value = _expand_kv(key, h), _expand_kv(value, h)
     scaling = d**-0.5 if scaling is None else scaling
-    s = (query @ key.transpose(-1, -2)).float() * scaling
-    pos = run.pos
-    dist = (pos[:, :, None] - pos[:, None, :]).clamp(min=0)
+    s = _softcapped((query @ key.transpose(-1, -2)).float() * scaling, kwargs.get("softcap"))
+    pos, k_len = run.pos, key.shape[-2]
+    if k_len != pos.shape[-1] or n != pos.shape[-1]:  # a layer over other units than the tokens (Blt's patches)
+        pos = torch.arange(k_len).expand(b, -1)  # its own slots, the queries the last n of them
+    dist = (pos[:, -n:, None] - pos[:, None, :]).clamp(min=0)
     if run.scheme == "alibi":
         slopes = torch.tensor(alibi_slopes(h, run.params.get("max_bias", 8.0)))
         s = s - slopes[None, :, None, None] * dist[:, None].float()
@@ -101,7 +115,10 @@ def _bias_attention(module, query, key, value, attention_mask, scaling, **kwargs
         w = run.patched.rope_patch_relative_bias.weight[module.layer_idx]  # (H, buckets)
         buckets = torch.tensor([t5_bucket(t, p.get("num_buckets", 32), p.get("max_distance", 128)) for t in range(n)])
         s = s + w[:, buckets[dist]].permute(1, 0, 2, 3)
-    return _softmax_out(s, value, attention_mask, kwargs.get("softcap"), kwargs.get("s_aux")), None
+    if kwargs.get("indices") is not None:  # a sparse-attention indexer's choice of keys: the others are masked
+        keep = torch.zeros(b, n, key.shape[-2], dtype=torch.bool).scatter(-1, kwargs["indices"].long(), True)
+        s = s.masked_fill(~keep[:, None], float("-inf"))
+    return _softmax_out(s, value, attention_mask, kwargs.get("s_aux")), None
 
 
 def _identity(module, args, out):
@@ -112,7 +129,10 @@ def _identity(module, args, out):
 
 
 def _record(module, args, kwargs, out):
-    _Run.current.made[id(out)] = (module, args, kwargs)
+    run = _Run.current
+    run.made[id(out)] = (module, args, kwargs)
+    run.outputs[id(out)] = (module, args, kwargs)
+    run.outputs_by_id[id(out)] = out
 
 
 def _tables(pq: torch.Tensor, valid: torch.Tensor, dim: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -137,6 +157,23 @@ def _tables(pq: torch.Tensor, valid: torch.Tensor, dim: int) -> tuple[list[torch
     return arrays, index
 
 
+def _sliced(run, embeddings):
+    """(rotary, args, kwargs) for embeddings that are the last positions of a recorded rotary output (Gemma 4 keeps
+    only those for its KV-shared layers), with the position ids cut alike; None if there is no such output."""
+    if not isinstance(embeddings, tuple) or not embeddings:
+        return None
+    first = embeddings[0]
+    for out_id, (rotary, args, kwargs) in run.outputs.items():
+        whole = run.outputs_by_id[out_id][0]
+        n = first.shape[-2]
+        if whole.shape[:-2] == first.shape[:-2] and whole.shape[-2] >= n and torch.equal(whole[..., -n:, :], first):
+            bound = dict(inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs).arguments)
+            bound["position_ids"] = bound["position_ids"][..., -n:]
+            bound.pop("self")
+            return rotary, (), bound
+    return None
+
+
 class _Layer:
     """The forward of an attention layer during a positional reference run (see the module docstring)."""
 
@@ -144,13 +181,27 @@ class _Layer:
         self.module = module
         self.signature = inspect.signature(type(module).forward)
 
+    @staticmethod
+    def _positions(call, extra, made, tokens):
+        """The layer's own positions (b, n): what its rotary was called with (Blt's global layers count patches, not
+        the tokens), else the position ids it gets, else the tokens' true positions."""
+        pos = None
+        if made is not None:
+            rotary, args, kwargs = made
+            pos = inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs).arguments["position_ids"]
+        pos = pos if pos is not None else call.get("position_ids", extra.get("position_ids"))
+        if pos is None:
+            return tokens
+        pos = pos[0] if pos.dim() == 3 else pos  # M-RoPE: the text section
+        return pos.expand(tokens.shape[0], pos.shape[-1]).long()
+
     def _run(self, call: dict, extra: dict, positions: torch.Tensor | None, made):
         """The layer's own forward with every token at `positions` (None: as given)."""
         call, extra = dict(call), dict(extra)
         if positions is not None:
             if made is not None:
                 rotary, args, kwargs = made
-                given = inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs).arguments
+                given = dict(inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs).arguments)
                 given = {**given, "position_ids": positions}
                 call["position_embeddings"] = type(rotary).forward(**given)
             for where in (call, extra):
@@ -160,6 +211,15 @@ class _Layer:
             for where in (call, extra):
                 if name in where:
                     where[name] = None
+        if positions is not None:
+            # state the decoder hands every layer (Gemma 3n/4: a producing layer stores its keys, later layers read
+            # them): each set of positions has its own copy, so a reading layer gets the keys made at its positions
+            shared = _Run.current.shared
+            for where in (call, extra):
+                for name, value in where.items():
+                    if isinstance(value, MutableMapping):
+                        key = (id(value), positions.numpy().tobytes())
+                        where[name] = shared.setdefault(key, copy.copy(value))
         return type(self.module).forward(self.module, **call, **extra)
 
     def __call__(self, *args, **kwargs):
@@ -168,8 +228,8 @@ class _Layer:
         call = dict(bound.arguments)
         call.pop("self")
         extra = call.pop("kwargs", {}) if "kwargs" in self.signature.parameters else {}
-        made = run.made.get(id(call.get("position_embeddings")))
-        pos = run.pos
+        made = run.made.get(id(call.get("position_embeddings"))) or _sliced(run, call.get("position_embeddings"))
+        pos = self._positions(call, extra, made, run.pos)
         b, n = pos.shape
         if run.scheme == "dca":
             p = run.params
@@ -182,26 +242,37 @@ class _Layer:
         q_arrays, q_index = _tables(pq, valid, dim=2)
         k_arrays, k_index = _tables(pk, valid, dim=1)
         run.mode = "capture"
-        qs, ks = [], []
+        qs, ks, calls = [], [], None  # per position array, per attention call of the layer (DiffLlama makes two)
         for arr in q_arrays:
+            run.captured = []
             self._run(call, extra, arr.to(pq.dtype if run.scheme == "leaky_rerope" else torch.long), made)
-            qs.append(run.captured["q"])
-        info = None
+            qs.append([c["q"] for c in run.captured])
         for arr in k_arrays:
+            run.captured = []
             self._run(call, extra, arr.to(pk.dtype if run.scheme == "leaky_rerope" else torch.long), made)
-            ks.append(run.captured["k"])
-            info = run.captured
-        h = qs[0].shape[1]
-        q_all = torch.stack(qs)  # (m, b, H, n, d)
-        k_all = torch.stack([_expand_kv(k, h) for k in ks])  # (m', b, H, n, d)
+            ks.append([c["k"] for c in run.captured])
+            calls = run.captured
+        # a sparse-attention indexer's choice of keys (DeepSeek-V3.2 & co. hand it as `indices` to backends other than
+        # eager/sdpa): the unpatched model's, made at the tokens' own positions
+        run.captured = []
+        self._run(call, extra, pos, made)
+        chosen = [c["indices"] for c in run.captured]
         bi = torch.arange(b)[:, None, None]
         ii, jj = slot[None, :, None], slot[None, None, :]
-        q_pair = q_all[q_index, bi, :, ii].permute(0, 3, 1, 2, 4)  # (b, H, n, n, d): q_i at pair (i, j)'s position
-        k_pair = k_all[k_index, bi, :, jj].permute(0, 3, 1, 2, 4)
-        scaling = info["scaling"] if info["scaling"] is not None else qs[0].shape[-1] ** -0.5
-        s = (q_pair.float() * k_pair.float()).sum(-1) * scaling
-        value = _expand_kv(info["v"], h)
-        run.emit = _softmax_out(s, value, info["mask"], info["softcap"], info["sinks"]).to(value.dtype)
+        run.emit = []
+        for c, info in enumerate(calls):
+            h = qs[0][c].shape[1]
+            q_all = torch.stack([q[c] for q in qs])  # (m, b, H, n, d)
+            k_all = torch.stack([_expand_kv(k[c], h) for k in ks])  # (m', b, H, n, d)
+            q_pair = q_all[q_index, bi, :, ii].permute(0, 3, 1, 2, 4)  # (b, H, n, n, d): q_i at pair (i, j)'s position
+            k_pair = k_all[k_index, bi, :, jj].permute(0, 3, 1, 2, 4)
+            scaling = info["scaling"] if info["scaling"] is not None else q_all.shape[-1] ** -0.5
+            s = _softcapped((q_pair.float() * k_pair.float()).sum(-1) * scaling, info["softcap"])
+            if chosen[c] is not None:  # the keys the indexer did not choose are masked (its model's eager path)
+                keep = torch.zeros(b, n, s.shape[-1], dtype=torch.bool).scatter(-1, chosen[c].long(), True)
+                s = s.masked_fill(~keep[:, None], float("-inf"))
+            value = _expand_kv(info["v"], h)
+            run.emit.append(_softmax_out(s, value, info["mask"], info["sinks"]).to(value.dtype))
         run.mode = "emit"
         try:
             return self._run(call, extra, None, None)
@@ -210,7 +281,17 @@ class _Layer:
 
 
 def _attention_modules(model):
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    """The layers that attend with positions: a `layer_idx`, a position argument, attention through transformers'
+    interface in their forward (LongCat's MLA blocks; not DeepSeek-V3.2's indexers, not linear attention)."""
+    def attends(m):
+        if not hasattr(m, "layer_idx"):
+            return False
+        params = inspect.signature(type(m).forward).parameters
+        return ("position_embeddings" in params or "position_ids" in params) and \
+            "attention_interface" in inspect.getsource(type(m).forward)
+
+    found = [m for m in model.modules() if attends(m)]
+    return [m for m in found if not any(c is not m and c in found for c in m.modules())]
 
 
 @torch.no_grad()
@@ -228,6 +309,7 @@ def forward(model, patched, ids, scheme, params, mask=None, **kw):
         embeds = embeds + patched.rope_patch_position_embeddings.weight[pos]
     backend = model.config._attn_implementation
     _Run.current = _Run(model, patched, scheme, params, pos)
+    _Run.current.layers = _attention_modules(model)
     hooks, layers = [], []
     if scheme in POSITIONAL:
         hooks = [r.register_forward_hook(_record, with_kwargs=True) for r in _rotaries(model)]
@@ -239,7 +321,10 @@ def forward(model, patched, ids, scheme, params, mask=None, **kw):
     try:
         if scheme in OWN_ATTENTION:
             model.set_attn_implementation(NAME)
-        return model(inputs_embeds=embeds, attention_mask=mask, **kw).logits
+        if scheme in ("sinusoidal", "learned_absolute"):
+            return model(inputs_embeds=embeds, attention_mask=mask, **kw).logits
+        # the ids themselves otherwise: some models read them beyond the embedding (Gemma 3n's per-layer inputs)
+        return model(ids, attention_mask=mask, **kw).logits
     finally:
         for hook in hooks:
             hook.remove()

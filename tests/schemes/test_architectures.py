@@ -1,13 +1,14 @@
-"""The architectures added after the first 19: every attention-side scheme exact against a reference, or
-refused at apply() with the architecture's reason; the frequency schemes run in test_frequency.py over all of ARCHS.
-
-Table-driven: `ATTENTION_SCHEMES` × `ADDED`, with `REFUSED` naming what each architecture cannot serve and why.
+"""Architectures: every RoPE folder of the installed transformers, every scheme family exact or refused clearly
+(`test_every_rope_folder`, with the table in helpers/coverage.py), and in more depth (both backends, all ten
+attention-side schemes, cached decoding) the architectures added after the first 19 (`ADDED`), with `REFUSED` naming
+what each cannot serve and why; the frequency schemes run in test_frequency.py over all of ARCHS.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import coverage
 from helpers.models import ARCHS, VOCAB, logits, native_twin, tiny_model
 from helpers.reference_any import forward as reference_forward
 
@@ -249,3 +250,34 @@ def test_frequency_patch_removes_bit_exactly(arch):
     rope_patch.apply(model, "linear", factor=2.0)
     rope_patch.remove(model)
     assert rope_patch.current(model) is None and torch.equal(logits(model, ids, attention_mask=mask), before)
+
+
+# ---- every RoPE folder of the installed transformers ---------------------------------------------------------------
+@pytest.mark.slow  # 122 folders × 7 schemes, ~3 min on 2 cores
+@pytest.mark.parametrize("folder", coverage.folders())
+def test_every_rope_folder(folder):
+    """Each scheme family exact (yarn against a natively built model; each attention-side scheme at its identity
+    setting against the model and at a real setting against the reference; remove() bit-exact) or refused at apply()
+    for the reason the table gives; remove() on the unpatched model a no-op. Never wrong, never a crash."""
+    got = coverage.outcomes(folder)
+    assert got.pop("remove_unpatched") == "exact"
+    for scheme, outcome in got.items():
+        want = coverage.expected(folder, scheme)
+        if want is None:
+            assert outcome == "exact", f"{folder} {scheme}: {outcome}"
+        else:
+            assert outcome.startswith("refused: ") and want[0] in outcome, f"{folder} {scheme}: {outcome}"
+
+
+def test_the_coverage_table_names_installed_folders_and_schemes():
+    assert set(coverage.REFUSED) <= set(coverage.folders())
+    assert all(set(row) <= set(coverage.SCHEMES) for row in coverage.REFUSED.values())
+    exact = {s: sum(coverage.expected(f, s) is None for f in coverage.folders()) for s in coverage.SCHEMES}
+    assert min(exact.values()) >= 100, exact
+
+
+def test_the_architecture_page_is_generated_from_the_table():
+    from helpers.scripts import ROOT
+
+    committed = (ROOT / "docs" / "architectures.md").read_text(encoding="utf-8")
+    assert committed == coverage.page(), "docs/architectures.md is stale: run `cd tests && python -m helpers.coverage`"

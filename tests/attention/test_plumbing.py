@@ -1,0 +1,73 @@
+"""The apply-time plumbing check (rope_patch/attention/plumbing.py): what it catches, what it costs, how it is skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.coverage import backend, batch
+from helpers.models import logits, tiny_model
+
+import rope_patch
+from rope_patch.attention import plumbing
+
+# The ten architectures on which the old design (the rotary made the identity, q and k rotated inside the attention
+# function) was silently wrong: layers without RoPE rotated anyway, q/k norms or a query scale after RoPE moved in
+# front of it, a sparse indexer fed un-rotated keys. `cache_rotation="consistent"` still rotates that way (cached keys
+# are re-rotated at every step by definition), so it is that design with no structural support: the check must
+# refuse it on each of them, naming the layer.
+SILENT = {
+    "afmoe": "layer 1", "cohere2_moe": "layer 1", "exaone_moe": "layer 1", "flint": "layer 0", "kolibri1": "layer 1",
+    "lara_mini": "layer 2",  # their full-attention layers use no RoPE
+    "hunyuan_v1_dense": "layer 0", "hunyuan_v1_moe": "layer 0",  # q/k RMSNorm after RoPE
+    "dory": "layer 0",  # a per-channel query scale after RoPE
+    "qwen4_exp": "layer 1",  # a sparse indexer that rotates with the position embeddings
+}
+
+
+@pytest.mark.parametrize("folder", sorted(SILENT))
+def test_the_check_catches_rotation_inside_attention_where_the_layer_does_more(folder):
+    model = tiny_model(folder, attn_implementation=backend(folder))
+    ids, kw, _ = batch(folder)
+    before, config = logits(model, ids, **kw), model.config.to_dict()
+    with pytest.raises(ValueError, match=rf"apply-time check .* does not hold: \w+ \({SILENT[folder]}\): its output"):
+        rope_patch.apply(model, "dynamic", factor=2.0, cache_rotation="consistent")
+    assert rope_patch.current(model) is None and model.config.to_dict() == config
+    assert torch.equal(logits(model, ids, **kw), before)
+
+
+@pytest.mark.parametrize("folder", ["llama", "qwen3", "gemma2"])
+def test_the_same_design_passes_where_rope_is_the_last_thing_before_the_scores(folder):
+    model = tiny_model(folder, attn_implementation=backend(folder))
+    rope_patch.apply(model, "dynamic", factor=2.0, cache_rotation="consistent")
+    assert rope_patch.current(model) is not None
+
+
+def test_an_architecture_is_checked_once_per_process_and_check_false_skips_it(monkeypatch):
+    runs = []
+    original = plumbing.run
+    monkeypatch.setattr(plumbing, "run", lambda *a: (runs.append(a), original(*a))[1])
+    monkeypatch.setattr(plumbing, "CHECKED", {})
+    rope_patch.apply(tiny_model("llama", attn_implementation="sdpa"), "self_extend", group_size=4, window_size=12)
+    rope_patch.apply(tiny_model("llama", attn_implementation="sdpa", seed=1), "self_extend", group_size=2,
+                     window_size=8)
+    assert len(runs) == 1  # another model of the same architecture, scheme family and backend
+    rope_patch.apply(tiny_model("qwen3", attn_implementation="sdpa"), "rerope", window_size=12, check=False)
+    assert len(runs) == 1
+    rope_patch.apply(tiny_model("qwen3", attn_implementation="sdpa"), "rerope", window_size=12)
+    assert len(runs) == 2
+
+
+def test_a_refused_check_can_be_overridden_and_then_gives_the_other_model():
+    """check=False is the user's own risk: on HunYuan the old design is then what it was, a different model."""
+    model = tiny_model("hunyuan_v1_dense", attn_implementation="sdpa")
+    ids, kw, real = batch("hunyuan_v1_dense")
+    before = logits(model, ids, **kw)
+    rope_patch.apply(model, "dynamic", factor=2.0, cache_rotation="consistent", check=False)
+    assert (logits(model, ids, **kw) - before)[real].abs().max() > 1e-2  # within the window dynamic is the model
+
+
+def test_the_check_length_passes_every_window_the_layers_declare():
+    model = tiny_model("gemma3_text", sliding_window=100)
+    modules = [m for m in model.modules() if hasattr(m, "sliding_window")]
+    assert plumbing.length(model, modules) == 116
+    assert plumbing.length(tiny_model("llama"), []) == plumbing.MIN_LENGTH
