@@ -81,8 +81,8 @@ def _repeat(x: torch.Tensor, g: int) -> torch.Tensor:
 def _mask_block(attention_mask, call: AttentionCall, rows: slice, e: int):
     """(b|1, 1|Hkv, 1|G, r, e) bool 'may attend' or float additive mask for one block; causal when no mask was built.
     A mask per query head (Doge's dynamic mask, (b, H, q, k)) is laid out as the scores: kv head, then group."""
-    if attention_mask is None:
-        return (call.distance(rows, 0, e) >= 0).view(1, 1, 1, -1, e)
+    if attention_mask is None:  # causal in slots (the order of the tokens; gapped ids do not change it)
+        return (call.q_slot[rows, None] >= torch.arange(e, device=call.q_slot.device)).view(1, 1, 1, -1, e)
     m = attention_mask[:, :, rows, :e]
     if m.shape[1] == 1:
         return m.unsqueeze(2)
@@ -137,7 +137,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     # The fused path (log-sum-exp merging) serves inference without padding mask, softcap or dropout on CPU;
     # everything else takes the materialised-block path, which autograd can differentiate.
     fused = (not dense and attention_mask is None and softcap is None and not (dropout and module.training)
-            and not torch.is_grad_enabled() and query.device.type == "cpu" and _flash_lse_op() is not None)
+            and not torch.is_grad_enabled() and query.device.type == "cpu" and _flash_lse_op() is not None
+            and not call.gapped)  # gapped ids: regions by id differences, per element (the materialised path)
     if dense:
         block = q_len
     elif fused:  # only a narrow band is materialised per block: the scheme picks the block that balances the two
@@ -160,6 +161,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             end = k_len  # a custom additive mask may open any key
         s = state.scores.logits(call, rows, 0, end)
         m = _mask_block(attention_mask, call, rows, end)
+        same = call.segments(rows, 0, end)
+        if same is not None:  # a packed row that restarts its ids: no key of an earlier segment
+            m = m & same if m.dtype == torch.bool else m.masked_fill(~same, torch.finfo(m.dtype).min)
         if m.dtype == torch.bool:
             # finfo.min rather than -inf: a fully masked row (a left-pad query) stays finite, as in transformers
             s = s.masked_fill(~m, torch.finfo(s.dtype).min)

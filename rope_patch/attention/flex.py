@@ -101,6 +101,10 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
         raise NotProven("hands its sparse-attention indexer's chosen keys (`indices`) to attention, which rope_patch's "
                         "flex_attention function does not take (its eager and sdpa ones do)")
     call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
+    if call.gapped:
+        raise ValueError("rope_patch: position ids with gaps or restarts (PoSE, packed rows) are not supported on the "
+                         "flex_attention backend, whose block masks are built from slots; use the sdpa or eager backend "
+                         "(model.set_attn_implementation('sdpa') before rope_patch.apply).")
     state.scores.begin(call)
     block_mask = attention_mask if attention_mask is not None else causal_block_mask(call)
     out = state.scores.flex(call, block_mask)

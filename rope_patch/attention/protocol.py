@@ -110,6 +110,13 @@ class AttentionCall:
     scratch: dict = dataclasses.field(default_factory=dict)  # per-call values a AttentionRule computes in begin()
     queries: tuple = ()  # per position copy: (b, Hkv, G, q, d)
     keys: tuple = ()  # per key set: (b, Hkv, k, d)
+    # Position ids that are not the slots' (PoSE's skipped ids, packed rows that restart): (b, k) per key, the
+    # queries the last q of them; None when they are the slots plus a per-row offset (`offset`)
+    ids: torch.Tensor | None = None
+
+    @property
+    def gapped(self) -> bool:
+        return self.ids is not None
 
     def qk(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """q (b, Hkv, G, r, d) · k (b, Hkv, e, d)ᵀ → float32 (b, Hkv, G, r, e), scaled and softcapped. G is folded
@@ -122,8 +129,22 @@ class AttentionCall:
         return s
 
     def distance(self, rows: slice, start: int, end: int) -> torch.Tensor:
-        """(r, end − start) int64: i − j for query rows `rows` and key slots [start, end) (negative = future)."""
-        return self.q_slot[rows, None] - torch.arange(start, end, device=self.q_slot.device)
+        """i − j for query rows `rows` and key slots [start, end) (negative = future): (r, end − start) int64 in
+        slots, or with gapped ids the difference of the position ids, (b, 1, 1, r, end − start) like the scores
+        (a distance is the difference of position ids, as the rotary embedding has it)."""
+        if self.ids is None:
+            return self.q_slot[rows, None] - torch.arange(start, end, device=self.q_slot.device)
+        q_ids = self.ids[:, -self.query.shape[3]:][:, rows]
+        return (q_ids[:, :, None] - self.ids[:, None, start:end])[:, None, None]
+
+    def segments(self, rows: slice, start: int, end: int) -> torch.Tensor | None:
+        """With gapped ids, (b, 1, 1, r, w) bool: the query and the key are in one segment of the row (a packed row
+        restarts its ids: keys of the earlier segment are masked, as packed-sequence attention does); else None."""
+        if self.ids is None:
+            return None
+        seg = torch.cat([torch.zeros_like(self.ids[:, :1]), (self.ids.diff(dim=-1) <= 0).long()], dim=-1).cumsum(-1)
+        q_seg = seg[:, -self.query.shape[3]:][:, rows]
+        return (q_seg[:, :, None] == seg[:, None, start:end])[:, None, None]
 
     def first_slot(self, rows: slice) -> int:
         return self.key.shape[2] - self.query.shape[3] + rows.start
@@ -170,6 +191,18 @@ def module_state(module):
     return state
 
 
+def gapped_ids(position_ids: torch.Tensor | None, q_slot: torch.Tensor, offset: torch.Tensor, k_len: int):
+    """The position ids (b, n) when they are not the slots plus the per-row offset for the real tokens (a PoSE gap,
+    a packed row that restarts at 0), else None. Slots before a row's first real token (left padding: generate gives
+    pads the id 1) are not compared. Only a call whose queries are all its keys (no cache) can be judged."""
+    if position_ids is None or position_ids.shape[-1] != k_len:
+        return None
+    ids = position_ids.long().reshape(-1, k_len)
+    expected = torch.arange(k_len, device=ids.device) + offset
+    real = expected >= 0
+    return ids if bool(((ids != expected) & real).any()) else None
+
+
 def _offsets(position_ids: torch.Tensor | None, q_slot: torch.Tensor) -> torch.Tensor:
     """Per row: true position − slot index. Read at the row's largest position id (a real token under left padding,
     where generate gives pads position 1, and under right padding)."""
@@ -209,8 +242,12 @@ def make_call(module, query, key, value, scaling, softcap, position_ids, indices
         raise ValueError(f"{h} query heads cannot share {hkv} key/value heads")
     q_slot = torch.arange(k_len - q_len, k_len, device=query.device)
     queries = tuple(q.view(b, hkv, h // hkv, q_len, d) for q in queries)
+    offset = _offsets(position_ids, q_slot)
+    # gapped ids with a cache are refused before the forward (schemes/common.py CacheGuard): here they come
+    # without one, the queries' ids being every key's
+    ids = gapped_ids(position_ids, q_slot, offset, k_len) if k_len == q_len else None
     return AttentionCall(module, queries[0], keys[0], value, scaling if scaling is not None else d**-0.5,
-                         softcap, q_slot, _offsets(position_ids, q_slot), queries=queries, keys=keys)
+                         softcap, q_slot, offset, queries=queries, keys=keys, ids=ids)
 
 
 def own_rows(module, mask):

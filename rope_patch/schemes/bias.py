@@ -184,6 +184,10 @@ class RelativeBiasScores(attention.AttentionRule):
         """(1, Hkv, G, r, end − start) float32. Every full block of the fused path has the same distance pattern, so
         its band is built once per call and reused."""
         dist = call.distance(rows, start, end)
+        if call.gapped:  # (b, 1, 1, r, w) distances of position ids: a bias per element of the batch
+            bucket = t5_bucket(dist.clamp(min=0)[:, 0, 0], self.num_buckets, self.max_distance)  # (b, r, w)
+            bias = self.table(call)[:, bucket].float().permute(1, 0, 2, 3)  # (b, H, r, w)
+            return bias.reshape(bias.shape[0], *call.query.shape[1:3], *bias.shape[2:])
         key = ("relative_bias", int(dist[0, 0]), *dist.shape)
         if key in call.scratch:
             return call.scratch[key]

@@ -70,7 +70,8 @@ class CurrentRotation(attention.AttentionRule):
         k_pos = attention_positions(call, 0, call.key.shape[2])  # (b|1, k) true positions
         call.scratch["k"] = rotate(call.key, k_pos)
         q = call.query.reshape(b, hkv * g, q_len, d)
-        call.scratch["q"] = rotate(q, call.q_slot + call.offset).view(b, hkv, g, q_len, d)
+        q_pos = call.ids[:, -q_len:] if call.gapped else call.q_slot + call.offset
+        call.scratch["q"] = rotate(q, q_pos).view(b, hkv, g, q_len, d)
 
     def logits(self, call, rows, start, end):
         return call.qk(call.scratch["q"][:, :, :, rows], call.scratch["k"][:, :, start:end])
@@ -87,7 +88,10 @@ class CurrentRotation(attention.AttentionRule):
 
 
 def attention_positions(call, start: int, end: int):
-    """(b|1, end − start) true positions of key slots [start, end) (left padding skipped via the row offset)."""
+    """(b|1, end − start) true positions of key slots [start, end) (left padding skipped via the row offset; gapped
+    ids as they are)."""
+    if call.gapped:
+        return call.ids[:, start:end]
     return torch.arange(start, end, device=call.key.device) + call.offset
 
 

@@ -161,6 +161,13 @@ class DualChunkScores(attention.AttentionRule):
         """Each region's logits over only its key range, combined element by element by the pair's region."""
         if call.scratch["plain"]:
             return attention.PLAIN.logits(call, rows, start, end)
+        if call.gapped:  # chunks by position id, per element (the three regions over every key)
+            q_ids = call.ids[:, -call.query.shape[3]:][:, rows]
+            dn = (torch.div(q_ids.clamp(min=0), self.chunk, rounding_mode="floor")[:, :, None]
+                  - torch.div(call.ids[:, None, start:end].clamp(min=0), self.chunk, rounding_mode="floor"))
+            region = ((dn >= 1).long() + (dn >= 2).long())[:, None, None]  # (b, 1, 1, r, w)
+            parts = [call.qk(self._q(call, rows, r), call.key[:, :, start:end]) for r in (INTRA, SUCC, INTER)]
+            return torch.where(region == INTRA, parts[0], torch.where(region == SUCC, parts[1], parts[2]))
         ranges = [(r, max(lo, start), min(hi, end)) for r, (lo, hi) in enumerate(self._ranges(call, rows, end))]
         ranges = [(r, lo, hi) for r, lo, hi in ranges if lo < hi]
         k_rot = call.scratch["k_rot"]

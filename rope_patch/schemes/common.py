@@ -285,6 +285,18 @@ def _state_only(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
 
 
+def _gapped(position_ids, attention_mask) -> bool:
+    """Whether consecutive real tokens of some row have ids that do not step by 1 (pads, 0 in a 2-D mask, ignored)."""
+    if position_ids is None or position_ids.shape[-1] < 2:
+        return False
+    ids = position_ids.reshape(-1, position_ids.shape[-1]).long()
+    step = ids.diff(dim=-1) != 1
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape == ids.shape:
+        real = attention_mask.bool()
+        step = step & real[:, 1:] & real[:, :-1]
+    return bool(step.any())
+
+
 class CacheGuard:
     """Forward pre-hook on the decoder: refuse caches whose key slots are not positions (static / hybrid caches)."""
 
@@ -303,6 +315,14 @@ class CacheGuard:
                 f"{self.scheme}: a static KV cache ({type(cache).__name__}) is not supported: it pads keys to its "
                 "maximum length, so key slots stop being positions. Use the default DynamicCache (generate's default)."
             )
+        use = kwargs.get("use_cache")
+        use = getattr(getattr(module, "config", None), "use_cache", False) if use is None else use
+        uses_cache = cache is not None or bool(use)
+        if uses_cache and _gapped(kwargs.get("position_ids"), kwargs.get("attention_mask")):
+            raise ValueError(
+                f"{self.scheme}: position ids with gaps or restarts (PoSE's skipped ids, packed rows) together with a "
+                "KV cache are not supported: the cache keeps no position ids beside its keys, so a cached key's "
+                "distance would be its slot's. Run such inputs without a cache (use_cache=False), as training does.")
 
 
 def sinusoid(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:

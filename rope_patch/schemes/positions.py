@@ -80,7 +80,7 @@ class TwoRegionScores(attention.AttentionRule):
 
     def begin(self, call):
         k_len = call.key.shape[2]
-        near_only = len(call.queries) == 1 or k_len - 1 < self.window
+        near_only = len(call.queries) == 1 or (k_len - 1 < self.window and not call.gapped)
         # The window this call splits at; past every key (near only) when no key can be ≥ W slots back.
         call.scratch["window"] = k_len + call.query.shape[3] if near_only else self.window
 
@@ -96,6 +96,10 @@ class TwoRegionScores(attention.AttentionRule):
     def logits(self, call, rows, start, end):
         w = call.scratch["window"]
         q_near = self._q(call, rows, far=False)
+        if call.gapped and len(call.queries) > 1:  # regions by the difference of position ids, per element
+            near = call.qk(q_near, self._k_near(call, start, end))
+            far = call.qk(self._q(call, rows, far=True), self._k_far(call, start, end))
+            return torch.where(call.distance(rows, start, end) < self.window, near, far)
         first = call.first_slot(rows)
         far_end = max(start, min(end, first + (rows.stop - rows.start) - w))  # keys j < far_end: far for the last row
         if far_end == start:

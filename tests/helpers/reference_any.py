@@ -113,7 +113,8 @@ def _bias_attention(module, query, key, value, attention_mask, scaling, **kwargs
     elif run.scheme == "relative_bias":
         p = run.params
         w = run.patched.rope_patch_relative_bias.weight[module.layer_idx]  # (H, buckets)
-        buckets = torch.tensor([t5_bucket(t, p.get("num_buckets", 32), p.get("max_distance", 128)) for t in range(n)])
+        buckets = torch.tensor([t5_bucket(t, p.get("num_buckets", 32), p.get("max_distance", 128))
+                                for t in range(int(dist.max()) + 1)])
         s = s + w[:, buckets[dist]].permute(1, 0, 2, 3)
     if kwargs.get("indices") is not None:  # a sparse-attention indexer's choice of keys: the others are masked
         keep = torch.zeros(b, n, key.shape[-2], dtype=torch.bool).scatter(-1, kwargs["indices"].long(), True)
@@ -302,6 +303,8 @@ def forward(model, patched, ids, scheme, params, mask=None, **kw):
     AttentionMaskInterface.register(NAME, eager_mask)
     b, n = ids.shape
     pos = true_positions(mask, b, n)
+    if kw.get("position_ids") is not None:  # the ids given (PoSE's gaps, packed rows): a distance is their difference
+        pos = kw["position_ids"].expand(b, n).long()
     embeds = model.get_input_embeddings()(ids)
     if scheme == "sinusoidal":
         embeds = embeds + sinusoid_table(n, model.config.hidden_size, params.get("rope_theta", 10000.0))[pos]
