@@ -104,6 +104,7 @@ def _apply(model: M, new: Scheme, *, temporary: bool, check: bool = True) -> M:
     """`apply`; `temporary` (patched()): the previous patch comes back afterwards, so its tables are not lost."""
     target = find_target(model)
     target.check = check
+    _materialised(target)
     old = _state(target)
     trained = patch_modules(model) if old is not None and not temporary else {}
     if old is not None:
@@ -147,6 +148,19 @@ def _carry_tables(model, trained: dict[str, nn.Module], *, keep: bool) -> None:
         "rope_patch.save_pretrained, or re-apply the same scheme and parameters to keep them.",
         UserWarning, stacklevel=3,
     )
+
+
+def _materialised(target: PatchSite) -> None:
+    """A model built on the meta device (weights not loaded, `init_empty_weights`) has no frequencies yet: the
+    rotary's buffers hold no values, so neither a patch's frequencies nor the undo log's copies of the model's would be
+    real (and `to_empty` leaves them uninitialised). Refused; an offloaded model (device_map with offload: parameters
+    on meta, brought in by accelerate's hooks) keeps real rotary buffers and is served."""
+    meta = [name for r in target.rotaries for name, b in r.named_buffers() if b.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"rope_patch.apply: {target.model_type}'s rotary module holds no values yet (its {meta[0]!r} is on the meta "
+            "device: the weights are not materialised). Load the model (from_pretrained, also with a device_map), or "
+            "materialise it (to_empty + weight init) before applying a patch.")
 
 
 def remove(model: M) -> M:

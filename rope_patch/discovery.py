@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .registry import list_schemes
@@ -195,6 +196,20 @@ def find_target(model) -> PatchSite:
 # ---- facts beyond the rotary module -------------------------------------------------------------------------------
 # Read from the modules themselves, for the schemes to consult at apply() time; what cannot be read is tested by the
 # apply-time check (attention/plumbing.py).
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: accelerate's execution device when its weights are offloaded (device_map with
+    offload: the parameters sit on the meta device and a hook brings them in for each forward), else the device of
+    its first materialised parameter or buffer, else the CPU. A table a scheme attaches is made there."""
+    for m in module.modules():
+        device = getattr(getattr(m, "_hf_hook", None), "execution_device", None)
+        if device is not None:
+            return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
 
 
 def has_sinks(module: nn.Module) -> bool:

@@ -82,14 +82,14 @@ SCHEMES = {
     "sinusoidal": st.just({}),
     "learned_absolute": st.just({"max_position_embeddings": 4 * WINDOW}),
 }
-NEWER = {  # schemes added after this file was written: covered where this rope_patch registers them
+NEWER = {  # schemes added after this file was written
     "dynamic_yarn": st.fixed_dictionaries({"factor": st.sampled_from([2.0, 4.0])}),
     "string": st.sampled_from([4, 8]).flatmap(lambda w: st.fixed_dictionaries(
         {"window_size": st.just(w), "shift_size": st.sampled_from([s for s in (8, 16, 24) if s > w])})),
     "dca": st.sampled_from([16, 24]).flatmap(lambda c: st.fixed_dictionaries(
         {"chunk_size": st.just(c), "local_size": st.sampled_from([4, 8])})),
 }
-SCHEMES.update({k: v for k, v in NEWER.items() if k in rope_patch.list_schemes()})
+SCHEMES.update(NEWER)
 SCHEMES["logn"] = st.just({}) | st.fixed_dictionaries({"kind": st.just("llama4"), "attn_scale": st.sampled_from([0.1, 0.5]),
                                                        "floor_scale": st.sampled_from([4, 8])})
 # attention schemes that run through their own attention function: a backend switch makes the next forward raise
@@ -421,6 +421,78 @@ class PatchingMachine(RuleBasedStateMachine):
         assert out.shape == (1, PROMPT.shape[1] + 3) and torch.equal(out[:, :PROMPT.shape[1]], PROMPT)
         if self.patch is None:
             same(out, _generate(self.twin), "generate of the unpatched model vs the twin")
+
+    @precondition(lambda self: not self.pending)
+    @rule(shape=st.sampled_from(["packed", "pose", "pose-cached"]), first=st.integers(3, 2 * WINDOW),
+          second=st.integers(2, 2 * WINDOW), seed=st.integers(0, 1000))
+    @timed
+    def forward_positions(self, shape, first, second, seed):
+        """Position ids that are not the slots (attention/protocol.py). A packed row (ids restarting at 0, no mask:
+        transformers then masks across the restart) must give its second sequence the logits it gets alone, under any
+        patch; PoSE's skipped ids run without a cache (finite logits, and what a fresh model with the same patch
+        gives), and with a cache an attention-side scheme of our own refuses them."""
+        COUNTS[f"positions-{shape}"] += 1
+        gen = torch.Generator().manual_seed(seed)
+        a, b = (torch.randint(3, VOCAB, (1, n), generator=gen) for n in (first, second))
+        if shape == "packed":
+            pos = torch.cat([torch.arange(first), torch.arange(second)])[None]
+            packed = logits(self.model, torch.cat([a, b], dim=1), position_ids=pos, use_cache=False)[:, first:]
+            alone = logits(self.model, b, position_ids=torch.arange(second)[None], use_cache=False)
+            diff = (packed - alone).abs().max().item()
+            tol = 1e-5 if self.dtype == torch.float32 else 2e-2  # two computations of one half-precision model
+            assert diff <= tol, f"{rope_patch.current(self.model)}: a packed row's second sequence vs alone: {diff}"
+            return
+        ids = torch.cat([a, b], dim=1)
+        pos = torch.cat([torch.arange(first), torch.arange(first + 5 * WINDOW, first + 5 * WINDOW + second)])[None]
+        kw = dict(position_ids=pos, attention_mask=torch.ones_like(ids))
+        if shape == "pose-cached" and self.patch is not None and self.patch["own"] and "logn" != self.patch["parts"]:
+            with pytest.raises(ValueError, match="gaps or restarts .* KV cache are not supported"):
+                logits(self.model, ids, **kw, use_cache=True)
+            return
+        out = logits(self.model, ids, **kw, use_cache=shape == "pose-cached")
+        assert torch.isfinite(out).all()
+        if self.exact() and self.patch is not None and not LENGTH_STATEFUL & set(self.patch["parts"]):
+            ref = _build(_config(self.user_backend))
+            ref.load_state_dict(self.twin.state_dict())
+            rope_patch.apply(ref, rope_patch.current(self.model))
+            mine = self.tables()
+            for path, table in self.tables(ref).items():
+                table.load_state_dict(mine[path].state_dict())
+            same(logits(ref, ids, **kw, use_cache=False), logits(self.model, ids, **kw, use_cache=False),
+                 f"PoSE ids: {rope_patch.current(self.model)} on a fresh model vs the model")
+
+    @precondition(lambda self: not self.pending and self.dtype == torch.float32)
+    @rule(data=st.data(), spec=SPEC)
+    @timed
+    def offloaded_copy(self, data, spec):
+        """A copy of the model offloaded by accelerate (parameters on the meta device, brought in per forward by
+        hooks) computes what the model computes, and takes a patch as a loaded model does (its tables where the
+        layers compute, not on meta)."""
+        from accelerate import cpu_offload
+
+        COUNTS["offloaded"] += 1
+        dup = copy.deepcopy(self.model)
+        cpu_offload(dup, execution_device="cpu")
+        same(logits(dup, PROBE), self.forward(), "an offloaded copy vs the model")
+        args, kw = self.apply_args(data, spec)
+        loaded = copy.deepcopy(self.model)
+        rope_patch.apply(dup, *args, **kw)
+        rope_patch.apply(loaded, *args, **kw)
+        for table in rope_patch.api.patch_modules(dup).values():
+            assert next(table.parameters()).device.type == "cpu"
+        same(logits(dup, PROBE), logits(loaded, PROBE), f"{rope_patch.current(dup)} offloaded vs loaded")
+
+    @rule(data=st.data(), spec=SPEC)
+    @timed
+    def meta_model(self, data, spec):
+        """A model built on the meta device (no weights, no frequencies) is refused, and left as it was."""
+        COUNTS["meta"] += 1
+        with torch.device("meta"):
+            empty = LlamaForCausalLM(_config())
+        args, kw = self.apply_args(data, spec)
+        with pytest.raises(ValueError, match="on the meta device: the weights are not materialised"):
+            rope_patch.apply(empty, *args, **kw)
+        assert rope_patch.current(empty) is None and "forward" not in vars(empty.model.rotary_emb)
 
     @rule(how=st.sampled_from(["deepcopy", "torch.save", "pickle"]), then=st.sampled_from(["continue", "independence"]))
     @timed

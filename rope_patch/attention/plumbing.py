@@ -38,6 +38,7 @@ import torch
 import transformers
 from torch import nn
 
+from ..discovery import execution_device
 from ..rotary import embed, recover, source
 from ..undo import UndoLog
 from .copies import CACHE_ARGS, HEADS, ROWS, Identity, Layout, NotProven
@@ -340,7 +341,7 @@ def native_inputs(model: nn.Module, n: int) -> Inputs:
     """The check's input, simplified where the unpatched model itself cannot run it: without left padding (a model
     that takes no 2-D padding mask, as Blt's patcher), without the cached steps (a model whose default cache does not
     build, as Blt's)."""
-    device = next(model.parameters()).device
+    device = execution_device(model.get_input_embeddings())  # not the meta device of offloaded weights
     vocab = int(getattr(model.config, "vocab_size", 0) or model.get_input_embeddings().num_embeddings)
     ids = torch.randint(min(3, vocab - 1), vocab, (2, n), generator=torch.Generator().manual_seed(0)).to(device)
     mask = torch.ones_like(ids)

@@ -15,7 +15,7 @@ from .. import validation as check
 from ..discovery import PatchSite
 from ..registry import register_scheme
 from ..undo import UndoLog
-from .common import AttentionScheme, cache_arg, decoder, sinusoid
+from .common import AttentionScheme, cache_arg, decoder, execution_device, sinusoid, table_dtype
 
 MODULE_NAME = "rope_patch_position_embeddings"  # attribute under which learned_absolute attaches its table
 
@@ -89,7 +89,8 @@ class TableEncoding:
                 f"learned_absolute: position {top} is beyond the table (max_position_embeddings={self.size}). "
                 "Re-apply with a larger max_position_embeddings."
             )
-        return getattr(self.owner, MODULE_NAME)(positions.clamp(min=0))
+        table = getattr(self.owner, MODULE_NAME)
+        return table(positions.clamp(min=0).to(execution_device(table))).to(like.device)
 
 
 class _Additive(AttentionScheme):
@@ -150,11 +151,13 @@ class LearnedAbsolute(_Additive):
         if hasattr(target.model, MODULE_NAME):
             raise ValueError(f"{self.name}: the model already has an attribute {MODULE_NAME!r}.")
         hidden = target.config.hidden_size
-        param = next(target.model.parameters())
         check.check_table_memory(self.name, "max_position_embeddings", self.max_position_embeddings, hidden, torch.float32)
         init = sinusoid(torch.arange(self.max_position_embeddings), hidden, 10000.0)
+        # where the input embeddings it is added to are made (accelerate's execution device under offloading)
+        device = execution_device(target.model.get_input_embeddings())
         # _weight= skips nn.Embedding's random init: applying a patch must not consume the global RNG
-        table = nn.Embedding(self.max_position_embeddings, hidden, _weight=init.to(device=param.device, dtype=param.dtype))
+        table = nn.Embedding(self.max_position_embeddings, hidden,
+                             _weight=init.to(device=device, dtype=table_dtype(target.model)))
         encode = TableEncoding(target.model, self.max_position_embeddings)
 
         def attach(log):

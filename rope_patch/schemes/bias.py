@@ -16,7 +16,7 @@ from .. import attention, discovery
 from .. import validation as check
 from ..discovery import PatchSite
 from ..registry import register_scheme
-from .common import AttachModule, AttentionScheme, attention_modules
+from .common import AttachModule, AttentionScheme, attention_modules, execution_device, table_dtype
 
 MODULE_NAME = "rope_patch_relative_bias"  # attribute under which relative_bias attaches its table to the model
 
@@ -178,7 +178,8 @@ class RelativeBiasScores(attention.AttentionRule):
 
     def table(self, call) -> torch.Tensor:
         heads = call.query.shape[1] * call.query.shape[2]  # the table has rows for the most heads any layer has
-        return getattr(self.owner, MODULE_NAME)(call.module.layer_idx)[:heads]  # (H, buckets)
+        # on the layer's device (layers spread over devices by a device_map read one table)
+        return getattr(self.owner, MODULE_NAME)(call.module.layer_idx)[:heads].to(call.query.device)  # (H, buckets)
 
     def bias(self, call, rows, start, end) -> torch.Tensor:
         """(1, Hkv, G, r, end − start) float32. Every full block of the fused path has the same distance pattern, so
@@ -283,8 +284,8 @@ class RelativeBiasScheme(AttentionScheme):
             slopes = torch.tensor(alibi_slopes(heads))
             with torch.no_grad():
                 table.weight.copy_(-slopes[:, None] * bucket_start(self.num_buckets, self.max_distance))
-        param = next(target.model.parameters())
-        return table.to(device=param.device, dtype=param.dtype if param.is_floating_point() else None)
+        # where the attention layers that read it compute (accelerate's execution device under offloading)
+        return table.to(device=execution_device(attention_modules(target.model)[0]), dtype=table_dtype(target.model))
 
     def build(self, target):
         if hasattr(target.model, MODULE_NAME):

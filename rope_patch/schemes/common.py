@@ -26,7 +26,7 @@ from torch import nn
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .. import attention, discovery
-from ..discovery import PatchSite
+from ..discovery import PatchSite, execution_device  # noqa: F401 (re-exported for the schemes)
 from ..rotary import PatchedRotaryForward
 from ..undo import UndoLog
 from .base import InstallStep, Scheme
@@ -70,6 +70,11 @@ def decoder(model: nn.Module) -> nn.Module:
 def _device(model: nn.Module) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def table_dtype(module: nn.Module) -> torch.dtype:
+    param = next(module.parameters(), None)
+    return param.dtype if param is not None and param.is_floating_point() else torch.float32
 
 
 def cache_arg(kwargs: dict):
