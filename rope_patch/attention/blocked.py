@@ -138,7 +138,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     # everything else takes the materialised-block path, which autograd can differentiate.
     fused = (not dense and attention_mask is None and softcap is None and not (dropout and module.training)
             and not torch.is_grad_enabled() and query.device.type == "cpu" and _flash_lse_op() is not None
-            and not call.gapped)  # gapped ids: regions by id differences, per element (the materialised path)
+            and not call.gapped  # gapped ids: regions by id differences, per element (the materialised path)
+            and q_len > settings.DECODE_ROWS)  # a step of decoding: one row of scores per head costs less than kernels
     if dense:
         block = q_len
     elif fused:  # only a narrow band is materialised per block: the scheme picks the block that balances the two

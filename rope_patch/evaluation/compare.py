@@ -60,10 +60,11 @@ import torch
 
 from .. import api
 from ..api import original_config
+from ..files import portable
 from ..fingerprint import model_fingerprint
 from ..specs import parse_scheme_spec, scheme_label
 from ..suggest import pretraining_window
-from .budget import fit_budget, run_tokens, seconds_per_token
+from .budget import fit_budget, probe_cost, run_seconds
 from .common import read_tokens, versions
 from .defaults import AS_LOADED, DEFAULT_LENGTHS, DEFAULT_SCHEMES, PASSKEY_SAMPLES, SEED, WINDOWS_AT_LONGEST
 from .loading import loaded_patch
@@ -171,7 +172,8 @@ def resume_mismatch(previous: dict, result: dict) -> str | None:
     """Why the cells of `previous` (a compare result) cannot be reused in `result` (same shape), or None."""
     if previous.get("format") != FORMAT:
         return f"it is not a {FORMAT} result"
-    old_model, new_model = previous.get("model", {}), result["model"]
+    # as written (paths inside the home directory as `~/...`, files.portable), whichever machine wrote `previous`
+    old_model, new_model = portable(previous.get("model", {})), portable(result["model"])
     diffs = [_model_change(k, old_model.get(k), new_model.get(k)) for k in _SAME_MODEL
              if old_model.get(k) != new_model.get(k) and (k != "fingerprint" or old_model.get(k) is not None)]
     old_settings = previous.get("settings", {})
@@ -283,18 +285,20 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     load_start = _loadavg()
     plan = None
     if budget_minutes is not None or on_plan is not None:
-        per_token, probed = seconds_per_token(model, token_ids, lengths[0])
+        cost = probe_cost(model, token_ids, [*lengths, *passkey_lengths])
         left = [_cells_left(resume, spec, lengths, passkey_lengths) for spec, _ in parsed]
 
         def estimate(samples: int, windows: int) -> float:
             w = windows if ppl_tokens is None else max(1, n_tokens // lengths[-1])
-            return per_token * sum(run_tokens(1, len(token_ids), ppl, pk, len(depths), samples, w, longest=lengths[-1])
-                                   for ppl, pk in left)
+            return sum(run_seconds(cost, len(token_ids), ppl, pk, len(depths), samples, w, longest=lengths[-1])
+                       for ppl, pk in left)
 
         plan = fit_budget(estimate, None if budget_minutes is None else 60.0 * budget_minutes, passkey_samples,
                           windows_at_longest, has_passkey=bool(passkey_lengths))
         plan["minutes"] = budget_minutes
-        plan["probe"] = {"tokens": probed, "s_per_token": per_token}
+        first = cost.probed[0] if cost.probed else (None, cost.a)
+        plan["probe"] = {"tokens": first[0], "s_per_token": first[1], "a": cost.a, "b": cost.b,
+                         "probes": [list(p) for p in cost.probed]}
         passkey_samples, windows_at_longest = plan["passkey_samples"], plan["windows_at_longest"]
         if ppl_tokens is None:
             n_tokens = windows_at_longest * lengths[-1]

@@ -81,8 +81,9 @@ def test_flags_reach_the_results(saved, tmp_path, capsys, model, extra, used):
 
 def test_budget_trims_and_says_so(saved, tmp_path, capsys, monkeypatch):
     import rope_patch.evaluation.compare as C
+    from rope_patch.evaluation.budget import Cost
 
-    monkeypatch.setattr(C, "seconds_per_token", lambda model, ids, length: (0.01, length))  # a slow machine
+    monkeypatch.setattr(C, "probe_cost", lambda model, ids, lengths: Cost(a=0.01))  # a slow machine
     assert main(argv(saved, tmp_path / "out", extra=["--passkey-samples", "5", "--budget-minutes", "0.1"])) == 0
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if x.startswith("Budget 6 s"))

@@ -11,7 +11,7 @@ from helpers.text import char_tokenizer, filler_text
 
 from rope_patch import plots
 from rope_patch.evaluation import compare as compare_mod
-from rope_patch.evaluation.budget import fit_budget, run_tokens
+from rope_patch.evaluation.budget import Cost, fit_budget, run_seconds, run_tokens
 from rope_patch.evaluation.compare import resume_mismatch, run_compare
 from rope_patch.evaluation.results import load_results, markdown_table, read_results, write_results
 from rope_patch.evaluation.retrieval import wilson_interval
@@ -139,8 +139,19 @@ def test_run_tokens_counts_windows_prompts_and_answers():
     assert run_tokens(2, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7) == 2 * ((4 * 32 + 2 * 64) + 107 * 3 * 4)
 
 
+def test_run_seconds_weighs_each_length_by_its_attention():
+    """a + b·L per token: a window of L costs L·(a + b·L), a generated token a + 2·b·L; with b = 0 it is run_tokens'
+    count times a."""
+    linear = Cost(a=1e-3)
+    assert run_seconds(linear, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7) == pytest.approx(
+        1e-3 * run_tokens(1, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7))
+    cost = Cost(a=1e-3, b=1e-6)
+    want = 4 * 32 * (1e-3 + 32e-6) + 2 * 64 * (1e-3 + 64e-6) + (100 * (1e-3 + 100e-6) + 7 * (1e-3 + 200e-6)) * 3 * 4
+    assert run_seconds(cost, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7) == pytest.approx(want)
+
+
 def test_run_compare_trims_to_the_budget_and_records_it(setup, monkeypatch):
-    monkeypatch.setattr(compare_mod, "seconds_per_token", lambda model, ids, length: (1e-3, length))
+    monkeypatch.setattr(compare_mod, "probe_cost", lambda model, ids, lengths: Cost(a=1e-3))
     plans = []
     res = _run(setup, passkey_samples=6, windows_at_longest=3, budget_minutes=1.5 / 60, on_plan=plans.append)
     (plan,) = plans
@@ -154,7 +165,7 @@ def test_run_compare_trims_to_the_budget_and_records_it(setup, monkeypatch):
 
 def test_a_resumed_run_estimates_only_the_cells_left(setup, monkeypatch):
     """A finished scheme resumed with one more passkey length costs that length's prompts (it was estimated 0 s)."""
-    monkeypatch.setattr(compare_mod, "seconds_per_token", lambda model, ids, length: (1e-3, length))
+    monkeypatch.setattr(compare_mod, "probe_cost", lambda model, ids, lengths: Cost(a=1e-3))
     first = _run(setup, passkey_samples=1)
     plans = []
     _run(setup, passkey_samples=1, passkey_lengths=[200, 120], resume=first, on_plan=plans.append)
