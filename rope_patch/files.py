@@ -28,3 +28,23 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def portable_path(path: str | os.PathLike) -> str:
+    """`path` as a result file records it: a path inside the home directory as `~/...` (`Path.expanduser` reads it
+    back), so that results name no machine's home; any other path as it is."""
+    text = str(path)
+    home = str(Path.home())
+    if home not in ("", "/") and (text == home or text.startswith(home.rstrip("/") + "/")):
+        return "~" + text[len(home.rstrip("/")):]
+    return text
+
+
+def portable(obj):
+    """`obj` (parsed JSON: dicts, lists, strings) with every string that is a path inside the home directory written
+    as `~/...` (portable_path); for settings recorded in result files."""
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v) for v in obj]
+    return portable_path(obj) if isinstance(obj, str) else obj

@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.table import Table
 
 from .. import schema
-from ..files import write_text_atomic
+from ..files import portable, write_text_atomic
 
 FORMAT = schema.COMPARE_FORMAT
 
@@ -154,7 +154,9 @@ def markdown_table(result: dict) -> str:
 
 
 def write_json(result: dict, path: str | Path) -> None:
-    write_text_atomic(path, json.dumps(json_safe(result), indent=1) + "\n")
+    """The result as JSON, paths inside the home directory written `~/...` (files.portable: results name no machine's
+    home)."""
+    write_text_atomic(path, json.dumps(json_safe(portable(result)), indent=1) + "\n")
 
 
 RESULT_FILES = ("compare.json", "compare.csv", "compare.md")  # write_results; the figures: plots.FIGURE_FILES

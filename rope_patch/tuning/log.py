@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import schema
 from ..evaluation.passkey import PROMPT_FORMS
 from ..evaluation.results import json_safe
-from ..files import write_text_atomic
+from ..files import portable, write_text_atomic
 
 FORMAT = schema.SEARCH_LOG_FORMAT
 # Keys of the log's "model" that logs written before them lack (check_resumable skips them there).
@@ -98,7 +98,8 @@ def _comparable(settings: dict) -> dict:
 def check_resumable(previous: dict, header: dict, path) -> None:
     """A log resumes only a search with the same model, settings and split (the stopping rules may change)."""
     for key in ("model", "split", "heldout"):
-        old, new = _plain(previous.get(key)), _plain(header.get(key))
+        # as written (paths inside the home directory as `~/...`, files.portable), whichever machine wrote `previous`
+        old, new = portable(_plain(previous.get(key))), portable(_plain(header.get(key)))
         if key == "model" and isinstance(old, dict) and isinstance(new, dict):
             # a log written before the fingerprint / the loaded patch were recorded is matched on the rest (the
             # search replaces a loaded patch, so its evaluations are relative to the unpatched model either way)
@@ -195,4 +196,5 @@ class SearchLog:
 
     def write(self) -> None:
         if self.path is not None:
-            write_text_atomic(self.path, json.dumps(json_safe(self.data), indent=1) + "\n")
+            # paths inside the home directory as `~/...` (files.portable): a log names no machine's home
+            write_text_atomic(self.path, json.dumps(json_safe(portable(self.data)), indent=1) + "\n")
