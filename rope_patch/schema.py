@@ -10,6 +10,7 @@
 | SWEEP         | sweep.json                            | rope-patch sweep                            |
 | SWEEP_STAMP   | sweep_settings.json                   | rope-patch sweep (what a resume must match)  |
 | SWEEP_CELL    | schemes/<scheme>/cells/<task>.json    | rope-patch sweep (one finished cell)         |
+| SWEEP_SAMPLES | schemes/<scheme>/samples.json         | rope-patch sweep (its samples, compact)      |
 | SEARCH_LOG    | search_log.json                       | rope-patch tune                             |
 | BEST          | best.json                             | rope-patch tune                             |
 | RECIPE_CONFIG | recipes/configs/*.yaml (fine-tuning)  | people (recipes/finetune_lora.py reads it)   |
@@ -286,6 +287,7 @@ MANIFEST_FIX = ("Restore the folder from the original save, or load the model ag
                 "rope_patch.save_pretrained(model, dir).")
 COMPARE_FORMAT = "rope_patch.compare/1"
 SWEEP_FORMAT = "rope_patch.sweep/1"
+SWEEP_SAMPLES_FORMAT = "rope_patch.sweep_samples/1"
 SEARCH_LOG_FORMAT = "rope_patch.tune/1"
 # `rope-patch tune --method` (tuning.search.METHODS): defined here, torch-free, so the command line offers them before
 # it imports torch, and the search log accepts the same words.
@@ -430,6 +432,18 @@ SWEEP_CELL = Kind(
     spec=Obj({"task": Str(), "metrics": Map()}, {"n_samples": Opt(Int(ge=0)), "by_depth": Map(), "run_elapsed_s":
                                                   Opt(Num(ge=0)), "run_id": Str(), "fingerprint": Str()},
              name="a sweep cell"),
+)
+
+SWEEP_SAMPLES = Kind(
+    "samples.json", format=SWEEP_SAMPLES_FORMAT,
+    fix="Delete it and the scheme's cells/: the next run of the same `rope-patch sweep` command measures them again.",
+    spec=Obj({
+        "format": Const(SWEEP_SAMPLES_FORMAT),
+        "scheme": Str(),
+        "tasks": Map(Obj({"samples": List(Obj({"doc_id": Int(ge=0), "metrics": Map()},
+                                               {"prompt": Str(), "in_prompt": Bool(), "depth": Num(ge=0, le=1)}))},
+                         {"results_file": Str(), "versions": Map()})),
+    }, name="a sweep's per-sample summary"),
 )
 
 _LOG_FIX = ("Move it away (or use another --out) and run `rope-patch tune` again; drop --resume to start over.")

@@ -338,7 +338,8 @@ def test_schema_is_the_one_reader():
         "rope_patch/training/callback.py": "json.loads(json.dumps(...)): a value's JSON form",
         "rope_patch/cli/plot.py": "peeks at the format; the file is then read through its schema",
         "rope_patch/evaluation/results.py": "JSON Lines of other tools' records (the tolerant figure reader)",
-        "rope_patch/integrations/lm_eval/sweep.py": "lm-eval's results and samples files; transformers' config.json",
+        "rope_patch/integrations/lm_eval/sweep.py": "transformers' config.json",
+        "rope_patch/integrations/lm_eval/outputs.py": "lm-eval's results and samples files (its own formats)",
         "rope_patch/persistence.py": "transformers' config.json and peft's adapter_config.json",
         "rope_patch/schema.py": "the one reader",
         "rope_patch/scheme_names.py": "the committed name table (package data generated from the scheme classes and "

@@ -14,7 +14,9 @@ process, or under `--launcher "torchrun --nproc_per_node 2"` / `"accelerate laun
   resumes an interrupted lm-eval run request by request;
 - the same task list in the same order for every scheme (RULER draws its samples from the global `random`
   seeded once per run, so the list and its order decide the samples);
-- `--log_samples`, for the per-depth passkey / niah grid;
+- `--log_samples`, for the per-depth passkey / niah grid and the per-sample summary;
+- `--output_path <out>/schemes/<scheme>/lm_eval/results.json`: lm-eval's files land in that folder, not in one it
+  would name after the model path (outputs.py);
 - lm-eval's `--apply_chat_template` when `--chat-template` resolves to on (auto: when the tokenizer has a template,
   as `rope-patch compare` decides): every task's prompt is then the tokenizer's chat turn (RULER's too).
 
@@ -32,12 +34,14 @@ Resume: a (scheme, task) cell whose result is in `<out>/schemes/<scheme>/cells/`
 missing cells runs only those when every task is a self-seeded `rope_*` task, and its whole task list when any
 other task is present (RULER's samples depend on what ran before them in the run).
 
-Output (`<out>/`): `sweep.json` (format "rope_patch.sweep/1": settings, schemes, one row per cell with all of lm-eval's
-metrics, `elapsed_s`: each scheme's lm-eval runs as recorded in its cells, each run once (`time_spent`), so a resumed
+Output (`<out>/`): per scheme, `schemes/<scheme>/cells/<task>.json` (one finished cell each), `samples.json` (one
+line per sample: prompt hash, target, answer, scores; outputs.py) and lm-eval's own files in `lm_eval/` (regenerable
+and big: the repository ignores them under eval/results); `sweep.json` (format "rope_patch.sweep/1": settings,
+schemes, one row per cell with all of lm-eval's metrics, `elapsed_s`: each scheme's lm-eval runs as recorded in its cells, each run once (`time_spent`), so a resumed
 sweep keeps them, their `total`, and this call's `wall`; `machine`: threads and load of the newest run that made a
 cell), `sweep.md` (scheme x task table of each task's main metric), and, when the suite has `rope_ppl` /
 `rope_passkey` cells, the compare-format files `compare.json/.csv/.md`, `perplexity.png`, `passkey.png` (redraw
-with `rope-patch plot results`).
+with `rope-patch plot results`). Paths inside the home directory are written `~/...` (files.portable).
 """
 
 from __future__ import annotations
@@ -68,12 +72,14 @@ from ...evaluation.loading import patch_label
 from ...evaluation.passkey import prompt_form, use_chat_template
 from ...evaluation.results import json_safe, patch_note, write_results
 from ...evaluation.retrieval import wilson_interval
+from ...files import portable
 from ...fingerprint import model_fingerprint
 from ...persistence import MANIFEST, read_manifest
 from ...plots.tasks import SWEEP_FORMAT
 from ...registry import did_you_mean
 from ...specs import scheme_label
 from .options import SweepOptions  # noqa: F401  (defined apart: the CLI reads it without torch)
+from .outputs import OUTPUT, latest_results, read_cells, write_samples
 from .tasks import tasks_dir
 
 FORMAT = SWEEP_FORMAT  # defined with its figure (rope_patch.plots.tasks), which the CLI imports without torch
@@ -310,7 +316,7 @@ def lm_eval_argv(settings: dict, scheme: dict, tasks: list[str], out_dir: Path) 
     argv = ["run", "--model", "rope_patch",
             "--model_args", json.dumps({**settings["model_args"], **scheme["args"]}),
             "--tasks", ",".join(tasks), "--batch_size", settings["batch_size"],
-            "--output_path", str(out_dir / "lm_eval"), "--log_samples",
+            "--output_path", str(out_dir / OUTPUT), "--log_samples",
             "--use_cache", str(out_dir / "cache" / "responses"),
             "--metadata", json.dumps(settings["metadata"])]
     if settings["include_path"]:
@@ -348,7 +354,7 @@ def run_in_process(settings: dict, scheme: dict, tasks: list[str], out_dir: Path
         any(Path(settings["include_path"]).rglob(f"{t}.yaml")) for t in tasks)
     tm = TaskManager(include_path=settings["include_path"], include_defaults=not own,
                      metadata={**settings["model_args"], **scheme["args"], **settings["metadata"]})
-    tracker = EvaluationTracker(output_path=str(out_dir / "lm_eval"))
+    tracker = EvaluationTracker(output_path=str(out_dir / OUTPUT))
     log(f"in-process lm-eval: {scheme['spec']} on {len(tasks)} tasks")
     res = lm_eval.simple_evaluate(model="rope_patch", model_args={**settings["model_args"], **scheme["args"]},
                                   tasks=tasks, task_manager=tm, log_samples=True, limit=settings["limit"],
@@ -359,40 +365,6 @@ def run_in_process(settings: dict, scheme: dict, tasks: list[str], out_dir: Path
     tracker.save_results_aggregated(results=res, samples=samples)
     for name in res["configs"]:
         tracker.save_results_samples(task_name=name, samples=samples[name])
-
-
-# ---- reading lm-eval's output back ---------------------------------------------------------------------------------
-def _latest(paths):
-    return max(paths, key=lambda p: p.stat().st_mtime) if paths else None
-
-
-def read_cells(out_dir: Path, tasks: list[str]) -> dict[str, dict]:
-    """{task: cell} from the newest lm-eval results / samples files under `out_dir/lm_eval`."""
-    root = out_dir / "lm_eval"
-    results = _latest(list(root.rglob("results_*.json")))
-    if results is None:
-        raise RuntimeError(f"lm-eval wrote no results under {root}")
-    data = json.loads(results.read_text())
-    cells = {}
-    for task in tasks:
-        metrics = data["results"].get(task)
-        if metrics is None:
-            continue
-        metrics = {k.split(",")[0]: v for k, v in metrics.items() if "," in k and "_stderr" not in k}
-        cell = {"task": task, "metrics": metrics, "n_samples": data.get("n-samples", {}).get(task, {}).get("effective"),
-                "results_file": str(results)}
-        fam, _ = family(task)
-        if fam in ("rope_passkey", "rope_niah"):
-            samples = _latest(list(root.rglob(f"samples_{task}_*.jsonl")))
-            if samples is not None:
-                by_depth: dict[float, list[float]] = {}
-                for line in samples.read_text().splitlines():
-                    s = json.loads(line)
-                    by_depth.setdefault(float(s["doc"]["depth"]), []).append(float(s["acc"]))
-                cell["by_depth"] = {str(d): {"n": len(v), "correct": int(sum(v)), "accuracy": sum(v) / len(v)}
-                                    for d, v in sorted(by_depth.items())}
-        cells[task] = cell
-    return cells
 
 
 # ---- aggregation ------------------------------------------------------------------------------------------------
@@ -527,7 +499,7 @@ def _saved_window(path) -> int | None:
 def write_outputs(state: dict, out: Path, plots: bool = True) -> dict[str, Path]:
     result = aggregate(state)
     paths = {"json": out / "sweep.json", "markdown": out / "sweep.md"}
-    paths["json"].write_text(json.dumps(json_safe(result), indent=1) + "\n")
+    paths["json"].write_text(json.dumps(json_safe(portable(result)), indent=1) + "\n")
     paths["markdown"].write_text(markdown(result))
     if plots and (tasks_png := figures.write_tasks_figure(result, out)) is not None:
         paths["tasks_figure"] = tasks_png
@@ -575,8 +547,8 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
         why = layout_mismatch(old.get("settings") or {}, settings)
         if why:
             raise ValueError(f"{out} holds a sweep that cannot be resumed: {why}. Use another --out, or delete {out}.")
-    stamp.write_text(json.dumps({"fingerprint": fp, "weights": weights, "settings": settings}, indent=1, default=str)
-                     + "\n")
+    stamp.write_text(json.dumps({"fingerprint": fp, "weights": weights, "settings": portable(settings)}, indent=1,
+                                default=str) + "\n")
     if on_start is not None:
         on_start(out)
     tasks = settings["tasks"]
@@ -611,6 +583,7 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
                     tmp.write_text(json.dumps(cell, indent=1, default=str) + "\n")
                     os.replace(tmp, cdir / f"{t}.json")
                     done[t] = cell
+            write_samples(sdir, sch["spec"], latest_results(sdir / "lm_eval"), [t for t in todo if t in missing])
         else:
             log(f"[{sch['spec']}] all {len(tasks)} cells done: skipped")
         if (spent := time_spent(done)) is not None:
