@@ -98,6 +98,8 @@ OWN_FUNCTION = {"alibi", "self_extend", "rerope", "leaky_rerope", "relative_bias
 ROTATING = {"self_extend", "rerope", "leaky_rerope", "string", "dca"}
 # transformers' dynamic NTK keeps the frequencies of the longest input seen (until an input shorter than the window)
 LENGTH_STATEFUL = {"dynamic"}
+# frequencies that follow the longest position of each input (dynamic NTK, dynamic YaRN, LongRoPE's two sets)
+LENGTH_DEPENDENT = {"dynamic", "dynamic_yarn", "longrope"}
 # stacks (schemes/stack.py): a frequency scheme under a rotating attention-side scheme and/or logn; dynamic and
 # longrope are refused under the rotating ones (test_composition), so they stack with logn only
 STACK_FREQUENCY = ["default", "linear", "ntk", "yarn", "llama3", "p_rope", "dynamic_yarn"]
@@ -311,11 +313,9 @@ class PatchingMachine(RuleBasedStateMachine):
         for k, v in kw.items():
             assert _norm(getattr(scheme, k)) == _norm(v), (k, getattr(scheme, k), v)
 
-    def check_reproduces(self) -> None:
-        """current() tells the truth: applied to a fresh model with the same weights in the same dtype (fp32
-        frequency buffers, as from_pretrained(dtype=...) gives) and the same learned tables, it gives the model's
-        logits bit for bit. After casts too: the patch keeps its frequencies fp32."""
-        COUNTS["reproduces"] += 1
+    def fresh_patched(self):
+        """A fresh model with the model's weights in its dtype (fp32 frequency buffers, as from_pretrained(dtype=...)
+        gives), its current() patch and its learned tables."""
         ref = _build(_config(self.user_backend))
         ref.load_state_dict(self.twin.state_dict())  # the model's weights as cast so far (exact in fp32)
         for p in ref.parameters():
@@ -324,6 +324,14 @@ class PatchingMachine(RuleBasedStateMachine):
         mine = self.tables()
         for path, table in self.tables(ref).items():
             table.load_state_dict(mine[path].state_dict())
+        return ref
+
+    def check_reproduces(self) -> None:
+        """current() tells the truth: applied to a fresh model with the same weights in the same dtype (fp32
+        frequency buffers, as from_pretrained(dtype=...) gives) and the same learned tables, it gives the model's
+        logits bit for bit. After casts too: the patch keeps its frequencies fp32."""
+        COUNTS["reproduces"] += 1
+        ref = self.fresh_patched()
         self.settle(self.model)
         same(self.forward(model=ref), self.forward(),
              f"current() = {rope_patch.current(self.model)} applied to a fresh model vs the model, dtypes {self.dtypes}")
@@ -435,6 +443,8 @@ class PatchingMachine(RuleBasedStateMachine):
         gen = torch.Generator().manual_seed(seed)
         a, b = (torch.randint(3, VOCAB, (1, n), generator=gen) for n in (first, second))
         if shape == "packed":
+            if self.patch is not None and LENGTH_DEPENDENT & set(self.patch["parts"]):
+                return  # their frequencies follow the longest position of the input: the packed row's, not B's
             pos = torch.cat([torch.arange(first), torch.arange(second)])[None]
             packed = logits(self.model, torch.cat([a, b], dim=1), position_ids=pos, use_cache=False)[:, first:]
             alone = logits(self.model, b, position_ids=torch.arange(second)[None], use_cache=False)
@@ -445,19 +455,14 @@ class PatchingMachine(RuleBasedStateMachine):
         ids = torch.cat([a, b], dim=1)
         pos = torch.cat([torch.arange(first), torch.arange(first + 5 * WINDOW, first + 5 * WINDOW + second)])[None]
         kw = dict(position_ids=pos, attention_mask=torch.ones_like(ids))
-        if shape == "pose-cached" and self.patch is not None and self.patch["own"] and "logn" != self.patch["parts"]:
+        if shape == "pose-cached" and self.patch is not None and (OWN_FUNCTION - {"logn"}) & set(self.patch["parts"]):
             with pytest.raises(ValueError, match="gaps or restarts .* KV cache are not supported"):
                 logits(self.model, ids, **kw, use_cache=True)
             return
         out = logits(self.model, ids, **kw, use_cache=shape == "pose-cached")
         assert torch.isfinite(out).all()
         if self.exact() and self.patch is not None and not LENGTH_STATEFUL & set(self.patch["parts"]):
-            ref = _build(_config(self.user_backend))
-            ref.load_state_dict(self.twin.state_dict())
-            rope_patch.apply(ref, rope_patch.current(self.model))
-            mine = self.tables()
-            for path, table in self.tables(ref).items():
-                table.load_state_dict(mine[path].state_dict())
+            ref = self.fresh_patched()
             same(logits(ref, ids, **kw, use_cache=False), logits(self.model, ids, **kw, use_cache=False),
                  f"PoSE ids: {rope_patch.current(self.model)} on a fresh model vs the model")
 
