@@ -13,6 +13,7 @@
 | SWEEP_SAMPLES | schemes/<scheme>/samples.json         | rope-patch sweep (its samples, compact)      |
 | SEARCH_LOG    | search_log.json                       | rope-patch tune                             |
 | BEST          | best.json                             | rope-patch tune                             |
+| TABLES        | a study's tables.json (eval/*/)       | people (rope_patch.evaluation.tables reads it) |
 | RECIPE_CONFIG | recipes/configs/*.yaml (fine-tuning)  | people (recipes/finetune_lora.py reads it)   |
 | PRETRAIN_CONFIG | recipes/configs/pretrain_tiny.yaml  | people (recipes/pretrain_tiny.py reads it)   |
 | FINGERPRINTS  | $ROPE_PATCH_CACHE/fingerprints.json   | fingerprint.py (a cache of file digests)     |
@@ -288,6 +289,7 @@ MANIFEST_FIX = ("Restore the folder from the original save, or load the model ag
 COMPARE_FORMAT = "rope_patch.compare/1"
 SWEEP_FORMAT = "rope_patch.sweep/1"
 SWEEP_SAMPLES_FORMAT = "rope_patch.sweep_samples/1"
+TABLES_FORMAT = "rope_patch.tables/1"
 SEARCH_LOG_FORMAT = "rope_patch.tune/1"
 # `rope-patch tune --method` (tuning.search.METHODS): defined here, torch-free, so the command line offers them before
 # it imports torch, and the search log accepts the same words.
@@ -444,6 +446,19 @@ SWEEP_SAMPLES = Kind(
                                                {"prompt": Str(), "in_prompt": Bool(), "depth": Num(ge=0, le=1)}))},
                          {"results_file": Str(), "versions": Map()})),
     }, name="a sweep's per-sample summary"),
+)
+
+TABLES = Kind(
+    "tables.json", format=TABLES_FORMAT,
+    fix="Fix the study file (rope_patch/evaluation/tables.py says what it holds).",
+    spec=Obj({
+        "format": Const(TABLES_FORMAT),
+        "document": Str(nonempty=True),
+        "results": Str(nonempty=True),
+        "tables": List(Obj({"mark": Str(nonempty=True), "kind": Str(choices=("perplexity", "tune", "passkey", "ruler")),
+                            "runs": List(Str(nonempty=True), min_len=1)},
+                           {"haystack": Str(choices=("prose", "noise"))})),
+    }, name="a study's table list"),
 )
 
 _LOG_FIX = ("Move it away (or use another --out) and run `rope-patch tune` again; drop --resume to start over.")

@@ -1,6 +1,9 @@
-"""out/finetune/<name> (a recipes/finetune_lora.py run) -> eval/results/finetune/<name>.json: final metrics + loss curve.
+"""out/finetune/<name> (a recipes/finetune_lora.py run) -> RUN_FOLDER/summary.json: final metrics + loss curve.
 
-    python eval/results/finetune/summarise.py tiny_yarn_4x WALL_SECONDS "machine note"
+    python eval/finetune/summarise.py tiny_yarn_4x WALL_SECONDS "machine note" eval/results/tiny/finetune_yarn_4x-1k-n200
+
+RUN_FOLDER follows eval/README.md's rule, <model>/finetune_<recipe>-<target length>-n<passkey prompts>[-<qualifier>];
+the run's console output, where it was kept, goes beside it as train.log.
 """
 
 import json
@@ -8,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-name, wall, note = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+name, wall, note, folder = sys.argv[1], float(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
 run = Path("out/finetune") / name
 log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
 every = max(len(log) // 10, 1)
@@ -25,5 +28,6 @@ out = {
     "eval": summary["eval"],
     "loss_curve": [{"step": r["step"], "loss": round(r["loss"], 4), "lr": r["lr"]} for r in curve],
 }
-Path(f"eval/results/finetune/{name}.json").write_text(json.dumps(out, indent=1) + "\n")
+folder.mkdir(parents=True, exist_ok=True)
+(folder / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
 print(json.dumps({k: v for k, v in out.items() if k != "loss_curve"}, indent=1))

@@ -7,7 +7,7 @@ now (`passkey.PROMPT_FORMS`). This builds three 4k passkey prompts in the passke
 0.5 / 0.9, seeds 0-2) and answers each both ways, greedy, 8 new tokens. Not a results file: the measurement that
 moved the prompt, ~3 min at 1 thread.
 
-    OMP_NUM_THREADS=1 python eval/results/smollm2/leadin_check.py
+    OMP_NUM_THREADS=1 python eval/smollm2/leadin_check.py
 """
 
 from __future__ import annotations

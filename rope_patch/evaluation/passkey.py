@@ -32,7 +32,7 @@ add_generation_prompt=True)``), where the model's own answer would start:
 
 That is where RULER's prompts put theirs (lm-eval's ``gen_prefix``). A lead-in that closes the user turn instead
 reads as part of the question: SmolLM2-135M-Instruct then explains what a pass key is (0/3 at 4k in the paper's
-haystack) and answers 3/3 on the same prompts with the lead-in in its own turn (eval/results/smollm2/leadin_check.py;
+haystack) and answers 3/3 on the same prompts with the lead-in in its own turn (eval/smollm2/leadin_check.py;
 ``PROMPT_FORMS`` names both, and results record which one they used). The prompt is still exactly ``length_tokens``
 tokens, the template's included (the haystack is shortened by them), and ``depth`` is a fraction of the haystack,
 not of the templated prompt. An instruction-tuned model asked without its template often rambles instead of

@@ -102,7 +102,7 @@ def test_older_results_resume_with_the_defaults(setup):
     old_chat = json.loads(json.dumps(chat))
     del old_chat["settings"]["passkey_prompt"]
     assert resume_mismatch(old_chat, chat) == "passkey_prompt 'chat-lead-in-in-user-turn' -> 'chat'"
-    # a perplexity-only result (like ppl16k/, measured with the template) has no prompts to mix: it still resumes
+    # a perplexity-only result (like ppl-16k-n1/, measured with the template) has no prompts to mix: it still resumes
     for r in (old_chat, chat):
         r["settings"]["passkey_lengths"] = []
     assert resume_mismatch(old_chat, chat) is None

@@ -1,6 +1,6 @@
-"""The README's SmolLM2 tables are what eval/results/smollm2/table.py computes from the committed result JSONs
-(perplexity by position at 16k and 32k, the tuned scheme's acceptance, passkey by length x depth), so a re-run that
-changes a number and forgets the README fails here. No model is loaded."""
+"""The README's SmolLM2 tables are what rope_patch.evaluation.tables computes from the committed result files of the
+runs eval/smollm2/tables.json lists (perplexity by position at 16k and 32k, the tuned scheme's acceptance, passkey by
+length x depth, RULER), so a re-run that changes a number and forgets the README fails here. No model is loaded."""
 
 from __future__ import annotations
 
@@ -8,26 +8,42 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.scripts import ROOT, load_script
+from helpers.scripts import ROOT
 
-TABLE = load_script("eval/results/smollm2/table.py")
-TABLES = TABLE.tables()
+from rope_patch import schema
+from rope_patch.evaluation import tables
+
+STUDY = tables.load_study(ROOT / "eval" / "smollm2" / "tables.json")
+TABLES = tables.compute(STUDY)
+FIX = "run `python eval/smollm2/table.py --readme`"
 
 
 @pytest.mark.parametrize("mark", list(TABLES))
 def test_the_readme_table_is_the_committed_results(mark):
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").split("\n")
-    assert mark in lines, f"README.md lost the mark {mark}"
-    start = lines.index(mark) + 1
-    end = start
-    while end < len(lines) and lines[end].startswith("|"):
-        end += 1
-    assert "\n".join(lines[start:end]) == TABLES[mark], f"run `python eval/results/smollm2/table.py --readme` ({mark})"
+    found = tables.tables_in(STUDY["document"].read_text(encoding="utf-8"), [mark])[mark]
+    assert found is not None, f"{STUDY['document'].name} lost the mark {mark}"
+    assert found == TABLES[mark], f"{FIX} ({mark})"
 
 
-def test_every_result_table_has_a_place_in_the_readme():
-    """The 16k and passkey tables always exist; 32k and tune appear once their runs are committed."""
-    assert {TABLE.MARK, TABLE.PASSKEY_MARK} <= set(TABLES)
+def test_the_study_covers_every_smollm2_table_of_the_readme():
+    marks = [line for line in STUDY["document"].read_text(encoding="utf-8").split("\n")
+             if line.startswith("<!-- smollm2")]
+    assert sorted(marks) == sorted(TABLES)
+    assert STUDY["document"] == ROOT / "README.md" and STUDY["results"] == ROOT / "eval" / "results"
+
+
+def test_a_missing_run_names_itself(tmp_path):
+    study = json.loads((ROOT / "eval" / "smollm2" / "tables.json").read_text(encoding="utf-8"))
+    study["results"] = str(ROOT / "eval" / "results")
+    study["document"] = str(ROOT / "README.md")
+    study["tables"][0]["runs"] = ["smollm2/ppl16k"]  # a folder by its old name
+    path = tmp_path / "tables.json"
+    path.write_text(json.dumps(study))
+    with pytest.raises(FileNotFoundError, match="smollm2/ppl16k, which is not a folder"):
+        tables.load_study(path)
+    path.write_text(json.dumps({**study, "tables": [{**study["tables"][0], "kind": "plot"}]}))
+    with pytest.raises(schema.FileFormatError, match="kind"):
+        tables.load_study(path)
 
 
 def _passkey_run(folder: Path, haystack: str | None, correct: int) -> None:
@@ -43,14 +59,22 @@ def _passkey_run(folder: Path, haystack: str | None, correct: int) -> None:
 
 
 @pytest.mark.parametrize("haystack, expected", [("prose", "2/3"), ("noise", "3/3")])
-def test_the_passkey_table_keeps_one_haystack(tmp_path, monkeypatch, haystack, expected):
+def test_the_passkey_table_keeps_one_haystack(tmp_path, haystack, expected):
     """A run without the setting is a prose run (it predates noise); a noise run never lands in the prose table."""
-    monkeypatch.setattr(TABLE, "ROOT", tmp_path)
     runs = tmp_path / "eval/results"
     _passkey_run(runs / "old", None, 2)
     _passkey_run(runs / "prose", "prose", 1)
     _passkey_run(runs / "noise", "noise", 3)
-    table = TABLE.passkey_table([runs / "old", runs / "prose", runs / "noise"], haystack=haystack)
+    table = tables.passkey_table([runs / "old", runs / "prose", runs / "noise"], runs, haystack=haystack)
     # one row: a (template, scheme, length) cell in two prose runs is the first folder's, as in the README's table
     (row,) = table.split("\n")[2:]
     assert row.split(" | ")[3].startswith(expected + " ")
+    assert row.endswith(f" | {'noise' if haystack == 'noise' else 'old'}/ |")
+
+
+def test_replace_tables_rewrites_only_below_the_marks():
+    text = "a\n<!-- m -->\n| x |\n| --- |\n| 1 |\nb\n<!-- n -->\nc"
+    out = tables.replace_tables(text, {"<!-- m -->": "| y |\n| --- |\n| 2 |", "<!-- absent -->": "| z |"})
+    assert out == "a\n<!-- m -->\n| y |\n| --- |\n| 2 |\nb\n<!-- n -->\nc"
+    assert tables.tables_in(out, ["<!-- m -->", "<!-- absent -->"]) == {"<!-- m -->": "| y |\n| --- |\n| 2 |",
+                                                                         "<!-- absent -->": None}

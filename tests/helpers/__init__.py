@@ -7,7 +7,7 @@
     training.py       packed rows for the rope_patch.training tests
     lm_eval.py        running lm-eval in-process on the tiny assets
     recipes.py        saved tiny models and configs for the fine-tuning recipe
-    scripts.py        the project's scripts (recipes/, bench/, eval/results/) loaded as modules
+    scripts.py        the project's scripts (recipes/, bench/, eval/) loaded as modules
 
 Fixtures live in the conftest.py of the directory that uses them.
 """

@@ -1,4 +1,4 @@
-"""The project's scripts (recipes/, bench/, eval/results/) as modules: they are files, not part of the package."""
+"""The project's scripts (recipes/, bench/, eval/) as modules: they are files, not part of the package."""
 
 from __future__ import annotations
 

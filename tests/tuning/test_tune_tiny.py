@@ -1,4 +1,4 @@
-"""The committed rope-tiny searches (eval/results/tune/, README "Searching parameters"): each log is a
+"""The committed rope-tiny searches (eval/results/tiny/tune_longrope-1k-n8*/, README "Searching parameters"): each log is a
 valid, finished search whose individuals all satisfy the constraint, its best spec applies to rope-tiny, and (slow)
 re-measuring the best spec on the acceptance text gives the logged perplexity."""
 
@@ -15,9 +15,10 @@ from rope_patch.evaluation.common import read_tokens
 from rope_patch.tuning import load_log, split_heldout
 from rope_patch.tuning.objective import perplexities
 
-RESULTS = Path(__file__).resolve().parents[2] / "eval" / "results" / "tune"
+RESULTS = Path(__file__).resolve().parents[2] / "eval" / "results" / "tiny"
 # the default search (seeded with PI / NTK / YaRN ×4), and one seeded with YaRN's small-window betas as well
-LOGS = {"default_init": RESULTS / "search_log.json", "init_yarn_beta2": RESULTS / "init_yarn_beta2" / "search_log.json"}
+LOGS = {"default_init": RESULTS / "tune_longrope-1k-n8" / "search_log.json",
+        "init_yarn_beta2": RESULTS / "tune_longrope-1k-n8-init_yarn_beta2" / "search_log.json"}
 
 
 @pytest.fixture(scope="module", params=sorted(LOGS))
