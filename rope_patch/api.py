@@ -73,7 +73,8 @@ def as_scheme(scheme: SchemeLike | list | tuple, **params: Any) -> Scheme:
     return get_scheme_class(scheme).from_params(**params)
 
 
-def _state(target: PatchSite) -> PatchState | None:
+def patch_state(target: PatchSite) -> PatchState | None:
+    """The patch on `target`'s rotary module (its scheme, undo log and original config), or None when unpatched."""
     state = target.rotary._modules.get(STATE)
     return state if isinstance(state, PatchState) else None
 
@@ -105,7 +106,7 @@ def _apply(model: M, new: Scheme, *, temporary: bool, check: bool = True) -> M:
     target = find_target(model)
     target.check = check
     _materialised(target)
-    old = _state(target)
+    old = patch_state(target)
     trained = patch_modules(model) if old is not None and not temporary else {}
     if old is not None:
         old.undo()
@@ -172,7 +173,7 @@ def remove(model: M) -> M:
         target = find_target(model)
     except NoRotary:  # no rotary module, so no patch: nothing to undo (GPT-J's tables, GPT-2's learned positions)
         return model
-    state = _state(target)
+    state = patch_state(target)
     if state is not None:
         state.undo()
         _detach(target)
@@ -182,7 +183,7 @@ def remove(model: M) -> M:
 def original_config(model: nn.Module) -> dict:
     """`rope_parameters` and `max_position_embeddings` of the model as it was before any patch."""
     target = find_target(model)
-    state = _state(target)
+    state = patch_state(target)
     return copy.deepcopy(state.original) if state is not None else _unpatched_rope_fields(target)
 
 
@@ -191,7 +192,7 @@ def context_window(model: nn.Module) -> int:
     pre-training window), else `config.max_position_embeddings`. Equal to `model.config.max_position_embeddings`
     except for `dynamic`, whose config keeps transformers' native form (scaling starts at max_position_embeddings)."""
     target = find_target(model)
-    state = _state(target)
+    state = patch_state(target)
     if state is not None and state.window is not None:
         return state.window
     return int(target.config.max_position_embeddings)
@@ -199,7 +200,7 @@ def context_window(model: nn.Module) -> int:
 
 def current(model: nn.Module) -> Scheme | None:
     """The applied scheme (with model-derived defaults filled in), or None."""
-    state = _state(find_target(model))
+    state = patch_state(find_target(model))
     return None if state is None else state.scheme
 
 
@@ -207,7 +208,7 @@ def patch_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Modules the applied scheme attached (learned position tables, bias tables), by qualified name in `model`'s
     unwrapped form; empty for frequency schemes."""
     target = find_target(model)
-    state = _state(target)
+    state = patch_state(target)
     if state is None:
         return {}
     names = {id(m): n for n, m in target.model.named_modules()}
@@ -236,7 +237,7 @@ def _in_effect(root: nn.Module, path: str, recorded: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def patched(model: M, scheme: SchemeLike = "default", **params: Any) -> Iterator[M]:
     """`with patched(model, "yarn", factor=4): ...` applies, then restores what was there before (also on error)."""
-    before = _state(find_target(model))
+    before = patch_state(find_target(model))
     _apply(model, as_scheme(scheme, **params), temporary=True)
     try:
         yield model

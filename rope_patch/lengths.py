@@ -35,7 +35,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from . import validation as check
-from .api import _state, current
+from .api import current, patch_state
 from .discovery import find_target
 from .rotary import PatchedRotaryForward
 
@@ -59,7 +59,7 @@ class LengthFix:
 
 def fixed_length(model) -> int | None:
     """The N the model's frequencies are frozen at by `fix_length`, or None."""
-    state = _state(find_target(model))
+    state = patch_state(find_target(model))
     fix = getattr(state, FIX, None) if state is not None else None
     return None if fix is None else fix[0]
 
@@ -91,7 +91,7 @@ def fix_length(model, length: int | None) -> LengthFix:
                                hint="It is the final sequence length N (prompt + new tokens) the frequencies are "
                                     "frozen for; pass None to release a fix.")
     target = find_target(model)
-    state = _state(target)
+    state = patch_state(target)
     rotary = target.rotary
     if state is None:
         varying = [lt or "" for lt, rt in _rope_types(rotary).items() if _varies(rt)]

@@ -350,12 +350,14 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     else:
         model = load_base(str(path))
     if manifest and manifest["scheme"]:
-        _reapply(model, manifest, path / MANIFEST)
-        _load_patch_weights(model, manifest, path)
+        reapply_manifest(model, manifest, path / MANIFEST)
+        load_patch_weights(model, manifest, path)
     return model
 
 
-def _reapply(model, manifest: dict, file: Path) -> None:
+def reapply_manifest(model, manifest: dict, file: Path) -> None:
+    """Apply the scheme a manifest records (`file`: the manifest, named in errors); a scheme that cannot be re-applied
+    raises its error with the file, the recorded parameters and what to do (register a scheme of one's own, upgrade)."""
     name, params = manifest["scheme"], manifest["params"]
     try:
         apply(model, name, **params)
@@ -368,7 +370,7 @@ def _reapply(model, manifest: dict, file: Path) -> None:
         raise (TypeError if isinstance(err, TypeError) else ValueError)(msg) from err
 
 
-def _load_patch_weights(model, manifest: dict, path: Path) -> None:
+def load_patch_weights(model, manifest: dict, path: Path) -> None:
     """Load the learned parameters of the re-applied patch with `load_state_dict(strict=True)` semantics."""
     own = patch_modules(model)
     recorded = manifest.get("weights")  # format 2: {"file", "keys", "sha256"} or None; format 1: absent

@@ -42,9 +42,9 @@ _FORMS = "Specs look like `yarn`, `yarn:8` or `yarn:factor=8,beta_fast=16`."
 _JOIN = re.compile(r"\+(?=\s*[A-Za-z_])")
 
 
-def _value(text: str):
+def parse_value(text: str):
     """`8` -> 8, `0.5` -> 0.5, `true` -> True, `1/1.5/2` -> [1, 1.5, 2]; anything else stays a string (the scheme's
-    own validation then says what it expected)."""
+    own validation then says what it expected). How every value of a spec is read (and lm-eval's model_args)."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -54,7 +54,7 @@ def _value(text: str):
         except ValueError:
             pass
     if "/" in text:  # lists for longrope: short_factor=1/1.5/2
-        return [_value(t) for t in text.split("/")]
+        return [parse_value(t) for t in text.split("/")]
     return text
 
 
@@ -98,7 +98,7 @@ def parse_spec(spec: str, *, names: SchemeNames | None = None) -> tuple[str, dic
             key, text = _positional(spec, name, names.param_names(name)), key
         if key in params:
             raise ValueError(f"Scheme spec {spec!r} sets {key!r} twice.")
-        params[key] = _value(text)
+        params[key] = parse_value(text)
     return name, params
 
 

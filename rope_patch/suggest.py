@@ -46,7 +46,7 @@ from fractions import Fraction
 from torch import nn
 
 from . import validation as check
-from .api import _state, original_config
+from .api import original_config, patch_state
 from .discovery import find_target
 
 FREQUENCY_SCHEMES = ("linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "llama3")
@@ -72,7 +72,7 @@ def pretraining_window(model: nn.Module) -> int:
     """L of the model as loaded (before any patch): the shipped `original_max_position_embeddings` of a checkpoint
     that ships with scaling, else `max_position_embeddings`."""
     target = find_target(model)
-    if _state(target) is None:
+    if patch_state(target) is None:
         return target.pretraining_window
     original = original_config(model)
     params = original["rope_parameters"]

@@ -110,7 +110,9 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16"}
 
 
-def _torch_dtype(dtype):
+def torch_dtype(dtype):
+    """A torch dtype from its name (`float32`/`fp32`, `bfloat16`/`bf16`, `float16`/`fp16`) or a torch dtype as is;
+    ValueError for any other name."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
@@ -124,7 +126,7 @@ def load_model(spec: str | os.PathLike = "tiny", dtype="float32", device: str = 
     RoPE frequencies stay fp32 whatever `dtype` (from_pretrained keeps non-persistent buffers in fp32).
     """
     path = resolve_model_path(spec)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype)).to(device).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 

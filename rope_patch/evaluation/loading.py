@@ -27,7 +27,7 @@ def load_model(spec: str | os.PathLike = "tiny", dtype="float32", device: str = 
     manifest = read_manifest(path)
     if manifest is None or manifest["scheme"] is None:
         return zoo.load_model(spec, dtype=dtype, device=device)
-    model = from_pretrained(path, dtype=zoo._torch_dtype(dtype)).to(device).eval()
+    model = from_pretrained(path, dtype=zoo.torch_dtype(dtype)).to(device).eval()
     return model, transformers.AutoTokenizer.from_pretrained(path)
 
 

@@ -38,7 +38,7 @@ from transformers import TrainerCallback
 
 from ..api import current, original_config, patch_modules
 from ..discovery import unwrap
-from ..persistence import MANIFEST, _load_patch_weights, _reapply, read_manifest, save_patch
+from ..persistence import MANIFEST, load_patch_weights, read_manifest, reapply_manifest, save_patch
 from ..schemes.base import Scheme
 
 logger = logging.getLogger(__name__)
@@ -74,11 +74,11 @@ def restore_patch(model: nn.Module, checkpoint: str | os.PathLike | None) -> Sch
                                 "the scheme yourself with rope_patch.apply, as in the run that wrote the checkpoint.")
     if current(_unwrap(model)) is None:
         if manifest["scheme"] is not None:
-            _reapply(model, manifest, path / MANIFEST)
+            reapply_manifest(model, manifest, path / MANIFEST)
     else:
         check_patch(model, manifest, path / MANIFEST)
     if manifest["scheme"] is not None:
-        _load_patch_weights(model, manifest, path)
+        load_patch_weights(model, manifest, path)
     return current(_unwrap(model))
 
 
@@ -135,7 +135,7 @@ class RopePatchCallback(TrainerCallback):
                 f"({', '.join(manifest['weights']['keys'])}), but the model is not patched. Trainer has already built "
                 "the optimizer, so tables added now would not train: call rope_patch.training.restore_patch(model, "
                 f"{str(checkpoint)!r}) before get_peft_model and before building the Trainer.")
-        _reapply(model, manifest, checkpoint / MANIFEST)
+        reapply_manifest(model, manifest, checkpoint / MANIFEST)
         logger.info("re-applied %s from %s", manifest["scheme"], checkpoint / MANIFEST)
 
     def on_save(self, args, state, control, model=None, **kwargs):

@@ -50,7 +50,7 @@ def test_errors(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         resolve_model_path(tmp_path / "empty")
     with pytest.raises(ValueError, match="dtype"):
-        models._torch_dtype("float8")
+        models.torch_dtype("float8")
 
 
 def test_models_list_cli(monkeypatch, tmp_path, capsys):

@@ -58,7 +58,7 @@ from ...discovery import unwrap
 from ...evaluation import common, perplexity, retrieval
 from ...persistence import read_manifest
 from ...registry import canonical_name, did_you_mean, get_scheme_class, list_schemes
-from ...specs import _value as parse_value
+from ...specs import parse_value
 from ...zoo import resolve_model_path
 
 logger = logging.getLogger("rope_patch.lm_eval")
