@@ -50,16 +50,15 @@ _FIX = schema.MANIFEST_FIX
 def native_config(model: nn.Module) -> dict:
     """{"rope_parameters", "max_position_embeddings"} that make a plain transformers model equal the patched one.
 
-    Raises ValueError for schemes without a native form (dynamic_yarn and the attention schemes)."""
+    Raises ValueError for schemes without a native form (dynamic_yarn and the attention schemes). The patched config
+    holds that form already (the scheme's `rope_parameters` and `public_window`: dynamic NTK's announces L, where
+    transformers' dynamic scaling starts)."""
     scheme = current(model)
     if scheme is None:
         return original_config(model)
     _require_native(scheme)
     cfg = find_target(model).config
-    window = cfg.max_position_embeddings
-    if scheme.name == "dynamic":  # transformers' dynamic NTK starts scaling at max_position_embeddings
-        window = scheme.original_max_position_embeddings
-    return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": window}
+    return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": cfg.max_position_embeddings}
 
 
 def to_rope_parameters(scheme: SchemeLike | None, *, model: nn.Module | None = None, head_dim: int | None = None,
@@ -82,12 +81,7 @@ def to_rope_parameters(scheme: SchemeLike | None, *, model: nn.Module | None = N
         ctx = next(iter(target.contexts().values()))
         return scheme.resolve(target).rope_parameters(ctx)
     theta = rope_theta or scheme.params().get("rope_theta")
-    if scheme.name == "ntk" and (head_dim is None or theta is None):
-        lacking = " and ".join(k for k, v in (("head_dim=", head_dim), ("rope_theta=", theta)) if v is None)
-        raise ValueError(f"ntk's native form is a base change b′ = b·s^(d/(d−2)), which needs the model's head_dim and "
-                         f"rope_theta: pass {lacking} (or model=).")
-    if getattr(scheme, "original_max_position_embeddings", 0) is None:
-        raise ValueError(f"{scheme.name}: pass original_max_position_embeddings (or model=) to export it.")
+    scheme.check_export(head_dim, theta)  # what the scheme needs that only a model would give
     ctx = RopeContext(head_dim=head_dim or 128, rotary_dim=head_dim or 128, rope_theta=theta or 10000.0,
                       max_position_embeddings=0, rope_parameters={})
     params = scheme.rope_parameters(ctx)
@@ -168,9 +162,6 @@ def _adapter_native(path: Path, manifest: dict | None, base) -> tuple[dict, int]
     return native["rope_parameters"], native["max_position_embeddings"]
 
 
-_WHAT = {"attention": "attention", "modifier": "the attention temperature"}  # what a non-native scheme changes
-
-
 def _require_native(scheme: Scheme) -> None:
     if scheme.kind == "stack":
         parts = " + ".join(p.name for p in scheme.schemes)
@@ -182,10 +173,9 @@ def _require_native(scheme: Scheme) -> None:
             "rope_patch.from_pretrained instead"
             + (f" (to_rope_parameters({scheme.frequency.name!r}, ...) exports the frequency part alone)."
                if scheme.frequency is not None and _is_native(scheme.frequency) else "."))
-    if scheme.kind != "frequency" or not getattr(scheme, "native", False):
+    if not scheme.native:
         raise ValueError(
-            f"{scheme.name} has no native transformers/vLLM `rope_parameters` form (it changes "
-            f"{_WHAT.get(type(scheme).kind, 'frequencies in a way transformers cannot express')}). "
+            f"{scheme.name} has no native transformers/vLLM `rope_parameters` form (it changes {scheme.changes}). "
             "Save with rope_patch.save_pretrained and load with rope_patch.from_pretrained instead."
         )
 

@@ -73,6 +73,15 @@ def register_scheme(cls: type[Scheme] | None = None, *, name: str | None = None,
     return add if cls is None else add(cls)
 
 
+def unregister_scheme(name: str) -> None:
+    """Remove the scheme registered under `name` (or an alias of it), with its aliases: what a test or a notebook
+    that registered a scheme of its own does afterwards. A no-op for a name that is not registered."""
+    key = _ALIASES.get(normalise_name(name), normalise_name(name))
+    if _SCHEMES.pop(key, None) is not None:
+        for alias in [a for a, target in _ALIASES.items() if target == key]:
+            del _ALIASES[alias]
+
+
 def normalise_name(name: str) -> str:
     """How a given scheme name is looked up: `Self-Extend ` -> `self_extend`."""
     if not isinstance(name, str):
@@ -107,6 +116,13 @@ def get_scheme_class(name: str) -> type[Scheme]:
 def param_names(name: str) -> list[str]:
     """The parameter names of scheme `name` (or alias), in the class's order."""
     return get_scheme_class(name).param_names()
+
+
+def bare_param(name: str) -> str | None:
+    """The parameter the bare VALUE of the spec `name:VALUE` sets (the class's `bare_param`), None when the scheme
+    has no such parameter (then it takes no bare value)."""
+    cls = get_scheme_class(name)
+    return cls.bare_param if cls.bare_param in cls.param_names() else None
 
 
 def list_schemes() -> list[str]:

@@ -1,4 +1,5 @@
-"""The built-in schemes' names, aliases, kinds and parameter names, readable without importing torch.
+"""The built-in schemes' names, aliases, kinds, parameter names and bare-value parameters, readable without importing
+torch.
 
 The command line checks scheme specs (`--schemes yran:8` -> "Did you mean 'yarn'?") and prints `rope-patch list`
 before it imports anything heavy, from this table. The scheme classes stay the one place a scheme is defined: the
@@ -27,7 +28,8 @@ COMMAND = "python -m rope_patch.scheme_names"
 
 @functools.cache
 def table() -> dict:
-    """{"schemes": {name: {"kind", "params", "listed"}}, "aliases": {alias: name}} as committed."""
+    """{"schemes": {name: {"kind", "params", "bare", "listed"}}, "aliases": {alias: name}} as committed ("bare": the
+    parameter a bare value `name:VALUE` sets, null for none)."""
     return json.loads(data_path(TABLE).read_text(encoding="utf-8"))
 
 
@@ -52,6 +54,11 @@ def canonical_name(name: str) -> str:
 
 def param_names(name: str) -> list[str]:
     return list(table()["schemes"][canonical_name(name)]["params"])
+
+
+def bare_param(name: str) -> str | None:
+    """As registry.bare_param(): the parameter the bare VALUE of `name:VALUE` sets, None for none."""
+    return table()["schemes"][canonical_name(name)]["bare"]
 
 
 def kind(name: str) -> str:
@@ -81,8 +88,8 @@ def build() -> dict:
 
     # the built-in classes only: a scheme a test or a user registered in this process is not the CLI's
     builtin = {name: cls for name, cls in registry.registered().items() if cls.__module__.startswith(f"{__package__}.schemes.")}
-    schemes = {name: {"kind": cls.kind, "params": cls.param_names(), "listed": getattr(cls, "listed", True)}
-               for name, cls in sorted(builtin.items())}
+    schemes = {name: {"kind": cls.kind, "params": cls.param_names(), "bare": registry.bare_param(name),
+                      "listed": cls.listed} for name, cls in sorted(builtin.items())}
     aliases = {alias: name for alias, name in sorted(registry.aliases().items()) if name in builtin}
     return {"generated_by": COMMAND, "schemes": schemes, "aliases": aliases}
 

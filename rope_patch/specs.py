@@ -1,8 +1,8 @@
 """Scheme specs: the one-string form of a scheme that every command line, the evaluation and `apply()` accept.
 
     yarn                                 name only (aliases allowed: pi, ntk_aware, ...)
-    yarn:8                               name:VALUE sets the scheme's positional parameter (factor for most)
-    default:500000                       ... rope_theta for default, group_size for self_extend, see _POSITIONAL
+    yarn:8                               name:VALUE sets the scheme's `bare_param` (factor for most)
+    default:500000                       ... rope_theta for default, group_size for self_extend, ...
     yarn:factor=8,beta_fast=16           name:key=value,... with transformers' rope_parameters keys
     longrope:short_factor=1/1.5/2        a `/`-separated value is a list
     yarn:4+logn                          `+` stacks schemes (one frequency, one attention-side, modifiers)
@@ -32,10 +32,10 @@ class SchemeNames(Protocol):
 
     def param_names(self, name: str) -> list[str]: ...
 
-# The parameter that the bare VALUE of `name:VALUE` sets; every other scheme: `factor`.
-_POSITIONAL = {"default": "rope_theta", "p_rope": "partial_rotary_factor", "alibi": "max_bias",
-               "self_extend": "group_size", "rerope": "window_size", "leaky_rerope": "window_size", "string": "shift_size",
-               "logn": "kind"}
+    def bare_param(self, name: str) -> str | None:
+        """The parameter the bare VALUE of `name:VALUE` sets (the class's `bare_param`), None when it takes none."""
+        ...
+
 
 _FORMS = "Specs look like `yarn`, `yarn:8` or `yarn:factor=8,beta_fast=16`."
 # `+` between two specs stacks them (yarn:4+logn); a `+` inside a number (default:1e+6) is followed by a digit.
@@ -95,7 +95,7 @@ def parse_spec(spec: str, *, names: SchemeNames | None = None) -> tuple[str, dic
             if not text:
                 raise ValueError(f"Scheme spec {spec!r}: parameter {key!r} has no value after '='. {_FORMS}")
         else:
-            key, text = _positional(spec, name, names.param_names(name)), key
+            key, text = _bare(spec, name, names), key
         if key in params:
             raise ValueError(f"Scheme spec {spec!r} sets {key!r} twice.")
         params[key] = parse_value(text)
@@ -107,9 +107,11 @@ def _slashed(rest: str) -> str:
     return re.sub(r"[\[(]([^\])]*)[\])]", lambda m: "/".join(v.strip() for v in m.group(1).split(",") if v.strip()), rest)
 
 
-def _positional(spec: str, name: str, known: list[str]) -> str:
-    key = _POSITIONAL.get(name, "factor")
-    if key not in known:
+def _bare(spec: str, name: str, names: SchemeNames) -> str:
+    """The parameter a bare value sets, or the TypeError for a scheme that takes none."""
+    key = names.bare_param(name)
+    if key is None:
+        known = names.param_names(name)
         raise TypeError(f"Scheme spec {spec!r}: {name} takes no positional value; "
                         + (f"name the parameter, e.g. {name}:{known[0]}=... (parameters: {', '.join(known)})."
                            if known else f"it has no parameters, write {name!r}."))

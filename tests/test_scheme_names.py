@@ -29,6 +29,7 @@ def test_the_table_answers_as_the_registry():
     for name in scheme_names.table()["schemes"]:
         assert scheme_names.param_names(name) == registry.param_names(name)
         assert scheme_names.kind(name) == registry.get_scheme_class(name).kind
+        assert scheme_names.bare_param(name) == registry.bare_param(name)  # the class's `bare_param`, or None
     assert scheme_names.canonical_name(" Self-Extend ") == "self_extend"
 
 

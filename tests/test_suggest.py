@@ -7,9 +7,13 @@ from fractions import Fraction
 import pytest
 import torch
 from helpers.models import VOCAB, logits, tiny_model
+from helpers.schemes import SCHEMES
 
 import rope_patch
-from rope_patch.suggest import FREQUENCY_SCHEMES, Suggestion, pretraining_window, specs_for_target, suggest
+from rope_patch.suggest import Suggestion, pretraining_window, specs_for_target, suggest
+
+FACTOR = [r.name for r in SCHEMES if r.suggest == "factor"]  # factor s = N/L
+SUGGESTED = {r.name for r in SCHEMES if r.suggest}  # every scheme with a rule (for N > L)
 
 CASES = [(32, 16), (32, 32), (32, 33), (32, 96), (32, 256), (256, 200), (256, 1024), (256, 2048), (4096, 2048),
          (4096, 12288), (4096, 32768), (8192, 131072)]
@@ -33,9 +37,10 @@ def test_rules_hold(models, window, n):
     if n <= window:
         assert set(got) <= {"string"}
     else:
-        assert set(FREQUENCY_SCHEMES) <= set(got) and {"dca", "rerope", "leaky_rerope", "string"} <= set(got)
+        assert SUGGESTED - {"self_extend"} <= set(got) <= SUGGESTED  # self_extend: where G < W exists (below)
+        assert [s.scheme for s in found][:len(FACTOR)] == FACTOR  # the frequency schemes first
         fast = min(32, max(2, window / 128))
-        for name in FREQUENCY_SCHEMES:
+        for name in FACTOR:
             beta = {"beta_fast": fast} if name in ("yarn", "dynamic_yarn") and fast != 32 else {}
             assert got[name].params == {"factor": pytest.approx(n / window), **beta}
             assert f"{n}/{window}" in got[name].reason

@@ -119,8 +119,6 @@ def attention_bias(scheme=None, distances=None, *, num_heads=None, model=None, c
 
 
 def bias(spec: AnalysisSpec, d: torch.Tensor, num_heads) -> torch.Tensor:
-    if spec.name != "alibi":  # relative_bias is learned: not modelled
-        return torch.zeros(num_heads or 1, d.numel(), dtype=torch.float64)
-    if num_heads is None:
-        raise TypeError("alibi: the bias needs num_heads (the slopes depend on the head count); pass num_heads= or model= / config=.")
-    return -alibi_slopes(num_heads, spec.param("max_bias"))[:, None] * d[None, :]
+    """The scheme's fixed bias (`Scheme.distance_bias`), else zeros (relative_bias is learned: not modelled)."""
+    fixed = spec.scheme.distance_bias(d, num_heads)
+    return fixed if fixed is not None else torch.zeros(num_heads or 1, d.numel(), dtype=torch.float64)

@@ -126,7 +126,7 @@ def expected_score(scheme=None, head_dim=None, distances=None, *, rope_theta=Non
     energy = u[:, :half] ** 2 + u[:, half:rot] ** 2  # [samples, pairs]
     passive = (u[:, rot:] ** 2).sum(dim=1)  # [samples]
     per_sample = a2 * cos @ energy.T + passive[None, :]  # [n_dist, samples]
-    bias = distance_bias(s.spec, d, s.num_heads if s.spec.name == "alibi" else (s.num_heads or 1))
+    bias = distance_bias(s.spec, d, s.num_heads)
     rand, std = per_sample.mean(dim=1), per_sample.std(dim=1) if num_samples > 1 else torch.zeros_like(d)
     if logits:
         scale = 1 / math.sqrt(head)

@@ -14,9 +14,9 @@ from ..schemes.frequency import FrequencyScheme
 from ..schemes.stack import Modifier
 from ..specs import parse_spec
 
+# short parameter names in legends; a scheme's own (`Scheme.label_symbols`: leaky_rerope's factor is k) come first
 _SHORT = {"factor": "s", "rope_theta": "b", "partial_rotary_factor": "p", "group_size": "G", "window_size": "W",
           "shift_size": "S", "original_max_position_embeddings": "L"}
-_SHORT_BY_SCHEME = {"leaky_rerope": {"factor": "k"}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +68,9 @@ def _fmt(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _label(name: str, params: dict) -> str:
-    short = {**_SHORT, **_SHORT_BY_SCHEME.get(name, {})}
+def _label(obj: Scheme, params: dict) -> str:
+    name = obj.name
+    short = {**_SHORT, **obj.label_symbols}
     shown = [f"{short.get(k, k)}={_fmt(v)}" for k, v in params.items() if v is not None and k != "original_max_position_embeddings"]
     return f"{name} ({', '.join(shown)})" if shown else name
 
@@ -98,11 +99,11 @@ def as_spec(scheme, **params) -> AnalysisSpec:
         raise TypeError(f"{scheme!r}: parameter(s) {sorted(overlap)} given both in the spec and as keywords.")
     given.update(params)
     obj = as_scheme(name, **given)
-    return AnalysisSpec(obj.name, obj.params(), obj, label_of(obj) if obj.kind == "stack" else _label(obj.name, given))
+    return AnalysisSpec(obj.name, obj.params(), obj, label_of(obj) if obj.kind == "stack" else _label(obj, given))
 
 
 def label_of(obj: Scheme) -> str:
     """The legend label of a scheme object; a stack's parts joined by " + "."""
     if obj.kind == "stack":
         return " + ".join(label_of(p) for p in obj.schemes)
-    return _label(obj.name, obj.params())
+    return _label(obj, obj.params())

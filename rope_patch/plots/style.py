@@ -1,5 +1,8 @@
 """What every figure shares: the scheme list, colours and line styles, the window marker, axis formatters.
 
+What is particular to a scheme is read from its class: a fixed style (`Scheme.plot_style`: vanilla RoPE is black),
+length dependence (`Scheme.length_dependent`: drawn at the extended window, the length named in the legend).
+
 matplotlib (~1 s to import) is imported where a figure is built (`figure`, `formatter`, `color`), so that the
 `rope-patch` command line, which imports this package to build its parser, starts without it.
 """
@@ -49,21 +52,14 @@ STYLES = ("-", "--", "-.", ":")
 
 
 def style(k: int, spec: A.AnalysisSpec | None = None) -> dict:
-    if spec is not None and is_vanilla(spec):
-        return {"color": "black", "linestyle": "-"}
-    return {"color": color(k), "linestyle": STYLES[(k // 10) % len(STYLES)]}
-
-
-def is_vanilla(spec: A.AnalysisSpec) -> bool:
-    return spec.name == "default" and spec.params.get("rope_theta") is None
-
-
-LENGTH_DEPENDENT = ("dynamic", "dynamic_yarn", "longrope")
+    """The k-th scheme's colour and line style, or the scheme's own (`Scheme.plot_style`)."""
+    own = spec.scheme.plot_style() if spec is not None else None
+    return dict(own) if own is not None else {"color": color(k), "linestyle": STYLES[(k // 10) % len(STYLES)]}
 
 
 def at_length(spec: A.AnalysisSpec, rope: dict, L) -> dict:
     """Length-dependent schemes are drawn at their extended window s·L unless seq_len is given."""
-    if spec.name in LENGTH_DEPENDENT and rope.get("seq_len") is None:
+    if spec.scheme.length_dependent and rope.get("seq_len") is None:
         w = scheme_window(spec, L)
         if w:
             return {**rope, "seq_len": w}
@@ -72,7 +68,7 @@ def at_length(spec: A.AnalysisSpec, rope: dict, L) -> dict:
 
 def label(spec: A.AnalysisSpec, rope: dict, seq_len=None) -> str:
     ell = seq_len if seq_len is not None else rope.get("seq_len")
-    return spec.label + (f" @ ℓ = {ell:,}" if spec.name in LENGTH_DEPENDENT and ell else "")
+    return spec.label + (f" @ ℓ = {ell:,}" if spec.scheme.length_dependent and ell else "")
 
 
 def binned(x: np.ndarray, y: np.ndarray, bins: int = 400):
@@ -147,9 +143,10 @@ def legend_label(f: A.Frequencies, label: str | None = None) -> str:
 
 
 def scheme_window(spec: A.AnalysisSpec, L: int | None) -> int | None:
-    """The extended window a frequency scheme targets, factor × L (its original_max_position_embeddings or L)."""
+    """The extended window a frequency scheme with a `factor` targets, factor × L (its original_max_position_embeddings
+    or L); None for the others."""
     factor = spec.params.get("factor")
-    if not spec.is_frequency or not factor or spec.name in ("default", "p_rope"):
+    if not spec.is_frequency or not factor:
         return None
     base = spec.params.get("original_max_position_embeddings") or L
     return int(factor * base) if base else None

@@ -206,8 +206,9 @@ def angles(schemes, length=None, **rope) -> Figure:
 
 
 def distance(schemes, max_distance=None, num_heads=8, **rope) -> Figure:
-    """Effective relative distance vs true distance (rerope, leaky_rerope, self_extend remap it; others keep it),
-    and, when ALiBi is among the schemes, its additive bias −m_h·Δ for a few heads."""
+    """Effective relative distance vs true distance, read from each scheme's `relative_position` (self_extend,
+    rerope, leaky_rerope, string and dca remap it; the others keep it), and, when a scheme adds a bias fixed by its
+    parameters (`Scheme.distance_bias`: ALiBi's −m_h·Δ), that bias for a few heads."""
     rope = S.rope(rope)
     specs = S.specs(schemes)
     L = rope.get("max_position_embeddings")
@@ -215,13 +216,13 @@ def distance(schemes, max_distance=None, num_heads=8, **rope) -> Figure:
         L = A.frequencies("default", **{k: v for k, v in rope.items() if k != "seq_len"}).original_window
     top = int(max_distance or (4 * L if L else 16384))
     d = torch.arange(0, top + 1)
-    alibi = [s for s in specs if s.name == "alibi"]
-    fig, axes = S.figure(2 if alibi else 1)
+    biases = {k: b for k, spec in enumerate(specs) if (b := spec.scheme.distance_bias(d, num_heads)) is not None}
+    fig, axes = S.figure(2 if biases else 1)
     ax = axes[0]
     ax.plot(d.numpy(), d.numpy(), color="0.6", linewidth=1, linestyle="-", label="true distance (identity)")
     for k, spec in enumerate(specs):
         e = A.effective_distance(spec, d)
-        if spec.name in ("rerope", "leaky_rerope", "self_extend"):
+        if not torch.equal(e, d.to(e.dtype)):  # the scheme moves positions within this range
             ax.plot(d.numpy(), e.numpy(), linewidth=1.4, label=spec.label, **S.style(k, spec))
         else:
             why = "no rotation: order only via bias / causal mask" if not spec.keeps_rotation else "true distance"
@@ -231,26 +232,25 @@ def distance(schemes, max_distance=None, num_heads=8, **rope) -> Figure:
         ax.axhline(L, color="0.75", linestyle=":", linewidth=1)
     ax.set_xlabel("true relative distance Δ = i − j (tokens)")
     ax.set_ylabel("relative distance the rotation sees (tokens)")
-    ax.set_title("Position remapping (Self-Extend, ReRoPE)", fontsize=10)
+    ax.set_title("Position remapping (Self-Extend, ReRoPE, STRING, DCA)", fontsize=10)
     ax.xaxis.set_major_formatter(S.int_formatter())
     ax.yaxis.set_major_formatter(S.int_formatter())
     ax.grid(True, alpha=0.25)
     ax.legend(fontsize=7, loc="upper left")
-    if alibi:
+    if biases:
         ax2 = axes[1]
         heads = sorted({0, num_heads // 4, num_heads // 2, num_heads - 1})
-        for spec in alibi:
-            b = A.attention_bias(spec, d, num_heads=num_heads)
-            slopes = A.alibi_slopes(num_heads, spec.param("max_bias"))
+        for k, b in biases.items():
             for n, h in enumerate(heads):
-                ax2.plot(d.numpy(), b[h].numpy(), color=S.color(specs.index(spec)), alpha=1 - 0.2 * n,
-                         linestyle=S.STYLES[n % 4], label=f"{spec.label}, head {h + 1}/{num_heads}: m = {slopes[h]:.3g}")
+                slope = -b[h, -1].item() / top  # the mean slope: ALiBi's m_h, whose bias is −m_h·Δ
+                ax2.plot(d.numpy(), b[h].numpy(), color=S.color(k), alpha=1 - 0.2 * n, linestyle=S.STYLES[n % 4],
+                         label=f"{specs[k].label}, head {h + 1}/{num_heads}: m = {slope:.3g}")
         S.mark_window(ax2, L)
         ax2.set_yscale("symlog", linthresh=1)
         ax2.set_ylim(top=0.5)
         ax2.set_xlabel("relative distance Δ = i − j (tokens)")
-        ax2.set_ylabel("ALiBi logit bias −m·Δ (symlog scale)")
-        ax2.set_title("ALiBi bias per head (Press et al. 2022)", fontsize=10)
+        ax2.set_ylabel("logit bias, ALiBi: −m·Δ (symlog scale)")
+        ax2.set_title("Additive bias per head (ALiBi: Press et al. 2022)", fontsize=10)
         ax2.xaxis.set_major_formatter(S.int_formatter())
         ax2.grid(True, which="both", alpha=0.25)
         ax2.legend(fontsize=7, loc="lower left")
@@ -277,7 +277,7 @@ def score(schemes, distances=None, max_distance=None, logits=False, num_heads=8,
         e = A.expected_score(spec, distances=d, logits=logits, num_heads=num_heads, num_samples=num_samples, **rope)
         st = S.style(k, spec)
         label = S.label(spec, rope, rope.get("seq_len") or int(x.max()) + 1)
-        if spec.name == "alibi" and not logits:
+        if not logits and spec.scheme.distance_bias(d[:1], num_heads) is not None:
             label += " [no rotation; its bias is not in q·k: see logits]"
         _dense(ax, x, e.ones.numpy(), st, label, envelope="mean")
         _dense(ax2, x, e.random.numpy(), st, label, envelope="mean")

@@ -8,6 +8,19 @@ A scheme is a frozen dataclass of its parameters (transformers' `rope_parameters
     install(undo_log)                        # the only step that changes the model, all through the undo log
 
 so a bad input fails before the model is modified, and `remove()` replays the undo log.
+
+Everything else the library knows about a scheme is on its class too, with a default here, so that a new scheme is
+one class in one module of rope_patch/schemes/ (the package imports every module it holds):
+
+    bare_param          the parameter a bare value sets (`yarn:8` -> factor; the CLI's name table records it)
+    search_space()      the default grid of `rope-patch tune` (None: none, the user gives --space)
+    suggestion()        the parameters its paper recommends for a target length (`rope_patch.suggest`)
+    length_dependent    frequencies that follow the sequence length (plots draw it at its extended window)
+    plot_style()        a fixed colour / line style in the figures (None: the colour cycle)
+    label_symbols       short parameter names in figure legends (beside the shared ones of rope_patch.analysis)
+    distance_bias()     an additive logit bias fixed by the parameters, per head and distance (ALiBi)
+    native, changes     whether transformers' `rope_parameters` express it (export, saves), and what it changes
+                        in words when they do not
 """
 
 from __future__ import annotations
@@ -15,13 +28,48 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from ..discovery import PatchSite
 from ..registry import did_you_mean
 from ..undo import UndoLog
 
+if TYPE_CHECKING:
+    import torch
+
 InstallStep = Callable[[UndoLog], None]  # what prepare() returns: writes the patch through the undo log
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    """One scheme with the parameters its paper recommends for the target: `spec` is what `rope_patch.apply(model,
+    spec)` and `rope-patch compare --schemes` take, `reason` says where the numbers come from, `alone` whether the
+    scheme serves the target on its own (False: STRING beyond the window, which needs a frequency scheme with it)."""
+
+    scheme: str
+    params: dict
+    spec: str
+    reason: str
+    alone: bool = True
+
+    @classmethod
+    def of(cls, scheme: str, params: dict, reason: str, alone: bool = True) -> Suggestion:
+        """The suggestion of `scheme` with `params`, its spec written out (`yarn:factor=4,beta_fast=2`)."""
+        spec = f"{scheme}:" + ",".join(f"{k}={v!r}" for k, v in params.items())
+        return cls(scheme, dict(params), spec, reason, alone)
+
+    def __str__(self) -> str:
+        return f"{self.spec}: {self.reason}"
+
+
+def plain_number(x: float) -> int | float:
+    """4.0 -> 4, 2.5 -> 2.5: how a suggested or searched value is written into a spec."""
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def extension_ratio(window: int, target: int) -> float:
+    """s = N/L, at least 1: how far a target length N reaches beyond the pre-training window L."""
+    return max(1.0, target / window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +83,36 @@ class Scheme:
     # Named by `rope-patch list`, `list_schemes()` and "Available:" messages (False: a composition such as `stack`,
     # registered so that a saved one resolves, but not a scheme to choose on its own).
     listed: ClassVar[bool] = True
+    # The parameter that the bare VALUE of the spec `name:VALUE` sets (`yarn:8` is factor=8, `self_extend:4`
+    # group_size=4). A scheme without that parameter takes no bare value (`nope:3` is an error).
+    bare_param: ClassVar[str] = "factor"
+    # Whether the frequencies follow the sequence length (dynamic NTK, dynamic YaRN, LongRoPE's two sets): figures
+    # draw such a scheme at its extended window and name the length they drew it at.
+    length_dependent: ClassVar[bool] = False
+    # Short names of parameters in figure legends, beside rope_patch.analysis's shared ones (factor -> s, ...).
+    label_symbols: ClassVar[dict[str, str]] = {}
+    # Whether transformers' `rope_parameters` alone reproduce the scheme (then a plain save reloads it, and
+    # `to_rope_parameters` / vLLM / SGLang take it), and, where they do not, what the scheme changes, in words.
+    native: ClassVar[bool] = False
+    changes: ClassVar[str] = "frequencies in a way transformers cannot express"
 
     @classmethod
     def param_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def search_space(cls, window: int, target: int) -> dict[str, list] | None:
+        """The default grid of `rope-patch tune` for a target length N = `target` on a model of pre-training window
+        L = `window`: parameter -> values (a small grid around the paper's recommendation). None: no default, the
+        search needs an explicit space."""
+        return None
+
+    @classmethod
+    def suggestion(cls, n: int, window: int) -> Suggestion | None:
+        """The parameters the scheme's paper recommends for serving N = `n` tokens on a model of pre-training window
+        L = `window` (`rope_patch.suggest`), with the reason; None where the paper gives no rule or the scheme does
+        not serve N (the extension schemes for N ≤ L; the schemes that need training)."""
+        return None
 
     @classmethod
     def from_params(cls, **params) -> Scheme:
@@ -69,6 +143,16 @@ class Scheme:
         """The relative position the rotation sees for a query at true position i and a key at j ≤ i (tensors,
         broadcast): i − j, unless the scheme remaps positions (Self-Extend, ReRoPE, STRING, DCA)."""
         return i - j
+
+    def distance_bias(self, distances: torch.Tensor, num_heads: int | None) -> torch.Tensor | None:
+        """The additive logit bias [num_heads, len(distances)] at each distance Δ = i − j when the scheme's
+        parameters fix it (ALiBi's −m_h·Δ); None for no bias or a learned one (relative_bias)."""
+        return None
+
+    def plot_style(self) -> dict | None:
+        """A fixed matplotlib colour / line style for this scheme in every figure (vanilla RoPE is black); None: the
+        next colour of the cycle."""
+        return None
 
     def served_window(self, target: PatchSite) -> int | None:
         """The context window this scheme extends the model to (None: unchanged); `target` is unpatched."""
@@ -106,4 +190,4 @@ def without_native_form(scheme: Scheme) -> list[Scheme]:
     else config.json keeps the unpatched RoPE and reloads the unpatched model, never the expressible parts alone (yarn
     without the Self-Extend it was stacked with would be a third model)."""
     parts = getattr(scheme, "schemes", None) or (scheme,)
-    return [p for p in parts if not (p.kind == "frequency" and getattr(p, "native", False))]
+    return [p for p in parts if not p.native]

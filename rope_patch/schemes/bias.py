@@ -114,6 +114,7 @@ class Alibi(AttentionScheme):
     keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
     name = "alibi"
     aliases = ("attention_linear_bias",)
+    bare_param = "max_bias"
     max_bias: float = 8.0
 
     def __post_init__(self):
@@ -125,6 +126,15 @@ class Alibi(AttentionScheme):
 
     def build(self, target):
         return AlibiScores(self.max_bias), None
+
+    def distance_bias(self, distances, num_heads):
+        """−m_h·Δ per head h (`alibi_slopes`), float64."""
+        if num_heads is None:
+            raise TypeError("alibi: the bias needs num_heads (the slopes depend on the head count); pass num_heads= "
+                            "or model= / config=.")
+        n = check.integer(self.name, "num_heads", num_heads, ge=1)
+        slopes = torch.tensor(alibi_slopes(n, self.max_bias), dtype=torch.float64)
+        return -slopes[:, None] * distances.to(torch.float64)[None, :]
 
 
 # ------------------------------------------------------------------------------------------------------------------

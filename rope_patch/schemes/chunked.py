@@ -55,6 +55,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from .. import attention
 from .. import validation as check
 from ..registry import register_scheme
+from .base import Suggestion
 from .common import AttentionScheme
 
 INTRA, SUCC, INTER = 0, 1, 2
@@ -303,6 +304,17 @@ class DualChunk(AttentionScheme):
     aliases = ("dual_chunk_attention", "dual_chunk", "chunkllama", "chunk_llama")
     chunk_size: int | None = None
     local_size: int | None = None
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """chunk_size = ¾·L, local_size = L/8 (An et al. 2024, arXiv:2402.17463; ChunkLlama's
+        `replace_with_chunkllama` defaults)."""
+        chunk, local = window * 3 // 4, max(1, window // 8)
+        if n <= window or chunk <= local:
+            return None
+        return Suggestion.of(cls.name, {"chunk_size": chunk, "local_size": local},
+                             f"chunk_size = ¾·L = {chunk}, local_size = L/8 = {local} (An et al. 2024, ChunkLlama "
+                             "defaults)")
 
     def __post_init__(self):
         if self.chunk_size is not None:

@@ -84,6 +84,7 @@ def cache_arg(kwargs: dict):
 @dataclasses.dataclass(frozen=True)
 class AttentionScheme(Scheme):
     kind: ClassVar[str] = "attention"
+    changes: ClassVar[str] = "attention"
 
     def _set(self, key, value):
         object.__setattr__(self, key, value)

@@ -27,7 +27,7 @@ from ..discovery import PatchSite, RopeContext
 from ..registry import register_scheme
 from ..rotary import PatchedRotaryForward
 from ..undo import UndoLog
-from .base import InstallStep, Scheme
+from .base import InstallStep, Scheme, Suggestion, extension_ratio, plain_number
 from .cached import cache_rotation as _cache_rotation
 from .cached import prepare as _prepare_consistent
 from .common import attention_modules
@@ -83,6 +83,23 @@ class FrequencyScheme(Scheme):
         return None
 
     native: ClassVar[bool] = True  # does `rope_parameters` alone reproduce the scheme in plain transformers?
+
+    def check_export(self, head_dim: int | None, rope_theta: float | None) -> None:
+        """Raise ValueError when `rope_parameters` cannot be written from the scheme alone and what
+        `to_rope_parameters` was given without a model (`head_dim`, `rope_theta`: None where not given)."""
+        if getattr(self, "original_max_position_embeddings", 0) is None:
+            raise ValueError(f"{self.name}: pass original_max_position_embeddings (or model=) to export it.")
+
+    @classmethod
+    def factor_suggestion(cls, n: int, window: int, extra: str = "", **params) -> Suggestion | None:
+        """factor s = N/L, the extension ratio (None for N ≤ L): the rule of the factor-scaled schemes' papers
+        (Chen et al. 2023 §2.3 "s = L′/L"; bloc97 2023; emozilla 2023; Peng et al. 2023 §3; Meta 2024). `extra` is
+        appended to the reason, `params` to the factor."""
+        if n <= window:
+            return None
+        s = n / window
+        return Suggestion.of(cls.name, {"factor": plain_number(s), **params},
+                             f"factor = N/L = {n}/{window} = {s:g}{extra}")
 
     # ---- shared machinery ------------------------------------------------------------------------------------
     def theta(self, ctx: RopeContext) -> float:
@@ -375,6 +392,11 @@ class Default(FrequencyScheme):
 
     name = "default"
     aliases = ("rope", "base", "theta", "abf", "vanilla")
+    bare_param = "rope_theta"
+
+    def plot_style(self):
+        # the model's own RoPE is the reference line of every figure; a new base (ABF) is a scheme like the others
+        return {"color": "black", "linestyle": "-"} if self.rope_theta is None else None
 
     def rope_parameters(self, ctx):
         return self._params(ctx, "default")
@@ -404,6 +426,15 @@ class Linear(FrequencyScheme):
     def window(self, ctx):
         return int(self.factor * ctx.pretraining_window)
 
+    @classmethod
+    def search_space(cls, window, target):
+        s = extension_ratio(window, target)
+        return {"factor": [s, 1.25 * s, 1.5 * s, 2 * s]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        return cls.factor_suggestion(n, window)
+
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
@@ -431,6 +462,22 @@ class NTK(FrequencyScheme):
 
     def window(self, ctx):
         return int(self.factor * ctx.pretraining_window)
+
+    def check_export(self, head_dim, rope_theta):
+        if head_dim is None or rope_theta is None:
+            lacking = " and ".join(k for k, v in (("head_dim=", head_dim), ("rope_theta=", rope_theta)) if v is None)
+            raise ValueError(f"ntk's native form is a base change b′ = b·s^(d/(d−2)), which needs the model's head_dim "
+                             f"and rope_theta: pass {lacking} (or model=).")
+        super().check_export(head_dim, rope_theta)
+
+    @classmethod
+    def search_space(cls, window, target):
+        s = extension_ratio(window, target)
+        return {"factor": [s, 1.5 * s, 2 * s, 3 * s]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        return cls.factor_suggestion(n, window)
 
 
 class _Windowed(FrequencyScheme):
@@ -466,6 +513,7 @@ class Dynamic(_Windowed):
 
     name = "dynamic"
     aliases = ("dynamic_ntk", "ntk_dynamic")
+    length_dependent = True
     factor: float | None = None
     original_max_position_embeddings: int | None = None
     # "native" (None): transformers' behaviour, cached keys keep the rotation of the step that wrote them (#25104);
@@ -487,6 +535,19 @@ class Dynamic(_Windowed):
     def public_window(self, ctx):
         # transformers' dynamic NTK starts scaling at config.max_position_embeddings: the native form announces L
         return self.original_max_position_embeddings
+
+    @classmethod
+    def search_space(cls, window, target):
+        s = extension_ratio(window, target)
+        return {"factor": [max(1.0, s / 2), s, 1.5 * s, 2 * s]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """factor s = N/L (emozilla 2023), as transformers' docs configure it; at ℓ = N dynamic NTK then has the
+        effective factor s·N/L − (s − 1) (FORMULAS.md)."""
+        s = n / window
+        return cls.factor_suggestion(n, window, f" (at ℓ = N dynamic NTK's effective factor is s·N/L − (s − 1) = "
+                                                f"{s * s - s + 1:.4g})")
 
 
 @register_scheme
@@ -529,6 +590,33 @@ class Yarn(_Windowed):
     def rope_parameters(self, ctx):
         keys = {k: getattr(self, k) for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")}
         return self._params(ctx, "yarn", **keys)
+
+    @classmethod
+    def search_space(cls, window, target):
+        s = extension_ratio(window, target)
+        return {"factor": [s, 1.5 * s, 2 * s], "beta_fast": [8, 16, 32], "beta_slow": [0.5, 1, 2]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """factor s = N/L (Peng et al. 2023 §3) and beta_fast = min(32, max(2, L/128)), beta_slow = 1 (rope_patch's
+        rule, not the paper's): YaRN's β count turns inside L and were tuned at L ≈ 4096, where β_fast = 32 leaves
+        the pairs with wavelength λ < L/32 = 128 tokens unchanged. The rule keeps that 128-token threshold for
+        smaller windows (L = 256: β_fast = 2, i.e. λ < 128 unchanged, where 32 would leave only λ < 8 and
+        interpolate pairs that turn 2–32 times in the window); β_slow = 1 (pairs that never complete a turn inside L
+        are interpolated) has the same meaning at any L. For L ≥ 4096 it is the paper's 32 / 1 and no beta is
+        written into the spec. Measured on rope-tiny (L = 256), README "Choosing parameters": yarn ×4 at 1024
+        tokens perplexity 113.2 → 87.4, passkey 7% → 60% (30 prompts)."""
+        fast = yarn_beta_fast(window)
+        if fast == 32:
+            return cls.factor_suggestion(n, window, "; beta_fast / beta_slow: the paper's 32 / 1")
+        return cls.factor_suggestion(n, window, f"; beta_fast = min(32, max(2, L/128)) = {fast:g}: pairs with "
+                                                "wavelength < 128 tokens stay unchanged, as with the paper's 32 at "
+                                                "L = 4096", beta_fast=plain_number(fast))
+
+
+def yarn_beta_fast(window: int) -> float:
+    """rope_patch's β_fast for a pre-training window L: min(32, max(2, L/128)) (`Yarn.suggestion`)."""
+    return float(min(32.0, max(2.0, window / 128)))
 
 
 class LengthUpdate:
@@ -621,6 +709,7 @@ class DynamicYarn(Yarn):
     name = "dynamic_yarn"
     aliases = ("yarn_dynamic", "dynamic-yarn")
     native = False
+    length_dependent = True
     # "native" (None): transformers' behaviour, cached keys keep the rotation of the step that wrote them (#25104);
     # "consistent": keys cached un-rotated, q and every cached key rotated with each step's frequencies (cached.py)
     cache_rotation: str | None = None
@@ -634,6 +723,10 @@ class DynamicYarn(Yarn):
 
     def public_window(self, ctx):
         return None  # not native: the public config keeps the unpatched window
+
+    @classmethod
+    def search_space(cls, window, target):
+        return None  # no default grid (yarn's is for the static factor); give one with --space
 
     def rotary_update(self, target, rotary_config):
         rotary_cls, layered = type(target.rotary), target.layer_types != [None]
@@ -685,6 +778,15 @@ class Llama3(_Windowed):
         keys = {k: getattr(self, k) for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
         return self._params(ctx, "llama3", **keys)
 
+    @classmethod
+    def search_space(cls, window, target):
+        s = extension_ratio(window, target)
+        return {"factor": [s, 2 * s], "low_freq_factor": [1, 2], "high_freq_factor": [4, 8]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        return cls.factor_suggestion(n, window)
+
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
@@ -695,6 +797,7 @@ class LongRope(_Windowed):
 
     name = "longrope"
     aliases = ("long_rope", "su")
+    length_dependent = True  # short factors within L, long ones beyond
     short_factor: tuple | None = None
     long_factor: tuple | None = None
     factor: float | None = None
@@ -758,6 +861,7 @@ class PRope(FrequencyScheme):
 
     name = "p_rope"
     aliases = ("prope", "partial_rope", "partial", "proportional")
+    bare_param = "partial_rotary_factor"
     partial_rotary_factor: float | None = None
 
     def __post_init__(self):

@@ -221,6 +221,7 @@ class LogN(Modifier):
 
     name = "logn"
     aliases = ("log_n", "logn_attn", "logn_scaling", "attn_temperature_tuning", "temperature_tuning")
+    bare_param = "kind"  # logn:llama4
     kind: str = "logn"  # the formula (the class attribute `kind` of other schemes is their family)
     attn_scale: float | None = None
     floor_scale: float | None = None

@@ -19,13 +19,16 @@ and nothing of size L×L per head is held.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 
 from .. import attention
 from .. import validation as check
 from ..registry import register_scheme
+from .base import Suggestion, extension_ratio, plain_number
 from .common import AttentionScheme
 
 Positions = Callable[[torch.Tensor], torch.Tensor]
@@ -227,8 +230,31 @@ class SelfExtend(TwoRegion):
 
     name = "self_extend"
     aliases = ("selfextend", "longlm", "grouped_attention")
+    bare_param = "group_size"
     group_size: int | None = None
     window_size: int | None = None
+
+    @classmethod
+    def search_space(cls, window, target):
+        return {"group_size": [2, 4, 8, 16], "window_size": [window // 8, window // 4, window // 2]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """W = L/4 (the paper's neighbour windows 512–1536 at L = 4096) and the smallest group size G with
+        W + (N − W)/G ≤ ⅔·L (Jin et al. 2024 §4: "(½ … ⅔)·L > W + (N − W)/G"); none where that needs G ≥ W."""
+        if n <= window:
+            return None
+        w = max(2, window // 4)
+        budget = Fraction(2 * window, 3)
+        if w >= budget:
+            return None
+        g = max(1, math.ceil(Fraction(n - w) / (budget - w)))  # smallest G with W + (N − W)/G ≤ ⅔·L
+        if g >= w:  # the paper's neighbour window holds whole groups: G < W
+            return None
+        reach = w + (n - w) / g
+        return Suggestion.of(cls.name, {"group_size": g, "window_size": w},
+                             f"W = L/4 = {w}, smallest G with W + (N − W)/G ≤ ⅔·L: {w} + {n - w}/{g} = {reach:.1f} ≤ "
+                             f"{float(budget):.1f} (Jin et al. 2024)")
 
     def __post_init__(self):
         n = self.name
@@ -258,7 +284,22 @@ class ReRope(TwoRegion):
 
     name = "rerope"
     aliases = ("re_rope", "rectified_rope")
+    bare_param = "window_size"
     window_size: int | None = None
+
+    @classmethod
+    def search_space(cls, window, target):
+        return {"window_size": [window // 8, window // 4, window // 2, 3 * window // 4]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """W = L/2 (Su 2023, kexue.fm/archives/9708: w = 256 on a 512-token model; the bojone/rerope README runs
+        w = 1024 at 4k): distances ≥ W collapse to W < L."""
+        if n <= window:
+            return None
+        w = max(1, window // 2)
+        return Suggestion.of(cls.name, {"window_size": w},
+                             f"W = L/2 = {w}: distances ≥ W collapse to W, inside L = {window} (Su 2023)")
 
     def __post_init__(self):
         self._set("window_size", _check_window_size(self.name, self.window_size))
@@ -276,8 +317,28 @@ class LeakyReRope(TwoRegion):
 
     name = "leaky_rerope"
     aliases = ("leaky_re_rope",)
+    bare_param = "window_size"
+    label_symbols = {"factor": "k"}
     window_size: int | None = None
     factor: float | None = None
+
+    @classmethod
+    def search_space(cls, window, target):
+        s = extension_ratio(window, target)
+        return {"window_size": [window // 4, window // 2], "factor": [s, 2 * s, 4 * s]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """W = L/4 and the smallest k (two decimals) with W + (N − 1 − W)/k ≤ L − 1, so every relative position
+        stays inside the window (Su 2023, kexue.fm/archives/9708)."""
+        w = max(1, window // 4)
+        if n <= window or window - 1 - w <= 0:
+            return None
+        k = max(1.0, math.ceil(100 * (n - 1 - w) / (window - 1 - w)) / 100)  # W + (N − 1 − W)/k ≤ L − 1
+        reach = w + (n - 1 - w) / k
+        return Suggestion.of(cls.name, {"window_size": w, "factor": plain_number(k)},
+                             f"W = L/4 = {w}, smallest k (2 decimals) with W + (N − 1 − W)/k ≤ L − 1: {w} + "
+                             f"{n - 1 - w}/{k:g} = {reach:.1f} ≤ {window - 1} (Su 2023)")
 
     def __post_init__(self):
         n = self.name
@@ -331,8 +392,35 @@ class String(TwoRegion):
 
     name = "string"
     aliases = ("shifted_rope",)
+    bare_param = "shift_size"
     shift_size: int | None = None
     window_size: int | None = None
+
+    @classmethod
+    def search_space(cls, window, target):
+        return {"shift_size": [target // 4, target // 3, target // 2], "window_size": [window // 8, window // 4, window // 2]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """Local window W = min(128, L/32) (the authors' W = 128 at L ≥ 4096, scaled down with the window) and shift
+        S = N/3 (An et al. 2024, arXiv:2410.18745, README "0.25–0.4·N"), S > W. It improves the use of the window for
+        N ≤ L; beyond it its distances reach N − 1 − S + W > L, so it is only suggested as a companion of a frequency
+        scheme there (`alone=False`; the reason shows the stack, e.g. apply(model, ['yarn:factor=4', 'string:...']))."""
+        w = max(1, min(128, window // 32))
+        shift = max(w + 1, round(n / 3))
+        if shift >= n:  # S ≥ N is plain RoPE: nothing to shift
+            return None
+        reach = n - 1 - shift + w
+        params = {"shift_size": shift, "window_size": w}
+        base = f"S = N/3 = {shift}, W = min(128, L/32) = {w} (An et al. 2024)"
+        if n <= window:
+            return Suggestion.of(cls.name, params, f"{base}: distances d ≥ S become d − S + W, the well-trained short "
+                                                   f"ones; N = {n} ≤ L = {window}, so it works on its own")
+        spec = Suggestion.of(cls.name, params, "").spec
+        return Suggestion.of(cls.name, params, f"{base}; N = {n} > L = {window}: its distances reach N − 1 − S + W = "
+                                               f"{reach}, so compose it with a frequency scheme (on its own it is not "
+                                               "enough), e.g. rope_patch.apply(model, "
+                                               f"['yarn:factor={plain_number(n / window)!r}', '{spec}'])", alone=False)
 
     def __post_init__(self):
         n = self.name

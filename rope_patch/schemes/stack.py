@@ -52,6 +52,7 @@ class Modifier(Scheme):
     attention-side scheme it is applied together with (None: none), since that decides where it hooks in."""
 
     kind: ClassVar[str] = "modifier"
+    changes: ClassVar[str] = "the attention temperature"
 
     def prepare(self, target: PatchSite, under: AttentionScheme | None = None) -> InstallStep:
         raise NotImplementedError

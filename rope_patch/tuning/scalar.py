@@ -14,32 +14,22 @@ import itertools
 import random
 from collections.abc import Callable
 
-from ..registry import canonical_name, get_scheme_class
+from ..registry import canonical_name, get_scheme_class, list_schemes
 from .log import SearchLog, StopSearch
 
 Space = dict[str, list | tuple]
 
 
 def default_space(scheme: str, window: int, target: int) -> Space:
-    """A small grid around each paper's recommendation for target N on a model of window L (s = N/L)."""
+    """A small grid around each paper's recommendation for target N on a model of window L (s = N/L): the scheme
+    class's `search_space(window, target)`, floats rounded to 4 decimals."""
     name = canonical_name(scheme)
-    s = max(1.0, target / window)
-    L, N = window, target
-    spaces = {
-        "yarn": {"factor": [s, 1.5 * s, 2 * s], "beta_fast": [8, 16, 32], "beta_slow": [0.5, 1, 2]},
-        "dynamic": {"factor": [max(1.0, s / 2), s, 1.5 * s, 2 * s]},
-        "self_extend": {"group_size": [2, 4, 8, 16], "window_size": [L // 8, L // 4, L // 2]},
-        "string": {"shift_size": [N // 4, N // 3, N // 2], "window_size": [L // 8, L // 4, L // 2]},
-        "rerope": {"window_size": [L // 8, L // 4, L // 2, 3 * L // 4]},
-        "leaky_rerope": {"window_size": [L // 4, L // 2], "factor": [s, 2 * s, 4 * s]},
-        "linear": {"factor": [s, 1.25 * s, 1.5 * s, 2 * s]},
-        "ntk": {"factor": [s, 1.5 * s, 2 * s, 3 * s]},
-        "llama3": {"factor": [s, 2 * s], "low_freq_factor": [1, 2], "high_freq_factor": [4, 8]},
-    }
-    if name not in spaces:
+    space = get_scheme_class(name).search_space(window, target)
+    if space is None:
+        having = sorted(n for n in list_schemes() if get_scheme_class(n).search_space(window, target) is not None)
         raise ValueError(f"no default search space for {name!r}; give one with --space KEY=V1,V2,... "
-                         f"(defaults exist for {', '.join(sorted(spaces))}; longrope uses the evolutionary search).")
-    return {k: [round(v, 4) if isinstance(v, float) else v for v in vs] for k, vs in spaces[name].items()}
+                         f"(defaults exist for {', '.join(having)}; longrope uses the evolutionary search).")
+    return {k: [round(v, 4) if isinstance(v, float) else v for v in vs] for k, vs in space.items()}
 
 
 def check_space(scheme: str, space: Space, method: str) -> None:
