@@ -1,5 +1,6 @@
 """The GPU check: one prepared run (≤ 5 minutes on one CUDA GPU, no network, no model download) of what a CPU-only
-machine cannot show. `bench/gpu_check.sh` runs it; results go to `--out` (JSON, one line per case on stdout).
+machine cannot show. `bench/gpu_check.sh` runs it; results go to `--out` (JSON; default out/gpu_check.json in the
+checkout, which git ignores, never the checkout's root), one line per case on stdout.
 
 1. Exactness of the compiled flex_attention paths. A tiny random Llama on the GPU with attn_implementation=
    "flex_attention" (compiled, as transformers' own flex backend): the bias schemes as a `score_mod` (alibi,
@@ -14,7 +15,7 @@ machine cannot show. `bench/gpu_check.sh` runs it; results go to `--out` (JSON, 
 
 Each case runs under a deadline (`--budget-s`): what does not fit is recorded as skipped, so one run always returns
 what it measured. Local dry run of the plumbing on CPU (eager flex, short lengths):
-    python bench/gpu_check.py --device cpu --no-compile --lengths 256 --out /tmp/gpu_check.json
+    python bench/gpu_check.py --device cpu --no-compile --lengths 256     # -> out/gpu_check.json
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 
 import rope_patch  # noqa: E402
 from rope_patch.attention import settings  # noqa: E402
+
+OUT = Path(__file__).resolve().parents[1] / "out" / "gpu_check.json"  # the checkout's out/, ignored by git
 
 TINY_WINDOW = 64
 EXACT = {  # the schemes with a flex form, parameters for the tiny model's 64-token window
@@ -145,7 +148,7 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536])
     ap.add_argument("--no-compile", action="store_true", help="eager flex (CPU dry runs)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="no new speed case starts after this many seconds")
-    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"the JSON results (default: {OUT})")
     args = ap.parse_args()
     start = time.monotonic()
     device = torch.device(args.device)
@@ -159,7 +162,8 @@ def main() -> int:
     print(json.dumps(info), flush=True)
     rows = exactness(device, compile_flex=not args.no_compile)
     rows += speed(device, args.lengths, start + args.budget_s)
-    Path(args.out).write_text(json.dumps({"info": info, "rows": rows, "elapsed_s": time.monotonic() - start}, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"info": info, "rows": rows, "elapsed_s": time.monotonic() - start}, indent=1))
     bad = [r for r in rows if "error" in r or r.get("ok") is False]
     print(f"{len(rows)} cases, {len(bad)} failed or off target, {time.monotonic() - start:.0f} s; wrote {args.out}")
     return 1 if bad else 0

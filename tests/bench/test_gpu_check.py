@@ -36,3 +36,17 @@ def test_the_cpu_dry_run_measures_every_case_and_fails_on_a_bad_one(tmp_path, mo
     assert [r["scheme"] for r in speed] == list(gc.SPEED)
     assert all(r["time_s"] > 0 and r["length"] == 64 and "error" not in r for r in speed), speed
     assert all(r["time_x_vanilla"] > 0 for r in speed)
+
+
+def test_the_default_output_is_ignored_and_not_the_checkout_root():
+    """Without --out the check writes out/gpu_check.json in the checkout (git ignores out/), never the root."""
+    import subprocess
+
+    from helpers.scripts import ROOT
+
+    gc = load_script("bench/gpu_check.py")
+    assert gc.OUT == ROOT / "out" / "gpu_check.json"
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", "out/gpu_check.json"], cwd=ROOT)
+    assert ignored.returncode == 0
