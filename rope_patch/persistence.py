@@ -156,6 +156,11 @@ def _adapter_native(path: Path, manifest: dict | None, base) -> tuple[dict, int]
         config.max_position_embeddings = manifest["original"]["max_position_embeddings"]
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
+    # apply() needs real frequencies: the rotary modules alone are materialised, by the model's own weight init
+    # (which recomputes their buffers from the config, as from_pretrained does for a meta-loaded model)
+    for rotary in find_target(model).rotaries:
+        rotary.to_empty(device="cpu")
+        model._init_weights(rotary)
     if manifest and manifest["scheme"]:
         apply(model, manifest["scheme"], **manifest["params"])
     native = native_config(model)

@@ -287,15 +287,18 @@ class RelativeBiasScheme(AttentionScheme):
         cfg = target.config
         # one row per layer index (the table is looked up by `layer_idx`): hybrid models (qwen3_next) have attention
         # modules on some layers only, and their rows for the other (linear-attention) layers stay unused
-        layers = 1 + max((m.layer_idx for m in attention_modules(target.model)), default=-1)
+        modules = attention_modules(target.model)
+        layers = 1 + max((m.layer_idx for m in modules), default=-1)
         heads = discovery.query_heads(cfg)
         table = RelativeBias(layers, heads, self.num_buckets, self.max_distance)
         if self.init == "alibi":
             slopes = torch.tensor(alibi_slopes(heads))
             with torch.no_grad():
                 table.weight.copy_(-slopes[:, None] * bucket_start(self.num_buckets, self.max_distance))
-        # where the attention layers that read it compute (accelerate's execution device under offloading)
-        return table.to(device=execution_device(attention_modules(target.model)[0]), dtype=table_dtype(target.model))
+        # where the attention layers that read it compute (accelerate's execution device under offloading); with none,
+        # prepare() refuses the model after build() returns
+        device = execution_device(modules[0]) if modules else None
+        return table.to(device=device, dtype=table_dtype(target.model))
 
     def build(self, target):
         if hasattr(target.model, MODULE_NAME):
