@@ -12,32 +12,13 @@ import sys
 import pytest
 import torch
 from helpers.models import VOCAB, WINDOW, logits, roundtrip, tiny_config, tiny_model
+from helpers.schemes import cases
 from transformers import LlamaForCausalLM
 
 import rope_patch
 from rope_patch.rotary import BackendChanged
 
-ALL = [
-    ("default", dict(rope_theta=500_000)),
-    ("linear", dict(factor=2)),
-    ("ntk", dict(factor=4)),
-    ("dynamic", dict(factor=4)),
-    ("yarn", dict(factor=4)),
-    ("llama3", dict(factor=4)),
-    ("longrope", dict(factor=4, short_factor=[1.0] * 8, long_factor=[4.0] * 8)),
-    ("p_rope", dict(partial_rotary_factor=0.5)),
-    ("dynamic_yarn", dict(factor=4)),
-    ("alibi", {}),
-    ("nope", {}),
-    ("self_extend", dict(group_size=2, window_size=8)),
-    ("rerope", dict(window_size=8)),
-    ("leaky_rerope", dict(window_size=8, factor=4)),
-    ("string", dict(shift_size=16, window_size=4)),
-    ("dca", dict(chunk_size=12, local_size=3)),
-    ("relative_bias", dict(init="alibi")),
-    ("sinusoidal", {}),
-    ("learned_absolute", dict(max_position_embeddings=4 * WINDOW)),
-]
+ALL = cases()  # every scheme (tests/helpers/schemes.py)
 IDS = [s for s, _ in ALL]
 
 
@@ -191,9 +172,11 @@ CASTS = {
 }
 
 
+CAST = [s for s in ALL if s[0] in ("yarn", "linear", "dynamic", "self_extend", "alibi", "p_rope")]
+
+
 @pytest.mark.parametrize("cast", list(CASTS))
-@pytest.mark.parametrize("scheme,params", [s for s in ALL if s[0] in ("yarn", "linear", "dynamic", "self_extend", "alibi", "p_rope")],
-                         ids=["linear", "dynamic", "yarn", "p_rope", "alibi", "self_extend"])
+@pytest.mark.parametrize("scheme,params", CAST, ids=[s for s, _ in CAST])
 def test_remove_after_a_cast_equals_a_never_patched_model_cast_alike(scheme, params, cast, ids):
     model, twin = tiny_model(attn_implementation="sdpa"), tiny_model(attn_implementation="sdpa")
     rope_patch.apply(model, scheme, **params)

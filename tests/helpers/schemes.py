@@ -51,7 +51,7 @@ SCHEMES = [
     Row("self_extend", "attention", {"group_size": 4, "window_size": 16}, suggest="own"),
     Row("rerope", "attention", {"window_size": 16}, suggest="own"),
     Row("leaky_rerope", "attention", {"window_size": 16, "factor": 4.0}, suggest="own"),
-    Row("string", "attention", {"shift_size": 20, "window_size": 6}, suggest="own"),
+    Row("string", "attention", {"shift_size": 16, "window_size": 4}, suggest="own"),
     Row("dca", "attention", {"chunk_size": 24, "local_size": 4}, suggest="own"),
     Row("logn", "modifier", {}),
 ]

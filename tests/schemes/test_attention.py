@@ -7,6 +7,7 @@ import torch
 from helpers.models import logits, tiny_model, token_batch
 from helpers.reference import alibi_slopes as ref_slopes
 from helpers.reference import forward as reference_forward
+from helpers.schemes import cases
 
 import rope_patch
 from rope_patch import attention
@@ -15,18 +16,11 @@ from rope_patch.schemes.bias import alibi_slopes
 L = 96
 PAD = 7  # left padding of row 0 in padded batches
 
-# scheme, params: table-driven; every test below runs over it
-SCHEMES = [
-    ("alibi", {}),
+# scheme, params: every attention-side scheme of tests/helpers/schemes.py (dca has its own reference and file,
+# test_dca.py) and, after them, settings that reach other code paths; every test below runs over them
+SCHEMES = cases("attention", without=("dca",)) + [
     ("alibi", {"max_bias": 4.0}),
-    ("nope", {}),
-    ("relative_bias", {"init": "alibi", "num_buckets": 16, "max_distance": 64}),
-    ("sinusoidal", {}),
-    ("learned_absolute", {"max_position_embeddings": 128}),
-    ("self_extend", {"group_size": 4, "window_size": 16}),
     ("self_extend", {"group_size": 3, "window_size": 10}),
-    ("rerope", {"window_size": 16}),
-    ("leaky_rerope", {"window_size": 16, "factor": 4.0}),
     ("rerope", {"window_size": 40}),  # window > block: the fast path's four-way key split
     ("string", {"shift_size": 20, "window_size": 6}),  # split S = 20 < block: the band path
     ("string", {"shift_size": 40, "window_size": 16}),  # split S = 40 > block: the four-way key split
