@@ -23,6 +23,11 @@ and parameter-free attention schemes); a patched one must carry the same scheme 
 otherwise). A scheme with learned tables cannot be re-applied there: Trainer has built the optimizer (and peft its
 `modules_to_save` copies) before `on_train_begin`, so new tables would not train; the callback raises and names
 `restore_patch`, which does it before the model is wrapped.
+
+Two more callbacks for a run that must survive a kill -9 and say how it went (the fine-tuning recipe uses both):
+`CompleteCheckpointCallback` marks a checkpoint complete (`recipe_state.json`, written last, after every process has
+saved its part), so that a resume takes `last_checkpoint(output_dir)`, never a half-written folder;
+`JsonLogCallback` appends one JSON line per logging step (exact loss, learning rate, tokens/s).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from torch import nn
@@ -38,11 +44,13 @@ from transformers import TrainerCallback
 
 from ..api import current, original_config, patch_modules
 from ..discovery import unwrap
+from ..files import write_text_atomic
 from ..persistence import MANIFEST, load_patch_weights, read_manifest, reapply_manifest, save_patch
 from ..schemes.base import Scheme
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+COMPLETE = "recipe_state.json"  # written last into a checkpoint: its presence marks the checkpoint complete
 
 
 def learned_modules_to_save(model: nn.Module) -> list[str]:
@@ -165,6 +173,70 @@ class RopePatchCallback(TrainerCallback):
         logger.warning("RopePatchCallback: resumed at step %d but found no %s; pass RopePatchCallback("
                        "resume_from_checkpoint=...) to check the patch.", state.global_step, folder)
         return None
+
+
+class CompleteCheckpointCallback(TrainerCallback):
+    """After every process has written its part of `checkpoint-N`, the saving process writes `recipe_state.json`
+    ({"step": N, "config": fingerprint}) into it: `complete_checkpoints` / `last_checkpoint` only trust checkpoints
+    that have it (a run killed inside a save leaves a folder without it)."""
+
+    def __init__(self, fingerprint: str | None = None):
+        self.fingerprint = fingerprint
+
+    def on_save(self, args, state, control, **kwargs):
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()
+        folder = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{state.global_step}"
+        if args.should_save and folder.is_dir():
+            write_text_atomic(folder / COMPLETE, json.dumps({"step": state.global_step, "config": self.fingerprint}) + "\n")
+
+
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints (with recipe_state.json) under a Trainer `output_dir`, oldest first."""
+    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}-*") if checkpoint_step(p) is not None
+             and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0)
+
+
+def last_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under a Trainer `output_dir`, or None."""
+    done = complete_checkpoints(output_dir)
+    return done[-1] if done else None
+
+
+def checkpoint_step(folder: str | os.PathLike) -> int | None:
+    """N of a `checkpoint-N` folder, None for any other name."""
+    tail = Path(folder).name.rsplit("-", 1)[-1]
+    return int(tail) if Path(folder).name.startswith(f"{CHECKPOINT_PREFIX}-") and tail.isdigit() else None
+
+
+class JsonLogCallback(TrainerCallback):
+    """Appends one line to `path` per logging step with the exact loss (Trainer's log, gathered over processes):
+    {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}; the main process only. With
+    `args.disable_tqdm` it also prints the line as text. A resumed run passes the step it resumes from and the
+    elapsed seconds of the lines it kept."""
+
+    def __init__(self, path: str | os.PathLike, tokens_per_step: int, *, elapsed_before: float = 0.0, last_step: int = 0):
+        self.path, self.tokens_per_step, self.elapsed_before = Path(path), tokens_per_step, elapsed_before
+        self.t0 = self.last_time = time.perf_counter()
+        self.last_step = last_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "loss" not in logs:
+            return
+        now = time.perf_counter()
+        steps = max(state.global_step - self.last_step, 1)
+        record = {"step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate"),
+                  "grad_norm": logs.get("grad_norm"), "tokens": state.global_step * self.tokens_per_step,
+                  "tokens_per_s": round(steps * self.tokens_per_step / max(now - self.last_time, 1e-9), 1),
+                  "elapsed_s": round(self.elapsed_before + now - self.t0, 2)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if args.disable_tqdm:
+            print(f"step {state.global_step:6d}/{state.max_steps}  loss {logs['loss']:.4f}  lr {record['lr']:.2e}  "
+                  f"{record['tokens_per_s']:,.0f} tok/s  elapsed {record['elapsed_s'] / 60:.1f} min", flush=True)
+        self.last_step, self.last_time = state.global_step, now
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -167,3 +167,28 @@ class PasskeyMixer:
 
     def __call__(self, examples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
         return self.collator([self.mix(ex) for ex in examples])
+
+
+@dataclass
+class WeightedCollator:
+    """`collator`'s batch plus "loss_weights" [batch, seq] for `WeightedLossTrainer` (trainer.py): `answer_loss_weight`
+    on the answer tokens of each passkey row (`answer_start:answer_end` of a `PasskeyMixer`'s record) and 1 elsewhere.
+    "labels" is dropped: the loss is computed from input_ids and the weights.
+
+    `collator`: a `PasskeyMixer` (its rows are mixed here, so that their records are seen, then passed to its own
+    collator) or any collator of this module (no passkey rows: every weight is 1)."""
+
+    collator: Callable[[Sequence[Mapping]], dict]
+    answer_loss_weight: float = 1.0
+
+    def __call__(self, examples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
+        mixer = self.collator if isinstance(self.collator, PasskeyMixer) else None
+        rows = [mixer.mix(ex) for ex in examples] if mixer is not None else list(examples)
+        batch = (mixer.collator if mixer is not None else self.collator)(rows)
+        batch.pop("labels", None)
+        weights = torch.ones(batch["input_ids"].shape, dtype=torch.float32)
+        for i, row in enumerate(rows):
+            if "passkey" in row:
+                weights[i, row["passkey"]["answer_start"] : row["passkey"]["answer_end"]] = float(self.answer_loss_weight)
+        batch["loss_weights"] = weights
+        return batch

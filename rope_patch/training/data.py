@@ -16,11 +16,18 @@ same rows; Trainer's sampler shuffles them.
 windows at offsets drawn from (seed, sample index). Its indices never repeat within a run, so neither do the
 collators' per-index draws; over packed rows, a second epoch replays every passkey row and PoSE skip of the first
 (the same index, the same draw), which halves what a multi-epoch fine-tune sees of them.
+
+`token_stream(texts, tokenizer, cache_dir, ...)` tokenises documents once into that stream and caches it on disk
+under a hash of what it is made of (the source files' names and bytes, other source facts, the tokenizer).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,3 +150,28 @@ class TextWindows(Dataset):
         i = _item(i, self.num_samples, "TextWindows has {n} samples")
         start = self.offset(i)
         return {"input_ids": self.stream[start : start + self.seq_len].clone(), INDEX: i}
+
+
+def token_stream(texts: Iterable[str], tokenizer: Any, cache_dir: str | os.PathLike, *, files: Sequence[Path] = (),
+                 source: Any = None) -> torch.Tensor:
+    """`texts` (documents) as one int64 stream `[BOS] doc [EOS] [BOS] doc [EOS] ...` (`PackedDataset.stream`), cached
+    in `cache_dir` under a hash of `source` (JSON: where the texts come from), the names and bytes of `files` (the
+    files they are read from) and the tokenizer; `texts` is only consumed when the cache misses (pass a generator).
+    Call it on the main process first (`TrainingArguments.main_process_first`): the others then read the cache."""
+    h = hashlib.sha256(json.dumps(source).encode())
+    for path in files:
+        h.update(Path(path).name.encode())
+        h.update(hashlib.sha256(Path(path).read_bytes()).digest())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))).encode())
+    h.update(repr((tokenizer.bos_token_id, tokenizer.eos_token_id)).encode())
+    cache = Path(cache_dir) / f"{h.hexdigest()[:24]}.pt"
+    if cache.is_file():
+        return torch.load(cache).long()
+    docs = (tokenizer.encode(text, add_special_tokens=False) for text in texts)
+    stream = PackedDataset(docs, 1, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).stream
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    torch.save(stream.to(torch.int32), tmp)
+    os.replace(tmp, cache)  # atomic: a concurrent reader sees no file or the whole file
+    return stream

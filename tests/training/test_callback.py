@@ -1,4 +1,5 @@
-"""RopePatchCallback / restore_patch / learned_modules_to_save / export.save_patch, one case per row."""
+"""RopePatchCallback / restore_patch / learned_modules_to_save / export.save_patch, one case per row; the run's
+checkpoint-completeness marker and JSON log."""
 
 from __future__ import annotations
 
@@ -17,7 +18,17 @@ from transformers import AutoModelForCausalLM
 import rope_patch
 from rope_patch.api import patch_modules
 from rope_patch.persistence import MANIFEST, PATCH_WEIGHTS, save_patch
-from rope_patch.training import PoSECollator, RopePatchCallback, learned_modules_to_save, restore_patch
+from rope_patch.training import (
+    CompleteCheckpointCallback,
+    JsonLogCallback,
+    PoSECollator,
+    RopePatchCallback,
+    complete_checkpoints,
+    last_checkpoint,
+    learned_modules_to_save,
+    restore_patch,
+)
+from rope_patch.training.callback import COMPLETE
 
 PATCHES = {  # scheme -> (params, learned modules)
     None: ({}, []),
@@ -223,3 +234,34 @@ def test_a_resumed_full_model_run_gets_its_patch_back(tmp_path):
     ids = torch.randint(3, 90, (1, 100), generator=torch.Generator().manual_seed(0))
     assert (logits(plain, ids) - logits(resumed.model.eval(), ids)).abs().max().item() <= 1e-5
 
+
+
+# ---- a checkpoint is complete once its marker is written; one JSON line per logged step ---------------------------
+
+def test_complete_checkpoints_are_the_marked_ones_in_step_order(tmp_path):
+    for step in (2, 9, 10, 12):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)
+    for step in (10, 2, 9):  # checkpoint-12: killed inside its save, never marked
+        CompleteCheckpointCallback("abc").on_save(args, SimpleNamespace(global_step=step), None)
+    (tmp_path / "checkpoint-x").mkdir()
+    (tmp_path / "checkpoint-x" / COMPLETE).write_text("{}")
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-9", "checkpoint-10"]
+    assert last_checkpoint(tmp_path).name == "checkpoint-10" and last_checkpoint(tmp_path / "none") is None
+    assert json.loads((tmp_path / "checkpoint-9" / COMPLETE).read_text()) == {"step": 9, "config": "abc"}
+    CompleteCheckpointCallback("abc").on_save(SimpleNamespace(output_dir=str(tmp_path), should_save=False),
+                                              SimpleNamespace(global_step=12), None)
+    assert not (tmp_path / "checkpoint-12" / COMPLETE).exists()  # only the saving process writes
+
+
+def test_json_log_writes_one_line_per_logged_loss(tmp_path, capsys):
+    log = JsonLogCallback(tmp_path / "log.jsonl", tokens_per_step=512, elapsed_before=60.0, last_step=4)
+    args = SimpleNamespace(disable_tqdm=True)
+    for step, logs in ((5, {"loss": 2.5, "learning_rate": 1e-3, "grad_norm": 0.5}), (6, {"eval_loss": 1.0})):
+        state = SimpleNamespace(is_world_process_zero=True, global_step=step, max_steps=10)
+        log.on_log(args, state, None, logs=logs)
+    log.on_log(args, SimpleNamespace(is_world_process_zero=False, global_step=7, max_steps=10), None, logs={"loss": 1.0})
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["step"] == 5 and lines[0]["tokens"] == 5 * 512 and lines[0]["elapsed_s"] >= 60
+    assert {k: lines[0][k] for k in ("loss", "lr", "grad_norm")} == {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.5}
+    assert "step      5/10  loss 2.5000" in capsys.readouterr().out

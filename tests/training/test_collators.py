@@ -1,4 +1,5 @@
-"""Collators: every draw a pure function of (seed, sample index); PoSE ids' properties; passkey mixing fraction."""
+"""Collators: every draw a pure function of (seed, sample index); PoSE ids' properties; passkey mixing fraction; the
+loss weights of WeightedCollator."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import torch
 from helpers.training import packed
 
 from rope_patch.evaluation.passkey import LEAD_IN, NEEDLE, QUESTION
-from rope_patch.training import CausalLMCollator, PasskeyMixer, PoSECollator, sample_generator, sample_rng, sample_seed
+from rope_patch.training import (
+    CausalLMCollator,
+    PasskeyMixer,
+    PoSECollator,
+    WeightedCollator,
+    sample_generator,
+    sample_rng,
+    sample_seed,
+)
 
 SEQ, TARGET = 256, 2048
 MIN = 110  # the needle and question take 98 characters (tokens of the char tokenizer)
@@ -211,3 +220,22 @@ def test_rows_of_different_lengths(kind, data):
     rows = [{"input_ids": list(range(SEQ)), "index": 0}, {"input_ids": list(range(SEQ - 1)), "index": 1}]
     with pytest.raises(ValueError, match="do not pad"):
         make(kind, tok, ds)(rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weighted_collator_weighs_the_passkey_answers(kind, data):
+    """The inner collator's batch, labels dropped, + loss_weights: 3.0 on each passkey answer, 1 elsewhere."""
+    tok, ds = data
+    inner = make(kind, tok, ds)
+    rows = [ds[i] for i in range(16)]
+    batch = WeightedCollator(inner, answer_loss_weight=3.0)(rows)
+    plain = inner(rows)
+    assert set(batch) == set(plain) - {"labels"} | {"loss_weights"}
+    assert all(torch.equal(batch[k], plain[k]) for k in plain if k != "labels")
+    expected = torch.ones(16, SEQ)
+    if isinstance(inner, PasskeyMixer):
+        for i, row in enumerate(inner.mix(r) for r in rows):
+            if "passkey" in row:
+                expected[i, row["passkey"]["answer_start"] : row["passkey"]["answer_end"]] = 3.0
+        assert (expected == 3.0).any(1).sum() > 0
+    assert torch.equal(batch["loss_weights"], expected)
