@@ -52,7 +52,8 @@ def test_wheel_carries_the_data_the_commands_need(installed):
     for needed in ("rope_patch/py.typed", "rope_patch/data/heldout.txt", "rope_patch/data/rope-tiny/model.safetensors",
                    "rope_patch/data/rope-tiny/tokenizer.json", "rope_patch/data/tasks/rope/rope_passkey_128.yaml",
                    "rope_patch/data/tasks/rope/rope_tasks_utils.py",
-                   "rope_patch/data/scheme_names.json"):  # the name table `rope-patch` parses with, before torch
+                   "rope_patch/data/scheme_names.json",  # the name table `rope-patch` parses with, before torch
+                   "rope_patch/data/engines.json"):  # what `rope-patch export --engine` checks against
         assert needed in names, needed
     assert any(n.endswith("licenses/LICENSE") for n in names)
 
