@@ -221,6 +221,7 @@ SCHEME_ERRORS = [
     (["tune", "--scheme", "yarn", "--target", "64", "--accept", "loaded", "ymr"], "argument --accept: Unknown"),
     (["tune", "--scheme", "longrope", "--target", "64", "--init", "yarn:beta=2"], "unknown parameter 'beta'"),
     (["tune", "--scheme", "yarn", "--target", "64", "--method", "evolve"], "argument --method: invalid choice"),
+    (["export", "saved", "--engine", "vlm"], "argument --engine: unknown engine 'vlm'. Did you mean 'vllm'?"),
 ]
 
 

@@ -341,6 +341,7 @@ def test_schema_is_the_one_reader():
         "rope_patch/integrations/lm_eval/sweep.py": "transformers' config.json",
         "rope_patch/integrations/lm_eval/outputs.py": "lm-eval's results and samples files (its own formats)",
         "rope_patch/persistence.py": "transformers' config.json and peft's adapter_config.json",
+        "rope_patch/serving.py": "transformers' config.json, tokenizer_config.json and peft's adapter_config.json",
         "rope_patch/schema.py": "the one reader",
         "rope_patch/scheme_names.py": "the committed name table (package data generated from the scheme classes and "
                                       "checked equal to them by tests/test_scheme_names.py), read before the CLI parses",

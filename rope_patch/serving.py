@@ -1,0 +1,283 @@
+"""A saved patched model, served by vLLM or SGLang the way it was patched: `rope-patch export DIR --engine vllm|sglang`.
+
+    rope-patch export merged/ --engine vllm
+    vllm serve merged/ --hf-overrides '{"rope_parameters":{...},"max_position_embeddings":16384}' --max-model-len 16384
+
+What an engine accepts is read from its own source (rope_patch.engines, the committed snapshot of vLLM 0.34.0 and
+SGLang 0.5.23), never from a hand list: the rope types its `get_rope` dispatches on, the `rope_parameters` keys each
+branch and the model code read, and how it derives the context length from config.json. An export
+
+- runs only where the whole patch has a native `rope_parameters` form (rope_patch's save rule) and every entry's
+  rope type is in the engine's table: attention-side schemes (Self-Extend, ReRoPE, STRING, DCA, ALiBi, ...), the
+  modifiers (logn), `dynamic_yarn` and stacks with any of them are refused in one line that names the scheme and the
+  engine's rope types;
+- is refused where the engine would silently serve another model: a key the patched model sets that the engine does
+  not read for that rope type (SGLang's yarn reads no `attention_factor`; its llama reads `partial_rotary_factor`
+  from the config's top level, not from `rope_parameters`, so p-RoPE's `proportional` would rotate every pair), or
+  model code that replaces the config's RoPE (SGLang's Gemma 3 runs `{"rope_type": "default"}` on every layer);
+- writes the engine's form where it differs from transformers': LongRoPE's `factor` is dropped (both engines derive
+  the scale from max_position_embeddings / original_max_position_embeddings, checked equal); vLLM's `dynamic` gets
+  `max_trained_positions` = L and max_position_embeddings = N (with L alone it would keep the base and size its
+  cos/sin cache to L);
+- serves the context length N the patch serves (the extended window; dynamic NTK: factor × L) and adds the
+  engine's environment variable (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1) only
+  where N exceeds the length the engine derives from the config it will see.
+
+Per-layer-type models (Gemma 3) keep `rope_parameters` keyed by layer type; every entry is checked.
+
+Parity is per rope type, and two engine types are not transformers': both engines compute `dynamic` NTK once, for the
+longest length N, so the served model equals the patched one at length N only (transformers rescales with the current
+length); `longrope` switches to the long factors for every request once N > original_max_position_embeddings (vLLM
+and SGLang both say so), where transformers switches per sequence. The export says so in a note.
+
+The config.json: the command line works on DIR as it is (the overrides carry the whole `rope_parameters`), and the
+engine-ready config.json (DIR's own, with the engine's rope_parameters and max_position_embeddings) is written beside
+it, to DIR/serve-<engine>/config.json or `--out`, never over a checkpoint's own config.json: that file is finished
+work (rope_patch's save rule wrote it for transformers), and an engine's form (vLLM's dynamic with N as
+max_position_embeddings) would change what transformers loads from it. vLLM takes the folder with `--hf-config-path`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shlex
+from pathlib import Path
+
+from . import engines
+from .api import as_scheme
+from .persistence import MANIFEST, export_info, read_manifest
+from .schemes.base import without_native_form
+
+OVERRIDE_FLAG = {"vllm": "--hf-overrides", "sglang": "--json-model-override-args"}
+LENGTH_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length"}
+
+
+def _flag(name: str, flag: str) -> str:
+    """A flag of the engine's command line, found in its argument code by the snapshot (or an error, not a guess)."""
+    if flag not in engines.engine(name)["flags"]:
+        raise ValueError(f"{_label(name)}'s argument code has no {flag} (rope_patch/data/engines.json): regenerate the "
+                         f"snapshot ({engines.COMMAND}) and review rope_patch.serving.")
+    return flag
+
+
+def _types(name: str) -> str:
+    return ", ".join(engines.engine(name)["rope_types"])
+
+
+def _label(name: str) -> str:
+    return f"{name} {engines.engine(name)['version']}"
+
+
+def refusal(scheme, name: str) -> str | None:
+    """Why `name` cannot run `scheme` (a Scheme: a stack's parts each), or None."""
+    lacking = without_native_form(scheme)
+    if not lacking:
+        return None
+    parts = ", ".join(f"{p.name} (changes {p.changes})" for p in lacking)
+    whole = f" in {scheme.name} " + " + ".join(p.name for p in scheme.schemes) if scheme.kind == "stack" else ""
+    return (f"{_label(name)} cannot serve {parts}{whole}: it runs RoPE through its own get_rope, whose rope types are "
+            f"{_types(name)}; none expresses it. Serve the model with transformers (rope_patch.from_pretrained), or "
+            "export a frequency scheme alone.")
+
+
+def _entries(rope: dict) -> dict:
+    """{layer type or None: entry} of a flat or per-layer-type rope_parameters (None entries: layers without RoPE)."""
+    if "rope_type" in rope or "rope_theta" in rope or not all(isinstance(v, dict) or v is None for v in rope.values()):
+        return {None: rope}
+    return {lt: v for lt, v in rope.items() if v is not None}
+
+
+def served_length(rope: dict, window: int) -> int:
+    """N, the length the patched model serves: its announced window, except transformers' `dynamic`, which announces
+    the pre-training window L and scales past it (N = factor × L)."""
+    n = window
+    for entry in _entries(rope).values():
+        if entry.get("rope_type") == "dynamic":
+            n = max(n, int(entry["factor"] * window))
+    return n
+
+
+def engine_form(name: str, rope: dict, window: int, n: int, model_type: str | None, scheme: str | None) -> tuple[dict, int, list[str]]:
+    """(rope_parameters as the engine reads them, the max_position_embeddings it must see, notes), or ValueError."""
+    eng = engines.engine(name)
+    fixed = engines.fixed_rope_types(name, model_type)
+    what = scheme or "the unpatched model"
+    out, mpe, notes = copy.deepcopy(rope), window, []
+    entries = _entries(out)
+    if not any(model_type in m["model_types"] for m in eng["models"].values()):
+        read = ", ".join(sorted({t for m in eng["models"].values() for t in m["model_types"]}))
+        notes.append(f"{name}'s model code for {model_type} is not in the snapshot (it read the code of {read}): "
+                     "checked against its get_rope and that code.")
+    for lt, entry in entries.items():
+        where = f" (its {lt} layers)" if lt else ""
+        rope_type = entry.get("rope_type", "default")
+        if rope_type not in eng["rope_types"]:
+            raise ValueError(f"{_label(name)} cannot serve {what}{where}: rope type {rope_type!r} is not among its rope "
+                             f"types ({_types(name)}).")
+        if fixed is not None and rope_type not in fixed:
+            raise ValueError(f"{_label(name)} cannot serve {what}{where} on {model_type}: its {model_type} model code "
+                             f"replaces the config's rope_parameters by rope type {', '.join(fixed)} on every layer "
+                             f"(rope types of its get_rope: {_types(name)}). Serve it with transformers, or with an "
+                             "engine that reads the config's rope_parameters.")
+        if rope_type == "longrope" and "factor" in entry:
+            # both engines derive LongRoPE's scale from max_position_embeddings / original_max_position_embeddings
+            original = entry["original_max_position_embeddings"]
+            if not math.isclose(entry["factor"] * original, window, rel_tol=1e-9):
+                raise ValueError(f"{_label(name)} cannot serve {what}{where}: it derives LongRoPE's scale from "
+                                 f"max_position_embeddings / original_max_position_embeddings = {window}/{original}, "
+                                 f"not from factor = {entry['factor']}.")
+            del entry["factor"]
+        if rope_type == "longrope" and "attention_factor" in entry:
+            a = entry.pop("attention_factor")  # transformers' one cos/sin scale for both factor sets
+            entry["short_mscale"] = entry["long_mscale"] = a
+        if name == "vllm" and rope_type == "dynamic":
+            # vLLM's dynamic NTK: base·(s·mpe/max_trained − (s − 1))^(d/(d−2)), a cache of mpe positions
+            entry["max_trained_positions"] = window
+            mpe = n
+        reads = engines.keys_read(name, rope_type, model_type)
+        unread = sorted(set(entry) - reads)
+        if unread:
+            raise ValueError(f"{_label(name)} cannot serve {what}{where}: it does not read "
+                             f"{', '.join(map(repr, unread))} for rope type {rope_type!r} (it reads "
+                             f"{', '.join(sorted(reads))}), so it would serve another model.")
+        if rope_type == "dynamic":
+            notes.append(f"{name} computes dynamic NTK once, for length {n}: equal to the patched model at that "
+                         "length, not below it (transformers rescales with the current length).")
+        if rope_type == "longrope" and n > entry["original_max_position_embeddings"]:
+            notes.append(f"{name} uses LongRoPE's long factors for every request when the context length exceeds "
+                         f"{entry['original_max_position_embeddings']} (transformers switches per sequence).")
+    return out, mpe, notes
+
+
+def derived_length(name: str, config: dict, tokenizer_max: int | None = None) -> int:
+    """The context length the engine derives from `config` (a config.json as the engine will see it; `tokenizer_max`:
+    tokenizer_config.json's model_max_length, which vLLM also takes), as its own code does: vLLM
+    (`derive_max_model_len_and_key`, `_get_and_verify_max_len`) takes the smallest of its length keys, caps it by the
+    tokenizer's, and multiplies in the last non-exempt entry's `factor`; SGLang (`get_context_length`) takes the first
+    length key present and multiplies in `factor` unless the rope type or a key exempts it. The snapshot records the
+    constants; `python -m rope_patch.engines --check` flags a change in these functions."""
+    ctx = engines.engine(name)["context"]
+    rope = config.get("rope_parameters") or {}
+    entries = list(_entries(rope).values()) if rope else []
+    present = [config[k] for k in ctx["length_keys"] if isinstance(config.get(k), (int, float))]
+    if name == "vllm":
+        length = config["model_max_length"] if config.get("model_max_length") else min(present, default=2048)
+        if tokenizer_max:
+            length = min(length, tokenizer_max)
+        factor = 1.0
+        if entries and not any(m in config.get("model_type", "") for m in ctx["factor_exempt_model_types"]):
+            for entry in entries:
+                if entry.get("rope_type") not in ctx["factor_exempt_types"]:
+                    factor = entry.get("factor", factor)
+        return int(length * (factor or 1.0))
+    factor = 1
+    if rope and "rope_type" in rope:  # a per-layer-type dict has no top-level factor: 1
+        factor = rope.get("factor", 1)
+        if any(k in rope for k in ctx["factor_exempt_keys"]) or rope.get("rope_type") in ctx["factor_exempt_types"]:
+            factor = 1
+    return int(factor * present[0]) if present else 2048
+
+
+def _leaks(name: str, current: dict | None, ours: dict, model_type: str | None) -> list[str]:
+    """SGLang merges a rope_parameters override into the config's one level deep ({**current, **override}): keys of
+    the config that the override lacks survive. The ones the engine reads for the override's rope type (or a layer
+    type the override does not replace) would change what it serves."""
+    if name != "sglang" or not current:
+        return []
+    mine = _entries(ours)
+    if None not in mine:  # per layer type: each layer type's dict is replaced whole
+        return sorted(set(current) - set(ours))
+    rope_type = ours.get("rope_type", "default")
+    reads = engines.keys_read(name, rope_type, model_type) or set()
+    return sorted(k for k in set(current) - set(ours) if k in reads)
+
+
+def export(directory: str | os.PathLike, name: str, base: str | os.PathLike | None = None,
+           out: str | os.PathLike | None = None, write: bool = True) -> dict:
+    """The engine's command line for a folder written by `rope_patch.save_pretrained` (model, merged model or
+    adapter), and the engine-ready config.json written to `out` (default DIR/serve-<engine>/).
+
+    Returns {"engine", "version", "scheme", "rope_parameters", "max_position_embeddings", "context_length",
+    "derived_length" (what the engine derives from the config it sees), "env", "command", "config_path",
+    "alternative" (vLLM: the command that reads the written config with --hf-config-path), "notes"}. Raises ValueError (one line: the scheme, the engine's rope types) where the
+    engine does not run the patch."""
+    eng = engines.engine(name)
+    path = Path(directory)
+    manifest = read_manifest(path) if path.is_dir() else None
+    if manifest and manifest["scheme"] and not manifest["native"]:
+        try:
+            scheme = as_scheme(manifest["scheme"], **manifest["params"])
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{path / MANIFEST}: the recorded scheme {manifest['scheme']!r} cannot be read: {err}") from None
+        why = refusal(scheme, name)
+        if why:
+            raise ValueError(why)
+    info = export_info(path, base)
+    adapter = (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+    if adapter:
+        recorded = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        src = Path(base or recorded or "")
+        if (src / "config.json").is_file():
+            config = json.loads((src / "config.json").read_text())
+        else:  # a hub id: transformers' cache (export_info read it already)
+            import transformers
+
+            config = transformers.AutoConfig.from_pretrained(str(base or recorded)).to_dict()
+        serve_dir = str(base or recorded)
+    else:
+        config = json.loads((path / "config.json").read_text())
+        serve_dir = str(path)
+    rope, window = info["rope_parameters"], info["max_position_embeddings"]
+    n = served_length(rope, window)
+    form, mpe, notes = engine_form(name, rope, window, n, config.get("model_type"), info["scheme"])
+    leaks = _leaks(name, config.get("rope_parameters"), form, config.get("model_type"))
+    if leaks:
+        raise ValueError(f"{_label(name)} merges --json-model-override-args' rope_parameters into the config's, so "
+                         f"{', '.join(leaks)} of {serve_dir}'s config.json would stay: serve a copy of the model whose "
+                         "config.json is the one this export writes.")
+    served = {**config, "rope_parameters": form, "max_position_embeddings": mpe}
+    seen = served
+    if name == "sglang" and None in _entries(form) and isinstance(config.get("rope_parameters"), dict):
+        seen = {**served, "rope_parameters": {**config["rope_parameters"], **form}}  # what SGLang's merge leaves
+    tokenizer = path / "tokenizer_config.json"
+    tokenizer_max = None
+    if name == "vllm" and tokenizer.is_file():
+        value = json.loads(tokenizer.read_text()).get("model_max_length")
+        tokenizer_max = int(value) if isinstance(value, (int, float)) and value < 1e12 else None
+    derived = derived_length(name, seen, tokenizer_max)
+    env = {eng["context"]["env"]: "1"} if n > derived else {}
+    overrides = json.dumps({"rope_parameters": form, "max_position_embeddings": mpe}, separators=(",", ":"))
+    prefix = "".join(f"{k}={v} " for k, v in env.items())
+    serve = "vllm serve" if name == "vllm" else f"python -m sglang.launch_server {_flag(name, '--model-path')}"
+    parts = [f"{prefix}{serve} {shlex.quote(serve_dir)}"]
+    if adapter:
+        parts.append(f"{_flag(name, '--enable-lora')} "
+                     f"{_flag(name, '--lora-modules' if name == 'vllm' else '--lora-paths')} adapter={shlex.quote(str(path))}")
+    parts += [f"{_flag(name, OVERRIDE_FLAG[name])} '{overrides}'", f"{_flag(name, LENGTH_FLAG[name])} {n}"]
+    target = Path(out) if out is not None else path / f"serve-{name}"
+    if write:
+        _write_config(target, served, path)
+    alternative = None
+    if name == "vllm" and not adapter:  # the written config instead of the overrides
+        alternative = (f"{prefix}vllm serve {shlex.quote(serve_dir)} {_flag(name, '--hf-config-path')} "
+                       f"{shlex.quote(str(target))} {_flag(name, LENGTH_FLAG[name])} {n}")
+    return {"engine": name, "version": eng["version"], "scheme": info["scheme"], "rope_parameters": form,
+            "max_position_embeddings": mpe, "context_length": n, "derived_length": derived, "env": env,
+            "command": " ".join(parts), "config_path": str(target / "config.json") if write else None,
+            "alternative": alternative if write else None, "notes": notes}
+
+
+def _write_config(folder: Path, config: dict, source: Path) -> None:
+    """config.json into `folder`, refusing to replace a checkpoint's own (a folder holding weights, or DIR itself)."""
+    file = folder / "config.json"
+    if file.exists() and (folder.resolve() == source.resolve() or any(folder.glob("*.safetensors"))
+                          or any(folder.glob("*.bin"))):
+        raise FileExistsError(f"{file} is a checkpoint's own config.json: writing the engine's form there would replace "
+                              "finished work. Pass --out to another folder.")
+    from .files import write_text_atomic
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(file, json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,274 @@
+"""`rope-patch export DIR --engine vllm|sglang` (rope_patch.serving): every scheme × both engines, decided by the
+engine snapshot (rope_patch/data/engines.json), never by a list here: a native scheme's emitted rope_parameters carry a
+rope type of the engine's table and only keys the engine reads for it (and every key it subscripts); the others are
+refused in one line naming the scheme and the engine's rope types. Per-layer-type models (Gemma 3), the recipe's merged
+LoRA checkpoint, adapters, the context length and the allow-longer variable, and where the config.json goes."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from helpers.models import WINDOW, tiny_model
+from helpers.schemes import SCHEMES
+
+import rope_patch
+from rope_patch import engines, serving
+from rope_patch.cli import main
+from rope_patch.registry import get_scheme_class
+
+ENGINES = engines.ENGINES
+# The native schemes an engine still cannot run as patched, because of what its source reads (the snapshot says so;
+# the export's message names the reason). Anything else native must export.
+ENGINE_LIMITS = {("p_rope", "sglang"): "does not read 'partial_rotary_factor'"}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One saved tiny llama per scheme row (save_pretrained of the patched model), written on first use."""
+    cache = {}
+
+    def get(name, params, arch="llama"):
+        key = (name, json.dumps(params, sort_keys=True), arch)
+        if key not in cache:
+            model = tiny_model(arch)
+            rope_patch.apply(model, name, **params)
+            folder = tmp_path_factory.mktemp(f"{arch}-{name}")
+            rope_patch.save_pretrained(model, folder)
+            cache[key] = folder
+        return cache[key]
+
+    return get
+
+
+def _overrides(command: str) -> dict:
+    """The JSON of the engine's override flag, parsed back from the printed command line (as a shell would)."""
+    words = shlex.split(command)
+    for flag in ("--hf-overrides", "--json-model-override-args"):
+        if flag in words:
+            return json.loads(words[words.index(flag) + 1])
+    raise AssertionError(f"no override flag in {command}")
+
+
+def _check_against_snapshot(info: dict, name: str, model_type: str) -> None:
+    """Each entry's rope type is in the engine's table; every key is one the engine reads for it; every key the engine
+    subscripts for it is there; the printed command carries the same JSON, the flags and the context length."""
+    snap = engines.engine(name)
+    rope = info["rope_parameters"]
+    entries = serving._entries(rope)
+    assert entries
+    for entry in entries.values():
+        rope_type = entry["rope_type"]
+        assert rope_type in snap["rope_types"], (rope_type, list(snap["rope_types"]))
+        reads = engines.keys_read(name, rope_type, model_type)
+        assert set(entry) <= reads, sorted(set(entry) - reads)
+        assert set(snap["rope_types"][rope_type]["required"]) <= set(entry)
+    words = shlex.split(info["command"])
+    assert _overrides(info["command"]) == {"rope_parameters": rope, "max_position_embeddings": info["max_position_embeddings"]}
+    length_flag = "--max-model-len" if name == "vllm" else "--context-length"
+    assert words[words.index(length_flag) + 1] == str(info["context_length"])
+    assert all(w in snap["flags"] for w in words if w.startswith("--"))
+    env = snap["context"]["env"]
+    assert (f"{env}=1" in words) == (info["context_length"] > info["derived_length"])
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("row", SCHEMES, ids=[r.name for r in SCHEMES])
+def test_every_scheme_on_both_engines(row, engine_name, saved, tmp_path):
+    folder = saved(row.name, row.params)
+    native = get_scheme_class(row.name).native
+    limit = ENGINE_LIMITS.get((row.name, engine_name))
+    if not native or limit:
+        with pytest.raises(ValueError) as info:
+            serving.export(folder, engine_name, out=tmp_path / "out")
+        message = str(info.value)
+        assert len(message.splitlines()) == 1 and row.name in message
+        assert f"{engine_name} {engines.engine(engine_name)['version']}" in message
+        if limit:
+            assert limit in message
+        else:
+            assert ", ".join(engines.engine(engine_name)["rope_types"]) in message  # the engine's list
+        assert not (tmp_path / "out").exists()  # nothing written
+        return
+    info = serving.export(folder, engine_name, out=tmp_path / "out")
+    _check_against_snapshot(info, engine_name, "llama")
+    plain = json.loads((folder / "config.json").read_text())
+    assert info["context_length"] == serving.served_length(plain["rope_parameters"], plain["max_position_embeddings"])
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["rope_parameters"] == info["rope_parameters"]
+    assert written["max_position_embeddings"] == info["max_position_embeddings"]
+    assert {k: v for k, v in written.items() if k not in ("rope_parameters", "max_position_embeddings")} == \
+        {k: v for k, v in plain.items() if k not in ("rope_parameters", "max_position_embeddings")}
+    assert json.loads((folder / "config.json").read_text()) == plain  # the checkpoint's own config.json untouched
+
+
+def test_stacks_and_modifiers_are_refused_naming_the_part(saved):
+    folder = saved("stack", {"schemes": [{"scheme": "yarn", "params": {"factor": 4}},
+                                          {"scheme": "self_extend", "params": {"group_size": 4, "window_size": 16}}]})
+    for name in ENGINES:
+        with pytest.raises(ValueError, match=r"cannot serve self_extend \(changes attention\) in stack yarn \+ self_extend"):
+            serving.export(folder, name, write=False)
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("scheme,params", [("default", {"rope_theta": 40_000}), ("linear", {"factor": 2}),
+                                           ("yarn", {"factor": 4}), ("dynamic", {"factor": 4})])
+def test_per_layer_type_models(scheme, params, engine_name, saved, tmp_path):
+    """Gemma 3 keeps rope_parameters keyed by layer type: every entry is exported and checked. SGLang's Gemma 3 code
+    replaces the config's RoPE by {"rope_type": "default"} (the snapshot's fixed_rope_types): only `default` (a base
+    per layer type, which it reads) serves there."""
+    folder = saved(scheme, params, arch="gemma3")
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    fixed = engines.fixed_rope_types(engine_name, model_type)
+    if fixed is not None and scheme not in fixed:
+        with pytest.raises(ValueError, match=f"its {model_type} model code replaces the config's rope_parameters by rope "
+                                             "type default"):
+            serving.export(folder, engine_name, write=False)
+        return
+    info = serving.export(folder, engine_name, out=tmp_path / "out")
+    assert set(info["rope_parameters"]) == {"sliding_attention", "full_attention"}
+    _check_against_snapshot(info, engine_name, model_type)
+
+
+def test_gemma3_layer_types_keep_their_own_base(saved):
+    info = serving.export(saved("yarn", {"factor": 4}, arch="gemma3"), "vllm", write=False)
+    rope = info["rope_parameters"]
+    assert rope["full_attention"]["rope_theta"] != rope["sliding_attention"]["rope_theta"]
+    assert {e["rope_type"] for e in rope.values()} == {"yarn"} and info["context_length"] == 4 * WINDOW
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_merged_lora_checkpoint_exports(engine_name, tmp_path):
+    """The recipe's --merge: a LoRA trained under the patch, merged into the base and saved with rope_patch.save_pretrained,
+    serves with the rope_parameters it was trained with."""
+    import peft
+
+    model = tiny_model()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    rope_patch.apply(lora, "yarn", factor=4)
+    merged = lora.merge_and_unload()
+    rope_patch.save_pretrained(merged, tmp_path / "merged")
+    info = serving.export(tmp_path / "merged", engine_name, write=False)
+    assert info["rope_parameters"] == rope_patch.native_config(merged)["rope_parameters"]
+    assert info["context_length"] == 4 * WINDOW and info["scheme"] == "yarn"
+    _check_against_snapshot(info, engine_name, "llama")
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_adapter_serves_on_its_base(engine_name, tmp_path):
+    import peft
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    from transformers import AutoModelForCausalLM
+
+    lora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                               peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    rope_patch.apply(lora, "linear", factor=2.0)
+    rope_patch.save_pretrained(lora, tmp_path / "adapter")
+    info = serving.export(tmp_path / "adapter", engine_name, out=tmp_path / "out")
+    words = shlex.split(info["command"])
+    assert str(tmp_path / "base") in words and f"adapter={tmp_path / 'adapter'}" in words and "--enable-lora" in words
+    assert info["rope_parameters"] == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    _check_against_snapshot(info, engine_name, "llama")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"] == info["rope_parameters"]
+
+
+def test_engine_forms_differ_where_the_engine_reads_otherwise(saved):
+    """vLLM's dynamic NTK needs max_trained_positions = L and max_position_embeddings = N; LongRoPE's factor is
+    implied by max_position_embeddings / original_max_position_embeddings in both engines; the notes say where the
+    engine's rope type is not transformers' (dynamic: static at N; longrope: long factors for every request)."""
+    vllm = serving.export(saved("dynamic", {"factor": 4}), "vllm", write=False)
+    assert vllm["rope_parameters"]["max_trained_positions"] == WINDOW and vllm["max_position_embeddings"] == 4 * WINDOW
+    sglang = serving.export(saved("dynamic", {"factor": 4}), "sglang", write=False)
+    assert "max_trained_positions" not in sglang["rope_parameters"] and sglang["max_position_embeddings"] == WINDOW
+    for info in (vllm, sglang):
+        assert info["context_length"] == 4 * WINDOW and "once, for length 128" in info["notes"][0]
+    row = next(r for r in SCHEMES if r.name == "longrope")
+    for name in ENGINES:
+        info = serving.export(saved(row.name, row.params), name, write=False)
+        assert "factor" not in info["rope_parameters"] and "long factors for every request" in info["notes"][0]
+
+
+def test_longrope_attention_factor_becomes_both_mscales(saved):
+    params = {"factor": 4, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "attention_factor": 1.25}
+    for name in ENGINES:
+        rope = serving.export(saved("longrope", params), name, write=False)["rope_parameters"]
+        assert rope["short_mscale"] == rope["long_mscale"] == 1.25 and "attention_factor" not in rope
+
+
+def test_a_key_the_engine_does_not_read_is_refused(saved):
+    """SGLang's YaRN reads no `attention_factor` (it scales by attn_factor × its own mscale): a patch that sets it
+    would be served as another model."""
+    folder = saved("yarn", {"factor": 4, "attention_factor": 1.5})
+    assert serving.export(folder, "vllm", write=False)["rope_parameters"]["attention_factor"] == 1.5
+    with pytest.raises(ValueError, match="sglang 0.5.23 cannot serve yarn: it does not read 'attention_factor'"):
+        serving.export(folder, "sglang", write=False)
+
+
+def test_allow_longer_variable_only_past_the_derived_length(saved, tmp_path):
+    """vLLM caps the derived length by the tokenizer's model_max_length: a tokenizer saved with the pre-training
+    window makes N = 4·L pass it, so the command sets VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. SGLang reads no tokenizer."""
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(saved("yarn", {"factor": 4}), folder)
+    assert "VLLM_ALLOW" not in serving.export(folder, "vllm", write=False)["command"]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": WINDOW}))
+    info = serving.export(folder, "vllm", write=False)
+    assert info["derived_length"] == WINDOW and info["env"] == {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    assert info["command"].startswith("VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 vllm serve ")
+    assert serving.export(folder, "sglang", write=False)["env"] == {}
+
+
+def test_derived_length_follows_each_engines_rule():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e4}
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    assert serving.derived_length("vllm", {"max_position_embeddings": 128, "rope_parameters": yarn}) == 128
+    assert serving.derived_length("vllm", {"max_position_embeddings": 64, "rope_parameters": linear}) == 128
+    assert serving.derived_length("vllm", {"max_position_embeddings": 64, "model_type": "gemma3_text",
+                                           "rope_parameters": {"full_attention": linear}}) == 64
+    assert serving.derived_length("vllm", {"max_position_embeddings": 64, "seq_length": 48}) == 48  # the smallest key
+    assert serving.derived_length("sglang", {"max_position_embeddings": 128, "rope_parameters": yarn}) == 128
+    assert serving.derived_length("sglang", {"max_position_embeddings": 64, "rope_parameters": linear}) == 128
+    assert serving.derived_length("sglang", {"max_position_embeddings": 64, "max_sequence_length": 96}) == 96  # the first
+
+
+# ---- the command line -----------------------------------------------------------------------------------------
+def _run(capsys, *argv):
+    code = main(["export", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_prints_the_command_and_writes_beside_the_checkpoint(saved, capsys):
+    folder = saved("yarn", {"factor": 4})
+    for name in ENGINES:
+        code, out, err = _run(capsys, folder, "--engine", name)
+        assert code == 0 and err == ""
+        command = out.strip().splitlines()[-1]
+        assert command.startswith("vllm serve " if name == "vllm" else "python -m sglang.launch_server --model-path ")
+        assert f"config.json with these rope_parameters: {folder / f'serve-{name}' / 'config.json'}" in out
+        assert json.loads((folder / f"serve-{name}" / "config.json").read_text())["rope_parameters"] == \
+            _overrides(command)["rope_parameters"]
+        code, out, _ = _run(capsys, folder, "--engine", name, "--json")
+        assert code == 0 and json.loads(out)["engine"] == name
+
+
+def test_cli_errors_are_one_line(saved, tmp_path, capsys):
+    row = next(r for r in SCHEMES if r.name == "self_extend")
+    code, out, err = _run(capsys, saved(row.name, row.params), "--engine", "vllm")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "cannot serve self_extend" in err and "yarn" in err and "Traceback" not in err
+    folder = saved("yarn", {"factor": 4})
+    code, _, err = _run(capsys, folder, "--engine", "sglang", "--out", folder)  # over the checkpoint's own config.json
+    assert code == 2 and "would replace finished work" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _run(capsys, folder, "--out", tmp_path)
+    assert code == 2 and "pass --engine" in err
+    code, _, err = _run(capsys, folder, "--engine", "vlm")
+    assert code == 2 and "Did you mean 'vllm'?" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plain_export_is_unchanged(saved, capsys):
+    code, out, _ = _run(capsys, saved("yarn", {"factor": 4}))
+    assert code == 0 and out.startswith("scheme: yarn\nrope_parameters: {") and "vLLM: vllm serve " in out
