@@ -6,8 +6,13 @@ LoRA checkpoint, adapters, the context length and the allow-longer variable, and
 
 from __future__ import annotations
 
+import ast
 import json
+import os
 import shlex
+import types
+import zipfile
+from pathlib import Path
 
 import pytest
 from helpers.models import WINDOW, tiny_model
@@ -272,3 +277,110 @@ def test_cli_errors_are_one_line(saved, tmp_path, capsys):
 def test_plain_export_is_unchanged(saved, capsys):
     code, out, _ = _run(capsys, saved("yarn", {"factor": 4}))
     assert code == 0 and out.startswith("scheme: yarn\nrope_parameters: {") and "vLLM: vllm serve " in out
+
+
+# ---- the engines' own code on the export (optional: ROPE_PATCH_ENGINE_WHEELS=DIR holds the wheels) -----------------
+WHEELS = os.environ.get("ROPE_PATCH_ENGINE_WHEELS")
+
+
+class _Made:
+    """Stands for an engine's rotary class: records what get_rope built it with."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def buffers(self):  # SGLang's cache asks whether a cached module's buffers are alive
+        return []
+
+
+def _engine_code(name: str, path: str, functions: tuple[str, ...], namespace: dict) -> dict:
+    """The named functions (and module-level list assignments they use) of one file of the engine's wheel, compiled
+    without their annotations and decorators and run in `namespace`: the engine's own logic, without its imports."""
+    wheel = Path(WHEELS) / engines.engine(name)["wheel"]
+    tree = ast.parse(zipfile.ZipFile(wheel).read(path).decode("utf-8"))
+    first: dict[str, ast.FunctionDef] = {}  # a method overridden in subclasses: the base class's, defined first
+    for n in ast.walk(tree):
+        if isinstance(n, ast.FunctionDef) and n.name in functions:
+            first.setdefault(n.name, n)
+    nodes: list = list(first.values())
+    nodes += [n for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.List)]
+    for fn in (n for n in nodes if isinstance(n, ast.FunctionDef)):
+        fn.decorator_list, fn.returns = [], None
+        for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs, fn.args.vararg, fn.args.kwarg):
+            if a is not None:
+                a.annotation = None
+        for node in ast.walk(fn):  # annotated locals: plain assignments
+            if isinstance(node, ast.AnnAssign):
+                node.annotation = ast.Constant(None)
+    rotary = {n.id: type(n.id, (_Made,), {}) for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id.endswith("RotaryEmbedding")}
+    quiet = types.SimpleNamespace(warning=lambda *a, **k: None, warning_once=lambda *a, **k: None, info=lambda *a, **k: None,
+                                  debug=lambda *a, **k: None)
+    torch_stub = types.SimpleNamespace(get_default_dtype=lambda: "float32", dtype=object,
+                                       get_default_device=lambda: types.SimpleNamespace(type="cpu"))
+    scope = {"Any": object, "torch": torch_stub, "logger": quiet, "_ROPE_DICT": {}, "_use_aiter": False, "_is_hip": False,
+             **rotary, **namespace}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), path, "exec"), scope)  # noqa: S102 - the engine's source
+    return scope
+
+
+@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels (pip download --no-deps "
+                    "vllm==0.34.0 sglang==0.5.23 -d DIR)")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_engines_own_code_takes_the_export(arch, saved, tmp_path):
+    """vLLM's get_rope / _get_and_verify_max_len and SGLang's get_rope / get_context_length, read from the wheels and
+    run on every export: each entry builds a rotary module, the derived length equals serving.derived_length (vLLM
+    accepts --max-model-len up to it and refuses one more without its variable), and the printed N is accepted exactly
+    when the command sets the variable or N is within the derived length."""
+    from transformers.configuration_utils import ALLOWED_LAYER_TYPES
+
+    vllm_rope = _engine_code("vllm", engines.TARGETS["vllm"]["get_rope"], ("get_rope",), {})["get_rope"]
+    vllm_len = _engine_code("vllm", "vllm/transformers_utils/config.py", ("iter_rope_parameters", "is_rope_parameters_nested"),
+                            {"ALLOWED_LAYER_TYPES": ALLOWED_LAYER_TYPES})
+    convert = _engine_code("vllm", "vllm/transformers_utils/model_arch_config_convertor.py",
+                           ("derive_max_model_len_and_key",), {})["derive_max_model_len_and_key"]
+    sglang_rope = _engine_code("sglang", engines.TARGETS["sglang"]["get_rope"],
+                               ("get_rope", "_get_rope_param", "_get_live_rope_cache_entry", "_bailing_yarn_kwargs"),
+                               {})["get_rope"]
+    sglang_len = _engine_code("sglang", "sglang/srt/utils/hf_transformers/common.py", ("get_context_length",),
+                              {})["get_context_length"]
+    checked = 0
+    for row in SCHEMES:
+        if not get_scheme_class(row.name).native:
+            continue
+        folder = saved(row.name, row.params, arch=arch)
+        for name in ENGINES:
+            try:
+                info = serving.export(folder, name, out=tmp_path / f"{row.name}-{name}")
+            except ValueError:
+                continue  # refused: test_every_scheme_on_both_engines checks why
+            seen = json.loads(Path(info["config_path"]).read_text())
+            cfg = types.SimpleNamespace(**seen)
+            for entry in serving._entries(info["rope_parameters"]).values():
+                if name == "vllm":
+                    made = vllm_rope(16, info["max_position_embeddings"], True, rope_parameters=entry)
+                else:
+                    made = sglang_rope(16, 16, info["max_position_embeddings"], entry.get("rope_theta", 1e4),
+                                       rope_scaling=entry)
+                assert isinstance(made, _Made), (row.name, name, entry)
+                # a scaled rope type builds the engine's class for it, not plain RoPE
+                assert (type(made).__name__ == "RotaryEmbedding") == (entry["rope_type"] == "default"), type(made)
+            if name == "vllm":
+                arch_cfg = types.SimpleNamespace(derived_max_model_len_and_key=convert(types.SimpleNamespace(hf_text_config=cfg)))
+
+                def verify(n, allow, cfg=cfg, arch_cfg=arch_cfg):
+                    scope = _engine_code("vllm", "vllm/config/model.py", ("_get_and_verify_max_len",), {
+                        **vllm_len, "envs": types.SimpleNamespace(VLLM_ALLOW_LONG_MAX_MODEL_LEN=allow),
+                        "current_platform": types.SimpleNamespace(check_max_model_len=lambda x: x)})
+                    return scope["_get_and_verify_max_len"](cfg, arch_cfg, None, n, False, None)
+
+                derived = info["derived_length"]
+                assert verify(derived, False) == derived
+                with pytest.raises(ValueError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+                    verify(derived + 1, False)
+                assert verify(info["context_length"], bool(info["env"])) == info["context_length"]
+            else:
+                merged = {**json.loads((folder / "config.json").read_text())["rope_parameters"], **info["rope_parameters"]}
+                assert sglang_len(types.SimpleNamespace(**{**seen, "rope_scaling": merged})) == info["derived_length"]
+                assert info["context_length"] <= info["derived_length"] or info["env"]
+            checked += 1
+    assert checked >= (10 if arch == "llama" else 5)
