@@ -55,6 +55,11 @@ OVERRIDE_FLAG = {"vllm": "--hf-overrides", "sglang": "--json-model-override-args
 LENGTH_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length"}
 
 
+# Keys at the value that changes nothing in transformers (Phi-3's rope_parameters carry partial_rotary_factor 1.0): an
+# engine that does not read the key serves the same model, so the key is left out of its form rather than refused.
+_IDENTITY = {"partial_rotary_factor": 1.0}
+
+
 def _flag(name: str, flag: str) -> str:
     """A flag of the engine's command line, found in its argument code by the snapshot (or an error, not a guess)."""
     if flag not in engines.engine(name)["flags"]:
@@ -138,6 +143,9 @@ def engine_form(name: str, rope: dict, window: int, n: int, model_type: str | No
             entry["max_trained_positions"] = window
             mpe = n
         reads = engines.keys_read(name, rope_type, model_type)
+        for key, value in _IDENTITY.items():
+            if key not in reads and entry.get(key, object()) == value:
+                del entry[key]  # the value that changes nothing: an engine that does not read the key is the same
         unread = sorted(set(entry) - reads)
         if unread:
             raise ValueError(f"{_label(name)} cannot serve {what}{where}: it does not read "

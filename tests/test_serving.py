@@ -202,6 +202,17 @@ def test_longrope_attention_factor_becomes_both_mscales(saved):
         assert rope["short_mscale"] == rope["long_mscale"] == 1.25 and "attention_factor" not in rope
 
 
+def test_a_key_at_its_identity_value_is_left_out_where_it_is_not_read(saved):
+    """Phi-3 keeps partial_rotary_factor 1.0 (the whole head rotates) in rope_parameters; SGLang reads no such key for
+    longrope, which is the same model: left out there, kept for vLLM, which reads it."""
+    params = {"factor": 4, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    folder = saved("longrope", params, arch="phi3")
+    assert serving.export(folder, "vllm", write=False)["rope_parameters"]["partial_rotary_factor"] == 1.0
+    info = serving.export(folder, "sglang", write=False)
+    assert "partial_rotary_factor" not in info["rope_parameters"]
+    _check_against_snapshot(info, "sglang", "phi3")
+
+
 def test_a_key_the_engine_does_not_read_is_refused(saved):
     """SGLang's YaRN reads no `attention_factor` (it scales by attn_factor × its own mscale): a patch that sets it
     would be served as another model."""
