@@ -59,7 +59,15 @@ def _export(args) -> int:
     print(f"scheme: {info['scheme'] or 'none (unpatched)'}")
     print(f"rope_parameters: {json.dumps(info['rope_parameters'])}")
     print(f"max_position_embeddings: {info['max_position_embeddings']}")
-    print(f"vLLM: vllm serve {args.dir} {info['vllm']}")
+    from ..serving import export  # the checked command line (context length, engine form); nothing written
+
+    try:
+        served = export(args.dir, "vllm", base=args.base, write=False)
+    except ValueError as err:
+        print(f"vLLM: not served as patched: {err}")
+    else:
+        print(f"vLLM: {served['command']}")
+    print(f"(`rope-patch export {args.dir} --engine vllm|sglang`: the engine's command line, its notes and config.json)")
     return 0
 
 

@@ -26,6 +26,7 @@ examples:
   rope-patch plot decay --schemes default yarn:8 linear:8 --out decay.png
   rope-patch tune --scheme longrope --target 1024 --out tune/   LongRoPE's evolutionary search of rescale factors
   rope-patch export saved_model/                        native rope_parameters and the vLLM argument
+  rope-patch export merged/ --engine sglang             the SGLang (or vLLM) command line that serves it as patched
 
 A scheme spec is `name`, `name:VALUE` (yarn:8 sets factor) or `name:key=value,...` (yarn:factor=8,beta_fast=16).
 `rope-patch COMMAND --help` describes each command. Errors are one line (exit status 2); `rope-patch --debug
