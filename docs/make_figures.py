@@ -1,4 +1,4 @@
-"""Draw the README's scheme-guide figures into docs/figures/ (numbers from rope_patch.analysis).
+"""Draw the theory page's figures (docs/theory.md) into docs/figures/ (numbers from rope_patch.analysis).
 
     python docs/make_figures.py [--out-dir docs/figures] [--format png|svg]
 

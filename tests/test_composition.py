@@ -417,14 +417,14 @@ def test_a_part_failing_at_prepare_leaves_the_model_untouched():
     assert model.config.rope_parameters["rope_type"] == "default"
 
 
-# ---- the README's example ----------------------------------------------------------------------------------------
-def test_readme_composing_example_runs_as_written():
-    """The code block under README.md's "Composing schemes", executed as it stands on a tiny model."""
+# ---- the docs' example ------------------------------------------------------------------------------------------
+def test_the_composing_guide_example_runs_as_written():
+    """The stack block of docs/guides/composing.md (the one after the model is loaded), executed as it stands on a
+    tiny model of every suite's: the docs' own run of it (conftest.py at the root) uses rope-tiny."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Composing schemes", 1)[1]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "composing.md").read_text()
+    code = page.split("```{.python continuation}\n", 1)[1].split("```", 1)[0]
     model = tiny_model("llama", attn_implementation="sdpa")
     ids, _ = batch(False)
     before = logits(model, ids)

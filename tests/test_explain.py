@@ -1,4 +1,4 @@
-"""`rope_patch.analysis.explain` / `rope-patch explain`: the numbers the README's scheme guide quotes (d = 128,
+"""`rope_patch.analysis.explain` / `rope-patch explain`: the numbers the theory page (docs/theory.md) quotes (d = 128,
 b = 10 000, L = 4096, a Llama-2-7B-like RoPE) come from this command."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from rope_patch import analysis
 from rope_patch.cli import main
 
 LLAMA2 = dict(head_dim=128, rope_theta=10000.0, max_position_embeddings=4096)
-# scheme, field, value quoted in the README
+# scheme, field, value quoted in docs/theory.md
 QUOTED = [
     ("default", "turns", 46),
     ("default", "decay_at_zero", 32.5),

@@ -717,7 +717,7 @@ TestStatefulPatching.settings = settings(
 def test_cast_and_back_keeps_the_patch_frequencies_fp32(scheme, params):
     """Found by the machine above (shrunk: apply_scheme(rerope, window_size=4); cast_model('bf16-and-back')):
     `model.to(torch.bfloat16).float()` with no forward in between left bf16-rounded frequencies in the patch's
-    float32 buffers, while the patch restored its fp32 masters only on a dtype mismatch (fixed in 4e07a7d). README:
+    float32 buffers, while the patch restored its fp32 masters only on a dtype mismatch (fixed in 4e07a7d). docs/guarantees.md:
     "While patched, the frequencies stay fp32 ... also after model.to(torch.bfloat16)"."""
     model, ref = _build(_config()), _build(_config())
     rope_patch.apply(model, scheme, **params)

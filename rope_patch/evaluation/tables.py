@@ -5,7 +5,7 @@ not updated disagree in a test.
 A study file (`tables.json`, schema.TABLES, format "rope_patch.tables/1") names the document and, per table, its
 mark, its kind and the run folders it reads (relative to the study's `results` folder):
 
-    {"format": "rope_patch.tables/1", "document": "../../README.md", "results": "../results",
+    {"format": "rope_patch.tables/1", "document": "../../docs/studies/smollm2.md", "results": "../results",
      "tables": [{"mark": "<!-- smollm2-table -->", "kind": "perplexity", "runs": ["smollm2/ppl-16k-n1"]}, ...]}
 
 | kind | reads | table |

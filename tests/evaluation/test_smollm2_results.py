@@ -1,6 +1,6 @@
-"""The README's SmolLM2 tables are what rope_patch.evaluation.tables computes from the committed result files of the
+"""The SmolLM2 study's tables (docs/studies/smollm2.md) are what rope_patch.evaluation.tables computes from the committed result files of the
 runs eval/smollm2/tables.json lists (perplexity by position at 16k and 32k, the tuned scheme's acceptance, passkey by
-length x depth, RULER), so a re-run that changes a number and forgets the README fails here. No model is loaded."""
+length x depth, RULER), so a re-run that changes a number and forgets the page fails here. No model is loaded."""
 
 from __future__ import annotations
 
@@ -15,27 +15,27 @@ from rope_patch.evaluation import tables
 
 STUDY = tables.load_study(ROOT / "eval" / "smollm2" / "tables.json")
 TABLES = tables.compute(STUDY)
-FIX = "run `python eval/smollm2/table.py --readme`"
+FIX = "run `python eval/smollm2/table.py --write`"
 
 
 @pytest.mark.parametrize("mark", list(TABLES))
-def test_the_readme_table_is_the_committed_results(mark):
+def test_the_study_table_is_the_committed_results(mark):
     found = tables.tables_in(STUDY["document"].read_text(encoding="utf-8"), [mark])[mark]
     assert found is not None, f"{STUDY['document'].name} lost the mark {mark}"
     assert found == TABLES[mark], f"{FIX} ({mark})"
 
 
-def test_the_study_covers_every_smollm2_table_of_the_readme():
+def test_the_study_covers_every_smollm2_table_of_its_page():
     marks = [line for line in STUDY["document"].read_text(encoding="utf-8").split("\n")
              if line.startswith("<!-- smollm2")]
     assert sorted(marks) == sorted(TABLES)
-    assert STUDY["document"] == ROOT / "README.md" and STUDY["results"] == ROOT / "eval" / "results"
+    assert STUDY["document"] == ROOT / "docs" / "studies" / "smollm2.md" and STUDY["results"] == ROOT / "eval" / "results"
 
 
 def test_a_missing_run_names_itself(tmp_path):
     study = json.loads((ROOT / "eval" / "smollm2" / "tables.json").read_text(encoding="utf-8"))
     study["results"] = str(ROOT / "eval" / "results")
-    study["document"] = str(ROOT / "README.md")
+    study["document"] = str(ROOT / "docs" / "studies" / "smollm2.md")
     study["tables"][0]["runs"] = ["smollm2/ppl16k"]  # a folder by its old name
     path = tmp_path / "tables.json"
     path.write_text(json.dumps(study))
@@ -66,7 +66,7 @@ def test_the_passkey_table_keeps_one_haystack(tmp_path, haystack, expected):
     _passkey_run(runs / "prose", "prose", 1)
     _passkey_run(runs / "noise", "noise", 3)
     table = tables.passkey_table([runs / "old", runs / "prose", runs / "noise"], runs, haystack=haystack)
-    # one row: a (template, scheme, length) cell in two prose runs is the first folder's, as in the README's table
+    # one row: a (template, scheme, length) cell in two prose runs is the first folder's, as in the study's table
     (row,) = table.split("\n")[2:]
     assert row.split(" | ")[3].startswith(expected + " ")
     assert row.endswith(f" | {'noise' if haystack == 'noise' else 'old'}/ |")
@@ -78,3 +78,4 @@ def test_replace_tables_rewrites_only_below_the_marks():
     assert out == "a\n<!-- m -->\n| y |\n| --- |\n| 2 |\nb\n<!-- n -->\nc"
     assert tables.tables_in(out, ["<!-- m -->", "<!-- absent -->"]) == {"<!-- m -->": "| y |\n| --- |\n| 2 |",
                                                                          "<!-- absent -->": None}
+

@@ -152,7 +152,7 @@ def _greedy_logits(model, ids, new, cached):
 def test_one_layer_consistent_decoding_equals_recomputation_two_layers_do_not(scheme, params):
     """A token's key and value in layer 1 depend on its embedding only, so with one layer re-rotating the cached
     keys is full recomputation; from layer 2 on the cached keys/values come from hidden states computed under
-    the frequencies of their own step (documented in schemes/cached.py and the README)."""
+    the frequencies of their own step (documented in schemes/cached.py and docs/guides/kv-cache.md)."""
     prompt = _ids(PROMPT)
     one = tiny_model(num_hidden_layers=1)
     rope_patch.apply(one, scheme, **params, cache_rotation="consistent")

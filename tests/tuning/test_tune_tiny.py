@@ -1,4 +1,4 @@
-"""The committed rope-tiny searches (eval/results/tiny/tune_longrope-1k-n8*/, README "Searching parameters"): each log is a
+"""The committed rope-tiny searches (eval/results/tiny/tune_longrope-1k-n8*/, docs/guides/tuning.md): each log is a
 valid, finished search whose individuals all satisfy the constraint, its best spec applies to rope-tiny, and (slow)
 re-measuring the best spec on the acceptance text gives the logged perplexity."""
 
