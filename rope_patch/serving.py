@@ -279,12 +279,14 @@ def export(directory: str | os.PathLike, name: str, base: str | os.PathLike | No
 
 
 def _write_config(folder: Path, config: dict, source: Path) -> None:
-    """config.json into `folder`, refusing to replace a checkpoint's own (a folder holding weights, or DIR itself)."""
+    """config.json into `folder`, never into a saved model's own folder (DIR itself, or any folder holding weights, an
+    adapter or a rope_patch manifest): that config.json is finished work, or its absence is (an adapter folder)."""
     file = folder / "config.json"
-    if file.exists() and (folder.resolve() == source.resolve() or any(folder.glob("*.safetensors"))
-                          or any(folder.glob("*.bin"))):
-        raise FileExistsError(f"{file} is a checkpoint's own config.json: writing the engine's form there would replace "
-                              "finished work. Pass --out to another folder.")
+    own = folder.exists() and (folder.resolve() == source.resolve() or any(
+        any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "adapter_config.json", MANIFEST)))
+    if own:
+        raise FileExistsError(f"{folder} holds a saved model: writing the engine's config.json there would replace or "
+                              "change finished work. Pass --out to another folder.")
     from .files import write_text_atomic
 
     folder.mkdir(parents=True, exist_ok=True)

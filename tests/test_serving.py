@@ -177,6 +177,9 @@ def test_adapter_serves_on_its_base(engine_name, tmp_path):
     assert info["rope_parameters"] == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
     _check_against_snapshot(info, engine_name, "llama")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"] == info["rope_parameters"]
+    with pytest.raises(FileExistsError, match="holds a saved model"):  # an adapter folder gets no config.json
+        serving.export(tmp_path / "adapter", engine_name, out=tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "config.json").exists()
 
 
 def test_engine_forms_differ_where_the_engine_reads_otherwise(saved):
@@ -278,7 +281,7 @@ def test_cli_errors_are_one_line(saved, tmp_path, capsys):
     assert "cannot serve self_extend" in err and "yarn" in err and "Traceback" not in err
     folder = saved("yarn", {"factor": 4})
     code, _, err = _run(capsys, folder, "--engine", "sglang", "--out", folder)  # over the checkpoint's own config.json
-    assert code == 2 and "would replace finished work" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "would replace or change finished work" in err and len(err.strip().splitlines()) == 1
     code, _, err = _run(capsys, folder, "--out", tmp_path)
     assert code == 2 and "pass --engine" in err
     code, _, err = _run(capsys, folder, "--engine", "vlm")
