@@ -3,8 +3,8 @@
     rope-patch export merged/ --engine vllm
     vllm serve merged/ --hf-overrides '{"rope_parameters":{...},"max_position_embeddings":16384}' --max-model-len 16384
 
-What an engine accepts is read from its own source (rope_patch.engines, the committed snapshot of vLLM 0.34.0 and
-SGLang 0.5.23), never from a hand list: the rope types its `get_rope` dispatches on, the `rope_parameters` keys each
+What an engine accepts is read from its own source (rope_patch.engines: the committed snapshot, vLLM 0.34.0 and SGLang
+0.5.23 when this was written; vLLM 0.33.0 gives the same tables), never from a hand list: the rope types its `get_rope` dispatches on, the `rope_parameters` keys each
 branch and the model code read, and how it derives the context length from config.json. An export
 
 - runs only where the whole patch has a native `rope_parameters` form (rope_patch's save rule) and every entry's
@@ -210,8 +210,9 @@ def export(directory: str | os.PathLike, name: str, base: str | os.PathLike | No
 
     Returns {"engine", "version", "scheme", "rope_parameters", "max_position_embeddings", "context_length",
     "derived_length" (what the engine derives from the config it sees), "env", "command", "config_path",
-    "alternative" (vLLM: the command that reads the written config with --hf-config-path), "notes"}. Raises ValueError (one line: the scheme, the engine's rope types) where the
-    engine does not run the patch."""
+    "alternative" (vLLM: the command that reads the written config with --hf-config-path), "notes"}. Raises
+    ValueError (one line: the scheme, the engine's rope types, the reason) where the engine does not run the patch,
+    and FileExistsError where `out` is a saved model's folder."""
     eng = engines.engine(name)
     path = Path(directory)
     manifest = read_manifest(path) if path.is_dir() else None
