@@ -54,7 +54,19 @@ def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page():
     assert nav == pages
 
 
-@pytest.mark.parametrize("path", sorted(DOCS.rglob("*.md")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_readme_is_a_front_door():
+    text = README.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move detail to docs/"
+    first = "\n".join(lines[:60])
+    assert "make demo" in first and "make test" in first and "pip install" in first
+    start = next(n for n, info in fences(README) if info == "python")
+    end = lines.index("```", start)
+    assert end < 60, "the README's runnable example ends past its 60th line"
+    assert "load_model(\"tiny\")" in "\n".join(lines[start:end]) and "rope_patch.remove" in "\n".join(lines[start:end])
+
+
+@pytest.mark.parametrize("path", [README, *sorted(DOCS.rglob("*.md"))], ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_blocks_are_tested_or_say_why_not(path):
     """A ```python block runs as a test; one that cannot (`{.python notest}`) says why in the sentence before it.
     Shell commands are ```bash (or ```text for output), never an unmarked fence."""

@@ -79,3 +79,22 @@ def test_replace_tables_rewrites_only_below_the_marks():
     assert tables.tables_in(out, ["<!-- m -->", "<!-- absent -->"]) == {"<!-- m -->": "| y |\n| --- |\n| 2 |",
                                                                          "<!-- absent -->": None}
 
+
+def _rows(table: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.split("\n")[2:]]
+
+
+def test_the_readme_headline_is_the_study():
+    """README.md's results table is a few cells of the study's: perplexity over the 16k window and in its last bucket
+    (the 16k table), RULER's niah_single_1 at 16k (k/n without the interval; '–' where that scheme was not run)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    mark = next(line for line in readme.split("\n") if line.startswith("<!-- headline:"))
+    headline = readme.split(mark + "\n", 1)[1].split("\n\n", 1)[0]
+    ppl = {row[0]: row for row in _rows(TABLES["<!-- smollm2-table -->"])}
+    ruler = {row[1]: row[2].split(" ")[0] for row in _rows(TABLES["<!-- smollm2-ruler -->"]) if row[0] == "16k"}
+    rows = _rows(headline)
+    assert len(rows) >= 5
+    for scheme, everything, last, needle in rows:
+        assert scheme in ppl, f"README's headline row {scheme} is no row of the 16k table"
+        assert [everything, last] == [ppl[scheme][1], ppl[scheme][-1]], scheme
+        assert needle == ruler.get(scheme, "–"), scheme
