@@ -52,7 +52,21 @@ def _unpatched_rope_fields(target: PatchSite) -> dict:
 def as_scheme(scheme: SchemeLike | list | tuple, **params: Any) -> Scheme:
     """A `Scheme` from a name or spec string (`"yarn"`, `"yarn:4"`, `"self_extend:group_size=4,window_size=1024"`,
     the grammar of the command line) plus keyword parameters, or a `Scheme` object as it is. A list of those, or a
-    spec joined by `+` (`"yarn:4+logn"`), is a stack (schemes/stack.py); a list of one is that scheme."""
+    spec joined by `+` (`"yarn:4+logn"`), is a stack (schemes/stack.py); a list of one is that scheme.
+
+    Args:
+        scheme: a registered name or alias, a spec string, a `Scheme` object, a `Scheme` class, or a list of those
+            (a stack).
+        **params: the scheme's parameters (transformers' `rope_parameters` keys), for a name, a spec or a class.
+
+    Returns:
+        The scheme, validated but not yet resolved against a model (model-derived defaults are still None).
+
+    Raises:
+        ValueError: an unknown scheme name (with "Did you mean"), a value out of range, schemes that do not compose.
+        TypeError: an unknown parameter, a value of the wrong type, a parameter given twice (in the spec and as a
+            keyword), or keywords with a `Scheme` object or a stack.
+    """
     if isinstance(scheme, (list, tuple)) or (isinstance(scheme, str) and "+" in scheme and parse_spec(scheme)[0] == "stack"):
         if params:
             raise TypeError(f"Pass each part's parameters in its own spec or Scheme when applying several schemes "
@@ -94,9 +108,34 @@ def apply(model: M, scheme: SchemeLike = "default", *, check: bool = True, **par
     use transformers' `rope_parameters` keys. Applying to a patched model replaces its scheme (schemes are defined
     relative to the model as loaded). On any error the model is left exactly as it was.
 
-    `check`: an attention-side scheme that runs its own attention function is first run side by side with the
-    model's own layers at an identity setting (once per architecture and process, rope_patch/attention/plumbing.py)
-    and refused if they differ; False skips that.
+    Example:
+        ```python
+        rope_patch.apply(model, "yarn", factor=4.0, original_max_position_embeddings=4096)
+        rope_patch.apply(model, "self_extend:group_size=4,window_size=1024")  # replaces the yarn patch
+        rope_patch.apply(model, "yarn:4+logn")                                # a stack
+        ```
+
+    Args:
+        model: a loaded causal LM of the LLaMA family (any model with a rotary embedding module), or a wrapper of one
+            (a `PeftModel`): the base model inside is patched and the wrapper returned.
+        scheme: a registered name or alias (`"yarn"`, `"pi"`), a spec string as on the command line (`"yarn:4"`,
+            `"self_extend:group_size=4,window_size=1024"`), specs joined by `+` or a list of them (a stack: one
+            frequency scheme, one attention-side scheme, modifiers), a `Scheme` object or a `Scheme` class.
+        check: an attention-side scheme that runs its own attention function is first run side by side with the
+            model's own layers at an identity setting (once per architecture and process,
+            rope_patch/attention/plumbing.py) and refused if they differ; False skips that.
+        **params: the scheme's parameters, transformers' `rope_parameters` keys (`factor`,
+            `original_max_position_embeddings`, `beta_fast`, ...) and rope_patch's own (`window_size`,
+            `group_size`, ...); model-derived defaults fill in the rest.
+
+    Returns:
+        `model` itself, patched (the same object, so `apply` can be chained or ignored).
+
+    Raises:
+        ValueError: an unknown scheme (with "Did you mean"), a value out of its range, parameters that contradict
+            each other, schemes that do not compose, an architecture or backend the scheme cannot run on, a model
+            whose rotary module holds no values yet (meta device). The model is left exactly as it was.
+        TypeError: an unknown parameter, a value of the wrong type, or a model without a rotary embedding module.
     """
     return _apply(model, as_scheme(scheme, **params), temporary=False, check=check)
 
@@ -168,7 +207,14 @@ def remove(model: M) -> M:
     """Undo the patch exactly (logits bit-identical to before `apply`); a no-op on an unpatched model.
 
     The model's modules get their original config object back, with the changes the user made to `model.config`
-    while patched carried over (the fields the patch itself set revert)."""
+    while patched carried over (the fields the patch itself set revert).
+
+    Args:
+        model: a model patched by `apply` (or a wrapper of one), or any other model (then nothing happens).
+
+    Returns:
+        `model` itself, as it was before the first `apply` (the very tensors and attributes the patch replaced).
+    """
     try:
         target = find_target(model)
     except NoRotary:  # no rotary module, so no patch: nothing to undo (GPT-J's tables, GPT-2's learned positions)
@@ -190,7 +236,17 @@ def original_config(model: nn.Module) -> dict:
 def context_window(model: nn.Module) -> int:
     """The number of positions the (patched) model is meant to serve: the scheme's extended window (factor × the
     pre-training window), else `config.max_position_embeddings`. Equal to `model.config.max_position_embeddings`
-    except for `dynamic`, whose config keeps transformers' native form (scaling starts at max_position_embeddings)."""
+    except for `dynamic`, whose config keeps transformers' native form (scaling starts at max_position_embeddings).
+
+    Args:
+        model: a model (or a wrapper of one), patched or not.
+
+    Returns:
+        The context window in tokens (`dynamic_yarn`: factor × L; an attention-side scheme: the model's own).
+
+    Raises:
+        TypeError: the model has no rotary embedding module to read a window from.
+    """
     target = find_target(model)
     state = patch_state(target)
     if state is not None and state.window is not None:
@@ -199,7 +255,16 @@ def context_window(model: nn.Module) -> int:
 
 
 def current(model: nn.Module) -> Scheme | None:
-    """The applied scheme (with model-derived defaults filled in), or None."""
+    """The applied scheme (with model-derived defaults filled in), or None.
+
+    Args:
+        model: a model (or a wrapper of one), patched or not.
+
+    Returns:
+        The `Scheme` applied now, with the defaults it took from the model filled in (`original_max_position_embeddings`,
+        ...); a `Stack` for several schemes; None for an unpatched model. `apply(model, current(model))` re-applies
+        it (after a backend switch, say).
+    """
     state = patch_state(find_target(model))
     return None if state is None else state.scheme
 
@@ -236,7 +301,20 @@ def _in_effect(root: nn.Module, path: str, recorded: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def patched(model: M, scheme: SchemeLike = "default", **params: Any) -> Iterator[M]:
-    """`with patched(model, "yarn", factor=4): ...` applies, then restores what was there before (also on error)."""
+    """`with patched(model, "yarn", factor=4): ...` applies, then restores what was there before (also on error).
+
+    Args:
+        model: as for `apply`.
+        scheme: as for `apply`.
+        **params: as for `apply`.
+
+    Yields:
+        `model`, patched for the duration of the block. On exit (also on an error) the patch is removed and the one
+        the model carried before, if any, comes back with its learned tables.
+
+    Raises:
+        ValueError, TypeError: as `apply`, before the block runs.
+    """
     before = patch_state(find_target(model))
     _apply(model, as_scheme(scheme, **params), temporary=True)
     try:

@@ -44,9 +44,14 @@ FIX = "_length_fix"  # attribute of the PatchState: (N, index of the fix's first
 
 @dataclasses.dataclass(frozen=True)
 class LengthFix:
-    """What `fix_length` did: `fixed` (also the truth value) says whether frequencies were frozen, `length` the N they
-    are frozen at (None: not fixed), `previous` the N of the fix it replaced (None: there was none), `reason` why in
-    one line."""
+    """What `fix_length` did; true when it froze the frequencies.
+
+    Attributes:
+        length: the N the frequencies are frozen at (None: not fixed).
+        fixed: whether frequencies were frozen (also the truth value of the object).
+        reason: why, in one line (printable).
+        previous: the N of the fix this one replaced (None: there was none).
+    """
 
     length: int | None
     fixed: bool
@@ -58,7 +63,14 @@ class LengthFix:
 
 
 def fixed_length(model) -> int | None:
-    """The N the model's frequencies are frozen at by `fix_length`, or None."""
+    """The N the model's frequencies are frozen at by `fix_length`, or None.
+
+    Args:
+        model: a model (or a wrapper of one), patched or not.
+
+    Returns:
+        The frozen length N, or None when no fix is in place.
+    """
     state = patch_state(find_target(model))
     fix = getattr(state, FIX, None) if state is not None else None
     return None if fix is None else fix[0]
@@ -82,9 +94,18 @@ def fix_length(model, length: int | None) -> LengthFix:
     a second `fix_length` replaces the first. For schemes whose frequencies do not depend on the length (every
     other scheme, and an unpatched model with static RoPE) it changes nothing and says so (`fixed` False, `reason`).
 
-    Raises ValueError for N < 1 (TypeError for a non-integer) and for an unpatched model whose own RoPE depends on
-    the length (a checkpoint that ships `dynamic` or `longrope`): the fix is recorded in a patch's undo log, so apply
-    that scheme with rope_patch.apply first. The model is untouched on error.
+    Args:
+        model: a model patched by `rope_patch.apply` (or a wrapper of one).
+        length: the final sequence length N (prompt + new tokens) the frequencies are frozen for; None releases a fix.
+
+    Returns:
+        A `LengthFix`: whether the frequencies were frozen, at which N, the N of a fix it replaced, and why.
+
+    Raises:
+        ValueError: N < 1 or beyond the largest position supported, or an unpatched model whose own RoPE depends on
+            the length (a checkpoint that ships `dynamic` or `longrope`): the fix is recorded in a patch's undo log,
+            so apply that scheme with `rope_patch.apply` first. The model is untouched on error.
+        TypeError: a length that is not an integer.
     """
     if length is not None:
         length = check.integer("fix_length", "length", length, ge=1, le=check.POSITIONS_MAX,

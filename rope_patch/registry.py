@@ -44,7 +44,22 @@ def register_scheme(cls: type[Scheme] | None = None, *, name: str | None = None,
     """Register a `Scheme` subclass under `name` (default: `cls.name`) and `aliases`.
 
     Usable as `@register_scheme` or `register_scheme(MyScheme, name="mine")`. Re-registering a taken name raises
-    unless `override=True`, so a plugin cannot silently shadow a built-in.
+    unless `override=True`, so a plugin cannot silently shadow a built-in. `registry.unregister_scheme(name)` undoes
+    it (a test or a notebook that registered a scheme of its own).
+
+    Args:
+        cls: the `Scheme` subclass (a frozen dataclass of its parameters); omitted when used as `@register_scheme(...)`
+            with keywords.
+        name: the name to register it under (default: the class's `name`, which is then set to it).
+        aliases: more names that resolve to it (beside the class's own `aliases` when `name` is not given).
+        override: take a name that is registered already (the built-in's class is replaced for this process).
+
+    Returns:
+        The class itself (so it works as a decorator), or the decorator when `cls` is omitted.
+
+    Raises:
+        TypeError: `cls` is not a `Scheme` subclass.
+        ValueError: the class has no name, or a name or alias is taken and `override` is False.
     """
 
     def add(scheme_cls):
@@ -127,7 +142,11 @@ def bare_param(name: str) -> str | None:
 
 def list_schemes() -> list[str]:
     """Registered scheme names (aliases excluded), sorted. A class with `listed = False` (the `stack` of several
-    schemes: a composition, not a scheme of its own) is registered, so that saved stacks resolve, but not listed."""
+    schemes: a composition, not a scheme of its own) is registered, so that saved stacks resolve, but not listed.
+
+    Returns:
+        The names `apply` takes, sorted (`rope_patch.registry.aliases()` maps the aliases to them).
+    """
     return sorted(name for name, cls in _SCHEMES.items() if getattr(cls, "listed", True))
 
 

@@ -48,7 +48,22 @@ def pretraining_window(model: nn.Module) -> int:
 def suggest(model: nn.Module, target_length: int) -> list[Suggestion]:
     """The training-free schemes with the parameters their papers recommend for serving `target_length` tokens on
     this model (module docstring: the rules and where they come from), each applicable with
-    `rope_patch.apply(model, s.spec)`. Raises ValueError for a target below 2 tokens or beyond 1024 × L."""
+    `rope_patch.apply(model, s.spec)`.
+
+    Args:
+        model: a model (or a wrapper of one), patched or not: L is the pre-training window of the model as loaded
+            (a checkpoint that ships scaling counts from its `original_max_position_embeddings`).
+        target_length: N, the context length in tokens the model should serve.
+
+    Returns:
+        One `Suggestion` per scheme with a rule (its `spec`, `params`, `reason` and whether it serves N `alone`):
+        the frequency schemes first, then the attention-side ones, then those that need a frequency scheme with
+        them. For N ≤ L only STRING.
+
+    Raises:
+        ValueError: a target below 2 tokens or beyond 1024 × L.
+        TypeError: a target that is not an integer.
+    """
     n = check.integer("suggest", "target_length", target_length, ge=2, le=check.POSITIONS_MAX,
                       hint="It is the context length N (tokens) the model should serve.")
     window = pretraining_window(model)

@@ -42,9 +42,17 @@ InstallStep = Callable[[UndoLog], None]  # what prepare() returns: writes the pa
 
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
-    """One scheme with the parameters its paper recommends for the target: `spec` is what `rope_patch.apply(model,
-    spec)` and `rope-patch compare --schemes` take, `reason` says where the numbers come from, `alone` whether the
-    scheme serves the target on its own (False: STRING beyond the window, which needs a frequency scheme with it)."""
+    """One scheme with the parameters its paper recommends for the target (what `rope_patch.suggest` returns).
+
+    Attributes:
+        scheme: the scheme's registered name.
+        params: its parameters for the target.
+        spec: the same as a spec string, what `rope_patch.apply(model, spec)` and `rope-patch compare --schemes`
+            take (`"yarn:factor=4,beta_fast=2"`).
+        reason: where the numbers come from (the rule and its paper), in one line.
+        alone: whether the scheme serves the target on its own (False: STRING beyond the window, which needs a
+            frequency scheme with it).
+    """
 
     scheme: str
     params: dict
@@ -74,6 +82,25 @@ def extension_ratio(window: int, target: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
+    """A position-encoding scheme: a frozen dataclass of its parameters, with everything the library knows about it
+    on the class (the module docstring lists it; docs/guides/add-a-scheme.md walks through one).
+
+    Subclass `FrequencyScheme` for a scheme that changes only the rotary frequencies (implement `rope_parameters`,
+    and `adjust` where transformers' rope types cannot express it); subclass `Scheme` itself (in practice
+    rope_patch.schemes.common's `AttentionScheme`) for one that changes the attention computation (implement
+    `prepare`). Register it with `rope_patch.register_scheme`.
+
+    Attributes:
+        name: the registered name (`rope-patch list`, specs, saved files).
+        aliases: more names that resolve to it.
+        kind: `"frequency"`, `"attention"` or `"modifier"`.
+        bare_param: the parameter that the bare value of a spec `name:VALUE` sets (`yarn:8` is factor=8).
+        length_dependent: whether the frequencies follow the sequence length (dynamic NTK, dynamic YaRN, LongRoPE).
+        native: whether transformers' `rope_parameters` alone reproduce it (then plain saves, `to_rope_parameters`
+            and serving engines take it).
+        changes: what it changes, in words, where it has no native form (used in save warnings and export errors).
+    """
+
     name: ClassVar[str] = ""
     aliases: ClassVar[tuple[str, ...]] = ()
     kind: ClassVar[str] = ""  # "frequency" or "attention"
@@ -98,6 +125,7 @@ class Scheme:
 
     @classmethod
     def param_names(cls) -> list[str]:
+        """The scheme's parameter names, in the dataclass's field order."""
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
@@ -116,6 +144,19 @@ class Scheme:
 
     @classmethod
     def from_params(cls, **params) -> Scheme:
+        """The scheme with these parameters, validated (what `rope_patch.apply(model, name, **params)` builds).
+
+        Args:
+            **params: the scheme's parameters by name; missing ones take the class's defaults (None: from the model).
+
+        Returns:
+            The scheme object (not yet resolved against a model).
+
+        Raises:
+            TypeError: an unknown parameter (with "Did you mean" and the list of the scheme's parameters), or a value
+                of the wrong type.
+            ValueError: a value out of its range, or parameters that contradict each other.
+        """
         known = cls.param_names()
         for key in params:
             if key not in known:
@@ -130,6 +171,7 @@ class Scheme:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     def replace(self, **changes) -> Scheme:
+        """A copy with some parameters changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
     def resolve(self, target: PatchSite) -> Scheme:
@@ -137,6 +179,18 @@ class Scheme:
         return self
 
     def prepare(self, target: PatchSite) -> InstallStep:
+        """Compute everything the patch needs and check it against the model, touching nothing.
+
+        Args:
+            target: where the patch goes (the model, its rotary and attention modules, its config).
+
+        Returns:
+            The install step: a function of the undo log that writes the patch (every change through the log, so
+            `remove()` can replay it backwards).
+
+        Raises:
+            ValueError: the scheme cannot run on this model or backend (the model is still untouched).
+        """
         raise NotImplementedError
 
     def relative_position(self, i, j):

@@ -146,9 +146,13 @@ def _keep_frequency_forward(log, rotary, below) -> None:
 @register_scheme
 @dataclasses.dataclass(frozen=True)
 class Stack(Scheme):
-    """Several schemes applied to one model together (see the module docstring for what composes). `schemes` is kept
-    in install order: the frequency scheme, the attention-side scheme, the modifiers. Build one with `Stack.of(...)`
-    (which gives back the scheme itself for a single part), `rope_patch.as_scheme([...])` or a spec "yarn:4+logn"."""
+    """Several schemes applied to one model together (see the module docstring for what composes). Build one with
+    `Stack.of(...)` (which gives back the scheme itself for a single part), `rope_patch.as_scheme([...])` or a spec
+    "yarn:4+logn"; `rope_patch.current(model)` returns one for a model patched with several schemes.
+
+    Attributes:
+        schemes: the parts, in install order: the frequency scheme, the attention-side scheme, the modifiers.
+    """
 
     name = "stack"
     kind: ClassVar[str] = "stack"
@@ -168,7 +172,19 @@ class Stack(Scheme):
 
     @classmethod
     def of(cls, items) -> Scheme:
-        """The scheme that `items` (Schemes, specs, saved entries) amount to: the one scheme itself, else a Stack."""
+        """The scheme that `items` (Schemes, specs, saved entries) amount to: the one scheme itself, else a Stack.
+
+        Args:
+            items: a list of `Scheme` objects, spec strings (`"yarn:4"`) or saved `{"scheme", "params"}` entries;
+                nested stacks are flattened.
+
+        Returns:
+            The single scheme for one part, else a `Stack` of the parts in install order.
+
+        Raises:
+            ValueError: parts that do not compose (two frequency schemes, a frequency scheme with one that removes
+                the rotation, ...), with what is allowed.
+        """
         if isinstance(items, (str, Scheme, dict)):
             items = [items]
         parts = _flatten(list(items))
@@ -188,14 +204,17 @@ class Stack(Scheme):
     # ---- the parts ---------------------------------------------------------------------------------------------
     @property
     def frequency(self) -> FrequencyScheme | None:
+        """The frequency part, or None."""
         return next((p for p in self.schemes if isinstance(p, FrequencyScheme)), None)
 
     @property
     def attention(self) -> AttentionScheme | None:
+        """The attention-side part, or None."""
         return next((p for p in self.schemes if isinstance(p, AttentionScheme)), None)
 
     @property
     def modifiers(self) -> tuple[Modifier, ...]:
+        """The modifiers (`logn`), possibly none."""
         return tuple(p for p in self.schemes if isinstance(p, Modifier))
 
     def params(self) -> dict:
