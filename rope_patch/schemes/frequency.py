@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
+import typing
 import warnings
 from typing import ClassVar
 
 import torch
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 from .. import discovery
 from .. import validation as check
@@ -33,11 +35,16 @@ from .cached import prepare as _prepare_consistent
 from .common import attention_modules
 
 # Keys of the unpatched rope_parameters that describe the model rather than a scaling scheme: kept under a patch.
-_MODEL_KEYS = ("partial_rotary_factor",
-               # Ministral 3 keeps Llama 4's attention temperature in rope_parameters: its attention multiplies queries
-               # by 1 + β·ln(1 + ⌊pos / original_max_position_embeddings⌋), reading both keys there (a model built
-               # without them fails), so a scheme keeps β and, unless it sets its own, that window.
-               "llama_4_scaling_beta")
+# transformers' RopeParameters lists the keys of its own rope types; every other key a checkpoint carries is the
+# model's own (PhiMoE's short_mscale / long_mscale, which its rotary multiplies cos/sin by and its config requires
+# beside any scaling type; Qwen-VL's mrope_interleaved; Ministral 3's llama_4_scaling_beta). Of transformers' keys,
+# the partial rotary fraction describes the model too.
+_SCHEME_KEYS = frozenset(typing.get_type_hints(RopeParameters)) - {"partial_rotary_factor"}
+
+
+def _model_keys(rope_parameters: dict) -> dict:
+    """The keys of an unpatched `rope_parameters` that a patch keeps: those no transformers rope type defines."""
+    return {k: v for k, v in rope_parameters.items() if k not in _SCHEME_KEYS and k != "type"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +113,9 @@ class FrequencyScheme(Scheme):
         return self.rope_theta if self.rope_theta is not None else ctx.rope_theta
 
     def _params(self, ctx: RopeContext, rope_type: str, **keys) -> dict:
-        kept = {k: ctx.rope_parameters[k] for k in _MODEL_KEYS if k in ctx.rope_parameters}
+        kept = _model_keys(ctx.rope_parameters)
+        # Ministral 3's attention temperature reads its window from rope_parameters (a model built without it fails):
+        # unless the scheme sets its own, that window stays
         if "llama_4_scaling_beta" in kept and "original_max_position_embeddings" in ctx.rope_parameters:
             kept["original_max_position_embeddings"] = ctx.rope_parameters["original_max_position_embeddings"]
         given = {k: v for k, v in keys.items() if v is not None}
@@ -218,6 +227,10 @@ class FrequencyScheme(Scheme):
                 log.setattr(module, "scaling", value)
             rope_types = {lt: p["rope_type"] for lt, p in params.items()}
             log.setattr(rot, "rope_type", rope_types if layered else rope_types[None])
+            if not layered and "rope_init_fn" in vars(rot):
+                # a rotary whose forward computes its frequencies again (PhiMoE: `self.rope_init_fn(self.config)`)
+                # uses the patched type's function, as a model built with `public` does
+                log.setattr(rot, "rope_init_fn", _init_fn(rope_types[None], type(rot)))
             log.setattr(rot, "max_seq_len_cached", rotary_config.max_position_embeddings)
             log.setattr(rot, "original_max_seq_len", rotary_config.max_position_embeddings)
             # Single-rotary models keep one `attention_scaling`; per-layer-type ones one per prefix (and the
@@ -237,6 +250,7 @@ class FrequencyScheme(Scheme):
                 consistent(log, masters, update)
             else:
                 log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False, update=update))
+            _runs(self, model_site, rot, device)
 
         return install
 
@@ -288,6 +302,27 @@ class _StandaloneConfig:
 
     def standardize_rope_params(self):
         pass
+
+
+def _runs(scheme: FrequencyScheme, target: PatchSite, rotary: torch.nn.Module, device) -> None:
+    """Run the patched rotary once on two positions: a rotary that reads its config at every forward (PhiMoE reads
+    `original_max_position_embeddings` from rope_parameters for any type but default, which `linear` does not have)
+    fails there as a natively configured model would at its first forward; refused at apply() instead. Rotaries
+    whose forward takes more than (x, position_ids) are called by their model only (the attention-side check runs
+    them)."""
+    params = list(inspect.signature(type(rotary).forward).parameters.values())[1:]
+    if len(params) < 2 or any(p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
+                              for p in params[2:]):
+        return
+    x = torch.zeros(1, 2, 2, device=device)
+    try:
+        with torch.no_grad():
+            rotary(x, torch.arange(2, device=device)[None])
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
+        raise ValueError(
+            f"{scheme.name}: {target.model_type}'s rotary module fails under this RoPE configuration "
+            f"({type(err).__name__}: {err}), as a model configured natively with it would at its first forward. Choose "
+            "a scheme whose rope_parameters this architecture's code reads (its config's rope_type and keys).") from None
 
 
 def _attention_scales(scheme: FrequencyScheme, target: PatchSite, public: dict) -> list[tuple]:

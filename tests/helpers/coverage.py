@@ -165,8 +165,7 @@ NO_ROTARY = ("has no rotary position embedding module",
 OWN_ATTENTION = ("computes attention in its own module code",
                  "attention computed in the module's own code, not through transformers' attention interface")
 NATIVE_REJECTS = ("rejects this RoPE configuration",
-                  "the model's config class rejects the rope type (Phi-3: longrope only; PhiMoE: needs short_mscale / "
-                  "long_mscale beside it)")
+                  "the model's config class rejects the rope type (Phi-3 and Phi-4-multimodal: longrope only)")
 PROPORTIONAL = ("('proportional') gives",
                 "global layers use `proportional` RoPE (full-width frequencies, a quarter non-zero); yarn gives a "
                 "quarter-width set there, which a natively configured model cannot run either")
@@ -174,7 +173,7 @@ PROPORTIONAL = ("('proportional') gives",
 REFUSED: dict[str, dict[str, tuple[str, str]]] = {
     **{f: dict.fromkeys(SCHEMES, NO_ROTARY) for f in ("codegen", "gptj", "inkling2")},
     **{f: dict.fromkeys(ALL_ATTENTION, OWN_ATTENTION) for f in ("falcon", "gpt_neox_japanese")},
-    **{f: {"yarn": NATIVE_REJECTS} for f in ("phi3", "phi4_multimodal", "phimoe")},
+    **{f: {"yarn": NATIVE_REJECTS} for f in ("phi3", "phi4_multimodal")},
     **{f: {"yarn": PROPORTIONAL} for f in ("gemma4", "gemma4_unified", "lfm3")},
     "mimo_v2_flash": {"yarn": ("RoPE computation fails on",
                                "transformers' own yarn computation fails on its config (partial rotary 0.334 read in "

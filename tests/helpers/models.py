@@ -269,6 +269,11 @@ FOLDER_OVERRIDES: dict[str, dict] = {
     # the config needs its audio codec's config (for the audio vocabulary); the text decoder's MLP is ffn_dim / 2 wide
     "moshi": dict(audio_encoder_config={"model_type": "mimi"}, ffn_dim=192),
     # the causal LM embeds audio and images too: a 1-block audio encoder with 64 channels (24 blocks of 1024)
+    # as Phi-3.5-MoE ships: LongRoPE (here 4× of a 8-token pre-training window) with the cos/sin scales its rotary
+    # reads from rope_parameters beside any scaling type (short_mscale / long_mscale: its config requires them)
+    "phimoe": dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, factor=4.0,
+                                        original_max_position_embeddings=WINDOW // 4, short_factor=[1.0] * 8,
+                                        long_factor=[1.0 + i / 2 for i in range(8)], short_mscale=1.1, long_mscale=1.2)),
     "phi4_multimodal": dict(audio_config=dict(num_blocks=1, ext_pw_out_channel=64, depthwise_separable_out_channel=64,
                                               nemo_conv_channels=64)),
     # the indexed-attention layers build the QSA token indexer, whose sizes default to None: a budget of 8 tokens in

@@ -389,3 +389,35 @@ def test_dynamic_yarn_frequencies_stay_fp32_after_a_cast_and_remove_is_exact(dty
         assert torch.equal(model.model.rotary_emb._buffers[name], buf), name
     assert model.model.rotary_emb.attention_scaling == 1.0
     assert torch.equal(logits(model, ids), logits(twin, ids))
+
+
+@pytest.mark.parametrize("scheme,params", [("yarn", {"factor": 4.0}), ("default", {"rope_theta": 5e4})])
+def test_model_keys_of_rope_parameters_stay_and_the_rotary_recomputes_with_the_patched_type(scheme, params):
+    """PhiMoE ships LongRoPE with short_mscale / long_mscale, keys no transformers rope type defines: its config
+    requires them beside any scaling type and its rotary multiplies cos/sin by them, recomputing its frequencies with
+    `self.rope_init_fn` at every forward. A patch keeps the model's keys and swaps that function, as a natively
+    configured model has them; remove() restores both."""
+    model = tiny_model("phimoe")
+    ids = torch.randint(0, model.config.vocab_size, (1, 3 * WINDOW // 2))
+    before, shipped, init_fn = logits(model, ids), dict(model.config.rope_parameters), model.model.rotary_emb.rope_init_fn
+    rope_patch.apply(model, scheme, **params)
+    rope = model.config.rope_parameters
+    assert rope["rope_type"] == scheme and {k: rope[k] for k in ("short_mscale", "long_mscale")} == {
+        "short_mscale": shipped["short_mscale"], "long_mscale": shipped["long_mscale"]}
+    twin = native_twin(model, rope, model.config.max_position_embeddings)
+    assert torch.equal(logits(model, ids), logits(twin, ids))
+    rope_patch.remove(model)
+    assert model.config.rope_parameters == shipped and model.model.rotary_emb.rope_init_fn is init_fn
+    assert torch.equal(logits(model, ids), before)
+
+
+def test_a_rotary_that_fails_under_the_patched_config_is_refused_at_apply():
+    """PhiMoE's rotary reads `original_max_position_embeddings` from rope_parameters for every type but default;
+    `linear` has none, so a natively configured model fails at its first forward: refused at apply(), unchanged."""
+    model = tiny_model("phimoe")
+    ids = torch.randint(0, model.config.vocab_size, (1, WINDOW))
+    before, config = logits(model, ids), model.config.to_dict()
+    with pytest.raises(ValueError, match=r"linear: phimoe's rotary module fails under this RoPE configuration \(KeyError"):
+        rope_patch.apply(model, "linear", factor=2.0)
+    assert rope_patch.current(model) is None and model.config.to_dict() == config
+    assert torch.equal(logits(model, ids), before)
