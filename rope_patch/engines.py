@@ -16,7 +16,8 @@ per engine,
                   it does not multiply in) and the environment variable that lets a longer one through
     flags         the command-line flags `rope-patch export --engine` prints, found in the engine's argument code
     functions     sha256 of each function whose logic rope_patch/serving.py mirrors by hand (override merging, length
-                  derivation): `--check` names the ones that changed, so a new engine release is reviewed, not trusted
+                  derivation, the dynamic NTK cache and the LongRoPE switch its notes describe): `--check` names the
+                  ones that changed, so a new engine release is reviewed, not trusted
 
 The snapshot is regenerated from downloaded wheels (no install, no dependencies):
 
@@ -66,7 +67,11 @@ TARGETS: dict[str, dict] = {
         "mirrored": [("vllm/config/model.py", "_get_and_verify_max_len"),
                      ("vllm/config/model.py", "_apply_dict_overrides"),
                      ("vllm/transformers_utils/config.py", "iter_rope_parameters"),
-                     ("vllm/transformers_utils/model_arch_config_convertor.py", "derive_max_model_len_and_key")],
+                     ("vllm/transformers_utils/model_arch_config_convertor.py", "derive_max_model_len_and_key"),
+                     ("vllm/model_executor/layers/rotary_embedding/dynamic_ntk_scaling_rope.py",
+                      "DynamicNTKScalingRotaryEmbedding._compute_cos_sin_cache"),
+                     ("vllm/model_executor/layers/rotary_embedding/phi3_long_rope_scaled_rope.py",
+                      "Phi3LongRoPEScaledRotaryEmbedding.forward")],
     },
     "sglang": {
         "get_rope": "sglang/srt/layers/rotary_embedding/factory.py",
@@ -85,7 +90,10 @@ TARGETS: dict[str, dict] = {
                   ("sglang/srt/arg_groups/fields/lora.py", ("--enable-lora", "--lora-paths"))],
         "mirrored": [("sglang/srt/utils/hf_transformers/common.py", "get_context_length"),
                      ("sglang/srt/utils/hf_transformers/config.py", "get_config"),
-                     ("sglang/srt/configs/model_config.py", "_derive_context_length")],
+                     ("sglang/srt/configs/model_config.py", "_derive_context_length"),
+                     ("sglang/srt/layers/rotary_embedding/rope_variant.py",
+                      "DynamicNTKScalingRotaryEmbedding._compute_cos_sin_cache"),
+                     ("sglang/srt/layers/rotary_embedding/rope_variant.py", "Phi3LongRoPEScaledRotaryEmbedding.forward")],
     },
 }
 ENGINES = tuple(TARGETS)
@@ -333,7 +341,14 @@ def allow_env(source: str, function: str) -> str | None:
 
 
 def _function_digest(source: str, name: str) -> str:
-    return hashlib.sha256(ast.dump(_function(ast.parse(source), name)).encode()).hexdigest()
+    """sha256 of a function's syntax tree (`name`, or `Class.method`): unchanged by comments and formatting."""
+    tree = ast.parse(source)
+    if "." in name:
+        cls, name = name.split(".", 1)
+        tree = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), None)
+        if tree is None:
+            raise LookupError(f"no class {cls!r}")
+    return hashlib.sha256(ast.dump(_function(tree, name)).encode()).hexdigest()
 
 
 def extract(wheel: str | Path) -> tuple[str, dict]:
@@ -390,8 +405,10 @@ def _changes(old: dict, new: dict) -> list[str]:
             if was.get(key) != eng[key]:
                 out.append(f"{name}: {key} changed")
         for fn, digest in eng["functions"].items():
-            if was.get("functions", {}).get(fn) != digest:
-                out.append(f"{name}: {fn} changed: review the rule rope_patch/serving.py mirrors from it")
+            before = was.get("functions", {}).get(fn)
+            if before != digest:
+                out.append(f"{name}: {fn} {'changed' if before else 'is new'}: review the rule rope_patch/serving.py "
+                           "mirrors from it")
     return out
 
 

@@ -27,8 +27,9 @@ Per-layer-type models (Gemma 3) keep `rope_parameters` keyed by layer type; ever
 
 Parity is per rope type, and two engine types are not transformers': both engines compute `dynamic` NTK once, for the
 longest length N, so the served model equals the patched one at length N only (transformers rescales with the current
-length); `longrope` switches to the long factors for every request once N > original_max_position_embeddings (vLLM
-and SGLang both say so), where transformers switches per sequence. The export says so in a note.
+length); `longrope` uses the long factors for every request once N > original_max_position_embeddings (vLLM) or per
+forward batch that holds a position past it (SGLang), where transformers switches per sequence. The export says so
+in a note.
 
 The config.json: the command line works on DIR as it is (the overrides carry the whole `rope_parameters`), and the
 engine-ready config.json (DIR's own, with the engine's rope_parameters and max_position_embeddings) is written beside
@@ -155,8 +156,13 @@ def engine_form(name: str, rope: dict, window: int, n: int, model_type: str | No
             notes.append(f"{name} computes dynamic NTK once, for length {n}: equal to the patched model at that "
                          "length, not below it (transformers rescales with the current length).")
         if rope_type == "longrope" and n > entry["original_max_position_embeddings"]:
-            notes.append(f"{name} uses LongRoPE's long factors for every request when the context length exceeds "
-                         f"{entry['original_max_position_embeddings']} (transformers switches per sequence).")
+            original = entry["original_max_position_embeddings"]
+            notes.append(  # vLLM: Phi3LongRoPEScaledRotaryEmbedding.__init__ / forward; SGLang: its forward
+                f"vllm uses LongRoPE's long factors for every request, short ones too, when the context length "
+                f"exceeds {original} (transformers switches per sequence)." if name == "vllm" else
+                f"sglang switches to LongRoPE's long factors per forward batch, when any position in it exceeds "
+                f"{original}: short requests batched with a long one get them too, and cached keys keep the factors "
+                "they were written with (transformers switches per sequence).")
     return out, mpe, notes
 
 

@@ -63,6 +63,10 @@ VLLM_FILES = {
     "vllm/transformers_utils/config.py": "def iter_rope_parameters(config):\n    yield config\n",
     "vllm/transformers_utils/model_arch_config_convertor.py":
         'def derive_max_model_len_and_key(self):\n    possible_keys = ["max_position_embeddings", "seq_length"]\n',
+    "vllm/model_executor/layers/rotary_embedding/dynamic_ntk_scaling_rope.py":
+        "class DynamicNTKScalingRotaryEmbedding:\n    def _compute_cos_sin_cache(self):\n        return 1\n",
+    "vllm/model_executor/layers/rotary_embedding/phi3_long_rope_scaled_rope.py":
+        "class Phi3LongRoPEScaledRotaryEmbedding:\n    def forward(self, positions):\n        return positions\n",
 }
 SGLANG_ROPE = '''
 def get_rope(head_size, rotary_dim, max_position, base, rope_scaling=None):
@@ -103,6 +107,10 @@ SGLANG_FILES = {
     "sglang/srt/arg_groups/fields/model.py": "class ModelFields:\n    model_path: str = ''\n"
                                              "    json_model_override_args: str = '{}'\n    context_length: int = None\n",
     "sglang/srt/arg_groups/fields/lora.py": "class LoraFields:\n    enable_lora: bool = None\n",
+    "sglang/srt/layers/rotary_embedding/rope_variant.py":  # a method named as another class's: Class.method is read
+        "class Other:\n    def forward(self):\n        return 0\n"
+        "class DynamicNTKScalingRotaryEmbedding:\n    def _compute_cos_sin_cache(self):\n        return 1\n"
+        "class Phi3LongRoPEScaledRotaryEmbedding:\n    def forward(self, positions):\n        return positions\n",
 }
 
 

@@ -195,7 +195,8 @@ def test_engine_forms_differ_where_the_engine_reads_otherwise(saved):
     row = next(r for r in SCHEMES if r.name == "longrope")
     for name in ENGINES:
         info = serving.export(saved(row.name, row.params), name, write=False)
-        assert "factor" not in info["rope_parameters"] and "long factors for every request" in info["notes"][0]
+        assert "factor" not in info["rope_parameters"]
+        assert ("long factors for every request" if name == "vllm" else "per forward batch") in info["notes"][0]
 
 
 def test_longrope_attention_factor_becomes_both_mscales(saved):
@@ -398,3 +399,73 @@ def test_the_engines_own_code_takes_the_export(arch, saved, tmp_path):
                 assert info["context_length"] <= info["derived_length"] or info["env"]
             checked += 1
     assert checked >= (10 if arch == "llama" else 5)
+
+
+def _module_code(name: str, path: str, scope: dict, functions_only: bool = False) -> dict:
+    """Run one file of the engine's wheel in `scope` without its imports (the names it imports are in `scope`), its
+    annotations and its decorators: the engine's own classes and functions."""
+    tree = ast.parse(zipfile.ZipFile(Path(WHEELS) / engines.engine(name)["wheel"]).read(path).decode("utf-8"))
+    keep = (ast.FunctionDef,) if functions_only else (ast.FunctionDef, ast.ClassDef, ast.Assign)
+    body = [n for n in tree.body if isinstance(n, keep)]
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            node.decorator_list = [d for d in node.decorator_list if isinstance(d, ast.Name) and d.id in
+                                   ("staticmethod", "classmethod", "property")]
+        if isinstance(node, ast.FunctionDef):
+            node.returns = None
+            for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg):
+                if a is not None:
+                    a.annotation = None
+    exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), scope)  # noqa: S102 - the engine's source
+    return scope
+
+
+@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
+@pytest.mark.parametrize("row", [r for r in SCHEMES if get_scheme_class(r.name).native], ids=lambda r: r.name)
+def test_vllm_rotary_equals_the_patched_model(row, saved):
+    """Parity by number: vLLM's own rotary classes (read from its wheel, run on CPU) build, from the exported
+    rope_parameters, the cos/sin the patched transformers model computes at the served length N (dynamic NTK: at N,
+    where vLLM's static form equals it; LongRoPE: with the long factors, as vLLM uses them for N > L)."""
+    import math
+
+    import torch
+
+    folder = saved(row.name, row.params)
+    info = serving.export(folder, "vllm", write=False)
+    n = info["context_length"]
+
+    class CustomOp(torch.nn.Module):
+        @classmethod
+        def register(cls, _name):
+            return lambda c: c
+
+        def enabled(self):
+            return False
+
+    quiet = types.SimpleNamespace(warning=lambda *a, **k: None, warning_once=lambda *a, **k: None,
+                                  info=lambda *a, **k: None, info_once=lambda *a, **k: None, debug=lambda *a, **k: None)
+    scope = {"torch": torch, "nn": torch.nn, "math": math, "CustomOp": CustomOp, "Any": object, "logger": quiet,
+             "init_logger": lambda _n: quiet, "ApplyRotaryEmb": lambda **k: None, "_ROPE_DICT": {},
+             "rocm_aiter_ops": types.SimpleNamespace(is_triton_rotary_embed_enabled=lambda: False),
+             "get_current_vllm_config": lambda: types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=n))}
+    root = "vllm/model_executor/layers/rotary_embedding/"
+    _module_code("vllm", root + "common.py", scope, functions_only=True)
+    for file in ("base", "linear_scaling_rope", "ntk_scaling_rope", "dynamic_ntk_scaling_rope", "yarn_scaling_rope",
+                 "llama3_rope", "gemma4_rope", "phi3_long_rope_scaled_rope"):
+        _module_code("vllm", f"{root}{file}.py", scope)
+    get_rope = _module_code("vllm", root + "__init__.py", scope, functions_only=True)["get_rope"]
+    rotary = get_rope(16, info["max_position_embeddings"], True, rope_parameters=info["rope_parameters"],
+                      dtype=torch.float32)
+    if hasattr(rotary, "long_short_cos_sin_cache"):  # LongRoPE: the long half, from offset L, when N > L
+        offset = info["rope_parameters"]["original_max_position_embeddings"] if rotary.use_long_rope else 0
+        cache = rotary.long_short_cos_sin_cache[offset:offset + n]
+    else:
+        cache = rotary.cos_sin_cache[:n]
+    half = cache.shape[-1] // 2
+
+    model = rope_patch.from_pretrained(folder)
+    x = torch.zeros(1, n, model.config.hidden_size)
+    cos, sin = model.model.rotary_emb(x, torch.arange(n)[None])
+    assert cache.shape[0] == n
+    assert torch.allclose(cache[:, :half], cos[0, :, :half], atol=2e-5), (cache[:, :half] - cos[0, :, :half]).abs().max()
+    assert torch.allclose(cache[:, half:], sin[0, :, :half], atol=2e-5), (cache[:, half:] - sin[0, :, :half]).abs().max()
