@@ -1,4 +1,4 @@
-"""The numbers the README's scheme guide quotes, for one scheme on one RoPE layout (`rope-patch explain`)."""
+"""The numbers the theory page (docs/theory.md) quotes, for one scheme on one RoPE layout (`rope-patch explain`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .spec import label_of
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """The numbers the README's scheme guide quotes, for one scheme on one RoPE layout (`explain`)."""
+    """The numbers the theory page (docs/theory.md) quotes, for one scheme on one RoPE layout (`explain`)."""
 
     scheme: str
     n_pairs: int  # rotating pairs (rotary_dim / 2)

@@ -1,4 +1,4 @@
-"""`rope-patch explain`: the numbers behind the README's scheme guide, for any scheme and RoPE layout.
+"""`rope-patch explain`: the numbers behind the docs' theory page (docs/theory.md), for any scheme and RoPE layout.
 
     rope-patch explain yarn:8                       # d = 128, b = 10 000, L = 4096 (Llama-2-7B-like)
     rope-patch explain llama3:8 --config path/to/model
