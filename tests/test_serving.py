@@ -401,12 +401,15 @@ def test_the_engines_own_code_takes_the_export(arch, saved, tmp_path):
     assert checked >= (10 if arch == "llama" else 5)
 
 
-def _module_code(name: str, path: str, scope: dict, functions_only: bool = False) -> dict:
+def _module_code(name: str, path: str, scope: dict, functions_only: bool = False, keep: set | None = None) -> dict:
     """Run one file of the engine's wheel in `scope` without its imports (the names it imports are in `scope`), its
-    annotations and its decorators: the engine's own classes and functions."""
+    annotations and its decorators: the engine's own classes and functions (those named in `keep`, if given;
+    module-level assignments only to names `scope` does not hold already)."""
     tree = ast.parse(zipfile.ZipFile(Path(WHEELS) / engines.engine(name)["wheel"]).read(path).decode("utf-8"))
-    keep = (ast.FunctionDef,) if functions_only else (ast.FunctionDef, ast.ClassDef, ast.Assign)
-    body = [n for n in tree.body if isinstance(n, keep)]
+    kinds = (ast.FunctionDef,) if functions_only else (ast.FunctionDef, ast.ClassDef, ast.Assign)
+    body = [n for n in tree.body if isinstance(n, kinds) and (
+        (keep is None or n.name in keep) if not isinstance(n, ast.Assign) else
+        keep is None and not all(isinstance(t, ast.Name) and t.id in scope for t in n.targets))]
     for node in ast.walk(ast.Module(body=body, type_ignores=[])):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             node.decorator_list = [d for d in node.decorator_list if isinstance(d, ast.Name) and d.id in
@@ -466,6 +469,61 @@ def test_vllm_rotary_equals_the_patched_model(row, saved):
     model = rope_patch.from_pretrained(folder)
     x = torch.zeros(1, n, model.config.hidden_size)
     cos, sin = model.model.rotary_emb(x, torch.arange(n)[None])
+    assert cache.shape[0] == n
+    assert torch.allclose(cache[:, :half], cos[0, :, :half], atol=2e-5), (cache[:, :half] - cos[0, :, :half]).abs().max()
+    assert torch.allclose(cache[:, half:], sin[0, :, :half], atol=2e-5), (cache[:, half:] - sin[0, :, :half]).abs().max()
+
+
+@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
+@pytest.mark.parametrize("row", [r for r in SCHEMES if get_scheme_class(r.name).native and r.name != "p_rope"],
+                         ids=lambda r: r.name)
+def test_sglang_rotary_equals_the_patched_model(row, saved):
+    """As for vLLM, with SGLang's own rotary classes (p_rope is refused for SGLang: see ENGINE_LIMITS)."""
+    import math
+    import typing
+
+    import torch
+
+    folder = saved(row.name, row.params)
+    info = serving.export(folder, "sglang", write=False)
+    n = info["context_length"]
+
+    class BaseFusedOp(torch.nn.Module):
+        pass
+
+    quiet = types.SimpleNamespace(warning=lambda *a, **k: None, warning_once=lambda *a, **k: None,
+                                  info=lambda *a, **k: None, debug=lambda *a, **k: None)
+    flag = types.SimpleNamespace(get=lambda: True)
+    scope = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "math": math, "BaseFusedOp": BaseFusedOp,
+             **{k: getattr(typing, k) for k in ("Any", "Dict", "List", "Optional", "Tuple", "Union", "Callable")},
+             "logger": quiet, "envs": types.SimpleNamespace(SGLANG_ROPE_CACHE_FP32=flag), "publish_role": lambda: None,
+             "get_exec": lambda: None, "current_platform": types.SimpleNamespace(is_out_of_tree=lambda: False),
+             "apply_rotary_emb": None, "_ROPE_DICT": {}, "_use_aiter": False, "_is_cuda": False, "_is_hip": False,
+             "_is_npu": False, "_is_cpu": True, "_is_xpu": False, "_is_musa": False, "_is_mps": False,
+             "_is_cpu_amx_available": False, "get_bool_env_var": lambda *a: False}
+    root = "sglang/srt/layers/rotary_embedding/"
+    _module_code("sglang", root + "utils.py", scope, keep={"rotate_neox", "rotate_gptj"})
+    _module_code("sglang", root + "base.py", scope, keep={"RotaryEmbedding", "LinearScalingRotaryEmbedding"})
+    _module_code("sglang", root + "yarn.py", scope, keep={"yarn_find_correction_dim", "yarn_find_correction_range",
+                                                          "yarn_linear_ramp_mask", "yarn_get_mscale_simple",
+                                                          "yarn_get_mscale", "_extend_yarn_cache",
+                                                          "YaRNScalingRotaryEmbedding"})
+    _module_code("sglang", root + "rope_variant.py", scope, keep={
+        "DynamicNTKScalingRotaryEmbedding", "Llama3RotaryEmbedding", "Phi3LongRoPEScaledRotaryEmbedding",
+        "Gemma4RotaryEmbedding"})
+    get_rope = _module_code("sglang", root + "factory.py", scope, keep={
+        "get_rope", "_get_rope_param", "_get_live_rope_cache_entry", "_bailing_yarn_kwargs"})["get_rope"]
+    rope = info["rope_parameters"]
+    rotary = get_rope(16, 16, info["max_position_embeddings"], rope["rope_theta"], rope_scaling=rope, dtype=torch.float32)
+    if hasattr(rotary, "long_short_cos_sin_cache"):  # LongRoPE: a batch with a position past L indexes from L
+        offset = rope["original_max_position_embeddings"] if n > rope["original_max_position_embeddings"] + 1 else 0
+        cache = rotary.long_short_cos_sin_cache[offset:offset + n]
+    else:
+        cache = rotary.cos_sin_cache[:n]
+    half = cache.shape[-1] // 2
+
+    model = rope_patch.from_pretrained(folder)
+    cos, sin = model.model.rotary_emb(torch.zeros(1, n, model.config.hidden_size), torch.arange(n)[None])
     assert cache.shape[0] == n
     assert torch.allclose(cache[:, :half], cos[0, :, :half], atol=2e-5), (cache[:, :half] - cos[0, :, :half]).abs().max()
     assert torch.allclose(cache[:, half:], sin[0, :, :half], atol=2e-5), (cache[:, half:] - sin[0, :, :half]).abs().max()
