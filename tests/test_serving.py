@@ -423,19 +423,12 @@ def _module_code(name: str, path: str, scope: dict, functions_only: bool = False
     return scope
 
 
-@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
-@pytest.mark.parametrize("row", [r for r in SCHEMES if get_scheme_class(r.name).native], ids=lambda r: r.name)
-def test_vllm_rotary_equals_the_patched_model(row, saved):
-    """Parity by number: vLLM's own rotary classes (read from its wheel, run on CPU) build, from the exported
-    rope_parameters, the cos/sin the patched transformers model computes at the served length N (dynamic NTK: at N,
-    where vLLM's static form equals it; LongRoPE: with the long factors, as vLLM uses them for N > L)."""
+def _vllm_get_rope(n: int):
+    """vLLM's get_rope over its own rotary classes (base, linear, ntk, dynamic, yarn, llama3, proportional, longrope),
+    read from the wheel and run on CPU; `n`: the max_model_len its LongRoPE asks the engine config for."""
     import math
 
     import torch
-
-    folder = saved(row.name, row.params)
-    info = serving.export(folder, "vllm", write=False)
-    n = info["context_length"]
 
     class CustomOp(torch.nn.Module):
         @classmethod
@@ -457,36 +450,15 @@ def test_vllm_rotary_equals_the_patched_model(row, saved):
                  "llama3_rope", "gemma4_rope", "phi3_long_rope_scaled_rope"):
         _module_code("vllm", f"{root}{file}.py", scope)
     get_rope = _module_code("vllm", root + "__init__.py", scope, functions_only=True)["get_rope"]
-    rotary = get_rope(16, info["max_position_embeddings"], True, rope_parameters=info["rope_parameters"],
-                      dtype=torch.float32)
-    if hasattr(rotary, "long_short_cos_sin_cache"):  # LongRoPE: the long half, from offset L, when N > L
-        offset = info["rope_parameters"]["original_max_position_embeddings"] if rotary.use_long_rope else 0
-        cache = rotary.long_short_cos_sin_cache[offset:offset + n]
-    else:
-        cache = rotary.cos_sin_cache[:n]
-    half = cache.shape[-1] // 2
-
-    model = rope_patch.from_pretrained(folder)
-    x = torch.zeros(1, n, model.config.hidden_size)
-    cos, sin = model.model.rotary_emb(x, torch.arange(n)[None])
-    assert cache.shape[0] == n
-    assert torch.allclose(cache[:, :half], cos[0, :, :half], atol=2e-5), (cache[:, :half] - cos[0, :, :half]).abs().max()
-    assert torch.allclose(cache[:, half:], sin[0, :, :half], atol=2e-5), (cache[:, half:] - sin[0, :, :half]).abs().max()
+    return lambda entry, mpe: get_rope(16, mpe, True, rope_parameters=entry, dtype=__import__("torch").float32)
 
 
-@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
-@pytest.mark.parametrize("row", [r for r in SCHEMES if get_scheme_class(r.name).native and r.name != "p_rope"],
-                         ids=lambda r: r.name)
-def test_sglang_rotary_equals_the_patched_model(row, saved):
-    """As for vLLM, with SGLang's own rotary classes (p_rope is refused for SGLang: see ENGINE_LIMITS)."""
+def _sglang_get_rope(n: int):
+    """SGLang's get_rope over its own rotary classes, read from the wheel and run on CPU."""
     import math
     import typing
 
     import torch
-
-    folder = saved(row.name, row.params)
-    info = serving.export(folder, "sglang", write=False)
-    n = info["context_length"]
 
     class BaseFusedOp(torch.nn.Module):
         pass
@@ -513,17 +485,41 @@ def test_sglang_rotary_equals_the_patched_model(row, saved):
         "Gemma4RotaryEmbedding"})
     get_rope = _module_code("sglang", root + "factory.py", scope, keep={
         "get_rope", "_get_rope_param", "_get_live_rope_cache_entry", "_bailing_yarn_kwargs"})["get_rope"]
-    rope = info["rope_parameters"]
-    rotary = get_rope(16, 16, info["max_position_embeddings"], rope["rope_theta"], rope_scaling=rope, dtype=torch.float32)
-    if hasattr(rotary, "long_short_cos_sin_cache"):  # LongRoPE: a batch with a position past L indexes from L
-        offset = rope["original_max_position_embeddings"] if n > rope["original_max_position_embeddings"] + 1 else 0
-        cache = rotary.long_short_cos_sin_cache[offset:offset + n]
-    else:
-        cache = rotary.cos_sin_cache[:n]
-    half = cache.shape[-1] // 2
+    return lambda entry, mpe: get_rope(16, 16, mpe, entry["rope_theta"], rope_scaling=entry,
+                                       dtype=__import__("torch").float32)
 
+
+@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("row", [r for r in SCHEMES if get_scheme_class(r.name).native], ids=lambda r: r.name)
+def test_engine_rotary_equals_the_patched_model(row, arch, engine_name, saved):
+    """Parity by number: the engine's own rotary classes (read from its wheel, run on CPU) build, from the exported
+    rope_parameters (each layer type's), the cos/sin the patched transformers model computes at the served length N
+    (dynamic NTK: at N, where the engines' static form equals it; LongRoPE: the long factors, which both engines use
+    for a batch reaching N > L). Exports the engine refuses are skipped (test_every_scheme_on_both_engines checks
+    the refusals)."""
+    import torch
+
+    try:
+        folder = saved(row.name, row.params, arch=arch)
+        info = serving.export(folder, engine_name, write=False)
+    except ValueError as err:
+        pytest.skip(f"not served: {err}")
+    n = info["context_length"]
+    get_rope = (_vllm_get_rope if engine_name == "vllm" else _sglang_get_rope)(n)
     model = rope_patch.from_pretrained(folder)
-    cos, sin = model.model.rotary_emb(torch.zeros(1, n, model.config.hidden_size), torch.arange(n)[None])
-    assert cache.shape[0] == n
-    assert torch.allclose(cache[:, :half], cos[0, :, :half], atol=2e-5), (cache[:, :half] - cos[0, :, :half]).abs().max()
-    assert torch.allclose(cache[:, half:], sin[0, :, :half], atol=2e-5), (cache[:, half:] - sin[0, :, :half]).abs().max()
+    x = torch.zeros(1, n, model.config.hidden_size)
+    for lt, entry in serving._entries(info["rope_parameters"]).items():
+        rotary = get_rope(entry, info["max_position_embeddings"])
+        if hasattr(rotary, "long_short_cos_sin_cache"):  # LongRoPE: the long half, from offset L
+            original = entry["original_max_position_embeddings"]
+            offset = original if n > original + 1 else 0
+            cache = rotary.long_short_cos_sin_cache[offset:offset + n]
+        else:
+            cache = rotary.cos_sin_cache[:n]
+        half = cache.shape[-1] // 2
+        cos, sin = model.model.rotary_emb(x, torch.arange(n)[None], *([lt] if lt else []))
+        assert cache.shape[0] == n
+        assert torch.allclose(cache[:, :half], cos[0, :, :half], atol=2e-5), (lt, (cache[:, :half] - cos[0, :, :half]).abs().max())
+        assert torch.allclose(cache[:, half:], sin[0, :, :half], atol=2e-5), (lt, (cache[:, half:] - sin[0, :, :half]).abs().max())
