@@ -336,6 +336,7 @@ def test_schema_is_the_one_reader():
         "rope_patch/evaluation/compare.py": "json.loads(json.dumps(...)): a value's JSON form",
         "rope_patch/tuning/log.py": "json.loads(json.dumps(...)): a value's JSON form",
         "rope_patch/training/callback.py": "json.loads(json.dumps(...)): a value's JSON form",
+        "rope_patch/training/config.py": "the users' .jsonl training data (data.files), not a file rope_patch writes",
         "rope_patch/cli/plot.py": "peeks at the format; the file is then read through its schema",
         "rope_patch/evaluation/results.py": "JSON Lines of other tools' records (the tolerant figure reader)",
         "rope_patch/integrations/lm_eval/sweep.py": "transformers' config.json",

@@ -27,7 +27,9 @@ otherwise). A scheme with learned tables cannot be re-applied there: Trainer has
 Two more callbacks for a run that must survive a kill -9 and say how it went (the fine-tuning recipe uses both):
 `CompleteCheckpointCallback` marks a checkpoint complete (`recipe_state.json`, written last, after every process has
 saved its part), so that a resume takes `last_checkpoint(output_dir)`, never a half-written folder;
-`JsonLogCallback` appends one JSON line per logging step (exact loss, learning rate, tokens/s).
+`JsonLogCallback` appends one JSON line per logging step (exact loss, learning rate, tokens/s). Resuming:
+`resume_checkpoint` (the newest complete checkpoint, refused when written under another config's fingerprint),
+and `discard_checkpoints_after` (a killed run's incomplete ones).
 """
 
 from __future__ import annotations
@@ -36,21 +38,27 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
 from torch import nn
 from transformers import TrainerCallback
 
+from .. import schema
 from ..api import current, original_config, patch_modules
 from ..discovery import unwrap
 from ..files import write_text_atomic
 from ..persistence import MANIFEST, load_patch_weights, read_manifest, reapply_manifest, save_patch
 from ..schemes.base import Scheme
+from .config import ConfigError
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 COMPLETE = "recipe_state.json"  # written last into a checkpoint: its presence marks the checkpoint complete
+RECIPE_STATE = schema.Kind(
+    COMPLETE, fix="Delete that checkpoint folder (a resume then takes the one before it) or start in a new output_dir.",
+    spec=schema.Obj({"step": schema.Int(ge=0)}, {"config": schema.Opt(schema.Str())}, name="a checkpoint's marker"))
 
 
 def learned_modules_to_save(model: nn.Module) -> list[str]:
@@ -205,6 +213,27 @@ def last_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     return done[-1] if done else None
 
 
+def resume_checkpoint(output_dir: str | os.PathLike, fingerprint: str | None) -> Path | None:
+    """The checkpoint to resume from: the newest complete one under a Trainer `output_dir` (None when there is none),
+    refused with a ConfigError when it was written under another training config (the fingerprint its
+    recipe_state.json holds differs from `fingerprint`)."""
+    checkpoint = last_checkpoint(output_dir)
+    if checkpoint is not None:
+        written = schema.read(checkpoint / COMPLETE, RECIPE_STATE).get("config")
+        if written != fingerprint:
+            raise ConfigError(f"Cannot resume from {checkpoint}: it was written with a different training config "
+                              f"(fingerprint {written} vs {fingerprint}); use a new output_dir or the same config.")
+    return checkpoint
+
+
+def discard_checkpoints_after(output_dir: str | os.PathLike, step: int) -> None:
+    """Remove the `checkpoint-N` folders with N > `step` (the incomplete ones a killed run left behind: the resumed
+    run saves those steps again, and a half-written folder must not be taken for its new save)."""
+    for folder in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}-*"):
+        if (checkpoint_step(folder) or 0) > step:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def checkpoint_step(folder: str | os.PathLike) -> int | None:
     """N of a `checkpoint-N` folder, None for any other name."""
     tail = Path(folder).name.rsplit("-", 1)[-1]
@@ -237,6 +266,7 @@ class JsonLogCallback(TrainerCallback):
             print(f"step {state.global_step:6d}/{state.max_steps}  loss {logs['loss']:.4f}  lr {record['lr']:.2e}  "
                   f"{record['tokens_per_s']:,.0f} tok/s  elapsed {record['elapsed_s'] / 60:.1f} min", flush=True)
         self.last_step, self.last_time = state.global_step, now
+
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -30,17 +30,22 @@ import difflib
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
 import sys
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from .. import schema
 from ..schema import Bool, Check, Fraction, Int, List, Num, Opt, Str
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINTS = "checkpoints"  # output_dir/checkpoints/checkpoint-N: Trainer's own checkpoint folders
@@ -165,6 +170,39 @@ class DataArgs(Section):
                 out.append(Path(m))
         return out
 
+    def documents(self) -> Iterator[str]:
+        """The texts: each .txt file whole, each line of a .jsonl file (its `text_field`), or each dataset row."""
+        if self.dataset:
+            try:
+                import datasets
+            except ImportError:
+                raise ConfigError("`data.dataset` needs the `datasets` package: pip install datasets") from None
+            rows = datasets.load_dataset(self.dataset, self.dataset_config, split=self.split)
+            yield from itertools.islice((row[self.text_field] for row in rows), self.max_documents)
+            return
+        yield from itertools.islice(self._file_documents(), self.max_documents)
+
+    def _file_documents(self) -> Iterator[str]:
+        for path in self.paths():
+            if path.suffix == ".txt":
+                yield path.read_text(encoding="utf-8")
+                continue
+            for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if self.text_field not in row:
+                        raise ConfigError(f"{path}:{lineno} has no field `{self.text_field}` (data.text_field); "
+                                          f"keys: {sorted(row)}.")
+                    yield row[self.text_field]
+
+    def token_stream(self, tokenizer) -> torch.Tensor:
+        """The documents as one `[BOS] doc [EOS] ...` stream, tokenised once and cached in `cache_dir`
+        (`data.token_stream`, keyed by the files' names and bytes, the other source keys and the tokenizer)."""
+        from .data import token_stream
+
+        return token_stream(self.documents(), tokenizer, self.cache_dir, files=self.paths() if self.files else (),
+                            source=[self.dataset, self.dataset_config, self.split, self.text_field, self.max_documents])
+
 
 @dataclass
 class PoseArgs(Section):
@@ -242,6 +280,41 @@ class EvalArgs(Section):
         super().__post_init__()
         if (self.perplexity_lengths or self.passkey_lengths) and not Path(self.heldout).is_file():
             raise ConfigError(f"`eval.heldout`: {self.heldout!r} does not exist.")
+
+    def score(self, model, tokenizer, seed: int) -> dict:
+        """{"perplexity": {length: ppl}, "passkey": {length: accuracy}, "passkey_prompts": n} of `model` on the
+        held-out text (rope_patch.evaluation), in eval mode; the model's training mode is restored after."""
+        import torch
+
+        from ..evaluation.common import read_tokens
+        from ..evaluation.perplexity import evaluate_perplexity
+        from ..evaluation.retrieval import accuracy_by_length, evaluate_passkey
+
+        was_training = model.training
+        model.eval()
+        ids, _ = read_tokens(tokenizer, self.heldout)
+        out: dict = {}
+        with torch.no_grad():
+            if self.perplexity_lengths:
+                res = evaluate_perplexity(model, ids, self.perplexity_lengths, n_tokens=self.perplexity_tokens)
+                out["perplexity"] = {str(r["length"]): r["perplexity"] for r in res["lengths"]}
+            if self.passkey_lengths:
+                recs = evaluate_passkey(model, tokenizer, ids, self.passkey_lengths, self.passkey_depths,
+                                        self.passkey_samples, seed=seed)
+                out["passkey"] = {str(k): v for k, v in accuracy_by_length(recs).items()}
+                out["passkey_prompts"] = len(self.passkey_depths) * self.passkey_samples
+        model.train(was_training)
+        return out
+
+    def table(self, rows: dict[str, dict]) -> str:
+        """Markdown: one row per model ({name: score()}), a column per perplexity and passkey length."""
+        cols = [f"ppl@{n}" for n in self.perplexity_lengths] + [f"passkey@{n}" for n in self.passkey_lengths]
+        lines = ["| model | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+        for name, r in rows.items():
+            cells = [f"{r.get('perplexity', {}).get(str(n), float('nan')):.2f}" for n in self.perplexity_lengths]
+            cells += [f"{r.get('passkey', {}).get(str(n), float('nan')):.0%}" for n in self.passkey_lengths]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
 
 
 @dataclass

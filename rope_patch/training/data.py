@@ -17,7 +17,8 @@ windows at offsets drawn from (seed, sample index). Its indices never repeat wit
 collators' per-index draws; over packed rows, a second epoch replays every passkey row and PoSE skip of the first
 (the same index, the same draw), which halves what a multi-epoch fine-tune sees of them.
 
-`token_stream(texts, tokenizer, cache_dir, ...)` tokenises documents once into that stream and caches it on disk
+`training_samples` picks one of the two for a run and cuts it to whole global batches (the same samples per step
+for any process count). `token_stream(texts, tokenizer, cache_dir, ...)` tokenises documents once into that stream and caches it on disk
 under a hash of what it is made of (the source files' names and bytes, other source facts, the tokenizer).
 """
 
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from .seeding import as_index, sample_rng
 
@@ -150,6 +151,25 @@ class TextWindows(Dataset):
         i = _item(i, self.num_samples, "TextWindows has {n} samples")
         start = self.offset(i)
         return {"input_ids": self.stream[start : start + self.seq_len].clone(), INDEX: i}
+
+
+def training_samples(stream: torch.Tensor, seq_len: int, global_batch_size: int, *, steps: int,
+                     sampling: str = "windows", seed: int = 0) -> Dataset:
+    """The samples of a run of `steps` optimizer steps over one framed token stream, each with its index, a whole
+    number of global batches: one process with gradient accumulation and N processes then see the same samples at
+    every step. "windows": steps x global_batch_size windows at offsets drawn from (seed, index) (`TextWindows`),
+    every sample new; "rows": the packed rows (`PackedDataset`, no BOS/EOS added) cut to whole global batches, a
+    run past one epoch replaying them (draws included). ValueError when the stream holds less than that."""
+    if sampling == "windows":
+        return TextWindows(stream, seq_len, steps * global_batch_size, seed=seed)
+    if sampling != "rows":
+        raise ValueError(f"sampling must be 'windows' or 'rows', got {sampling!r}.")
+    packed = PackedDataset([stream.tolist()], seq_len)
+    n = len(packed) // global_batch_size * global_batch_size
+    if n == 0:
+        raise ValueError(f"{len(stream):,} tokens make {len(packed)} rows of {seq_len}, fewer than one global batch "
+                         f"of {global_batch_size}.")
+    return packed if n == len(packed) else Subset(packed, range(n))
 
 
 def token_stream(texts: Iterable[str], tokenizer: Any, cache_dir: str | os.PathLike, *, files: Sequence[Path] = (),

@@ -20,13 +20,16 @@ from rope_patch.api import patch_modules
 from rope_patch.persistence import MANIFEST, PATCH_WEIGHTS, save_patch
 from rope_patch.training import (
     CompleteCheckpointCallback,
+    ConfigError,
     JsonLogCallback,
     PoSECollator,
     RopePatchCallback,
     complete_checkpoints,
+    discard_checkpoints_after,
     last_checkpoint,
     learned_modules_to_save,
     restore_patch,
+    resume_checkpoint,
 )
 from rope_patch.training.callback import COMPLETE
 
@@ -252,6 +255,23 @@ def test_complete_checkpoints_are_the_marked_ones_in_step_order(tmp_path):
     CompleteCheckpointCallback("abc").on_save(SimpleNamespace(output_dir=str(tmp_path), should_save=False),
                                               SimpleNamespace(global_step=12), None)
     assert not (tmp_path / "checkpoint-12" / COMPLETE).exists()  # only the saving process writes
+
+
+def test_resume_takes_the_newest_complete_checkpoint_of_the_same_config(tmp_path):
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    for step in (2, 4):  # checkpoint-6: a killed run's incomplete save
+        CompleteCheckpointCallback("abc").on_save(args, SimpleNamespace(global_step=step), None)
+    assert resume_checkpoint(tmp_path, "abc").name == "checkpoint-4"
+    assert resume_checkpoint(tmp_path / "none", "abc") is None
+    with pytest.raises(ConfigError, match=r"checkpoint-4: it was written with a different training config \(fingerprint "
+                                          r"abc vs xyz\)"):
+        resume_checkpoint(tmp_path, "xyz")
+    (tmp_path / "other").mkdir()
+    discard_checkpoints_after(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4", "other"]
+
 
 
 def test_json_log_writes_one_line_per_logged_loss(tmp_path, capsys):

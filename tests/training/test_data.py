@@ -1,5 +1,5 @@
 """PackedDataset packs exactly (every token once, in order, rows of seq_len); TextWindows samples windows at offsets
-drawn from (seed, index); IndexedDataset adds the sample index."""
+drawn from (seed, index); IndexedDataset adds the sample index; training_samples cuts either to whole global batches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.training import documents, packed
 
-from rope_patch.training import IndexedDataset, PackedDataset, TextWindows
+from rope_patch.training import IndexedDataset, PackedDataset, TextWindows, training_samples
 
 
 @pytest.mark.parametrize("seq_len", [1, 7, 64, 128, 525])
@@ -113,3 +113,19 @@ def test_items_by_index_as_a_list_takes_them(make, index, expected):
     else:
         item = ds[index]
         assert item["index"] == expected and torch.equal(item["input_ids"], ds[expected]["input_ids"])
+
+
+@pytest.mark.parametrize("sampling", ["windows", "rows"])
+def test_training_samples_are_whole_global_batches(sampling):
+    stream = torch.arange(1000)
+    ds = training_samples(stream, 64, 4, steps=3, sampling=sampling, seed=0)
+    assert len(ds) == (3 * 4 if sampling == "windows" else 1000 // 64 // 4 * 4)  # 15 rows -> 12: three batches of 4
+    assert [ds[i]["index"] for i in range(len(ds))] == list(range(len(ds)))
+    if sampling == "rows":
+        assert torch.equal(torch.cat([ds[i]["input_ids"] for i in range(len(ds))]), stream[: len(ds) * 64])
+    with pytest.raises(ValueError, match="fewer than one global batch of 16"):
+        training_samples(stream, 100, 16, steps=1, sampling="rows")
+    with pytest.raises(ValueError, match="fewer than one"):
+        training_samples(stream[:10], 64, 4, steps=1, sampling=sampling)
+    with pytest.raises(ValueError, match="sampling must be 'windows' or 'rows'"):
+        training_samples(stream, 64, 4, steps=1, sampling="epochs")

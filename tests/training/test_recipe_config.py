@@ -5,6 +5,7 @@ the config moved into the package (checkpoints of earlier runs still resume); ov
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import yaml
@@ -90,6 +91,23 @@ def test_overrides_and_the_file_named_in_errors(assets, tmp_path):
         load_config(path, {"train.steps.x": 1})
     with pytest.raises(ConfigError, match=rf"^{path}: .*global_batch_size`=4 is not divisible .* 2 x 3 = 6"):
         load_config(path).validate(num_processes=3)
+
+
+def test_documents_of_txt_and_jsonl_files_up_to_max_documents(tmp_path):
+    (tmp_path / "a.txt").write_text("one whole file")
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"body": f"line {i}"}) for i in range(3)) + "\n\n")
+    data = DataArgs(files=[str(tmp_path / "*")], text_field="body")
+    assert list(data.documents()) == ["one whole file", "line 0", "line 1", "line 2"]
+    assert list(dataclasses.replace(data, max_documents=2).documents()) == ["one whole file", "line 0"]
+    with pytest.raises(ConfigError, match=r"b.jsonl:1 has no field `text` \(data.text_field\); keys: \['body'\]"):
+        list(dataclasses.replace(data, text_field="text").documents())
+
+
+def test_eval_table_has_a_row_per_model_and_a_column_per_length():
+    e = EvalArgs(heldout=str(ROOT / "rope_patch" / "data" / "heldout.txt"), perplexity_lengths=[32, 128], passkey_lengths=[128])
+    rows = {"base": {"perplexity": {"32": 5.0, "128": 9.5}, "passkey": {"128": 0.25}}, "tuned": {"perplexity": {"32": 4.0}}}
+    assert e.table(rows).splitlines() == ["| model | ppl@32 | ppl@128 | passkey@128 |", "|---|---:|---:|---:|",
+                                          "| base | 5.00 | 9.50 | 25% |", "| tuned | 4.00 | nan | nan% |"]
 
 
 def test_token_stream_is_cached_and_framed(assets, tmp_path):
