@@ -24,6 +24,8 @@ from helpers.recipes import (
 )
 from helpers.scripts import ROOT
 
+from rope_patch.training import last_checkpoint
+
 ft = load_recipe()
 SCRIPT = str(ROOT / "recipes" / "finetune_lora.py")
 pytestmark = pytest.mark.slow
@@ -70,7 +72,7 @@ def test_kill_9_during_a_save_then_resume_matches_uninterrupted(assets, tmp_path
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     run = tmp_path / "run"
     assert (run / "checkpoints" / "checkpoint-4" / "optimizer.pt").is_file()  # written, but not complete
-    assert ft.last_checkpoint(run).name == "checkpoint-2"
+    assert last_checkpoint(run / "checkpoints").name == "checkpoint-2"
     assert list(loss_curve(run)) == [1, 2, 3, 4]
     resumed = subprocess.run([sys.executable, SCRIPT, "--config", str(cfg), "--resume"], cwd=ROOT, capture_output=True,
                              text=True, env=_env(), timeout=300)

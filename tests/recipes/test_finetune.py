@@ -1,5 +1,8 @@
 """recipes/finetune_lora.py (transformers Trainer + peft) on a tiny random Llama: config errors, --set, the rows and
-their weights, the schedule, train/save/reload/merge, an in-process crash and resume, every shipped config."""
+their weights, the schedule, train/save/reload/merge, an in-process crash and resume, every shipped config.
+
+The recipe is a class (`LoRAFinetuneRecipe`: setup / evaluate / train / save) over rope_patch.training: its config
+(`config.py`, HfArgumentParser dataclasses), the Trainer subclass (`trainer.py`) and the callbacks (`callback.py`)."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from helpers.scripts import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import rope_patch
+from rope_patch.training import complete_checkpoints, last_checkpoint, weighted_loss
+from rope_patch.training.config import PoseArgs
 
 ft = load_recipe()
 # The fine-tuning configs (recipes/configs/ also holds the pretraining config of rope-tiny).
@@ -76,7 +81,7 @@ def test_bad_configs_fail_before_training(change, match, assets, tmp_path, monke
     def fail(*a, **k):
         raise AssertionError("the model was loaded before the config error was raised")
 
-    monkeypatch.setattr(ft, "build_model", fail)
+    monkeypatch.setattr(ft.LoRAFinetuneRecipe, "build_model", fail)
     cfg = cfg_for(assets, tmp_path)
     for key, value in change.items():
         cfg[key] = {**cfg[key], **value} if key in ("train", "data") else value
@@ -99,12 +104,12 @@ def test_missing_required_keys(assets, tmp_path):
 def test_set_overrides_and_cli_check(assets, tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg_for(assets, tmp_path)))
-    cfg = ft.load_config(path, ["train.steps=3", "pose.target_length=512", "lora.r=2", "train.optim=sgd",
-                                "rope_patch.factor=16.0", "seed=7"])
-    assert cfg.train.steps == 3 and cfg.pose == ft.PoseArgs(target_length=512, n_chunks=2)
+    cfg = ft.load_config(path, ft.parse_overrides(["train.steps=3", "pose.target_length=512", "lora.r=2", "train.optim=sgd",
+                                                   "rope_patch.factor=16.0", "seed=7"]))
+    assert cfg.train.steps == 3 and cfg.pose == PoseArgs(target_length=512, n_chunks=2)
     assert cfg.lora.r == 2 and cfg.run.seed == 7 and cfg.patch.resolved.params()["factor"] == 16.0
     assert cfg.train.trainer == {"optim": "sgd"}  # another TrainingArguments field, passed on unchanged
-    assert ft.training_arguments(cfg, 1).optim == "sgd"
+    assert cfg.training_arguments(1).optim == "sgd"
     assert ft.cli(["--config", str(path), "--check"]) == 0
     assert f"{path}: OK" in capsys.readouterr().out
     assert ft.cli(["--config", str(path), "--check", "--set", "train.bogus=1"]) == 2
@@ -116,12 +121,20 @@ def test_set_overrides_and_cli_check(assets, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # --check writes nothing
 
 
+def test_parse_overrides_reads_yaml_values():
+    assert ft.parse_overrides(["train.steps=20", "data.files=[a.txt, b.txt]", "rope_patch=null", "train.lr=1e-3"]) == {
+        "train.steps": 20, "data.files": ["a.txt", "b.txt"], "rope_patch": None, "train.lr": "1e-3"}  # YAML 1.1
+    for bad in ("steps", "=3"):
+        with pytest.raises(ft.ConfigError, match="--set expects section.key=value"):
+            ft.parse_overrides([bad])
+
+
 def test_training_arguments_come_from_the_recipe_keys(assets, tmp_path):
     cfg = ft.load_config(cfg_for(assets, tmp_path, train={"global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-4,
                                                           "min_lr_ratio": 0.25, "save_every": 3, "keep_checkpoints": 1}))
-    assert ft.validate(cfg, num_processes=2)["accumulation_steps"] == 2  # 8 = 2 rows x 2 processes x 2 steps
-    assert ft.validate(cfg, num_processes=1)["accumulation_steps"] == 4
-    args = ft.training_arguments(cfg, 4)
+    assert cfg.validate(num_processes=2)["accumulation_steps"] == 2  # 8 = 2 rows x 2 processes x 2 steps
+    assert cfg.validate(num_processes=1)["accumulation_steps"] == 4
+    args = cfg.training_arguments(4)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_steps) == (2, 4, 6)
     assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.25}
     assert args.remove_unused_columns is False and args.save_steps == 3 and args.save_total_limit == 1
@@ -131,14 +144,16 @@ def test_training_arguments_come_from_the_recipe_keys(assets, tmp_path):
 # ---- rows: packed, weighted, a function of the sample index --------------------------------------------------------
 @pytest.mark.parametrize("sampling", ["windows", "rows"])
 def test_rows_and_weights_are_a_function_of_the_index(assets, tmp_path, sampling):
-    cfg = ft.load_config(cfg_for(assets, tmp_path, pose={"target_length": 512},
-                                 data={"passkey_fraction": 0.5, "sampling": sampling}))
+    recipe = ft.LoRAFinetuneRecipe(cfg_for(assets, tmp_path, pose={"target_length": 512},  # validated: yarn x16 covers 512
+                                           rope_patch={"scheme": "yarn", "factor": 16.0, "original_max_position_embeddings": WINDOW},
+                                           data={"passkey_fraction": 0.5, "sampling": sampling}))
+    cfg = recipe.cfg
     tok = AutoTokenizer.from_pretrained(assets["model"])
-    stream = ft.token_stream(cfg.data, tok)
+    stream = cfg.data.token_stream(tok)
     assert stream[0] == tok.bos_token_id and (stream == tok.eos_token_id).sum() == 1  # one framed document
     assert len(list(Path(cfg.data.cache_dir).glob("*.pt"))) == 1  # tokenised once, cached
-    assert torch.equal(ft.token_stream(cfg.data, tok), stream)
-    dataset = ft.train_dataset(cfg, stream)
+    assert torch.equal(cfg.data.token_stream(tok), stream)
+    dataset = recipe.build_dataset(stream)
     assert len(dataset) % cfg.train.global_batch_size == 0
     if sampling == "rows":  # the packed rows, cut to whole global batches
         assert len(dataset) == len(stream) // 128 // 4 * 4
@@ -147,7 +162,7 @@ def test_rows_and_weights_are_a_function_of_the_index(assets, tmp_path, sampling
         starts = {dataset.offset(i) for i in range(len(dataset))}
         assert len(starts) > len(dataset) // 2 and all(
             torch.equal(dataset[i]["input_ids"], stream[dataset.offset(i):][:128]) for i in range(4))
-    collate = ft.WeightedCollator(cfg, tok, stream)
+    collate = recipe.build_collator(tok, stream)
     rows = [dataset[i] for i in range(16)]
     a, b = collate(rows[:8]), collate(list(reversed(rows[:8])))
     assert set(a) == {"input_ids", "position_ids", "attention_mask", "loss_weights"}
@@ -166,12 +181,12 @@ def test_weighted_loss_weighs_rows_equally():
     logits, ids = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
     ones = torch.ones(2, 5)
     plain = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 7), ids[:, 1:].reshape(-1))
-    assert torch.allclose(ft.weighted_loss(logits, ids, ones), plain)
+    assert torch.allclose(weighted_loss(logits, ids, ones), plain)
     w = ones.clone()
     w[0, 2] = 5.0  # a heavier answer token in row 0 moves row 0's mean only
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
     row0 = (nll[0] * w[0, 1:]).sum() / w[0, 1:].sum()
-    assert torch.allclose(ft.weighted_loss(logits, ids, w), (row0 + nll[1].mean()) / 2)
+    assert torch.allclose(weighted_loss(logits, ids, w), (row0 + nll[1].mean()) / 2)
 
 
 def test_jsonl_documents_and_their_errors(assets, tmp_path):
@@ -179,11 +194,11 @@ def test_jsonl_documents_and_their_errors(assets, tmp_path):
     good = tmp_path / "docs.jsonl"
     good.write_text("\n".join(json.dumps({"body": f"doc {i} the pass key is {i}."}) for i in range(3)) + "\n")
     cfg = ft.load_config(cfg_for(assets, tmp_path, data={"files": [str(good)], "text_field": "body"}))
-    stream = ft.token_stream(cfg.data, tok).tolist()
+    stream = cfg.data.token_stream(tok).tolist()
     assert stream.count(tok.bos_token_id) == 3 and stream.count(tok.eos_token_id) == 3  # one framed document per line
     cfg = ft.load_config(cfg_for(assets, tmp_path, data={"files": [str(good)], "cache_dir": str(tmp_path / "other")}))
     with pytest.raises(ft.ConfigError, match="docs.jsonl:1 has no field `text`"):
-        ft.token_stream(cfg.data, tok)
+        cfg.data.token_stream(tok)
 
 
 # ---- train, save, reload, merge ---------------------------------------------------------------------------------
@@ -270,18 +285,27 @@ def test_resume_after_crashes_gives_the_uninterrupted_run(assets, tmp_path):
     run = tmp_path / "b" / "run"
     with pytest.raises(KeyboardInterrupt):
         ft.main(cfg, callbacks=[Crash(3)])  # checkpoint-2 exists, step 3 is lost
-    assert ft.last_checkpoint(run).name == "checkpoint-2"
+    assert last_checkpoint(run / "checkpoints").name == "checkpoint-2"
     with pytest.raises(KeyboardInterrupt):
         ft.main(cfg, resume=True, callbacks=[Crash(4, "save")])  # checkpoint-4 written but not marked complete
     assert (run / "checkpoints" / "checkpoint-4" / "adapter_model.safetensors").is_file()
-    assert ft.last_checkpoint(run).name == "checkpoint-2"
+    assert last_checkpoint(run / "checkpoints").name == "checkpoint-2"
     got = ft.main(cfg, resume=True)
     assert got["resumed_from"].endswith("checkpoint-2") and got["steps"] == 6
     assert max_weight_diff(adapter_weights(Path(ref["adapter"]).parent), adapter_weights(run)) <= 1e-6  # measured 0.0
     a, b = loss_curve(Path(ref["adapter"]).parent), loss_curve(run)
     assert list(b) == [1, 2, 3, 4, 5, 6]  # lines of lost steps were dropped, not duplicated
     assert max(abs(a[s] - b[s]) for s in a) <= 1e-6
-    assert [p.name for p in ft.complete_checkpoints(run)] == ["checkpoint-4", "checkpoint-6"]
+    assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_trim_log_keeps_the_lines_up_to_the_resumed_step(tmp_path):
+    path = tmp_path / "log.jsonl"
+    assert ft.trim_log(path, 0) == 0.0 and path.read_text() == ""  # a fresh run: an empty log
+    path.write_text("".join(json.dumps({"step": s, "elapsed_s": 10.0 * s}) + "\n" for s in (1, 2, 3, 4)) + "\n")
+    assert ft.trim_log(path, 2) == 20.0
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert ft.trim_log(path, 0) == 0.0 and path.read_text() == ""
 
 
 def test_resume_refuses_a_different_config(assets, tmp_path):
@@ -359,7 +383,7 @@ def test_real_model_configs_pass_check_where_their_data_is_local():
         if cfg.eval is not None and cfg.eval.heldout and not Path(cfg.eval.heldout).is_file():
             continue
         try:
-            assert ft.validate(cfg)["accumulation_steps"] >= 1, path.name
+            assert cfg.validate()["accumulation_steps"] >= 1, path.name
         except ft.ConfigError as err:  # smollm2 is converted once from a wheel: not there on a fresh machine
             assert cfg.run.model == "smollm2" and "rope-patch models fetch smollm2" in str(err), (path.name, err)
 
