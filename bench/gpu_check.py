@@ -13,6 +13,11 @@ checkout, which git ignores, never the checkout's root), one line per case on st
    cache, batch 1) for vanilla and YaRN (sdpa) and Self-Extend, ReRoPE, STRING, DCA (flex), each the best of two
    after a warm-up forward (which also compiles). Peak memory is torch.cuda.max_memory_allocated over the forward.
 
+3. Decoding on the same model: the prompt (`--decode-prompt`, 8192: the model's window, so every scheme's regions
+   are in play) prefilled into a DynamicCache, then `--decode-new` one-token cached steps timed (after one warm-up
+   step, which also compiles), for the same schemes; ms per token, its ratio to vanilla's, and the cache's size and
+   its ratio (the re-positioning schemes cache a key copy per position map).
+
 Each case runs under a deadline (`--budget-s`): what does not fit is recorded as skipped, so one run always returns
 what it measured. Local dry run of the plumbing on CPU (eager flex, short lengths):
     python bench/gpu_check.py --device cpu --no-compile --lengths 256     # -> out/gpu_check.json
@@ -142,11 +147,66 @@ def speed(device, lengths, deadline: float) -> list[dict]:
     return rows
 
 
+def _cache_mib(cache) -> float:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if isinstance(t, torch.Tensor)) / 2**20
+
+
+def decode(device, prompt: int, new: int, deadline: float) -> list[dict]:
+    from transformers import DynamicCache
+
+    rows = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ids = torch.randint(0, SMOLLM2["vocab_size"], (1, prompt + new + 1), generator=torch.Generator().manual_seed(2))
+    ids = ids.to(device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for name, (spec, backend) in SPEED.items():
+        if time.monotonic() > deadline:
+            rows.append({"case": "decode", "scheme": name, "prompt": prompt, "skipped": "budget"})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        try:
+            model = _llama(backend, device, dtype, **SMOLLM2)
+            if spec is not None:
+                rope_patch.apply(model, spec)
+            cache = DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(ids[:, :prompt], cache=cache, use_cache=True, logits_to_keep=1)
+                model(ids[:, prompt:prompt + 1], cache=cache, use_cache=True)  # warm-up step (compiles)
+                sync()
+                t0 = time.perf_counter()
+                for t in range(prompt + 1, prompt + 1 + new):
+                    model(ids[:, t:t + 1], cache=cache, use_cache=True)
+                sync()
+            rows.append({"case": "decode", "scheme": name, "spec": spec, "backend": backend, "prompt": prompt,
+                         "new_tokens": new, "ms_per_token": (time.perf_counter() - t0) / new * 1e3,
+                         "cache_mib": _cache_mib(cache)})
+            del model, cache
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:
+            rows.append({"case": "decode", "scheme": name, "prompt": prompt,
+                         "error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-1500:]})
+        print(json.dumps(rows[-1]), flush=True)
+    base = next((r for r in rows if r["scheme"] == "vanilla" and "ms_per_token" in r), None)
+    for r in rows:
+        if base and "ms_per_token" in r:
+            r["time_x_vanilla"] = r["ms_per_token"] / base["ms_per_token"]
+            r["cache_x_vanilla"] = r["cache_mib"] / base["cache_mib"]
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536])
     ap.add_argument("--no-compile", action="store_true", help="eager flex (CPU dry runs)")
+    ap.add_argument("--decode-prompt", type=int, default=8192, help="prompt tokens before the timed decoding steps")
+    ap.add_argument("--decode-new", type=int, default=32, help="timed one-token cached steps")
     ap.add_argument("--budget-s", type=float, default=270.0, help="no new speed case starts after this many seconds")
     ap.add_argument("--out", type=Path, default=OUT, help=f"the JSON results (default: {OUT})")
     args = ap.parse_args()
@@ -162,6 +222,7 @@ def main() -> int:
     print(json.dumps(info), flush=True)
     rows = exactness(device, compile_flex=not args.no_compile)
     rows += speed(device, args.lengths, start + args.budget_s)
+    rows += decode(device, args.decode_prompt, args.decode_new, start + args.budget_s)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"info": info, "rows": rows, "elapsed_s": time.monotonic() - start}, indent=1))
     bad = [r for r in rows if "error" in r or r.get("ok") is False]

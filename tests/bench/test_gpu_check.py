@@ -22,7 +22,7 @@ def test_the_cpu_dry_run_measures_every_case_and_fails_on_a_bad_one(tmp_path, mo
         monkeypatch.setattr(gc, "EXACT", {"rerope": gc.EXACT["rerope"], broken: {}})
     out = tmp_path / "gpu_check.json"
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--device", "cpu", "--no-compile", "--lengths", "64",
-                                      "--out", str(out)])
+                                      "--decode-prompt", "64", "--decode-new", "2", "--out", str(out)])
     assert gc.main() == (1 if broken else 0)
     rows = json.loads(out.read_text())["rows"]
     exact = {r["scheme"]: r for r in rows if r["case"] == "exact"}
@@ -36,6 +36,11 @@ def test_the_cpu_dry_run_measures_every_case_and_fails_on_a_bad_one(tmp_path, mo
     assert [r["scheme"] for r in speed] == list(gc.SPEED)
     assert all(r["time_s"] > 0 and r["length"] == 64 and "error" not in r for r in speed), speed
     assert all(r["time_x_vanilla"] > 0 for r in speed)
+    decode = [r for r in rows if r["case"] == "decode"]
+    assert [r["scheme"] for r in decode] == list(gc.SPEED)
+    assert all(r["ms_per_token"] > 0 and r["prompt"] == 64 and r["time_x_vanilla"] > 0 for r in decode), decode
+    # the re-positioning schemes cache more than vanilla (a key copy per position map), the others the same
+    assert all(r["cache_x_vanilla"] >= 1 for r in decode) and {r["scheme"]: r["cache_x_vanilla"] for r in decode}["yarn"] == 1
 
 
 def test_the_default_output_is_ignored_and_not_the_checkout_root():
