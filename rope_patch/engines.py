@@ -24,6 +24,8 @@ The snapshot is regenerated from downloaded wheels (no install, no dependencies)
     pip download --no-deps vllm==0.34.0 sglang==0.5.23 -d wheels/
     python -m rope_patch.engines --refresh wheels/vllm-*.whl wheels/sglang-*.whl
     python -m rope_patch.engines --check wheels/*.whl      # exit status 1 when the snapshot differs
+    ROPE_PATCH_ENGINE_WHEELS=wheels/ pytest tests/test_engines.py tests/test_serving.py
+                        # also runs the engines' own get_rope, length checks and rotary classes on every export
 
 This module is torch-free (the command line reads engine names from it before it parses), in the foundation layer
 beside scheme_names, which follows the same pattern (a committed table, the command that rewrites it, here).
