@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 
 import torch
+import transformers
+from packaging.version import Version
 
 import rope_patch
 from helpers.models import INPUTS, PADDING_INEXACT, VOCAB, rope_folders, tiny_model
@@ -169,10 +171,12 @@ NATIVE_REJECTS = ("rejects this RoPE configuration",
 PROPORTIONAL = ("('proportional') gives",
                 "global layers use `proportional` RoPE (full-width frequencies, a quarter non-zero); yarn gives a "
                 "quarter-width set there, which a natively configured model cannot run either")
+# Falcon computes attention in its own module code up to transformers 5.24; 5.25 moved it onto the attention interface
+OWN_CODE = ("gpt_neox_japanese",) + (("falcon",) if Version(transformers.__version__) < Version("5.25") else ())
 # folder -> {scheme: (phrase, reason)}; every (folder, scheme) not listed must be exact
 REFUSED: dict[str, dict[str, tuple[str, str]]] = {
     **{f: dict.fromkeys(SCHEMES, NO_ROTARY) for f in ("codegen", "gptj", "inkling2")},
-    **{f: dict.fromkeys(ALL_ATTENTION, OWN_ATTENTION) for f in ("falcon", "gpt_neox_japanese")},
+    **{f: dict.fromkeys(ALL_ATTENTION, OWN_ATTENTION) for f in OWN_CODE},
     **{f: {"yarn": NATIVE_REJECTS} for f in ("phi3", "phi4_multimodal")},
     **{f: {"yarn": PROPORTIONAL} for f in ("gemma4", "gemma4_unified", "lfm3")},
     "mimo_v2_flash": {"yarn": ("RoPE computation fails on",

@@ -274,6 +274,12 @@ FOLDER_OVERRIDES: dict[str, dict] = {
     "phimoe": dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, factor=4.0,
                                         original_max_position_embeddings=WINDOW // 4, short_factor=[1.0] * 8,
                                         long_factor=[1.0 + i / 2 for i in range(8)], short_mscale=1.1, long_mscale=1.2)),
+    # (transformers 5.25) a 32768-wide first dense MLP; global attention every 4th layer: every 2nd, so two layers
+    # hold both kinds
+    "ergo": dict(first_dense_intermediate_size=96, global_attention_every_n_layers=2),
+    # (transformers 5.25) its indexer's heads are bounded by the query heads per key head (2 of SMALL's); a 3584-wide
+    # dense MLP
+    "kolibri1_1": dict(index_num_heads=2, mlp_only_intermediate_size=96),
     "phi4_multimodal": dict(audio_config=dict(num_blocks=1, ext_pw_out_channel=64, depthwise_separable_out_channel=64,
                                               nemo_conv_channels=64)),
     # the indexed-attention layers build the QSA token indexer, whose sizes default to None: a budget of 8 tokens in

@@ -35,7 +35,7 @@ OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope
 DEFERRED = {"self_extend", "rerope", "leaky_rerope", "string", "dca"}
 # arch -> {scheme: regex of the refusal}; every other (arch, scheme) pair must equal the reference
 REFUSED = {
-    "falcon": {s: r"falcon computes attention in its own module code" for s in OWN_FUNCTION},
+    f: {s: rf"{f} computes attention in its own module code" for s in OWN_FUNCTION} for f in coverage.OWN_CODE if f in ADDED
 }
 BACKENDS = {"gpt_oss": ["eager"]}  # gpt-oss has no sdpa in transformers
 
