@@ -126,9 +126,13 @@ def prepare(name: str, target: PatchSite):
     def install(log: UndoLog, masters: dict, update) -> None:
         def put(log: UndoLog, rule, layouts, cache_mode, wrap=None) -> None:
             during_check = ("eager", attention.plumbing.CAPTURE) if wrap is not None else ()
+            # The check holds the frequencies installed at apply time (no length update): it checks where the
+            # rotation happens, and its input may pass the window, where a length-dependent scheme's frequencies
+            # would change from step to step, and the layer's own cache (the reference) keeps each step's rotation.
             log.setattr(rotary, "forward", PatchedRotaryForward(
                 rotary, masters, identity=True, config=target.config, attn_implementation=impl,
-                allowed=(*attention.BACKENDS.values(), *during_check), scheme=name, update=update, tagged=True))
+                allowed=(*attention.BACKENDS.values(), *during_check), scheme=name,
+                update=update if wrap is None else None, tagged=True))
             attention.register()
             state = attention.AttnState(rule, rotaries=(rotary,))
             for m in modules:
