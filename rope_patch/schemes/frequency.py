@@ -51,10 +51,23 @@ def _model_keys(rope_parameters: dict) -> dict:
 class FrequencyScheme(Scheme):
     kind: ClassVar[str] = "frequency"
     rope_theta: float | None = None  # new base b′ (ABF); None keeps the model's
+    # Resonance RoPE (Wang et al. 2024, arXiv:2403.00071): every wavelength the scheme gives rounded to an integer
+    resonance: bool | None = None  # None (= False): unrounded
 
     def __post_init__(self):
         if self.rope_theta is not None:
             self._set("rope_theta", check.rope_theta(self.name, self.rope_theta))
+        if self.resonance is not None and not check.boolean(self.name, "resonance", self.resonance):
+            self._set("resonance", None)  # off is the default: yarn(resonance=False) is yarn
+        if self.resonance:
+            if self.length_dependent:
+                raise ValueError(
+                    f"{self.name}: resonance=True rounds the wavelengths installed at apply time, and {self.name}'s "
+                    "frequencies follow the sequence length at run time, where the rounding would be lost. Use it with "
+                    "a static scheme (default, linear, ntk, yarn, llama3, p_rope).")
+            # a rounded set is no transformers rope type: saved with rope_patch, refused by the native export
+            self._set("native", False)
+            self._set("changes", "its wavelengths, rounded to integers by resonance=True")
 
     def _set(self, key, value):
         object.__setattr__(self, key, value)
@@ -81,8 +94,13 @@ class FrequencyScheme(Scheme):
         return self.window(ctx) or ctx.max_position_embeddings
 
     def adjust(self, inv_freq: torch.Tensor, ctx: RopeContext) -> torch.Tensor:
-        """Post-process the inverse frequencies; default: unchanged."""
-        return inv_freq
+        """Post-process the inverse frequencies: with `resonance`, λ̃_i = round(2π/θ_i), θ̃_i = 2π/λ̃_i (Resonance
+        RoPE, Wang et al. 2024 §3: an integer wavelength repeats its angles exactly every λ̃_i positions, so positions
+        past the window meet the feature values seen in training; the authors' `resonance_register`). Pairs that do
+        not rotate (θ = 0: p_rope) stay at 0. Otherwise unchanged."""
+        if not self.resonance:
+            return inv_freq
+        return (2 * math.pi / torch.round(2 * math.pi / inv_freq.double())).float()
 
     def rotary_update(self, target: PatchSite, rotary_config) -> LengthUpdate | None:
         """For length-dependent schemes without a transformers rope type: the `update` object the patched rotary
@@ -314,15 +332,35 @@ def _runs(scheme: FrequencyScheme, target: PatchSite, rotary: torch.nn.Module, d
     if len(params) < 2 or any(p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
                               for p in params[2:]):
         return
-    x = torch.zeros(1, 2, 2, device=device)
+    x, ids = torch.zeros(1, 2, 2, device=device), torch.arange(2, device=device)[None]
     try:
         with torch.no_grad():
-            rotary(x, torch.arange(2, device=device)[None])
+            rotary(x, ids)
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
         raise ValueError(
             f"{scheme.name}: {target.model_type}'s rotary module fails under this RoPE configuration "
             f"({type(err).__name__}: {err}), as a model configured natively with it would at its first forward. Choose "
             "a scheme whose rope_parameters this architecture's code reads (its config's rope_type and keys).") from None
+    if scheme.resonance and _ignores_buffers(rotary, x, ids):
+        raise ValueError(
+            f"{scheme.name}: {target.model_type}'s rotary module computes its frequencies again from the config at every "
+            "forward (not from its inv_freq buffer), so the rounded wavelengths of resonance=True would never reach "
+            "attention. Use the scheme without resonance on this architecture.")
+
+
+def _ignores_buffers(rotary: torch.nn.Module, x, ids) -> bool:
+    """Whether the rotary class's own forward gives the same output when its frequency buffers change (PhiMoE
+    recomputes them from the config). The class's forward, not the patch's: that one re-installs its masters."""
+    saved = {n: b for n, b in rotary._buffers.items() if n.endswith("inv_freq") and b is not None}
+    with torch.no_grad():
+        out = type(rotary).forward(rotary, x, ids)
+        try:
+            for n, b in saved.items():
+                rotary._buffers[n] = b * 1.5
+            moved = type(rotary).forward(rotary, x, ids)
+        finally:
+            rotary._buffers.update(saved)
+    return all(torch.equal(a, b) for a, b in zip(out, moved, strict=True))
 
 
 def _attention_scales(scheme: FrequencyScheme, target: PatchSite, public: dict) -> list[tuple]:
