@@ -147,6 +147,7 @@ def list_schemes() -> list[str]:
     Returns:
         The names `apply` takes, sorted (`rope_patch.registry.aliases()` maps the aliases to them).
     """
+    _load_builtins()
     return sorted(name for name, cls in _SCHEMES.items() if getattr(cls, "listed", True))
 
 

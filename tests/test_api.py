@@ -152,6 +152,16 @@ def test_never_moves_the_model_and_frequencies_follow_its_device():
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
+def test_list_schemes_in_a_fresh_process_lists_the_built_in_schemes():
+    """The first call of the lazy package loads the scheme modules (it returned [] before anything else did)."""
+    import subprocess
+    import sys
+
+    code = "import rope_patch; print(' '.join(rope_patch.list_schemes()))"
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert fresh == rope_patch.list_schemes() and {"yarn", "self_extend", "alibi"} <= set(fresh)
+
+
 def test_list_schemes_and_register_custom_scheme(ids):
     import dataclasses
 
