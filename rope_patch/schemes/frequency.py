@@ -268,7 +268,7 @@ class FrequencyScheme(Scheme):
                 consistent(log, masters, update)
             else:
                 log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False, update=update))
-            _runs(self, model_site, rot, device)
+            _runs(self, model_site, rot, device, list(contexts) if layered else [None])
 
         return install
 
@@ -322,42 +322,47 @@ class _StandaloneConfig:
         pass
 
 
-def _runs(scheme: FrequencyScheme, target: PatchSite, rotary: torch.nn.Module, device) -> None:
-    """Run the patched rotary once on two positions: a rotary that reads its config at every forward (PhiMoE reads
-    `original_max_position_embeddings` from rope_parameters for any type but default, which `linear` does not have)
-    fails there as a natively configured model would at its first forward; refused at apply() instead. Rotaries
-    whose forward takes more than (x, position_ids) are called by their model only (the attention-side check runs
-    them)."""
+def _runs(scheme: FrequencyScheme, target: PatchSite, rotary: torch.nn.Module, device, layer_types: list) -> None:
+    """Run the patched rotary once on two positions (per layer type): a rotary that reads its config at every forward
+    (PhiMoE reads `original_max_position_embeddings` from rope_parameters for any type but default, which `linear`
+    does not have) fails there as a natively configured model would at its first forward; refused at apply()
+    instead. Rotaries whose forward takes more than (x, position_ids[, layer_type]) are called by their model only
+    (the attention-side check runs them)."""
     params = list(inspect.signature(type(rotary).forward).parameters.values())[1:]
     if len(params) < 2 or any(p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
                               for p in params[2:]):
         return
+    if layer_types != [None] and "layer_type" not in {p.name for p in params}:
+        return
     x, ids = torch.zeros(1, 2, 2, device=device), torch.arange(2, device=device)[None]
-    try:
-        with torch.no_grad():
-            rotary(x, ids)
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
-        raise ValueError(
-            f"{scheme.name}: {target.model_type}'s rotary module fails under this RoPE configuration "
-            f"({type(err).__name__}: {err}), as a model configured natively with it would at its first forward. Choose "
-            "a scheme whose rope_parameters this architecture's code reads (its config's rope_type and keys).") from None
-    if scheme.resonance and _ignores_buffers(rotary, x, ids):
-        raise ValueError(
-            f"{scheme.name}: {target.model_type}'s rotary module computes its frequencies again from the config at every "
-            "forward (not from its inv_freq buffer), so the rounded wavelengths of resonance=True would never reach "
-            "attention. Use the scheme without resonance on this architecture.")
+    for layer_type in layer_types:
+        kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+        try:
+            with torch.no_grad():
+                rotary(x, ids, **kwargs)
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
+            raise ValueError(
+                f"{scheme.name}: {target.model_type}'s rotary module fails under this RoPE configuration "
+                f"({type(err).__name__}: {err}), as a model configured natively with it would at its first forward. "
+                "Choose a scheme whose rope_parameters this architecture's code reads (its config's rope_type and "
+                "keys).") from None
+        if scheme.resonance and _ignores_buffers(rotary, x, ids, kwargs):
+            raise ValueError(
+                f"{scheme.name}: {target.model_type}'s rotary module computes its frequencies again from the config at "
+                "every forward (not from its inv_freq buffer), so the rounded wavelengths of resonance=True would never "
+                "reach attention. Use the scheme without resonance on this architecture.")
 
 
-def _ignores_buffers(rotary: torch.nn.Module, x, ids) -> bool:
+def _ignores_buffers(rotary: torch.nn.Module, x, ids, kwargs: dict) -> bool:
     """Whether the rotary class's own forward gives the same output when its frequency buffers change (PhiMoE
     recomputes them from the config). The class's forward, not the patch's: that one re-installs its masters."""
     saved = {n: b for n, b in rotary._buffers.items() if n.endswith("inv_freq") and b is not None}
     with torch.no_grad():
-        out = type(rotary).forward(rotary, x, ids)
+        out = type(rotary).forward(rotary, x, ids, **kwargs)
         try:
             for n, b in saved.items():
                 rotary._buffers[n] = b * 1.5
-            moved = type(rotary).forward(rotary, x, ids)
+            moved = type(rotary).forward(rotary, x, ids, **kwargs)
         finally:
             rotary._buffers.update(saved)
     return all(torch.equal(a, b) for a, b in zip(out, moved, strict=True))
@@ -580,7 +585,7 @@ class _Windowed(FrequencyScheme):
 class Dynamic(_Windowed):
     """Dynamic NTK (emozilla 2023, r/LocalLLaMA; YaRN paper §3.3): for current length ℓ > L,
     b′ = b·(s·ℓ/L − (s−1))^(d/(d−2)); unchanged for ℓ ≤ L. Frequencies follow the longest sequence seen, so keys
-    already in a KV cache keep the base they were rotated with (transformers issue #25104); see README.
+    already in a KV cache keep the base they were rotated with (transformers issue #25104); see docs/guides/kv-cache.md.
     `cache_rotation="consistent"` caches keys un-rotated and rotates them with each step's base instead
     (schemes/cached.py)."""
 
@@ -677,7 +682,7 @@ class Yarn(_Windowed):
         smaller windows (L = 256: β_fast = 2, i.e. λ < 128 unchanged, where 32 would leave only λ < 8 and
         interpolate pairs that turn 2–32 times in the window); β_slow = 1 (pairs that never complete a turn inside L
         are interpolated) has the same meaning at any L. For L ≥ 4096 it is the paper's 32 / 1 and no beta is
-        written into the spec. Measured on rope-tiny (L = 256), README "Choosing parameters": yarn ×4 at 1024
+        written into the spec. Measured on rope-tiny (L = 256), docs/guides/choosing-a-scheme.md: yarn ×4 at 1024
         tokens perplexity 113.2 → 87.4, passkey 7% → 60% (30 prompts)."""
         fast = yarn_beta_fast(window)
         if fast == 32:
