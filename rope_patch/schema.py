@@ -477,7 +477,7 @@ SEARCH_LOG = Kind(
         "format": Const(SEARCH_LOG_FORMAT),
         "evaluations": List(Obj({"index": Int(ge=0), "spec": Str(), "params": Map(), "objective": _OBJECTIVE},
                                 {"error": Opt(Str()), "seconds": Opt(Num(ge=0)), "perplexity": _OBJECTIVE,
-                                 "passkey_accuracy": Opt(Fraction())})),
+                                 "needle_perplexity": _OBJECTIVE, "passkey_accuracy": Opt(Fraction())})),
         "status": Str(choices=("running", "done", "stopped")),
         "best": Opt(Obj({"spec": Str(), "params": Map(), "objective": Num(special=True)}, {"index": Int(ge=0)})),
     }, {
@@ -494,7 +494,8 @@ BEST = Kind(
     "best.json", fix="Run the same `rope-patch tune ... --resume` again: it rewrites best.json from search_log.json.",
     spec=Obj({"scheme": Str(nonempty=True), "spec": Str(nonempty=True), "params": Map(),
               "objective": Num(special=True), "target": Int(ge=2)},
-             {"index": Int(ge=0), "perplexity": _OBJECTIVE, "passkey_accuracy": Opt(Fraction())},
+             {"index": Int(ge=0), "perplexity": _OBJECTIVE, "needle_perplexity": _OBJECTIVE,
+              "passkey_accuracy": Opt(Fraction())},
              name="a rope-patch tune best.json"),
 )
 RECIPE_CONFIG = Kind(

@@ -54,6 +54,10 @@ def add_parser(subparsers) -> None:
                    "factors (θ_i/θ′_i) seed the population (default: linear, ntk and yarn at target/window, the paper's)")
     p.add_argument("--tokens", type=positive, default=None, metavar="N", help="tuning tokens per evaluation "
                    "(default: 4 windows of the target)")
+    p.add_argument("--objective", choices=("perplexity", "needle"), default="perplexity", help="what the search "
+                   "minimises: the tuning text's perplexity at the target, or needle: LongRoPE2's needle-driven "
+                   "perplexity, over the answer tokens only of passkey prompts of --target tokens (--passkey-samples "
+                   "per depth, --haystack, --chat-template) (default: %(default)s)")
     p.add_argument("--passkey-weight", type=real(0.0), default=0.0, metavar="W", help="objective = perplexity x "
                    "exp(-W x passkey accuracy at the target) (default: %(default)s, perplexity only)")
     p.add_argument("--passkey-samples", type=positive, default=4, metavar="N", help="passkey prompts per depth "
@@ -142,7 +146,7 @@ def run(args) -> int:
     options = TuneOptions(scheme=args.scheme, target=args.target, method=args.method, space=parse_space(args.space),
                           samples=args.samples, evolution=evolution, n_tokens=args.tokens,
                           passkey_weight=args.passkey_weight, passkey_samples=args.passkey_samples,
-                          haystack=args.haystack, chat_template=args.chat_template, seed=args.seed,
+                          objective=args.objective, haystack=args.haystack, chat_template=args.chat_template, seed=args.seed,
                           max_evals=args.max_evals, budget_minutes=args.budget_minutes, init=args.init)
     for spec in args.accept or []:
         as_scheme(spec)  # a bad acceptance spec fails now, not after the search

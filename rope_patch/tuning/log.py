@@ -10,7 +10,7 @@ Log JSON (format "rope_patch.tune/1"):
     {"format": "rope_patch.tune/1",
      "model": {...}, "settings": {...}, "split": {...}, "versions": {...},
      "evaluations": [{"index", "generation", "origin", "spec", "params", "objective", "perplexity",
-                      "passkey_accuracy", "error", "seconds"}, ...],
+                      "needle_perplexity", "passkey_accuracy", "error", "seconds"}, ...],
      "status": "running" | "done" | "stopped",  "stopped": null | "max_evals" | "budget",
      "best": {"index", "spec", "params", "objective", "perplexity"} | null,
      "acceptance": {...} | absent}
@@ -67,7 +67,7 @@ def parse_log(data, path: str | Path = "the log") -> dict:
     """A search log from its parsed JSON `data` (checked, "inf"/"nan" objectives made floats again)."""
     schema.check(data, schema.SEARCH_LOG, path)
     for rec in [*data["evaluations"], *([data["best"]] if data["best"] else [])]:
-        for key in ("objective", "perplexity"):
+        for key in ("objective", "perplexity", "needle_perplexity"):
             if isinstance(rec.get(key), str):  # "inf" / "nan" as json_safe wrote them
                 rec[key] = float(rec[key])
     return data
@@ -88,7 +88,7 @@ def _comparable(settings: dict) -> dict:
     before `passkey_prompt` existed put a templated prompt's lead-in in the user turn, and the template mode (auto,
     on) matters only through whether it was used."""
     out = {k: v for k, v in settings.items() if k not in RESUMABLE}
-    if out.get("passkey_weight"):
+    if out.get("passkey_weight") or out.get("objective") == "needle":
         out.setdefault("haystack", "prose")
         out["chat_template"] = bool((out.get("chat_template") or {}).get("used", False))
         out.setdefault("passkey_prompt", PROMPT_FORMS[2] if out["chat_template"] else PROMPT_FORMS[0])
@@ -185,8 +185,8 @@ class SearchLog:
 
     def _update_best(self, rec: dict) -> None:
         if rank(rec) < math.inf and (self.data["best"] is None or rank(rec) < self.data["best"]["objective"]):
-            self.data["best"] = {k: rec.get(k) for k in ("index", "spec", "params", "objective", "perplexity",
-                                                         "passkey_accuracy")}
+            keys = ("index", "spec", "params", "objective", "perplexity", "needle_perplexity", "passkey_accuracy")
+            self.data["best"] = {k: rec[k] for k in keys if k in rec}
 
     # ---- the end of a search -----------------------------------------------------------------------------------
     def finish(self, stopped: str | None) -> None:

@@ -11,12 +11,20 @@ Objective (lower is better): perplexity at the target length over the first `n_t
 (consecutive windows of exactly `target` tokens, as `rope-patch compare` scores them, length-dependent schemes at
 the frequencies of a `target`-token forward), times exp(−w·a) when a passkey weight w > 0 is given (a: passkey
 accuracy at the target length). With w = 0 the objective is the perplexity itself.
+
+`needle=True`: LongRoPE2's needle-driven perplexity (Shang et al. 2025, arXiv:2502.20082 §3.2) in place of the
+text's: perplexity over the answer tokens only of passkey prompts of `target` tokens (the key hidden at each depth in
+the tuning text, the answer teacher-forced after the question), so that the search rewards what retrieval at the
+target length needs rather than the local fluency that dominates a text's perplexity.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
 
 from ..api import as_scheme, patched
 from ..evaluation.passkey import haystack_filler
@@ -57,7 +65,7 @@ class Objective:
 
     def __init__(self, model, tokenizer, token_ids: Sequence[int], target: int, n_tokens: int, *,
                  passkey_weight: float = 0.0, passkey_samples: int = 4, depths: Sequence[float] = DEFAULT_DEPTHS,
-                 seed: int = 0, haystack: str = "prose", chat_template: bool = False):
+                 seed: int = 0, haystack: str = "prose", chat_template: bool = False, needle: bool = False):
         if len(token_ids) < target:
             raise ValueError(f"the tuning text has {len(token_ids)} tokens, fewer than one window of --target {target}.")
         if passkey_weight < 0:
@@ -65,15 +73,17 @@ class Objective:
         self.model, self.tokenizer, self.token_ids = model, tokenizer, list(token_ids)
         self.target, self.n_tokens = target, n_tokens
         self.passkey_weight, self.passkey_samples, self.depths, self.seed = passkey_weight, passkey_samples, list(depths), seed
-        self.filler = haystack_filler(tokenizer, haystack, self.token_ids, target) if passkey_weight > 0 else None
+        self.needle = needle
+        prompts = passkey_weight > 0 or needle
+        self.filler = haystack_filler(tokenizer, haystack, self.token_ids, target) if prompts else None
         self.chat_template = chat_template
-        for depth in self.depths if passkey_weight > 0 else ():  # a prompt that cannot be built fails now
+        what = "--objective needle" if needle else "the passkey term (--passkey-weight)"
+        for depth in self.depths if prompts else ():  # a prompt that cannot be built fails now
             try:
                 make_cell(tokenizer, self.filler, target, depth, 1, seed, chat_template=chat_template)
             except ValueError as err:
-                hint = " Use a longer --target or drop --passkey-weight." if "too short" in str(err) else ""
-                raise ValueError(f"the passkey term (--passkey-weight) cannot build a prompt at --target {target}: "
-                                 f"{err}.{hint}") from None
+                hint = f" Use a longer --target or drop {what.split(' (')[0]}." if "too short" in str(err) else ""
+                raise ValueError(f"{what} cannot build a prompt at --target {self.target}: {err}.{hint}") from None
 
     def __call__(self, name: str, params: dict) -> dict:
         try:
@@ -83,8 +93,11 @@ class Objective:
         except (ValueError, TypeError) as err:
             return {"objective": None, "error": " ".join(str(err).split())}
         try:
-            nll = window_nll(self.model, self.token_ids, self.target, self.n_tokens)
-            ppl = _ppl(nll.double().mean().item())
+            if self.needle:
+                ppl = needle_perplexity(self.model, self.tokenizer, self.filler, self.target, self.depths,
+                                        self.passkey_samples, self.seed, chat_template=self.chat_template)
+            else:
+                ppl = _ppl(window_nll(self.model, self.token_ids, self.target, self.n_tokens).double().mean().item())
             accuracy = None
             if self.passkey_weight > 0:
                 cells = evaluate_passkey(self.model, self.tokenizer, self.filler, [self.target], self.depths,
@@ -93,7 +106,25 @@ class Objective:
         finally:
             context.__exit__(None, None, None)
         value = ppl * math.exp(-self.passkey_weight * accuracy) if accuracy is not None else ppl
-        return {"objective": value, "perplexity": ppl, "passkey_accuracy": accuracy}
+        return {"objective": value, "needle_perplexity" if self.needle else "perplexity": ppl,
+                "passkey_accuracy": accuracy}
+
+
+def needle_perplexity(model, tokenizer, filler: Sequence[int], length: int, depths: Sequence[float], samples: int,
+                      seed: int, chat_template: bool = False) -> float:
+    """exp(mean NLL of the answer tokens) over `samples` passkey prompts of `length` tokens at each depth: the
+    prompt, then the key teacher-forced (LongRoPE2's needle-driven perplexity)."""
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    for depth in depths:
+        for sample in make_cell(tokenizer, filler, length, depth, samples, seed, chat_template=chat_template):
+            prompt, answer = sample["prompt_ids"], sample["answer_ids"]
+            ids = torch.tensor([list(prompt) + list(answer)], device=device)
+            with torch.no_grad():
+                logits = model(ids, logits_to_keep=len(answer) + 1).logits[0, :-1].float()
+            total += F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum").item()
+            count += len(answer)
+    return _ppl(total / count)
 
 
 def perplexities(model, token_ids: Sequence[int], scheme, lengths: Sequence[int], n_tokens: int) -> dict[int, float]:

@@ -39,6 +39,10 @@ from .scalar import Space, check_space, default_space, grid_points, random_point
 # METHODS (`--method`): schema.SEARCH_METHODS, torch-free for the command line.
 
 
+# what a search minimises: the tuning text's perplexity, or LongRoPE2's needle-driven perplexity (objective.py)
+OBJECTIVES = ("perplexity", "needle")
+
+
 @dataclasses.dataclass
 class TuneOptions:
     scheme: str
@@ -49,6 +53,7 @@ class TuneOptions:
     evolution: EvolutionSettings = dataclasses.field(default_factory=EvolutionSettings)
     n_tokens: int | None = None  # tuning tokens per evaluation (default 4 windows of the target)
     passkey_weight: float = 0.0
+    objective: str = "perplexity"  # or "needle": LongRoPE2's needle-driven perplexity (tuning/objective.py)
     passkey_samples: int = 4
     depths: Sequence[float] = (0.1, 0.5, 0.9)
     haystack: str = "prose"  # the passkey term's: the tuning text, or "noise" (passkey.NOISE)
@@ -83,6 +88,8 @@ def check_options(options: TuneOptions) -> tuple[str, str]:
         raise ValueError("the evolutionary search is LongRoPE's (--scheme longrope); scalar schemes use --method "
                          f"grid or random (got --scheme {name} --method {method}).")
     check_haystack(options.haystack)
+    if options.objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {options.objective!r}: use one of {', '.join(OBJECTIVES)}.")
     if options.chat_template not in CHAT_TEMPLATE_MODES:
         raise ValueError(f"unknown chat-template mode {options.chat_template!r}: use one of "
                          f"{', '.join(CHAT_TEMPLATE_MODES)}.")
@@ -112,11 +119,14 @@ def resolve_options(model, options: TuneOptions) -> tuple[str, str, dict]:
     name, method = check_options(options)
     window = pretraining_window(model)
     scale = options.target / window
+    prompts = options.passkey_weight > 0 or options.objective == "needle"
     settings = {"scheme": name, "method": method, "target": options.target, "window": window, "scale": scale,
                 "n_tokens": options.n_tokens or 4 * options.target, "passkey_weight": options.passkey_weight,
-                "passkey_samples": options.passkey_samples if options.passkey_weight > 0 else None,
-                "depths": list(options.depths) if options.passkey_weight > 0 else None, "seed": options.seed,
+                "passkey_samples": options.passkey_samples if prompts else None,
+                "depths": list(options.depths) if prompts else None, "seed": options.seed,
                 "max_evals": options.max_evals, "budget_minutes": options.budget_minutes}
+    if options.objective == "needle":  # (absent from a perplexity log, as before the needle objective existed)
+        settings["objective"] = "needle"
     if method == "evolution":
         if scale <= 1:
             raise ValueError(f"LongRoPE's long factors serve lengths beyond the window: --target must be > {window}.")
@@ -158,7 +168,7 @@ def tune(model, tokenizer, token_ids: Sequence[int], options: TuneOptions, *, lo
     evaluation). `header` adds fields to the log (the model's name and path, the held-out text's provenance)."""
     name, method, settings = resolve_options(model, options)
     chat = False
-    if options.passkey_weight > 0:  # the passkey term's prompts (absent from a perplexity-only log)
+    if options.passkey_weight > 0 or options.objective == "needle":  # passkey prompts (absent from a perplexity log)
         chat = use_chat_template(tokenizer, options.chat_template)
         settings.update(haystack=options.haystack, chat_template={"mode": options.chat_template, "used": chat},
                         passkey_prompt=prompt_form(chat))
@@ -172,7 +182,8 @@ def tune(model, tokenizer, token_ids: Sequence[int], options: TuneOptions, *, lo
                     on_record=on_record)
     objective = Objective(model, tokenizer, tuning_ids, options.target, settings["n_tokens"],
                           passkey_weight=options.passkey_weight, passkey_samples=options.passkey_samples,
-                          depths=options.depths, seed=options.seed, haystack=options.haystack, chat_template=chat)
+                          depths=options.depths, seed=options.seed, haystack=options.haystack, chat_template=chat,
+                          needle=options.objective == "needle")
     window, scale = settings["window"], settings["scale"]
     if method == "evolution":
         def params(factors):

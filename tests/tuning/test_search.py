@@ -239,3 +239,57 @@ def test_the_passkey_term_of_the_objective(text_ids, monkeypatch):
     O.Objective(model, chat, text_ids, 160, 160, passkey_weight=2.0, haystack="noise", chat_template=True)(
         "yarn", {"factor": 2.0})
     assert seen["filler"] == noise_filler(tok, 160) and seen["chat_template"] is True
+
+
+def test_the_needle_objective_is_the_perplexity_of_the_answer_tokens(text_ids):
+    """--objective needle: LongRoPE2's needle-driven perplexity = exp(mean NLL) over the answer tokens of passkey
+    prompts of the target length, under the patch; equal to a reference from the full logits."""
+    import math
+
+    import torch
+
+    import rope_patch.tuning.objective as O
+    from rope_patch.evaluation.retrieval import make_cell
+
+    model, tok = tiny_model("llama"), char_tokenizer()
+    needle = O.Objective(model, tok, text_ids, 160, 160, needle=True, passkey_samples=2, depths=(0.2, 0.8))
+    got = needle("yarn", {"factor": 2.0})
+    assert set(got) == {"objective", "needle_perplexity", "passkey_accuracy"} and rope_patch.current(model) is None
+    total, count = 0.0, 0
+    with rope_patch.patched(model, "yarn", factor=2.0):
+        for depth in (0.2, 0.8):
+            for sample in make_cell(tok, needle.filler, 160, depth, 2, 0):
+                ids = torch.tensor([sample["prompt_ids"] + sample["answer_ids"]])
+                with torch.no_grad():
+                    logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+                start = len(sample["prompt_ids"])
+                total -= sum(logp[start - 1 + j, t].item() for j, t in enumerate(sample["answer_ids"]))
+                count += len(sample["answer_ids"])
+    assert got["objective"] == got["needle_perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
+    # the text's perplexity is another number; the passkey weight multiplies the needle one as it does the text's
+    assert got["objective"] != pytest.approx(O.Objective(model, tok, text_ids, 160, 160)("yarn", {"factor": 2.0})["objective"])
+    with pytest.raises(ValueError, match="--objective needle cannot build a prompt at --target 20"):
+        O.Objective(model, tok, text_ids, 20, 20, needle=True)
+
+
+def test_tune_with_the_needle_objective_logs_it_and_resumes_only_a_needle_search(text_ids, tmp_path):
+    model, tok = tiny_model("llama"), char_tokenizer()
+    opts = TuneOptions(scheme="yarn", target=160, space={"factor": [2.0, 3.0]}, objective="needle", passkey_samples=1,
+                       n_tokens=160)
+    log = tune(model, tok, text_ids, opts, log_path=tmp_path / "n.json")
+    assert log["settings"]["objective"] == "needle" and log["settings"]["passkey_samples"] == 1
+    assert all(r["objective"] == r["needle_perplexity"] and "perplexity" not in r for r in log["evaluations"])
+    assert load_log(tmp_path / "n.json")["best"]["needle_perplexity"] == log["best"]["objective"]
+    text = TuneOptions(scheme="yarn", target=160, space={"factor": [2.0, 3.0]}, passkey_samples=1, n_tokens=160)
+    with pytest.raises(ValueError, match="objective"):
+        tune(model, tok, text_ids, text, log_path=tmp_path / "n.json", previous=load_log(tmp_path / "n.json"))
+    with pytest.raises(ValueError, match="unknown objective 'needles': use one of perplexity, needle"):
+        tune(model, tok, text_ids, TuneOptions(scheme="yarn", target=96, objective="needles"))
+
+
+def test_the_command_line_offers_the_search_objectives():
+    from rope_patch.cli.main import build_parser
+    from rope_patch.tuning.search import OBJECTIVES
+
+    tune_parser = build_parser()._subparsers._group_actions[0].choices["tune"]
+    assert next(a for a in tune_parser._actions if a.dest == "objective").choices == OBJECTIVES
