@@ -3,8 +3,8 @@
 
 DIR is what `rope_patch.save_pretrained` (or the fine-tuning recipe) wrote: a full or merged model (config.json)
 or a peft adapter (adapter_config.json), each with rope_patch.json. Prints the `rope_parameters` dict, the
-`max_position_embeddings` that goes with it, and the matching `vllm serve ... --hf-overrides '...'` argument; for
-schemes without a native form (dynamic_yarn, attention schemes) it fails with the reason and what to do instead.
+`max_position_embeddings` that goes with it, and the checked `vllm serve ...` command (`--json`: "vllm", or null
+and "vllm_refused" where vLLM would not run the patch as transformers does); for schemes without a native form (dynamic_yarn, attention schemes) it fails with the reason and what to do instead.
 
 With --engine, it prints the engine's command line (its override flag with the native `rope_parameters`, per layer
 type where the model has them, the context length the patch serves, and the engine's allow-longer environment
@@ -53,20 +53,19 @@ def _export(args) -> int:
     from ..persistence import export_info  # torch: only now, after the arguments parsed
 
     info = export_info(args.dir, args.base)  # errors: one line from cli.main
+    from ..serving import export  # the checked command line (context length, engine form); nothing written
+
+    try:
+        info["vllm"], refused = export(args.dir, "vllm", base=args.base, write=False)["command"], None
+    except ValueError as err:  # (export_info's raw --hf-overrides would serve another model: not shown)
+        info["vllm"], refused = None, str(err)
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps({**info, **({"vllm_refused": refused} if refused else {})}, indent=2))
         return 0
     print(f"scheme: {info['scheme'] or 'none (unpatched)'}")
     print(f"rope_parameters: {json.dumps(info['rope_parameters'])}")
     print(f"max_position_embeddings: {info['max_position_embeddings']}")
-    from ..serving import export  # the checked command line (context length, engine form); nothing written
-
-    try:
-        served = export(args.dir, "vllm", base=args.base, write=False)
-    except ValueError as err:
-        print(f"vLLM: not served as patched: {err}")
-    else:
-        print(f"vLLM: {served['command']}")
+    print(f"vLLM: {info['vllm']}" if refused is None else f"vLLM: not served as patched: {refused}")
     print(f"(`rope-patch export {args.dir} --engine vllm|sglang`: the engine's command line, its notes and config.json)")
     return 0
 

@@ -25,8 +25,10 @@ def test_patched_model(tmp_path, capsys):
     assert code == 0 and info["scheme"] == "yarn"
     assert info["rope_parameters"] == rope_patch.native_config(model)["rope_parameters"]
     assert info["max_position_embeddings"] == 4 * WINDOW
-    hf = json.loads(info["vllm"].split("'")[1])
+    hf = json.loads(info["vllm"].split("'")[1])  # the checked command (rope_patch.serving), as the text prints it
     assert hf == {"rope_parameters": info["rope_parameters"], "max_position_embeddings": 4 * WINDOW}
+    assert info["vllm"].startswith(f"vllm serve {tmp_path} --hf-overrides") and info["vllm"].endswith(
+        f"--max-model-len {4 * WINDOW}") and "vllm_refused" not in info
     code, out, _ = _run(capsys, tmp_path)
     assert "rope_parameters: {" in out and "--hf-overrides '" in out
 
