@@ -185,10 +185,18 @@ def find_target(model) -> PatchSite:
     primary = next((m for m in rotaries if vars(m).get("config") is base.config), rotaries[0])
     config = base.config
     if getattr(config, "rope_parameters", None) is None:
-        # a composite config whose RoPE lives in its sub-configs (Blt): the primary rotary's own config
-        config = vars(primary).get("config")
-        if getattr(config, "rope_parameters", None) is None:
+        # a composite model (Gemma 3's image-text model) whose RoPE lives in a sub-model with its own config: the
+        # language model is what a patch applies to
+        sub = vars(primary).get("config")
+        if getattr(sub, "rope_parameters", None) is None:
             raise TypeError(f"{type(base).__name__} has a rotary module but its config has no `rope_parameters`.")
+        owner = next((name for name, m in base.named_modules() if name and vars(m).get("config") is sub
+                      and not _is_rotary(m)), None)
+        where = f"model.{owner}" if owner else "its language model"
+        raise TypeError(
+            f"rope_patch.apply: {type(base).__name__} keeps its RoPE in a sub-model's config ({type(sub).__name__}), "
+            f"not in its own ({type(config).__name__}): apply the patch to the language model, "
+            f"rope_patch.apply({where}, ...); the rest of the model has no rotary position embedding.")
     return PatchSite(model=base, rotary=primary, config=base.config,
                      rotaries=(primary, *(m for m in rotaries if m is not primary)))
 

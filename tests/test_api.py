@@ -189,3 +189,27 @@ def test_list_schemes_and_register_custom_scheme(ids):
         from rope_patch import registry
 
         registry._SCHEMES.pop("test_half_theta", None)
+
+
+def test_a_composite_model_points_at_its_language_model():
+    """Gemma 3's image-text model keeps RoPE in its text config: apply() says where to apply instead (one line,
+    the model untouched), and the language model takes the patch and gives it back bit-exactly."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    cfg = Gemma3Config(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=64,
+                                        sliding_window=8),
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, image_size=28, patch_size=14), mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(5, 300, (1, 3 * 64))
+    before = logits(model, ids)
+    with pytest.raises(TypeError, match=r"apply the patch to the language model, "
+                                        r"rope_patch.apply\(model.model.language_model, ...\)"):
+        rope_patch.apply(model, "yarn", factor=4.0)
+    assert torch.equal(logits(model, ids), before)
+    rope_patch.apply(model.model.language_model, "yarn", factor=4.0)
+    assert not torch.equal(logits(model, ids), before)
+    rope_patch.remove(model.model.language_model)
+    assert torch.equal(logits(model, ids), before)
