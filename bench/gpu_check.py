@@ -102,20 +102,33 @@ def exactness(device, compile_flex: bool) -> list[dict]:
     return rows
 
 
+def _over_budget(rows: list, deadline: float, **row) -> bool:
+    """Past the deadline: record the case as skipped (one run always returns what it measured)."""
+    if time.monotonic() <= deadline:
+        return False
+    rows.append({**row, "skipped": "budget"})
+    print(json.dumps(rows[-1]), flush=True)
+    return True
+
+
+def _patched(spec, backend: str, device, dtype):
+    """The SmolLM2-shaped model on `backend`, with `spec` applied (None: vanilla)."""
+    model = _llama(backend, device, dtype, **SMOLLM2)
+    if spec is not None:
+        rope_patch.apply(model, spec)
+    return model
+
+
 def speed(device, lengths, deadline: float) -> list[dict]:
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for length in lengths:
         ids = torch.randint(0, SMOLLM2["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1)).to(device)
         for name, (spec, backend) in SPEED.items():
-            if time.monotonic() > deadline:
-                rows.append({"case": "speed", "scheme": name, "length": length, "skipped": "budget"})
-                print(json.dumps(rows[-1]), flush=True)
+            if _over_budget(rows, deadline, case="speed", scheme=name, length=length):
                 continue
             try:
-                model = _llama(backend, device, dtype, **SMOLLM2)
-                if spec is not None:
-                    rope_patch.apply(model, spec)
+                model = _patched(spec, backend, device, dtype)
                 times = []
                 with torch.no_grad():
                     for _ in range(3):  # warm-up (compiles), then two timed
@@ -165,14 +178,10 @@ def decode(device, prompt: int, new: int, deadline: float) -> list[dict]:
             torch.cuda.synchronize()
 
     for name, (spec, backend) in SPEED.items():
-        if time.monotonic() > deadline:
-            rows.append({"case": "decode", "scheme": name, "prompt": prompt, "skipped": "budget"})
-            print(json.dumps(rows[-1]), flush=True)
+        if _over_budget(rows, deadline, case="decode", scheme=name, prompt=prompt):
             continue
         try:
-            model = _llama(backend, device, dtype, **SMOLLM2)
-            if spec is not None:
-                rope_patch.apply(model, spec)
+            model = _patched(spec, backend, device, dtype)
             cache = DynamicCache(config=model.config)
             with torch.no_grad():
                 model(ids[:, :prompt], cache=cache, use_cache=True, logits_to_keep=1)

@@ -47,13 +47,7 @@ class Cost:
 def seconds_per_token(model, token_ids: Sequence[int], length: int) -> tuple[float, int]:
     """(seconds per token, tokens probed) of one forward of min(length, PROBE_MAX_TOKENS) held-out tokens, timed
     after one untimed warm-up forward."""
-    n = max(2, min(int(length), PROBE_MAX_TOKENS, len(token_ids)))
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(token_ids[:n])], dtype=torch.long, device=device)
-    model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    t0 = time.perf_counter()
-    model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    return (time.perf_counter() - t0) / n, n
+    return seconds_per_token_at(model, token_ids, max(2, min(int(length), PROBE_MAX_TOKENS, len(token_ids))))
 
 
 def probe_cost(model, token_ids: Sequence[int], lengths: Sequence[int]) -> Cost:

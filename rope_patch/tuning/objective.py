@@ -84,6 +84,9 @@ class Objective:
             except ValueError as err:
                 hint = f" Use a longer --target or drop {what.split(' (')[0]}." if "too short" in str(err) else ""
                 raise ValueError(f"{what} cannot build a prompt at --target {self.target}: {err}.{hint}") from None
+        # the needle prompts are the same for every candidate: built once
+        self.needles = [sample for depth in self.depths for sample in make_cell(
+            tokenizer, self.filler, target, depth, passkey_samples, seed, chat_template=chat_template)] if needle else []
 
     def __call__(self, name: str, params: dict) -> dict:
         try:
@@ -94,8 +97,7 @@ class Objective:
             return {"objective": None, "error": " ".join(str(err).split())}
         try:
             if self.needle:
-                ppl = needle_perplexity(self.model, self.tokenizer, self.filler, self.target, self.depths,
-                                        self.passkey_samples, self.seed, chat_template=self.chat_template)
+                ppl = needle_perplexity(self.model, self.needles)
             else:
                 ppl = _ppl(window_nll(self.model, self.token_ids, self.target, self.n_tokens).double().mean().item())
             accuracy = None
@@ -110,20 +112,18 @@ class Objective:
                 "passkey_accuracy": accuracy}
 
 
-def needle_perplexity(model, tokenizer, filler: Sequence[int], length: int, depths: Sequence[float], samples: int,
-                      seed: int, chat_template: bool = False) -> float:
-    """exp(mean NLL of the answer tokens) over `samples` passkey prompts of `length` tokens at each depth: the
-    prompt, then the key teacher-forced (LongRoPE2's needle-driven perplexity)."""
+def needle_perplexity(model, samples: Sequence[dict]) -> float:
+    """exp(mean NLL of the answer tokens) over passkey samples (`make_cell`'s): each prompt, then its key
+    teacher-forced (LongRoPE2's needle-driven perplexity)."""
     total, count = 0.0, 0
     device = next(model.parameters()).device
-    for depth in depths:
-        for sample in make_cell(tokenizer, filler, length, depth, samples, seed, chat_template=chat_template):
-            prompt, answer = sample["prompt_ids"], sample["answer_ids"]
-            ids = torch.tensor([list(prompt) + list(answer)], device=device)
-            with torch.no_grad():
-                logits = model(ids, logits_to_keep=len(answer) + 1).logits[0, :-1].float()
-            total += F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum").item()
-            count += len(answer)
+    for sample in samples:
+        prompt, answer = sample["prompt_ids"], sample["answer_ids"]
+        ids = torch.tensor([list(prompt) + list(answer)], device=device)
+        with torch.no_grad():
+            logits = model(ids, logits_to_keep=len(answer) + 1).logits[0, :-1].float()
+        total += F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum").item()
+        count += len(answer)
     return _ppl(total / count)
 
 
