@@ -30,19 +30,24 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+PACKAGE = Path(__file__).resolve().parent
+
+
 def portable_path(path: str | os.PathLike) -> str:
-    """`path` as a result file records it: a path inside the home directory as `~/...` (`Path.expanduser` reads it
-    back), so that results name no machine's home; any other path as it is."""
+    """`path` as a result file records it, naming no machine's folders: a file shipped with rope_patch as
+    `rope_patch/...` (the held-out text, rope-tiny, the lm-eval tasks: the same file wherever the package is
+    installed), a path inside the home directory as `~/...` (`Path.expanduser` reads it back); any other path as it
+    is."""
     text = str(path)
-    home = str(Path.home())
-    if home not in ("", "/") and (text == home or text.startswith(home.rstrip("/") + "/")):
-        return "~" + text[len(home.rstrip("/")):]
+    for root, prefix in ((str(PACKAGE), "rope_patch"), (str(Path.home()).rstrip("/"), "~")):
+        if root and (text == root or text.startswith(root + "/")):
+            return prefix + text[len(root):]
     return text
 
 
 def portable(obj):
-    """`obj` (parsed JSON: dicts, lists, strings) with every string that is a path inside the home directory written
-    as `~/...` (portable_path); for settings recorded in result files."""
+    """`obj` (parsed JSON: dicts, lists, strings) with every string that is a path of the package or the home
+    directory written as `portable_path` does; for settings recorded in result files."""
     if isinstance(obj, dict):
         return {k: portable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

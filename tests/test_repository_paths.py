@@ -5,6 +5,7 @@ examples use relative paths. The forbidden strings are built here from their par
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -49,3 +50,39 @@ def test_no_tracked_text_holds_a_machine_path():
                 bad.append(f"{name}:{number}: {hits[0]!r} in {line.strip()[:120]!r}")
     assert not bad, (f"{len(bad)} lines of tracked files name a home or temp directory (write ~/..., a relative "
                      "path, or a placeholder such as OUT_DIR):\n" + "\n".join(bad[:20]))
+
+
+# An absolute path of three or more parts outside the system's own folders (a checkout, a venv, a data disk: any
+# machine's layout), not part of a URL or of a relative path. Tests that need a path that exists nowhere use
+# /nonexistent/.
+ABSOLUTE = re.compile(r"(?<![\w.~:/\-\])}])/(?!usr/|bin/|dev/|etc/|proc/|sys/|nonexistent/)[A-Za-z_][\w.-]*/[\w.-]+/")
+
+
+@pytest.mark.parametrize("text, found", [
+    ('"path": "/srv/ckpt/rope_patch/data/heldout.txt"', True),
+    ("warning from /opt/venv/lib/python3.11/site-packages/x.py:3", True),
+    ('"path": "rope_patch/data/heldout.txt"', False),
+    ("see https://github.com/mit-han-lab/streaming-llm/blob/main/x.py", False),
+    ("#!/usr/bin/env bash", False),
+    ("~/.cache/rope_patch/smollm2 and ./out/run/x", False),
+])
+def test_the_absolute_path_pattern(text, found):
+    assert bool(ABSOLUTE.search(text)) is found
+
+
+def test_no_tracked_text_holds_an_absolute_path():
+    """Beyond home and temp: the checkout's own location (where results were made) is a machine path too."""
+    bad = []
+    for name in tracked():
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue
+        for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+            hit = ABSOLUTE.search(line)
+            if hit:
+                bad.append(f"{name}:{number}: {line[max(0, hit.start() - 20):hit.end() + 40].strip()!r}")
+    assert not bad, (f"{len(bad)} lines of tracked files hold an absolute path (write it relative to the "
+                     "repository, as rope_patch/... for the package's files, or ~/...):\n" + "\n".join(bad[:20]))

@@ -35,6 +35,14 @@ def test_a_path_inside_home_is_written_with_a_tilde(home):
                                                                         "b": ["x"]}
 
 
+def test_a_file_shipped_with_the_package_is_written_from_the_package():
+    heldout = files.PACKAGE / "data" / "heldout.txt"
+    assert files.portable_path(heldout) == "rope_patch/data/heldout.txt"
+    assert files.portable_path(files.PACKAGE) == "rope_patch"
+    assert files.portable_path(f"{files.PACKAGE}x/y") == f"{files.PACKAGE}x/y"  # a sibling folder is not inside it
+    assert (files.PACKAGE.parent / files.portable_path(heldout)).read_bytes() == heldout.read_bytes()
+
+
 def _compare(path: str) -> dict:
     return {"format": FORMAT, "model": {"name": "m", "path": path, "model_type": "llama", "window": 8},
             "settings": {"heldout": {"path": path, "sha256": "0"}}}
