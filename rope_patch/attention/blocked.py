@@ -18,7 +18,7 @@ from torch import nn
 
 from . import settings
 from .copies import Identity, NotProven
-from .protocol import STATE, AttentionCall, Partial, make_call, merge, own_rows, restack, stand_in
+from .protocol import STATE, AttentionCall, Partial, make_call, merge, own_rows, placeholder, restack, stand_in
 
 
 def _flash_lse_op():
@@ -112,6 +112,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
         return stand_in("eager" if dense else "sdpa", module)(module, query, key, value, attention_mask, dropout=dropout,
                                                               scaling=scaling, softcap=softcap, **kwargs)
+    waiting = placeholder(module, query, key, value)  # a copy that runs before copy 0 (attention/copies.py)
+    if waiting is not None:
+        return waiting, None
     attention_mask = own_rows(module, attention_mask)
     if kwargs.get("indices") is not None:  # a sparse-attention indexer's choice of keys (DeepSeek-V3.2 & co.)
         attention_mask = with_indices(attention_mask, own_rows(module, kwargs["indices"]), key.shape[2], query.dtype)

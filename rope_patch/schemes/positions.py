@@ -204,7 +204,8 @@ class TwoRegion(AttentionScheme):
         far_q, far_k = self.far_positions()
         if isinstance(far_k, attention.Identity):  # STRING: the far keys stay at their own positions
             return attention.Layout((attention.Identity(), far_q), key_copies=(0,)), 0
-        return attention.Layout((attention.Identity(), far_q, far_k), key_copies=(0, 2)), 1
+        # the far-key copy's queries are never read
+        return attention.Layout((attention.Identity(), far_q, far_k), key_copies=(0, 2), query_copies=(0, 1)), 1
 
     def layout(self, module):
         # A sliding layer whose window S ≤ split never sees a key `split` back: the scheme is exact RoPE there, and
