@@ -18,7 +18,7 @@ from torch import nn
 
 from . import settings
 from .copies import Identity, NotProven
-from .protocol import STATE, AttentionCall, Partial, make_call, merge, own_rows, restack, stand_in
+from .protocol import STATE, AttentionCall, Partial, make_call, merge, own_rows, placeholder, restack, stand_in
 
 
 def _flash_lse_op():
@@ -32,20 +32,24 @@ def _padded(v: torch.Tensor, d: int) -> torch.Tensor:
 
 
 def flash_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                  mask: torch.Tensor | None = None) -> Partial:
+                  mask: torch.Tensor | None = None, dead: torch.Tensor | None = None) -> Partial:
     """Fused attention of q (b, Hkv, G, r, d) over all of k (b, Hkv, n, d), v (b, Hkv, n, dv): torch's CPU flash
     kernel, which also returns the log-sum-exp. The rows are independent, so the G query heads of a kv head are folded
-    into the rows: GQA without repeating K/V. `mask`: additive float (1, Hkv, G, r, n) (−inf = excluded); a row it
-    excludes entirely comes back with lse = −inf, i.e. weight 0 in `merge`."""
+    into the rows: GQA without repeating K/V. `mask`: additive float (1, Hkv|1, G|1, r, n) (−inf = excluded; the
+    kernel broadcasts a mask of one head over the heads); a row it excludes entirely comes back with lse = −inf,
+    i.e. weight 0 in `merge`. `dead`: those rows, (r,) bool, when the caller knows them (else read from the mask)."""
     b, hkv, g, r, dq = q.shape
     dv = v.shape[-1]
     if mask is not None:
-        mask = mask.reshape(mask.shape[0], hkv, g * r, -1)
+        if dead is None:
+            dead = torch.isneginf(mask).all(-1)
+        mask = mask.expand(*mask.shape[:2], g, r, mask.shape[-1]).reshape(mask.shape[0], mask.shape[1], g * r, -1)
     out, lse = _flash_lse_op()(q.reshape(b, hkv, g * r, dq), k, _padded(v, dq), attn_mask=mask,
                                scale=call.scaling if scale is None else scale)[:2]
     out, lse = out[..., :dv].float().reshape(b, hkv * g, r, -1), lse.float().reshape(b, hkv * g, r)
     if mask is not None:  # the kernel reports a fully excluded row as lse = 0, out = 0: make its weight 0
-        lse = lse.masked_fill(torch.isneginf(mask).all(-1).reshape(mask.shape[0], hkv * g, r), float("-inf"))
+        lse = lse.masked_fill(dead.expand(-1, hkv, g, r).reshape(-1, hkv * g, r) if dead.dim() > 1 else dead,
+                              float("-inf"))
     return out, lse
 
 
@@ -112,6 +116,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
         return stand_in("eager" if dense else "sdpa", module)(module, query, key, value, attention_mask, dropout=dropout,
                                                               scaling=scaling, softcap=softcap, **kwargs)
+    waiting = placeholder(module, query, key, value)  # a copy that runs before copy 0 (attention/copies.py)
+    if waiting is not None:
+        return waiting, None
     attention_mask = own_rows(module, attention_mask)
     if kwargs.get("indices") is not None:  # a sparse-attention indexer's choice of keys (DeepSeek-V3.2 & co.)
         attention_mask = with_indices(attention_mask, own_rows(module, kwargs["indices"]), key.shape[2], query.dtype)

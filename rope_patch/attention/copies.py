@@ -61,10 +61,13 @@ class Layout:
     """The position copies a layer runs at and which of them the cache keeps keys of.
 
     `maps[t]` gives copy t's positions from the true ones; `key_copies` lists the copies whose keys the attention
-    reads (key set s is copy key_copies[s]); values are read from copy 0 (values do not depend on positions)."""
+    reads (key set s is copy key_copies[s]); values are read from copy 0 (values do not depend on positions);
+    `query_copies` the copies whose queries it reads (None: all; a copy that only supplies keys, Self-Extend's far
+    keys, need not be kept while the copies run one after another)."""
 
     maps: tuple[PositionMap, ...]
     key_copies: tuple[int, ...] = (0,)
+    query_copies: tuple[int, ...] | None = None
 
     @property
     def copies(self) -> int:
@@ -120,6 +123,29 @@ def _copy_zero(out, b: int, c: int):
 
 
 HEADS, ROWS = "heads", "rows"  # how a cache hands the stored copies back to the layer
+SEQUENTIAL = "sequential"  # the copies run one after another, the cache as HEADS (`Reentry`)
+
+
+@dataclasses.dataclass
+class Stash:
+    """What the attention reads of the copies that ran before the last one (copy 0), in a `SEQUENTIAL` call: queries
+    and keys per copy as the layer handed them to attention, and the keys it gave its cache (`CacheView`). Everything
+    when `everything` (the apply-time check compares every copy)."""
+
+    everything: bool = False
+    queries: dict = dataclasses.field(default_factory=dict)
+    keys: dict = dataclasses.field(default_factory=dict)
+    values: dict = dataclasses.field(default_factory=dict)
+    cache_keys: dict = dataclasses.field(default_factory=dict)
+    cached: bool = False  # copy 0 stored the key sets in the cache: its attention reads them from there
+
+    def keep(self, t: int, layout: Layout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.everything or layout.query_copies is None or t in layout.query_copies:
+            self.queries[t] = query
+        if self.everything or t in layout.key_copies:
+            self.keys[t] = key
+        if self.everything:
+            self.values[t] = value
 
 
 class CacheView:
@@ -127,33 +153,48 @@ class CacheView:
 
     `update` stores what the scheme reads: the keys of the key copies, side by side on the head axis (b, S·H, n, d),
     so the cache keeps the model's batch (beam search's reordering, cropping and offloading act on the batch and
-    sequence axes as before). Two ways, chosen per model by the apply-time check (attention/plumbing.py):
+    sequence axes as before). Three ways, chosen per model by the apply-time check (attention/plumbing.py):
 
-        HEADS   the values once (copy 0: values do not depend on positions), and the stored tensors handed back as they
-                are: the attention function reads key set s from the head axis. For layers that pass what the cache
-                returns straight to attention (most), at (S + 1)/2 of vanilla's cache memory.
-        ROWS    both tensors of every key copy, handed back as c copies stacked on the batch axis again, as the layer's
-                own code computed them: for layers that process what the cache returns (DeepSeek's MLA caches its
-                latent and expands it afterwards). S times vanilla's cache memory, and a copy per step.
+        SEQUENTIAL  the copies run one after another (`Reentry`): a copy before the last hands its keys over and gets
+                    them back as they are (the cache is not touched); the last, copy 0, stores the key sets and its
+                    values once and gets what the cache returns, as HEADS. Any other method of the cache, called by
+                    a copy before the last, is refused (`NotProven`): the check then takes HEADS.
+        HEADS       the values once (copy 0: values do not depend on positions), and the stored tensors handed back as
+                    they are: the attention function reads key set s from the head axis. For layers that pass what the
+                    cache returns straight to attention (most), at (S + 1)/2 of vanilla's cache memory.
+        ROWS        both tensors of every key copy, handed back as c copies stacked on the batch axis again, as the
+                    layer's own code computed them: for layers that process what the cache returns (DeepSeek's MLA
+                    caches its latent and expands it afterwards). S times vanilla's cache memory, and a copy per step.
 
-    Reads a layer makes pass through. Any other method (a sparse-attention indexer's `update_indexer`, a conv state
-    of Zaya's projections) keeps copy 0's rows and hands its results back repeated for every copy: exact for copy 0,
-    which is all the layer reads from such state when it is position-free or only feeds copy 0's choices (the
-    indexer's top-k: rope_patch's function reads copy 0's); the apply-time check compares the copies' queries and keys
-    with the layer's own at other positions, in the cached steps too, so a state that would carry copy 0's positions
-    into another copy is caught there."""
+    Reads a layer makes pass through. With the copies stacked, any other method (a sparse-attention indexer's
+    `update_indexer`, a conv state of Zaya's projections) keeps copy 0's rows and hands its results back repeated for
+    every copy: exact for copy 0, which is all the layer reads from such state when it is position-free or only feeds
+    copy 0's choices (the indexer's top-k: rope_patch's function reads copy 0's); the apply-time check compares the
+    copies' queries and keys with the layer's own at other positions, in the cached steps too, so a state that would
+    carry copy 0's positions into another copy is caught there."""
 
     READS = frozenset({"get_seq_length", "get_mask_sizes", "is_compileable", "is_sliding", "get_max_cache_shape",
                        "max_batch_size", "max_cache_len", "is_initialized", "layers"})
 
-    def __init__(self, cache, rows: int, layout: Layout, mode: str = HEADS):
+    def __init__(self, cache, rows: int, layout: Layout, mode: str = HEADS, copy: int = 0, stash: Stash | None = None):
         self._cache, self._rows, self._layout, self._mode = cache, rows, layout, mode
+        self._copy, self._stash = copy, stash
 
     def _keep(self, x: torch.Tensor) -> torch.Tensor:
         b = self._rows
         return torch.cat([x[t * b:(t + 1) * b] for t in self._layout.key_copies], dim=1)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self._mode == SEQUENTIAL:
+            kept = self._layout.key_copies
+            if self._copy != 0:  # an earlier copy: its keys wait for copy 0's call, which stores them all once
+                if self._copy in kept:
+                    self._stash.cache_keys[self._copy] = key_states
+                return key_states, value_states
+            keys = [key_states if t == 0 else self._stash.cache_keys.pop(t) for t in kept]
+            self._stash.cached = True
+            return self._cache.update(torch.cat(keys, dim=1) if len(keys) > 1 else keys[0], value_states, layer_idx,
+                                      *args, **kwargs)
         if self._mode == HEADS:
             return self._cache.update(self._keep(key_states), value_states[:self._rows], layer_idx, *args, **kwargs)
         keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args, **kwargs)
@@ -170,6 +211,11 @@ class CacheView:
     def __getattr__(self, name):
         found = getattr(self._cache, name)
         if name in CacheView.READS or not callable(found):
+            return found
+        if self._mode == SEQUENTIAL:
+            if self._copy != 0:  # state the copy would write before copy 0 does: not proven to be position-free
+                raise NotProven(f"calls its cache's `{name}` (state beside the keys and values), which the position "
+                                "copies run one after another would write once per copy")
             return found
         return _CopyZero(found, self._rows, self._layout.copies)
 
@@ -210,14 +256,21 @@ CACHE_ARGS = ("cache", "past_key_values", "layer_past")
 class Current:
     """What the attention function needs beyond its arguments during one re-positioned layer call."""
 
-    rows: int  # b: the batch the decoder has; the query batch is copies · b
+    rows: int  # b: the batch the decoder has; the query batch is copies · b (b when the copies run one by one)
     positions: torch.Tensor | None  # (b|1, n) the true position ids of the queries
     layout: Layout
+    copy: int = 0  # SEQUENTIAL: the copy this call of the layer computes
+    stash: Stash | None = None  # SEQUENTIAL: what the earlier copies left for the attention of copy 0 (None: stacked)
 
 
 class Reentry:
     """The `forward` of a re-positioned attention module (an instance attribute, installed through the undo log):
-    runs the module's own class forward on the stacked copies (see the module docstring) and returns copy 0's rows.
+    runs the module's own class forward on the copies (see the module docstring) and returns copy 0's output.
+
+    Two ways, by the cache mode the apply-time check chose: SEQUENTIAL runs the forward once per copy on the layer's
+    own batch, the copies other than 0 first (each leaves its queries and keys in a `Stash`; its attention returns
+    zeros), copy 0 last (its attention reads them all); so the layer's activations are held once, plus the stashed
+    queries and keys. HEADS and ROWS run it once on the c copies stacked on the batch axis and cut copy 0's rows.
 
     An object of a module-level class holding only the module and its layout, so a patched model deep-copies and
     pickles."""
@@ -248,6 +301,8 @@ class Reentry:
         positions = made.position_ids if made is not None else given
         if positions is None:  # no positions reach the layer (a NoPE layer): nothing to move, it runs as it is
             return type(module).forward(module, *args, **kwargs)
+        if self.cache_mode == SEQUENTIAL:
+            return self._sequential(call, extra, b, positions, tagged, type(embeddings) is dict, given)
         if made is not None:
             stacked = {k: stack_embeddings(v, layout.maps, b, id(layout)) if v is not None else None
                        for k, v in tagged.items()}
@@ -269,15 +324,44 @@ class Reentry:
             for name, value in where.items():
                 if name not in done:
                     where[name] = _repeated(value, b, layout.copies)
-        return self._run(call, extra, b, positions)
+        return _copy_zero(self._run(call, extra, Current(b, _true(positions), layout)), b, layout.copies)
 
-    def _run(self, call: dict, extra: dict, b: int, positions: torch.Tensor):
+    def _sequential(self, call: dict, extra: dict, b: int, positions: torch.Tensor, tagged: dict, several: bool,
+                    given):
+        """The forward once per copy, copy 0 last (see the class docstring); what its last call returns."""
         module, layout = self.module, self.layout
-        state = module_state(module)
-        true = positions if positions.dim() == 2 else positions[0]  # M-RoPE: text tokens' sections are equal
-        previous, state.current = state.current, Current(b, true, layout)
+        stash = Stash(everything=module_state(module).recorder is not None)
+        caches = {name: call.get(name, extra.get(name)) for name in CACHE_ARGS}
+        out = None
+        for t in reversed(range(layout.copies)):
+            at = layout.maps[t]
+            one, more = dict(call), dict(extra)
+            if any(v is not None for v in tagged.values()):
+                moved = {k: _at(v, at) if v is not None else None for k, v in tagged.items()}
+                one["position_embeddings"] = moved if several else moved[None]
+            if given is not None:  # as in the stacked call: copy t sees the ids map_t(p)
+                (one if "position_ids" in one else more)["position_ids"] = given if isinstance(at, Identity) else at(given)
+            for name, cache in caches.items():
+                if cache is not None:
+                    (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash)
+            out = self._run(one, more, Current(b, _true(positions), layout, t, stash))
+        return out
+
+    def _run(self, call: dict, extra: dict, current: Current):
+        state = module_state(self.module)
+        previous, state.current = state.current, current
         try:
-            out = type(module).forward(module, **call, **extra)
+            return type(self.module).forward(self.module, **call, **extra)
         finally:
             state.current = previous
-        return _copy_zero(out, b, layout.copies)
+
+
+def _true(positions: torch.Tensor) -> torch.Tensor:
+    return positions if positions.dim() == 2 else positions[0]  # M-RoPE: text tokens' sections are equal
+
+
+def _at(embeddings, at: PositionMap):
+    """The embeddings at a copy's positions. Made again in every layer rather than memoised for the forward: a few
+    milliseconds at 16k positions, where holding every copy's (cos, sin) through the forward would cost more memory
+    than a copy's queries."""
+    return embeddings if isinstance(at, Identity) else embed(embeddings, at(embeddings.position_ids))

@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from . import settings
 from .copies import NotProven
-from .protocol import STATE, AttentionCall, make_call, restack, stand_in
+from .protocol import STATE, AttentionCall, make_call, placeholder, restack, stand_in
 
 
 def flex_available() -> bool:
@@ -91,6 +91,9 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
     if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
         return stand_in("flex_attention", module)(module, query, key, value, attention_mask, dropout=dropout,
                                                   scaling=scaling, softcap=softcap, **kwargs)
+    waiting = placeholder(module, query, key, value)  # a copy that runs before copy 0 (attention/copies.py)
+    if waiting is not None:
+        return waiting, None
     if dropout and module.training:
         raise ValueError("flex_attention does not support attention dropout (as in transformers): use model.eval() or "
                          "set the config's attention_dropout to 0.")

@@ -41,7 +41,7 @@ from torch import nn
 from ..discovery import execution_device
 from ..rotary import embed, recover, source
 from ..undo import UndoLog
-from .copies import CACHE_ARGS, HEADS, ROWS, Identity, Layout, NotProven
+from .copies import CACHE_ARGS, HEADS, ROWS, SEQUENTIAL, Identity, Layout, NotProven
 from .protocol import module_state
 
 SHIFT = 3  # the extra copy's positions: p + SHIFT
@@ -438,7 +438,8 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
     inputs = native_inputs(model, n)
     probe = rule.probe(n)
     probes = {m: probe_layout(layout) for m, layout in layouts.items()}
-    modes = (HEADS, ROWS) if any(v is not None for v in layouts.values()) else (HEADS,)
+    # the copies one after another first (the layer's activations held once), stacked where they must share state
+    modes = (SEQUENTIAL, HEADS, ROWS) if any(v is not None for v in layouts.values()) else (HEADS,)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
                if hasattr(c, "_attn_implementation_internal")}
     backends = {k: c._attn_implementation_internal for k, c in configs.items()}
@@ -475,8 +476,8 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
             CHECKED[key] = mode
             return mode
         failure = failure or check
-        if any(f.step == "a prefill without cache" for f in check.findings):
-            break  # the prefill without cache failed: another cache mode will not help
+        if mode != SEQUENTIAL and any(f.step == "a prefill without cache" for f in check.findings):
+            break  # the stacked prefill without cache failed: another cache mode will not help
     raise ValueError(
         f"{name}: the apply-time check ran the scheme side by side with {target.model_type}'s own attention layers "
         f"(at an identity setting, which must reproduce the model) and it does not hold: "

@@ -213,14 +213,30 @@ def _offsets(position_ids: torch.Tensor | None, q_slot: torch.Tensor) -> torch.T
     return pos.gather(-1, r) - q_slot[r]
 
 
+def placeholder(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+    """In a re-positioned layer whose copies run one after another (attention/copies.py, SEQUENTIAL), the call of a
+    copy other than the last (copy 0): keep what the attention will read of it and return zeros of the output's shape
+    (b, q, H, dv), which the layer's own code finishes and `Reentry` drops. None otherwise: attend."""
+    state = getattr(module, STATE, None)
+    current = state.current if state is not None else None
+    if current is None or current.stash is None or current.copy == 0:
+        return None
+    current.stash.keep(current.copy, current.layout, query, key, value)
+    b, h, q_len, _ = query.shape
+    return query.new_zeros(b, q_len, h, value.shape[-1])
+
+
 def unstack(module, query, key, value, position_ids, indices=None):
     """Split what a re-positioned layer passed (attention/copies.py): c query copies stacked on the batch axis, keys
-    either stacked likewise (no cache) or as S key sets on the head axis (what `CacheView` stored), values of copy 0.
+    either stacked likewise (no cache) or as S key sets on the head axis (what `CacheView` stored), values of copy 0;
+    or, with the copies run one after another, copy 0's here and the others' from the call's `Stash`.
     Returns (queries, keys, value, true position ids); one copy of each for a layer that is not re-positioned."""
     state = module_state(module)
+    current = state.current
+    if current is not None and current.stash is not None:
+        return _gathered(module, state, current, query, key, value, indices)
     if state.recorder is not None:
         state.recorder.seen(query, key, value, module, indices)
-    current = state.current
     if current is None:
         return (query,), (key,), value, position_ids
     b, layout = current.rows, current.layout
@@ -229,8 +245,29 @@ def unstack(module, query, key, value, position_ids, indices=None):
         keys = tuple(key[t * b:(t + 1) * b] for t in layout.key_copies)
         value = value[:b]
     else:  # a HEADS cache: its key sets, side by side on the head axis
-        hkv = value.shape[1]
-        keys = tuple(key[:, s * hkv:(s + 1) * hkv] for s in range(len(layout.key_copies)))
+        keys = _key_sets(key, value.shape[1], len(layout.key_copies))
+    return queries, keys, value, current.positions
+
+
+def _key_sets(key: torch.Tensor, hkv: int, sets: int) -> tuple:
+    return tuple(key[:, s * hkv:(s + 1) * hkv] for s in range(sets))
+
+
+def _gathered(module, state, current, query, key, value, indices):
+    """`unstack` for copy 0's call of a SEQUENTIAL layer: its own query and key plus the stashed copies. The keys come
+    as the cache's key sets on the head axis (S·Hkv heads) when a cache stored them, else one copy's per call."""
+    stash, layout = current.stash, current.layout
+    stash.keep(0, layout, query, key, value)
+    queries = tuple(stash.queries.get(t) for t in range(layout.copies))
+    kept = layout.key_copies
+    # a layer that reads another layer's cache (KV sharing) stores nothing itself: its key sets are recognised by shape
+    from_cache = stash.cached or (len(kept) > 1 and key.shape[1] == len(kept) * value.shape[1])
+    keys = _key_sets(key, value.shape[1], len(kept)) if from_cache else tuple(stash.keys[t] for t in kept)
+    if state.recorder is not None:  # the check reads the copies stacked, as the stacked call hands them over
+        every = range(layout.copies)
+        state.recorder.seen(torch.cat([stash.queries[t] for t in every]),
+                            key if from_cache else torch.cat([stash.keys[t] for t in every]),
+                            value if from_cache else torch.cat([stash.values[t] for t in every]), module, indices)
     return queries, keys, value, current.positions
 
 
@@ -241,7 +278,7 @@ def make_call(module, query, key, value, scaling, softcap, position_ids, indices
     if h % hkv:
         raise ValueError(f"{h} query heads cannot share {hkv} key/value heads")
     q_slot = torch.arange(k_len - q_len, k_len, device=query.device)
-    queries = tuple(q.view(b, hkv, h // hkv, q_len, d) for q in queries)
+    queries = tuple(q.view(b, hkv, h // hkv, q_len, d) if q is not None else None for q in queries)
     offset = _offsets(position_ids, q_slot)
     # gapped ids with a cache are refused before the forward (schemes/common.py CacheGuard): here they come
     # without one, the queries' ids being every key's
@@ -263,6 +300,6 @@ def restack(module, out: torch.Tensor) -> torch.Tensor:
     """The output (b, q, H, dv) of a re-positioned layer's attention, padded with zeros to the c·b rows the layer's
     own code expects (it reshapes by its stacked batch; only copy 0's rows are kept, by `copies.Reentry`)."""
     current = module_state(module).current
-    if current is None or current.layout.copies == 1:
+    if current is None or current.layout.copies == 1 or current.stash is not None:  # one copy's rows: copy 0's
         return out
     return torch.cat([out, out.new_zeros(((current.layout.copies - 1) * out.shape[0], *out.shape[1:]))])

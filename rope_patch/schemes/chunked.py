@@ -123,7 +123,9 @@ class DualChunkScores(attention.AttentionRule):
         return DualChunkScores(length // 4 + 2, 2)  # four chunks: the intra, successive and inter regions all occur
 
     def fused_rows(self, heads):
-        return 512  # nothing is materialised on the fused path; chunk boundaries split a block further
+        # nothing is materialised on the fused path; chunk boundaries split a block further, so a long block keeps
+        # whole chunks together (few kernel calls, each over many rows: the kernel's larger tiles)
+        return 2048
 
     # ---- positions -------------------------------------------------------------------------------------------------
     def begin(self, call):

@@ -98,8 +98,8 @@ class QueryTemperature:
         in every copy (the temperature follows how many keys a query sees, not where its rotation puts it)."""
         q_len = query.shape[2]
         copies = 1
-        if current is not None:
-            position_ids, copies = current.positions, current.layout.copies
+        if current is not None:  # the copies stacked on the batch axis, or one at a time (attention/copies.py)
+            position_ids, copies = current.positions, query.shape[0] // current.rows
         pos = position_ids if position_ids is not None else self.positions.last
         if pos is None or pos.dim() != 2 or pos.shape[-1] != q_len:
             start = key.shape[2] - q_len  # the cache slots: true positions without padding

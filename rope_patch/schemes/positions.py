@@ -78,8 +78,8 @@ class TwoRegionScores(attention.AttentionRule):
         return TwoRegionScores(max(2, length // 4), self.far_key)  # near band, mixed and far keys all occur
 
     def fused_rows(self, heads):
-        # two r × r masks for the mixed keys; r ≤ W keeps the four-way split (else the near band is materialised)
-        return attention.fit_rows(2 * heads, 0, cap=max(64, min(1024, self.window)))
+        # r ≤ W keeps the split below (else the near band is materialised); the one r × r mask is shared by the heads
+        return attention.fit_rows(1, 0, cap=max(64, min(1024, self.window)))
 
     def begin(self, call):
         k_len = call.key.shape[2]
@@ -117,32 +117,52 @@ class TwoRegionScores(attention.AttentionRule):
         return s
 
     def fused(self, call, rows, end):
-        """Split the keys of a block (first query slot c, r rows) by what every row sees:
-            [0, c − W + 1)              far for all rows       fused kernel, far positions
-            [c − W + 1, c + r − W)      mixed                  two fused calls with complementary masks
-            [c + r − W, c)              near for all rows      fused kernel, true positions
-            [c, c + r)                  near, diagonal         fused causal kernel
+        """Split the keys of a block (first query slot c, r ≤ W rows) by what every row sees; with s = c − W, key j
+        is far for row i iff j − s ≤ i − c:
+            [0, s)              far for all rows       fused kernel, far positions
+            [s, s + r)          a triangle each        far: fused causal kernel; near: fused kernel, its mask
+            [s + r, c)          near for all rows      fused kernel, true positions
+            [c, c + r)          near, diagonal         fused causal kernel
         (a block wider than W materialises its whole near band instead)."""
         w, c, r = call.scratch["window"], call.first_slot(rows), rows.stop - rows.start
-        near_start = max(0, c - w + 1)
+        s = c - w
         parts = []
-        if near_start > 0:
-            parts.append(attention.flash_partial(call, self._q(call, rows, far=True), self._k_far(call, 0, near_start),
-                                                 call.value[:, :, :near_start]))
         if r > w:
+            near_start = max(0, s + 1)
+            if near_start > 0:
+                parts.append(attention.flash_partial(call, self._q(call, rows, far=True), self._k_far(call, 0, near_start),
+                                                     call.value[:, :, :near_start]))
             return [*parts, attention.band_partial(call, self.logits(call, rows, near_start, end), rows, near_start, end)]
-        mix_end = max(near_start, c + r - w)
-        q_near = self._q(call, rows, far=False)
-        if mix_end > near_start:  # the mixed keys: two masked fused calls, far and near, complementary masks
-            far_mask, near_mask = self._mixed_masks(call, rows, near_start, mix_end)
-            v = call.value[:, :, near_start:mix_end]
-            parts.append(attention.flash_partial(call, self._q(call, rows, far=True),
-                                                 self._k_far(call, near_start, mix_end), v, mask=far_mask))
-            parts.append(attention.flash_partial(call, q_near, self._k_near(call, near_start, mix_end), v, mask=near_mask))
-        if c > mix_end:
-            parts.append(attention.flash_partial(call, q_near, self._k_near(call, mix_end, c), call.value[:, :, mix_end:c]))
-        parts.append(attention.flash_causal_partial(call, q_near, self._k_near(call, c, end), call.value[:, :, c:end]))
+        q_near, v = self._q(call, rows, far=False), call.value
+        q_far = self._q(call, rows, far=True) if s + r > 0 else None  # (a layer run near-only has no far copy)
+        if s > 0:
+            parts.append(attention.flash_partial(call, q_far, self._k_far(call, 0, s), v[:, :, :s]))
+        lo, hi = max(s, 0), max(s + r, 0)  # the triangles' keys that exist
+        if hi > lo:
+            if s >= 0:  # the far triangle j − s ≤ i − c is the kernel's own causal mask
+                parts.append(attention.flash_causal_partial(call, q_far, self._k_far(call, s, s + r), v[:, :, s:s + r]))
+            else:  # cut by the first key: its rows below −s see no far key
+                far, dead = self._triangle(call, r, lo - s, far=True)
+                parts.append(attention.flash_partial(call, q_far, self._k_far(call, lo, hi), v[:, :, lo:hi], mask=far,
+                                                     dead=dead))
+            near, dead = self._triangle(call, r, lo - s, far=False)
+            parts.append(attention.flash_partial(call, q_near, self._k_near(call, lo, hi), v[:, :, lo:hi], mask=near,
+                                                 dead=dead))
+        if c > hi:
+            parts.append(attention.flash_partial(call, q_near, self._k_near(call, hi, c), v[:, :, hi:c]))
+        parts.append(attention.flash_causal_partial(call, q_near, self._k_near(call, c, end), v[:, :, c:end]))
         return parts
+
+    def _triangle(self, call, r: int, cut: int, far: bool):
+        """The additive (1, 1, 1, r, r − cut) mask of the far (j' ≤ i') or near (j' > i') triangle of an r-row block
+        over its keys j' ∈ [cut, r), and its rows that see no key; built once per call (heads share it)."""
+        key = ("two_region_triangle", r, cut, far)
+        if key not in call.scratch:
+            i = torch.arange(r, device=call.query.device)
+            inside = (i[None, cut:] <= i[:, None]) if far else (i[None, cut:] > i[:, None])
+            mask = torch.zeros(inside.shape, dtype=call.query.dtype, device=inside.device).masked_fill(~inside, float("-inf"))
+            call.scratch[key] = mask.view(1, 1, 1, *inside.shape), ~inside.any(-1)
+        return call.scratch[key]
 
     def flex(self, call, block_mask):
         """Two flex_attention calls under transformers' BlockMask, split at the window: the near band (true
@@ -157,18 +177,6 @@ class TwoRegionScores(attention.AttentionRule):
         q_far = call.queries[1].flatten(1, 2)
         return attention.merge([attention.flex_call(call, q_near, call.key, call.value, near, lse=True),
                                 attention.flex_call(call, q_far, call.keys[self.far_key], call.value, far, lse=True)])
-
-    def _mixed_masks(self, call, rows, start, end):
-        """Additive (1, Hkv, G, r, end − start) masks selecting far / near elements; the pattern depends only on the
-        block's shape relative to W, so it is built once per call."""
-        key = ("two_region_mixed", call.first_slot(rows) - start, rows.stop - rows.start, end - start)
-        if key not in call.scratch:
-            is_near = call.distance(rows, start, end) < call.scratch["window"]
-            inf = torch.tensor(float("-inf"), dtype=call.query.dtype, device=call.query.device)
-            zero = torch.zeros((), dtype=call.query.dtype, device=call.query.device)
-            shape = (1, *call.query.shape[1:3], *is_near.shape)
-            call.scratch[key] = tuple(torch.where(m, inf, zero).expand(shape).contiguous() for m in (is_near, ~is_near))
-        return call.scratch[key]
 
 
 def _check_window_size(name: str, value) -> int:
@@ -204,7 +212,8 @@ class TwoRegion(AttentionScheme):
         far_q, far_k = self.far_positions()
         if isinstance(far_k, attention.Identity):  # STRING: the far keys stay at their own positions
             return attention.Layout((attention.Identity(), far_q), key_copies=(0,)), 0
-        return attention.Layout((attention.Identity(), far_q, far_k), key_copies=(0, 2)), 1
+        # the far-key copy's queries are never read
+        return attention.Layout((attention.Identity(), far_q, far_k), key_copies=(0, 2), query_copies=(0, 1)), 1
 
     def layout(self, module):
         # A sliding layer whose window S ≤ split never sees a key `split` back: the scheme is exact RoPE there, and
