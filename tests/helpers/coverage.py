@@ -33,6 +33,8 @@ FREQUENCY = ("yarn", {"factor": 4.0})
 # scheme -> (identity setting: must reproduce the unpatched model, or None; a real setting: must equal the reference)
 ATTENTION = {
     "self_extend": ({"group_size": 4, "window_size": 64}, {"group_size": 4, "window_size": 12}),
+    "self_extend_logistic": ({"group_size": 6, "window_size": 64, "growth_rate": 0.5},
+                             {"group_size": 6, "window_size": 12, "growth_rate": 0.5}),
     "rerope": ({"window_size": 64}, {"window_size": 12}),
     "leaky_rerope": ({"window_size": 64, "factor": 4.0}, {"window_size": 12, "factor": 4.0}),
     "string": ({"shift_size": 64, "window_size": 8}, {"shift_size": 20, "window_size": 6}),
