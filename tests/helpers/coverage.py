@@ -220,7 +220,7 @@ def page() -> str:
         f"Every model folder of transformers {transformers.__version__} that defines a rotary embedding and a causal "
         f"LM ({len(folders_)} folders), tried on a tiny random model of each (`tests/helpers/models.py`): the "
         "frequency schemes (yarn ×4 against a model transformers builds from the patched config), the re-positioning "
-        "schemes (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA: at an identity setting against the model, at a real "
+        "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA: at an identity setting against the model, at a real "
         "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
         "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "
         "bit-exact; ✗ is refused at `apply()` with the reason below, the model left as it was. Nothing is wrong or "
