@@ -323,10 +323,10 @@ class LogisticGroups:
         return (groups + torch.div(t - starts[k], sizes, rounding_mode="floor") + self.shift).to(p.dtype)
 
 
-def _reach(groups: LogisticGroups, n: int, w: int) -> int:
-    """The largest relative position SELF uses on n tokens: the last query's far position minus the first key's."""
-    last = torch.tensor([n - 1])
-    return int(LogisticGroups(groups.capacity, groups.rate, w)(last).item()) if n - 1 >= w else n - 1
+def _reach(capacity: int, rate: float, n: int, w: int) -> int:
+    """The largest relative position SELF uses on n tokens: the last query's far position W + f(n − 1 − W) minus the
+    first key's, f(0) = 0 (n − 1 when no pair is W apart)."""
+    return int(LogisticGroups(capacity, rate, w)(torch.tensor([n - 1])).item()) if n - 1 >= w else n - 1
 
 
 @register_scheme
@@ -335,7 +335,8 @@ class SelfExtendLogistic(TwoRegion):
     """SELF, Self-Extend with logistic group sizes (Dang et al. 2025, "SELF: Self-Extend the Context Length With
     Logistic Growth Function", arXiv:2505.17296; reference code alexeipc/SELF-LLM): Self-Extend's two regions, exact
     positions for i − j < W (`window_size`), grouped positions beyond, but the groups are not all G tokens: group x
-    holds ⌊g(x)⌋ tokens, g(x) = C / (1 + (C − 1)·e^(−r·x)) the logistic curve from 1 towards the capacity C
+    holds ⌊g(x)⌋ tokens, g(x) = C / (1 + (C − 1)·e^(−r·x)) the logistic curve from 1 towards the capacity C (the
+    curve whose inverse the authors' kernel evaluates, `gs_inverse_generating_function`)
     (`group_size`, the authors' name for it; groups reach C − 1 tokens) at growth rate r (`growth_rate`). With f(t)
     the group of token t (`LogisticGroups`), the far key is at f(j) and the far query at W + f(i − W): the pair's
     relative position is W + f(i − W) − f(j), W at the window's edge as in Self-Extend.
@@ -350,8 +351,10 @@ class SelfExtendLogistic(TwoRegion):
     - Their kernel skips a size class whose next class is empty (a curve that jumps over a size: large rates, small
       capacities), misplacing the tokens from there on; rope_patch assigns every class in order. At the authors'
       settings (C = 16, r = 0.02) and wherever every size occurs, the positions are theirs (tests/schemes/test_self.py).
-    - Their decoding path (q_len = 1) builds key positions with another kernel (capacity W, keys increasing with j);
-      rope_patch decodes with the prefill's positions, so cached generation equals recomputation.
+    - Their flash decoding path (q_len = 1) places keys with another kernel (logistic_qlen_1.cu, capacity W, the far
+      distance growing with the key's position j, the reverse of the prefill's), and their eager path computes the
+      groups for the one new query only; rope_patch decodes with the prefill's positions, so cached generation equals
+      recomputation.
     - Their `apply(..., increase_rate)` is not passed to the kernel, which always runs at its default rate 0.02 (the
       value their PG19 script sets); here `growth_rate` is used."""
 
@@ -365,8 +368,9 @@ class SelfExtendLogistic(TwoRegion):
 
     @classmethod
     def search_space(cls, window, target):
-        r = 0.02 * 4096 / window
-        return {"group_size": [4, 8, 16, 32], "window_size": [window // 8, window // 4], "growth_rate": [r / 2, r, 2 * r]}
+        w, r = max(3, window // 8), 0.02 * 4096 / window  # around the suggestion (below); every point has C < W
+        sizes = [c for c in (4, 8, 16, 32) if c < w] or [w - 1]
+        return {"group_size": sizes, "window_size": [w, 2 * w], "growth_rate": [r / 2, r, 2 * r]}
 
     @classmethod
     def suggestion(cls, n, window):
@@ -380,7 +384,7 @@ class SelfExtendLogistic(TwoRegion):
         rate = plain_number(round(0.02 * 4096 / window, 4))
         budget = 2 * window / 3
         for c in range(3, w):
-            reach = _reach(LogisticGroups(c, rate), n, w)
+            reach = _reach(c, rate, n, w)
             if reach <= budget:
                 return Suggestion.of(cls.name, {"group_size": c, "window_size": w, "growth_rate": rate},
                                      f"W = L/8 = {w}, r = 0.02·4096/L = {rate:g} (the authors' C = 16, W = 512, r = 0.02 "
