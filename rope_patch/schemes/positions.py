@@ -335,11 +335,13 @@ class SelfExtendLogistic(TwoRegion):
     """SELF, Self-Extend with logistic group sizes (Dang et al. 2025, "SELF: Self-Extend the Context Length With
     Logistic Growth Function", arXiv:2505.17296; reference code alexeipc/SELF-LLM): Self-Extend's two regions, exact
     positions for i − j < W (`window_size`), grouped positions beyond, but the groups are not all G tokens: group x
-    holds ⌊g(x)⌋ tokens, g(x) = C / (1 + (C − 1)·e^(−r·x)) the logistic curve from 1 towards the capacity C (the
-    curve whose inverse the authors' kernel evaluates, `gs_inverse_generating_function`)
-    (`group_size`, the authors' name for it; groups reach C − 1 tokens) at growth rate r (`growth_rate`). With f(t)
-    the group of token t (`LogisticGroups`), the far key is at f(j) and the far query at W + f(i − W): the pair's
-    relative position is W + f(i − W) − f(j), W at the window's edge as in Self-Extend.
+    holds ⌊g(x)⌋ tokens, g(x) = C / (1 + (C − 1)·e^(−r·x)) the logistic curve from 1 towards the capacity C
+    (`group_size`, the authors' name for it; groups reach C − 1 tokens) at growth rate r (`growth_rate`), the curve
+    whose inverse the authors' kernel evaluates (`gs_inverse_generating_function`). With f(t) the group of token t
+    (`LogisticGroups`; tokens counted from 1 as the kernel counts them, so tokens 0 and 1 share group 0), the far key
+    is at f(j) and the far query at W + f(i − W): the pair's relative position is W + f(i − W) − f(j), W at the
+    window's edge as in Self-Extend. A schedule that jumps to C − 1 at once (a large r) is Self-Extend with G = C − 1
+    on positions moved by G − 2 (group 0 holds two tokens).
 
     A scheme of its own rather than a `group_schedule` option of `self_extend`: its `group_size` is a capacity that no
     group reaches (Self-Extend's is every group's size), it has a third parameter, and its suggestion rule differs, so
