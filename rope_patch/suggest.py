@@ -7,7 +7,8 @@ comes from (the paper or reference code; where a paper gives a range, the choice
 
     linear, ntk, dynamic, yarn, dynamic_yarn, llama3    factor s = N/L (`FrequencyScheme.factor_suggestion`); yarn
                                                         and dynamic_yarn add rope_patch's beta_fast for small L
-    self_extend, dca, rerope, leaky_rerope              the window / group / chunk sizes their papers give for N > L
+    self_extend, self_extend_logistic, dca, rerope,     the window / group / chunk sizes their papers give for N > L
+    leaky_rerope
     string                                              S = N/3, W = min(128, L/32); beyond L only with a frequency
                                                         scheme (`alone=False`)
 

@@ -88,6 +88,8 @@ FREQ_ATTN = [
     ("llama3:4", "string:shift_size=40,window_size=16"),
     ("ntk:4", "dca:chunk_size=24,local_size=4"),
     ("default:500000", "self_extend:group_size=3,window_size=10"),
+    ("yarn:4", "self_extend_logistic:group_size=6,window_size=16,growth_rate=0.5"),
+    ("llama3:4", "self_extend_logistic:group_size=8,window_size=12,growth_rate=0.3"),
 ]
 SETUPS = [("eager", False), ("sdpa", False), ("sdpa", True), ("eager", True)]
 

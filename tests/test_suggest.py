@@ -7,6 +7,7 @@ from fractions import Fraction
 import pytest
 import torch
 from helpers.models import VOCAB, logits, tiny_model
+from helpers.reference import logistic_groups
 from helpers.schemes import SCHEMES
 
 import rope_patch
@@ -17,6 +18,12 @@ SUGGESTED = {r.name for r in SCHEMES if r.suggest}  # every scheme with a rule (
 
 CASES = [(32, 16), (32, 32), (32, 33), (32, 96), (32, 256), (256, 200), (256, 1024), (256, 2048), (4096, 2048),
          (4096, 12288), (4096, 32768), (8192, 131072)]
+
+
+def logistic_reach_over_budget(window, n):
+    """No capacity below W = L/8 keeps SELF's largest position within ⅔·L (why no self_extend_logistic is suggested)."""
+    w, r = window // 8, 0.02 * 4096 / window
+    return all(w + logistic_groups(n - w, c, r)[n - 1 - w] > 2 * window / 3 for c in range(3, w))
 
 
 def _by_name(suggestions):
@@ -37,7 +44,8 @@ def test_rules_hold(models, window, n):
     if n <= window:
         assert set(got) <= {"string"}
     else:
-        assert SUGGESTED - {"self_extend"} <= set(got) <= SUGGESTED  # self_extend: where G < W exists (below)
+        # self_extend, self_extend_logistic: where a group size below W meets the budget (below)
+        assert SUGGESTED - {"self_extend", "self_extend_logistic"} <= set(got) <= SUGGESTED
         assert [s.scheme for s in found][:len(FACTOR)] == FACTOR  # the frequency schemes first
         fast = min(32, max(2, window / 128))
         for name in FACTOR:
@@ -66,6 +74,18 @@ def test_rules_hold(models, window, n):
         assert f"{w} + {n - w}/{g}" in got["self_extend"].reason
     elif n > window:
         assert 2.4 * n / window > window // 4 - 1  # skipped only where G would reach W
+    if "self_extend_logistic" in got:  # Dang et al. 2025: W = L/8, r = 0.02·4096/L, the smallest C within ⅔·L
+        p = got["self_extend_logistic"].params
+        c, w, r = p["group_size"], p["window_size"], p["growth_rate"]
+        assert w == window // 8 and c < w and r == pytest.approx(0.02 * 4096 / window, rel=1e-3)
+
+        def reach(capacity):  # the last query's far position minus the first key's: W + f(N − 1 − W) − f(0)
+            return w + logistic_groups(n - w, capacity, r)[n - 1 - w]
+
+        assert reach(c) <= 2 * window / 3 and (c == 3 or reach(c - 1) > 2 * window / 3)
+        assert f"largest position {reach(c)}" in got["self_extend_logistic"].reason
+    elif n > window:
+        assert window // 8 <= 3 or logistic_reach_over_budget(window, n)
     if "string" in got:
         s, w = got["string"].params["shift_size"], got["string"].params["window_size"]
         assert s > w and w == max(1, min(128, window // 32)) and s == max(w + 1, round(n / 3))

@@ -24,6 +24,8 @@ schemes through the very code that patches a model (`FrequencyScheme.inv_freq`, 
     sinusoidal        none                  (absolute, added to the embeddings)        0     (Vaswani et al. 2017)
     learned_absolute  none                  (absolute, learned table)                  0
     self_extend       model's θ_i           Δ < W: Δ; else ⌊i/G⌋ − ⌊j/G⌋ + W − ⌊W/G⌋    0     (Jin et al. 2024)
+    self_extend_      model's θ_i           Δ < W: Δ; else W + f(i − W) − f(j), f the   0     (Dang et al. 2025)
+      logistic                              logistic groups (sizes 1 … C − 1)
     rerope            model's θ_i           min(Δ, W)                                  0     (Su 2023)
     leaky_rerope      model's θ_i           Δ < W: Δ; else W + (Δ − W)/k (k = factor)  0     (Su 2023)
     string            model's θ_i           Δ < S: Δ; else Δ − S + W                   0     (An et al. 2024)

@@ -1,6 +1,6 @@
-"""Schemes that rotate keys with positions other than their own: Self-Extend, ReRoPE, leaky ReRoPE, STRING.
+"""Schemes that rotate keys with positions other than their own: Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING.
 
-All four split the (i, j) plane at a window W (for STRING its shift size, which plays that role below): for
+All five split the (i, j) plane at a window W (for STRING its shift size, which plays that role below): for
 i − j < W the true positions (exact RoPE); beyond it q and k are rotated to other positions f_q(i), f_k(j). That needs the keys un-rotated, so the model's rotary is made
 the identity (the KV cache then holds raw keys) and both rotations happen inside the attention function
 ("deferred RoPE"), with the model's own rotary forward (inv_freq, attention_scaling) and `apply_rotary_pos_emb`.
@@ -282,6 +282,147 @@ class SelfExtend(TwoRegion):
     def far_positions(self):
         g, w = self.group_size, self.window_size
         return Affine(g, w - w // g, floor=True), Affine(g, 0, floor=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogisticGroups:
+    """SELF's far positions (Dang et al. 2025, arXiv:2505.17296): p ↦ shift + f(p − shift), f(t) the group of token t
+    when consecutive groups grow along the logistic curve g(x) = C / (1 + (C − 1)·e^(−r·x)) (C = `capacity`, r =
+    `rate`): group x holds ⌊g(x)⌋ tokens, 1 at first, approaching C − 1. Keys use shift 0 (k at f(j)), queries shift W
+    (q at W + f(i − W)).
+
+    Built as the authors' kernel builds it (alexeipc/SELF-LLM, self_extend_patch/attn_method/logistic.cu, read at
+    e8d729e): size class s = 1 … C − 1 holds the groups x with ⌈x_s⌉ ≤ x < ⌈x_{s+1}⌉, x_s = ln(s(C − 1)/(C − s))/r the
+    inverse of g (the last class is unbounded), and tokens fill the classes in order, counted from 1 as the kernel
+    counts them: f(t) = F(max(t − 1, 0)), F the plain 0-based assignment (so tokens 0 and 1 share group 0).
+    A small data class with its tables precomputed (C entries), so the scores pickle and deep-copy."""
+
+    capacity: int
+    rate: float
+    shift: int = 0
+    # per non-empty size class: its first token (0-based F), its first group, its group size
+    tokens: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    groups: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    sizes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        c, r = self.capacity, self.rate
+        # ⌈x_s⌉, written as the kernel's (log(s·C − s) − log(C − s))/rate so the class bounds are the same doubles
+        first = [math.ceil((math.log(s * c - s) - math.log(c - s)) / r) for s in range(1, c)]
+        tokens, groups, sizes, token = [], [], [], 0
+        for s in range(1, c):
+            end = first[s] if s < c - 1 else None  # the last class (size C − 1) never ends
+            if end is not None and end <= first[s - 1]:
+                continue  # no integer x has ⌊g(x)⌋ = s: the curve jumps over this size
+            tokens.append(token)
+            groups.append(first[s - 1])
+            sizes.append(s)
+            if end is not None:
+                token += s * (end - first[s - 1])
+        object.__setattr__(self, "tokens", tuple(tokens))
+        object.__setattr__(self, "groups", tuple(groups))
+        object.__setattr__(self, "sizes", tuple(sizes))
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        t = (p.long() - self.shift - 1).clamp(min=0)  # the kernel counts tokens from 1: t − 1, token 0 with token 1
+        starts = torch.tensor(self.tokens, device=p.device)
+        k = torch.searchsorted(starts, t, right=True) - 1  # the size class of token t
+        groups = torch.tensor(self.groups, device=p.device)[k]
+        sizes = torch.tensor(self.sizes, device=p.device)[k]
+        return (groups + torch.div(t - starts[k], sizes, rounding_mode="floor") + self.shift).to(p.dtype)
+
+
+def _reach(capacity: int, rate: float, n: int, w: int) -> int:
+    """The largest relative position SELF uses on n tokens: the last query's far position W + f(n − 1 − W) minus the
+    first key's, f(0) = 0 (n − 1 when no pair is W apart)."""
+    return int(LogisticGroups(capacity, rate, w)(torch.tensor([n - 1])).item()) if n - 1 >= w else n - 1
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class SelfExtendLogistic(TwoRegion):
+    """SELF, Self-Extend with logistic group sizes (Dang et al. 2025, "SELF: Self-Extend the Context Length With
+    Logistic Growth Function", arXiv:2505.17296; reference code alexeipc/SELF-LLM): Self-Extend's two regions, exact
+    positions for i − j < W (`window_size`), grouped positions beyond, but the groups are not all G tokens: group x
+    holds ⌊g(x)⌋ tokens, g(x) = C / (1 + (C − 1)·e^(−r·x)) the logistic curve from 1 towards the capacity C
+    (`group_size`, the authors' name for it; groups reach C − 1 tokens) at growth rate r (`growth_rate`), the curve
+    whose inverse the authors' kernel evaluates (`gs_inverse_generating_function`). With f(t) the group of token t
+    (`LogisticGroups`; tokens counted from 1 as the kernel counts them, so tokens 0 and 1 share group 0), the far key
+    is at f(j) and the far query at W + f(i − W): the pair's relative position is W + f(i − W) − f(j), W at the
+    window's edge as in Self-Extend. A schedule that jumps to C − 1 at once (a large r) is Self-Extend with G = C − 1
+    on positions moved by G − 2 (group 0 holds two tokens).
+
+    A scheme of its own rather than a `group_schedule` option of `self_extend`: its `group_size` is a capacity that no
+    group reaches (Self-Extend's is every group's size), it has a third parameter, and its suggestion rule differs, so
+    one class per method keeps each parameter meaning one thing. Both positions are functions of the token's own
+    position (f(j) of the key's, W + f(i − W) of the query's), so it runs on the same machinery, exactly: the far keys
+    are rotated once, when written, and cached rotated, as Self-Extend's ⌊j/G⌋ are.
+
+    Where rope_patch and the authors' code differ (read at e8d729e):
+    - Their kernel skips a size class whose next class is empty (a curve that jumps over a size: large rates, small
+      capacities), misplacing the tokens from there on; rope_patch assigns every class in order. At the authors'
+      settings (C = 16, r = 0.02) and wherever every size occurs, the positions are theirs (tests/schemes/test_self.py).
+    - Their flash decoding path (q_len = 1) places keys with another kernel (logistic_qlen_1.cu, capacity W, the far
+      distance growing with the key's position j, the reverse of the prefill's), and their eager path computes the
+      groups for the one new query only; rope_patch decodes with the prefill's positions, so cached generation equals
+      recomputation.
+    - Their `apply(..., increase_rate)` is not passed to the kernel, which always runs at its default rate 0.02 (the
+      value their PG19 script sets); here `growth_rate` is used."""
+
+    name = "self_extend_logistic"
+    aliases = ("self", "logistic_self_extend")
+    bare_param = "group_size"
+    label_symbols = {"growth_rate": "r"}
+    group_size: int | None = None
+    window_size: int | None = None
+    growth_rate: float = 0.02
+
+    @classmethod
+    def search_space(cls, window, target):
+        w, r = max(3, window // 8), 0.02 * 4096 / window  # around the suggestion (below); every point has C < W
+        sizes = [c for c in (4, 8, 16, 32) if c < w] or [w - 1]
+        return {"group_size": sizes, "window_size": [w, 2 * w], "growth_rate": [r / 2, r, 2 * r]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """The authors' setting (C = 16, W = 512, r = 0.02 on Llama-2's L = 4096) in proportion to the window: W = L/8,
+        r = 0.02·4096/L (the curve keeps its shape in units of the window), and the smallest capacity C whose largest
+        relative position W + f(N − 1 − W) stays within ⅔·L (Self-Extend's rule of thumb, Jin et al. 2024 §4); none
+        where that needs C ≥ W."""
+        if n <= window:
+            return None
+        w = max(2, window // 8)
+        rate = plain_number(round(0.02 * 4096 / window, 4))
+        budget = 2 * window / 3
+        for c in range(3, w):
+            reach = _reach(c, rate, n, w)
+            if reach <= budget:
+                return Suggestion.of(cls.name, {"group_size": c, "window_size": w, "growth_rate": rate},
+                                     f"W = L/8 = {w}, r = 0.02·4096/L = {rate:g} (the authors' C = 16, W = 512, r = 0.02 "
+                                     f"at L = 4096), smallest C with largest position {reach} ≤ ⅔·L = {budget:.1f} "
+                                     "(Dang et al. 2025)")
+        return None
+
+    def __post_init__(self):
+        n = self.name
+        if self.group_size is None:
+            raise TypeError(f"{n}: missing required parameter `group_size` (the capacity C of the logistic curve: group "
+                            "sizes grow from 1 towards C − 1, e.g. 16).")
+        low, high = check.GROUP_SIZE_RANGE
+        self._set("group_size", check.integer(n, "group_size", self.group_size, ge=max(2, low), le=high,
+                                              hint="It is the logistic curve's capacity C; the authors use 16."))
+        self._set("window_size", _check_window_size(n, self.window_size))
+        self._set("growth_rate", check.number(n, "growth_rate", self.growth_rate, gt=0, le=100,
+                                              hint="The logistic curve's rate r per group; the authors use 0.02."))
+        if self.window_size <= self.group_size:
+            raise ValueError(
+                f"{n}: parameter `window_size` must be larger than `group_size` (the neighbour window holds whole "
+                f"groups), got window_size={self.window_size}, group_size={self.group_size}. Raise window_size."
+            )
+
+    def far_positions(self):
+        c, r, w = self.group_size, self.growth_rate, self.window_size
+        return LogisticGroups(c, r, w), LogisticGroups(c, r)
 
 
 @register_scheme

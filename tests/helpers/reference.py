@@ -33,6 +33,18 @@ def inv_freq(cfg, d, layer_type=None):
     return freq
 
 
+def logistic_groups(n: int, capacity: int, rate: float) -> list[int]:
+    """SELF (Dang et al. 2025, arXiv:2505.17296): the group of each of n tokens when group x holds ⌊g(x)⌋ consecutive
+    tokens, g(x) = C / (1 + (C − 1)·e^(−r·x)) (1 at x = 0, below C for every x: at most C − 1), the tokens counted from
+    1 as the authors' kernel counts them (token 0 joins token 1 in group 0). Written by walking the groups one by one."""
+    counted, x = [], 0
+    while len(counted) < n:
+        size = min(math.floor(capacity / (1 + (capacity - 1) * math.exp(-rate * x))), capacity - 1)
+        counted += [x] * size
+        x += 1
+    return [counted[max(t - 1, 0)] for t in range(n)]
+
+
 def relative(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     """r(i, j) as a float tensor (b, L, L) from true positions i (b, L, 1), j (b, 1, L)."""
     d = (i - j).float()
@@ -50,6 +62,9 @@ def relative(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Te
         g = p["group_size"]
         grouped = (torch.div(i, g, rounding_mode="floor") + w - w // g) - torch.div(j, g, rounding_mode="floor")
         return torch.where(d < w, d, grouped.float())
+    if scheme == "self_extend_logistic":
+        q, k = pair_positions(scheme, p, i, j)
+        return q - k
     raise KeyError(scheme)
 
 
@@ -77,6 +92,11 @@ def pair_positions(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> tu
     if scheme == "self_extend":  # Jin et al. 2024, Algorithm 1: q at ⌊i/G⌋ + W − ⌊W/G⌋, k at ⌊j/G⌋
         g = p["group_size"]
         return torch.where(far, torch.floor(i / g) + w - w // g, i), torch.where(far, torch.floor(j / g), j)
+    if scheme == "self_extend_logistic":  # Dang et al. 2025 (SELF): q at W + f(i − W), k at f(j), f the logistic groups
+        n = int(max(i.max().item(), j.max().item())) + 1
+        f = torch.tensor(logistic_groups(n, p["group_size"], p.get("growth_rate", 0.02)), dtype=torch.float32)
+        q_far = w + f[(i - w).clamp(min=0).long()]
+        return torch.where(far, q_far, i), torch.where(far, f[j.clamp(min=0).long()], j)
     raise KeyError(scheme)
 
 
@@ -111,7 +131,7 @@ def scores(scheme, p, model, layer_idx, q, k, pos, scale=None, layer_type=None):
     b, h, n, d = q.shape
     scale = d**-0.5 if scale is None else scale
     i, j = pos[:, :, None], pos[:, None, :]
-    if scheme in ("rope", "rerope", "leaky_rerope", "self_extend", "string"):
+    if scheme in ("rope", "rerope", "leaky_rerope", "self_extend", "self_extend_logistic", "string"):
         r = relative(scheme, p, i, j)  # (b, L, L)
         ang = r[..., None] * inv_freq(model.config, d, layer_type)  # (b, L, L, d/2)
         cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()

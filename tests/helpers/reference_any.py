@@ -5,7 +5,7 @@ everything around attention (q/k norms before or after RoPE, partial / interleav
 NoPE layers, gated attention, sinks, per-position temperatures), so here the model's own code runs everything, and
 only the positions are the reference's:
 
-- The schemes that move positions (self_extend, rerope, leaky_rerope, string, dca; "rope" = the identity, the
+- The schemes that move positions (self_extend, self_extend_logistic, rerope, leaky_rerope, string, dca; "rope" = the identity, the
   reference's sanity check): every pair (i, j) gets the query and key positions the paper gives it
   (`helpers.reference.pair_positions`, `helpers.reference_dca.pair_positions`, from the tokens' true positions). Each
   attention layer is then run by its own class forward several times with position embeddings made by its own rotary
@@ -36,7 +36,7 @@ from helpers.reference import alibi_slopes, pair_positions, sinusoid_table, t5_b
 from helpers.reference_dca import pair_positions as dca_pair_positions
 
 NAME = "rope_patch_tests_reference"
-POSITIONAL = ("rope", "self_extend", "rerope", "leaky_rerope", "string", "dca")  # pairs at the papers' positions
+POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca")  # pairs at the papers' positions
 BIAS = ("alibi", "relative_bias")
 OWN_ATTENTION = (*BIAS, *POSITIONAL)
 

@@ -49,6 +49,7 @@ SCHEMES = [
     Row("sinusoidal", "attention", {}),
     Row("learned_absolute", "attention", {"max_position_embeddings": 4 * WINDOW}),
     Row("self_extend", "attention", {"group_size": 4, "window_size": 16}, suggest="own"),
+    Row("self_extend_logistic", "attention", {"group_size": 6, "window_size": 16, "growth_rate": 0.5}, suggest="own"),
     Row("rerope", "attention", {"window_size": 16}, suggest="own"),
     Row("leaky_rerope", "attention", {"window_size": 16, "factor": 4.0}, suggest="own"),
     Row("string", "attention", {"shift_size": 16, "window_size": 4}, suggest="own"),

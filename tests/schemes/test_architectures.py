@@ -26,13 +26,14 @@ ATTENTION_SCHEMES = [
     ("sinusoidal", {}),
     ("learned_absolute", {"max_position_embeddings": 64}),
     ("self_extend", {"group_size": 4, "window_size": 12}),
+    ("self_extend_logistic", {"group_size": 6, "window_size": 12, "growth_rate": 0.5}),
     ("rerope", {"window_size": 12}),
     ("leaky_rerope", {"window_size": 12, "factor": 4.0}),
     ("string", {"shift_size": 20, "window_size": 6}),
     ("dca", {"chunk_size": 24, "local_size": 4}),
 ]
-OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string", "dca"}
-DEFERRED = {"self_extend", "rerope", "leaky_rerope", "string", "dca"}
+OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca"}
+DEFERRED = {"self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca"}
 # arch -> {scheme: regex of the refusal}; every other (arch, scheme) pair must equal the reference
 REFUSED = {
     f: {s: rf"{f} computes attention in its own module code" for s in OWN_FUNCTION} for f in coverage.OWN_CODE if f in ADDED

@@ -27,6 +27,7 @@ FLEX = [
     ("relative_bias", {"init": "alibi", "num_buckets": 16, "max_distance": 64}, False),
     ("nope", {}, True),
     ("self_extend", {"group_size": 4, "window_size": 16}, False),
+    ("self_extend_logistic", {"group_size": 6, "window_size": 16, "growth_rate": 0.5}, False),
     ("rerope", {"window_size": 16}, False),
     ("leaky_rerope", {"window_size": 16, "factor": 4.0}, False),
     ("string", {"shift_size": 20, "window_size": 6}, False),
@@ -75,7 +76,8 @@ def test_compiled_cpu_flex_is_refused_with_what_to_do(scheme, params):
     score_mod of a process and, compiled with static shapes, returned NaN after recompiles; two-call schemes need
     the log-sum-exp it does not return. Refused at apply(), the model untouched."""
     model = tiny_model("llama", attn_implementation="flex_attention")
-    why = "log-sum-exp" if scheme in ("self_extend", "rerope", "leaky_rerope", "string") else "miscompiles"
+    two_calls = ("self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string")
+    why = "log-sum-exp" if scheme in two_calls else "miscompiles"
     with pytest.raises(ValueError, match=f"{scheme}: .*{why}.*found the model on cpu.*'sdpa'"):
         rope_patch.apply(model, scheme, **params)
     assert rope_patch.current(model) is None and model.config._attn_implementation == "flex_attention"
