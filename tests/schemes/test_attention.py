@@ -24,9 +24,10 @@ SCHEMES = cases("attention", without=("dca",)) + [
     ("rerope", {"window_size": 40}),  # window > block: the fast path's four-way key split
     ("string", {"shift_size": 20, "window_size": 6}),  # split S = 20 < block: the band path
     ("string", {"shift_size": 40, "window_size": 16}),  # split S = 40 > block: the four-way key split
+    ("dpe", {"group_sizes": [2, 4, 8, 16, 16, 8, 4, 2], "window_size": 40}),  # one group per pair, W > block
 ]
 IDS = [f"{s}-{i}" for i, (s, _) in enumerate(SCHEMES)]
-CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string"}  # run through rope_patch's attention
+CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string", "dpe"}  # run through rope_patch's attention
 BACKENDS = ["eager", "sdpa"]
 
 
@@ -88,7 +89,9 @@ VANILLA_SETUPS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "sdpa"), ("ge
     ("rerope", {"window_size": L}),
     ("leaky_rerope", {"window_size": 8, "factor": 1.0}),
     ("string", {"shift_size": L, "window_size": 8}),  # S ≥ the sequence length: no distance is shifted
-], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift"])
+    ("dpe", {"group_sizes": [2, 4, 8, 3], "window_size": L}),
+    ("dpe", {"group_sizes": [1, 1, 1, 1], "window_size": 8}),
+], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift", "dpe-window", "dpe-group1"])
 def test_degenerate_settings_equal_vanilla_rope(scheme, params, arch, backend):
     """cohere rotates interleaved pairs: the model's own apply_rotary_pos_emb is reused, so it works too."""
     model = tiny_model(arch, attn_implementation=backend)
