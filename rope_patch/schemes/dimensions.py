@@ -159,9 +159,9 @@ class Dpe(TwoRegion):
                             "frequencies, fastest first, e.g. 2/8/2/8/32/32/32/4; see rope_patch.tuning.detect_group_sizes).")
         low, high = check.GROUP_SIZE_RANGE
         sizes = check.number_list(n, "group_sizes", self.group_sizes, ge=low, le=high,
-                                  hint="each is a group size s ≥ 1 (1 keeps that group's pairs at their true positions)")
+                                  hint="Each is a group size s ≥ 1 (1 keeps that group's pairs at their true positions).")
         for i, s in enumerate(sizes):
-            check.integer(n, f"group_sizes[{i}]", s, ge=low, le=high, hint="group sizes are whole numbers of tokens")
+            check.integer(n, f"group_sizes[{i}]", s, ge=low, le=high, hint="Group sizes are whole numbers of tokens.")
         self._set("group_sizes", tuple(int(s) for s in sizes))
         self._set("window_size", _check_window_size(n, self.window_size))
         if self.window_size <= max(self.group_sizes):
