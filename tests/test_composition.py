@@ -88,6 +88,7 @@ FREQ_ATTN = [
     ("llama3:4", "string:shift_size=40,window_size=16"),
     ("ntk:4", "dca:chunk_size=24,local_size=4"),
     ("default:500000", "self_extend:group_size=3,window_size=10"),
+    ("yarn:4", "dpe:group_sizes=2/4/8/3,window_size=16"),
 ]
 SETUPS = [("eager", False), ("sdpa", False), ("sdpa", True), ("eager", True)]
 

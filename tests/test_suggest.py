@@ -37,7 +37,7 @@ def test_rules_hold(models, window, n):
     if n <= window:
         assert set(got) <= {"string"}
     else:
-        assert SUGGESTED - {"self_extend"} <= set(got) <= SUGGESTED  # self_extend: where G < W exists (below)
+        assert SUGGESTED - {"self_extend", "dpe"} <= set(got) <= SUGGESTED  # self_extend, dpe: where G < W (below)
         assert [s.scheme for s in found][:len(FACTOR)] == FACTOR  # the frequency schemes first
         fast = min(32, max(2, window / 128))
         for name in FACTOR:
@@ -66,6 +66,12 @@ def test_rules_hold(models, window, n):
         assert f"{w} + {n - w}/{g}" in got["self_extend"].reason
     elif n > window:
         assert 2.4 * n / window > window // 4 - 1  # skipped only where G would reach W
+    if "dpe" in got:  # the authors' W = 1024 (at most L/8), every group at the detection baseline 2N/L
+        params = got["dpe"].params
+        assert params == {"group_sizes": [round(2 * n / window)] * 8, "window_size": min(1024, window // 8)}
+        assert params["group_sizes"][0] < params["window_size"]
+    elif n > window:
+        assert round(2 * n / window) >= min(1024, max(2, window // 8))  # skipped only where s would reach W
     if "string" in got:
         s, w = got["string"].params["shift_size"], got["string"].params["window_size"]
         assert s > w and w == max(1, min(128, window // 32)) and s == max(w + 1, round(n / 3))
