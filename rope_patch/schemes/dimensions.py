@@ -30,8 +30,8 @@ is at 2N/L, the best score fixing s_g; 8 groups × log2(N/1024) + 1 generations 
 at 128k), neither cheap nor deterministic enough to run inside `apply()`. So `group_sizes` is a parameter, and
 `rope_patch.tuning.detect_group_sizes(model, score, target, window_size)` runs the authors' sweep with a score of
 the user's choice (e.g. passkey accuracy at N). Their detected values (config/dpe_config.yaml) for Llama-3-8B-Instruct
-(L = 8k, N = 128k) are group_sizes=2/8/2/8/32/32/32/4, window_size=1024 (their README and RULER runs use
-4/4/2/16/32/32/16/128).
+(L = 8k, N = 128k) are group_sizes=2/8/2/8/32/32/32/4, window_size=1024 (their README's Quick Start has
+4/4/2/16/32/32/16/128, the setting of their released RULER predictions, which also select the top 48 of 64 pairs).
 
 Where rope_patch and the authors' code differ:
 - The query shift. The code's prefill shifts grouped queries by W − W/s_g (true division) and its decode by
@@ -133,6 +133,8 @@ class Dpe(TwoRegion):
 
     @classmethod
     def search_space(cls, window, target):
+        # `rope-patch tune`'s grid: the window around the detection baseline; per-group sizes are what
+        # rope_patch.tuning.detect_group_sizes measures (a grid over 8 sizes would be too large to search)
         s = max(1, round(2 * target / window))
         return {"group_sizes": [[s] * 8], "window_size": [window // 8, window // 4]}
 
