@@ -340,7 +340,8 @@ def test_sliding_window_layers_keep_their_window(scheme, params):
 
 @pytest.mark.parametrize("scheme,params", [("relative_bias", {}), ("learned_absolute", {"max_position_embeddings": 64}),
                                            ("self_extend", {"group_size": 2, "window_size": 8}),
-                                           ("string", {"shift_size": 16, "window_size": 4})])
+                                           ("string", {"shift_size": 16, "window_size": 4}),
+                                           ("dpe", {"group_sizes": [3, 1, 4, 8], "window_size": 16})])
 def test_save_and_reload_keeps_scheme_and_learned_tables(scheme, params, tmp_path):
     model = patched_model("llama", "sdpa", scheme, params)
     ids, _ = batch(False, n=40)
@@ -375,7 +376,8 @@ def test_backward_is_finite_and_equal_on_eager_and_sdpa(scheme, params):
     assert any(g.abs().sum() > 0 for n, g in grads[0].items() if "q_proj" in n)  # attention is differentiated
 
 
-@pytest.mark.parametrize("spec", ["string:32,window_size=8", "self_extend:4,window_size=16", "rerope:16"])
+@pytest.mark.parametrize("spec", ["string:32,window_size=8", "self_extend:4,window_size=16", "rerope:16",
+                                  "dpe:2/8/2/8,window_size=16"])
 def test_two_region_schemes_have_no_native_rope_parameters(spec):
     with pytest.raises(ValueError, match=r"no native transformers/vLLM `rope_parameters` form \(it changes attention\)"):
         rope_patch.to_rope_parameters(spec)
