@@ -90,6 +90,7 @@ FREQ_ATTN = [
     ("default:500000", "self_extend:group_size=3,window_size=10"),
     ("yarn:4", "self_extend_logistic:group_size=6,window_size=16,growth_rate=0.5"),
     ("llama3:4", "self_extend_logistic:group_size=8,window_size=12,growth_rate=0.3"),
+    ("yarn:4", "dpe:group_sizes=2/4/8/3,window_size=16"),
 ]
 SETUPS = [("eager", False), ("sdpa", False), ("sdpa", True), ("eager", True)]
 

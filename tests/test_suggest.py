@@ -44,8 +44,8 @@ def test_rules_hold(models, window, n):
     if n <= window:
         assert set(got) <= {"string"}
     else:
-        # self_extend, self_extend_logistic: where a group size below W meets the budget (below)
-        assert SUGGESTED - {"self_extend", "self_extend_logistic"} <= set(got) <= SUGGESTED
+        # self_extend, self_extend_logistic, dpe: where a group size below W meets the budget (below)
+        assert SUGGESTED - {"self_extend", "self_extend_logistic", "dpe"} <= set(got) <= SUGGESTED
         assert [s.scheme for s in found][:len(FACTOR)] == FACTOR  # the frequency schemes first
         fast = min(32, max(2, window / 128))
         for name in FACTOR:
@@ -86,6 +86,12 @@ def test_rules_hold(models, window, n):
         assert f"largest position {reach(c)}" in got["self_extend_logistic"].reason
     elif n > window:
         assert window // 8 <= 3 or logistic_reach_over_budget(window, n)
+    if "dpe" in got:  # the authors' W = 1024 (at most L/8), every group at the detection baseline 2N/L
+        params = got["dpe"].params
+        assert params == {"group_sizes": [round(2 * n / window)] * 8, "window_size": min(1024, window // 8)}
+        assert params["group_sizes"][0] < params["window_size"]
+    elif n > window:
+        assert round(2 * n / window) >= min(1024, max(2, window // 8))  # skipped only where s would reach W
     if "string" in got:
         s, w = got["string"].params["shift_size"], got["string"].params["window_size"]
         assert s > w and w == max(1, min(128, window // 32)) and s == max(w + 1, round(n / 3))

@@ -85,11 +85,13 @@ def _id_rows(ids: torch.Tensor, b: int) -> torch.Tensor:
 
 def stack_embeddings(embeddings, maps: Sequence[PositionMap], b: int, key) -> object:
     """The embeddings of every copy, stacked on the batch axis (copy t's rows t·b … (t + 1)·b − 1). Memoised on the
-    tagged object per layout (`key`): the decoder hands the same embeddings to every layer."""
+    tagged object per layout (`key`): the decoder hands the same embeddings to every layer. A map with an `embed`
+    method makes its copy's embeddings itself (DPE: each frequency group at positions of its own)."""
     if key in embeddings.memo:
         return embeddings.memo[key]
     pos = embeddings.position_ids
-    parts = [embeddings if isinstance(m, Identity) else embed(embeddings, m(pos)) for m in maps]
+    parts = [embeddings if isinstance(m, Identity) else m.embed(embeddings, pos) if hasattr(m, "embed")
+             else embed(embeddings, m(pos)) for m in maps]
     if isinstance(embeddings, tuple):
         out = tuple(torch.cat([_rows(p[i], b) for p in parts]) for i in range(len(embeddings)))
     else:  # Llama 4: one complex tensor

@@ -63,7 +63,10 @@ class Suggestion:
     @classmethod
     def of(cls, scheme: str, params: dict, reason: str, alone: bool = True) -> Suggestion:
         """The suggestion of `scheme` with `params`, its spec written out (`yarn:factor=4,beta_fast=2`)."""
-        spec = f"{scheme}:" + ",".join(f"{k}={v!r}" for k, v in params.items())
+        def text(v):  # a list as the spec grammar writes it: values separated by '/'
+            return "/".join(repr(x) for x in v) if isinstance(v, (list, tuple)) else repr(v)
+
+        spec = f"{scheme}:" + ",".join(f"{k}={text(v)}" for k, v in params.items())
         return cls(scheme, dict(params), spec, reason, alone)
 
     def __str__(self) -> str:

@@ -131,9 +131,16 @@ def scores(scheme, p, model, layer_idx, q, k, pos, scale=None, layer_type=None):
     b, h, n, d = q.shape
     scale = d**-0.5 if scale is None else scale
     i, j = pos[:, :, None], pos[:, None, :]
-    if scheme in ("rope", "rerope", "leaky_rerope", "self_extend", "self_extend_logistic", "string"):
-        r = relative(scheme, p, i, j)  # (b, L, L)
-        ang = r[..., None] * inv_freq(model.config, d, layer_type)  # (b, L, L, d/2)
+    if scheme in ("rope", "rerope", "leaky_rerope", "self_extend", "self_extend_logistic", "string", "dpe"):
+        freq = inv_freq(model.config, d, layer_type)
+        if scheme == "dpe":  # pair k in group ⌊k·G/(d/2)⌋ (fastest first) is Self-Extend with that group's size
+            sizes = p["group_sizes"]
+            r = torch.stack([relative("self_extend", {"group_size": sizes[k * len(sizes) // (d // 2)],
+                                                      "window_size": p["window_size"]}, i, j)
+                             for k in range(d // 2)], -1)  # (b, L, L, d/2): one relative position per pair
+            ang = r * freq
+        else:
+            ang = relative(scheme, p, i, j)[..., None] * freq  # (b, L, L, d/2)
         cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
         qi = q[:, :, :, None, :]  # (b, H, L, 1, d): q_i rotated by r(i, j) for every j
         q_rot = qi * cos[:, None] + rotate_half(qi) * sin[:, None]

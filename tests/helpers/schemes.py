@@ -54,6 +54,7 @@ SCHEMES = [
     Row("leaky_rerope", "attention", {"window_size": 16, "factor": 4.0}, suggest="own"),
     Row("string", "attention", {"shift_size": 16, "window_size": 4}, suggest="own"),
     Row("dca", "attention", {"chunk_size": 24, "local_size": 4}, suggest="own"),
+    Row("dpe", "attention", {"group_sizes": [3, 1, 4, 8], "window_size": 16}, suggest="own"),
     Row("logn", "modifier", {}),
 ]
 BY_NAME = {row.name: row for row in SCHEMES}

@@ -24,9 +24,10 @@ SCHEMES = cases("attention", without=("dca",)) + [
     ("rerope", {"window_size": 40}),  # window > block: the fast path's four-way key split
     ("string", {"shift_size": 20, "window_size": 6}),  # split S = 20 < block: the band path
     ("string", {"shift_size": 40, "window_size": 16}),  # split S = 40 > block: the four-way key split
+    ("dpe", {"group_sizes": [2, 4, 8, 16, 16, 8, 4, 2], "window_size": 40}),  # one group per pair, W > block
 ]
 IDS = [f"{s}-{i}" for i, (s, _) in enumerate(SCHEMES)]
-CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string"}  # run through rope_patch's attention
+CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string", "dpe"}  # run through rope_patch's attention
 BACKENDS = ["eager", "sdpa"]
 
 
@@ -88,7 +89,9 @@ VANILLA_SETUPS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "sdpa"), ("ge
     ("rerope", {"window_size": L}),
     ("leaky_rerope", {"window_size": 8, "factor": 1.0}),
     ("string", {"shift_size": L, "window_size": 8}),  # S ≥ the sequence length: no distance is shifted
-], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift"])
+    ("dpe", {"group_sizes": [2, 4, 8, 3], "window_size": L}),
+    ("dpe", {"group_sizes": [1, 1, 1, 1], "window_size": 8}),
+], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift", "dpe-window", "dpe-group1"])
 def test_degenerate_settings_equal_vanilla_rope(scheme, params, arch, backend):
     """cohere rotates interleaved pairs: the model's own apply_rotary_pos_emb is reused, so it works too."""
     model = tiny_model(arch, attn_implementation=backend)
@@ -337,7 +340,8 @@ def test_sliding_window_layers_keep_their_window(scheme, params):
 
 @pytest.mark.parametrize("scheme,params", [("relative_bias", {}), ("learned_absolute", {"max_position_embeddings": 64}),
                                            ("self_extend", {"group_size": 2, "window_size": 8}),
-                                           ("string", {"shift_size": 16, "window_size": 4})])
+                                           ("string", {"shift_size": 16, "window_size": 4}),
+                                           ("dpe", {"group_sizes": [3, 1, 4, 8], "window_size": 16})])
 def test_save_and_reload_keeps_scheme_and_learned_tables(scheme, params, tmp_path):
     model = patched_model("llama", "sdpa", scheme, params)
     ids, _ = batch(False, n=40)
@@ -372,7 +376,8 @@ def test_backward_is_finite_and_equal_on_eager_and_sdpa(scheme, params):
     assert any(g.abs().sum() > 0 for n, g in grads[0].items() if "q_proj" in n)  # attention is differentiated
 
 
-@pytest.mark.parametrize("spec", ["string:32,window_size=8", "self_extend:4,window_size=16", "rerope:16"])
+@pytest.mark.parametrize("spec", ["string:32,window_size=8", "self_extend:4,window_size=16", "rerope:16",
+                                  "dpe:2/8/2/8,window_size=16"])
 def test_two_region_schemes_have_no_native_rope_parameters(spec):
     with pytest.raises(ValueError, match=r"no native transformers/vLLM `rope_parameters` form \(it changes attention\)"):
         rope_patch.to_rope_parameters(spec)

@@ -31,6 +31,7 @@ FLEX = [
     ("rerope", {"window_size": 16}, False),
     ("leaky_rerope", {"window_size": 16, "factor": 4.0}, False),
     ("string", {"shift_size": 20, "window_size": 6}, False),
+    ("dpe", {"group_sizes": [3, 1, 4, 8], "window_size": 16}, False),
 ]
 FLEX_IDS = [s for s, *_ in FLEX]
 
@@ -76,7 +77,7 @@ def test_compiled_cpu_flex_is_refused_with_what_to_do(scheme, params):
     score_mod of a process and, compiled with static shapes, returned NaN after recompiles; two-call schemes need
     the log-sum-exp it does not return. Refused at apply(), the model untouched."""
     model = tiny_model("llama", attn_implementation="flex_attention")
-    two_calls = ("self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string")
+    two_calls = ("self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dpe")
     why = "log-sum-exp" if scheme in two_calls else "miscompiles"
     with pytest.raises(ValueError, match=f"{scheme}: .*{why}.*found the model on cpu.*'sdpa'"):
         rope_patch.apply(model, scheme, **params)
