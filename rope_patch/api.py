@@ -222,7 +222,7 @@ def remove(model: M) -> M:
     """
     try:
         target = find_target(model)
-    except NoRotary:  # no rotary module, so no patch: nothing to undo (GPT-J's tables, GPT-2's learned positions)
+    except NoRotary:  # no rotary module, so no patch: nothing to undo (GPT-2's learned positions)
         return model
     state = patch_state(target)
     if state is not None:

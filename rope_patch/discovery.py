@@ -328,7 +328,8 @@ def find_target(model) -> PatchSite:
         raise NoRotary(
             f"{type(base).__name__} (model_type={model_type!r}) has no rotary position embedding module: "
             "rope_patch patches the RoPE of LLaMA-family models (llama, mistral, qwen2/3, gemma, phi3, olmo2, "
-            "granite, ...), which keep one `*RotaryEmbedding` module with an `inv_freq` buffer. Models with "
+            "granite, ...), which keep one `*RotaryEmbedding` module with an `inv_freq` buffer (or a table of sin/cos "
+            "rows at integer positions, as GPT-J and CodeGen). Models with "
             f"absolute or learned position embeddings (gpt2, bert, ...) are not supported. Schemes: {', '.join(list_schemes())}."
         )
     # the primary rotary: one built from the model's config itself, else the first (the state of a patch lives there)

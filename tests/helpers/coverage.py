@@ -247,7 +247,10 @@ def page() -> str:
         "",
         f"Every model folder of transformers {transformers.__version__} that defines a rotary embedding and a causal "
         f"LM ({len(folders_)} folders), tried on a tiny random model of each (`tests/helpers/models.py`): the "
-        "frequency schemes (yarn ×4 against a model transformers builds from the patched config), the re-positioning "
+        "frequency schemes (yarn ×4 against a model transformers builds from the patched config; GPT-J and CodeGen, "
+        "whose configs have no `rope_parameters` and which rotate from a sin/cos table built at init, against the same "
+        "model with its table built from the frequencies and attention scaling of transformers' "
+        "`ROPE_INIT_FUNCTIONS['yarn']` on a config carrying the same parameters), the re-positioning "
         "schemes (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA: at an identity setting against the model, at a real "
         "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
         "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "
