@@ -229,13 +229,15 @@ def sincos_table(module: nn.Module) -> SinCosTable | None:
         rows, width = table.shape
         if rows < 2 or width < 2 or width % 2:
             continue
-        found = _read_table(module, name, table.detach().float().cpu())
+        found = _read_table(module, name, table.detach().cpu())
         if found is not None:
             return found
     return None
 
 
-def _read_table(module: nn.Module, name: str, table: torch.Tensor) -> SinCosTable | None:
+def _read_table(module: nn.Module, name: str, stored: torch.Tensor) -> SinCosTable | None:
+    """`stored` in its own dtype: a model cast to bf16 holds its table rounded, which is compared as such."""
+    table = stored.float()
     rows, width = table.shape
     pairs = width // 2
     first, second = table[0, :pairs], table[0, pairs:]
@@ -252,21 +254,22 @@ def _read_table(module: nn.Module, name: str, table: torch.Tensor) -> SinCosTabl
     for p in ladder[1:]:  # unwrap p·θ with the current estimate, p doubling: the error shrinks as 1/p
         turns = torch.round((p * theta - angle[p]) / (2 * math.pi))
         theta = (angle[p] + 2 * math.pi * turns) / p
-    if not math.isclose(float(theta[0]), 1.0, rel_tol=1e-5):  # θ_0 = b^0 = 1 for every base
+    if not math.isclose(float(theta[0]), 1.0, rel_tol=1e-3):  # θ_0 = b^0 = 1 for every base
         return None
+    tolerance = max(1e-4, 4 * torch.finfo(stored.dtype).eps)  # what one rounding of |sin|, |cos| ≤ 1 moves
     base = 10000.0
     if pairs > 1:
         estimate = math.exp(-math.log(float(theta[1])) * pairs)  # θ_1 = b^(−1/pairs)
         candidates = [float(f"{estimate:.{n}g}") for n in range(1, 10)] + [estimate]
-        exact = next((b for b in candidates if b > 1 and torch.equal(_default_table(b, pairs, rows, sin_first), table)),
-                     None)
+        exact = next((b for b in candidates
+                      if b > 1 and torch.equal(_default_table(b, pairs, rows, sin_first).to(stored.dtype), stored)), None)
         if exact is not None:
             base = exact
-        elif estimate > 1 and (_default_table(estimate, pairs, rows, sin_first) - table).abs().max() <= 1e-4:
+        elif estimate > 1 and (_default_table(estimate, pairs, rows, sin_first) - table).abs().max() <= tolerance:
             base = estimate
         else:
             return None
-    elif (_default_table(base, 1, rows, sin_first) - table).abs().max() > 1e-4:
+    elif (_default_table(base, 1, rows, sin_first) - table).abs().max() > tolerance:
         return None
     returns = _returns_sin_first(module, table, pairs, sin_first)
     if returns is None:

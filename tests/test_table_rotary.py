@@ -82,6 +82,18 @@ def test_the_base_is_read_exactly_from_a_full_size_table(base):
     assert layout is not None and layout.rope_theta == base and layout.pairs == 32
 
 
+def test_a_table_cast_to_bf16_is_read_and_given_back():
+    """`model.to(torch.bfloat16)` rounds the table (the model then rotates with the rounded rows): still read as the
+    same RoPE, and remove() gives the rounded table back."""
+    model = tiny_model("gptj", attn_implementation="sdpa").to(torch.bfloat16)
+    assert find_target(model).table.rope_theta == 10000.0
+    ids = batch(40)
+    before = logits(model, ids)
+    rope_patch.apply(model, "self_extend", group_size=4, window_size=16)
+    rope_patch.remove(model)
+    assert table_of(model).dtype == torch.bfloat16 and torch.equal(logits(model, ids), before)
+
+
 def test_a_buffer_that_is_not_a_rope_table_is_no_rotary():
     model = tiny_model("gptj")
     rotary = table_of(model)
