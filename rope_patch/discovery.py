@@ -12,9 +12,11 @@ and returns (`sincos_table`), never by its model type: row p of the buffer is si
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -229,10 +231,24 @@ def sincos_table(module: nn.Module) -> SinCosTable | None:
         rows, width = table.shape
         if rows < 2 or width < 2 or width % 2:
             continue
-        found = _read_table(module, name, table.detach().cpu())
-        if found is not None:
-            return found
+        # read once per tensor and version (find_target runs at every apply / remove / current)
+        key = (id(module), name, table._version)
+        address = id(table)
+        known = _READ.get(address)
+        if known is None or known[0]() is not table or known[1] != key:
+            ref = weakref.ref(table, functools.partial(_forget, address))
+            known = (ref, key, _read_table(module, name, table.detach().cpu()))
+            _READ[address] = known
+        if known[2] is not None:
+            return known[2]
     return None
+
+
+_READ: dict = {}  # id(buffer) -> (weak reference to it, (module id, name, version), its layout or None)
+
+
+def _forget(address: int, _ref) -> None:
+    _READ.pop(address, None)
 
 
 def _read_table(module: nn.Module, name: str, stored: torch.Tensor) -> SinCosTable | None:
