@@ -33,11 +33,13 @@ class PatchState(UndoLog):
     """The applied scheme (model-derived defaults filled in), the unpatched RoPE fields of the config (for saving a
     reloadable model) and the undo log of everything the patch changed."""
 
-    def __init__(self, scheme: Scheme, original: dict, window: int | None):
+    def __init__(self, scheme: Scheme, original: dict, window: int | None, table=None):
         super().__init__()
         self.scheme = scheme
         self.original = original
         self.window = window  # the context the scheme serves (None: unchanged), see context_window
+        # a table rotary's layout as the patch found it (discovery.SinCosTable: its rows may be scaled now), else None
+        self.table = table
 
     def extra_repr(self) -> str:
         return f"{self.scheme}, {super().extra_repr()}"
@@ -45,7 +47,8 @@ class PatchState(UndoLog):
 
 def _unpatched_rope_fields(target: PatchSite) -> dict:
     cfg = target.config
-    return {"rope_parameters": copy.deepcopy(cfg.rope_parameters),
+    # a table rotary's config (GPT-J, CodeGen) has no rope_parameters: its RoPE is the table the model builds at init
+    return {"rope_parameters": copy.deepcopy(getattr(cfg, "rope_parameters", None)),
             "max_position_embeddings": getattr(cfg, "max_position_embeddings", None)}  # RecurrentGemma records none
 
 
@@ -154,8 +157,10 @@ def _apply(model: M, new: Scheme, *, temporary: bool, check: bool = True) -> M:
         target.check = check
     try:
         resolved = new.resolve(target)
+        if target.table is not None:
+            resolved = resolved.on_table(target)
         install = resolved.prepare(target)
-        state = PatchState(resolved, _unpatched_rope_fields(target), resolved.served_window(target))
+        state = PatchState(resolved, _unpatched_rope_fields(target), resolved.served_window(target), target.table)
         try:
             target.config = state.private_config(target.model)
             install(state)
@@ -217,7 +222,7 @@ def remove(model: M) -> M:
     """
     try:
         target = find_target(model)
-    except NoRotary:  # no rotary module, so no patch: nothing to undo (GPT-J's tables, GPT-2's learned positions)
+    except NoRotary:  # no rotary module, so no patch: nothing to undo (GPT-2's learned positions)
         return model
     state = patch_state(target)
     if state is not None:

@@ -3,11 +3,20 @@
 transformers 5 gives every RoPE model one rotary module (`model.model.rotary_emb`, `gpt_neox.rotary_emb`, ...) that
 computes cos/sin once per forward for all layers. Models with per-layer-type RoPE (Gemma 3) keep one set of
 buffers per layer type (`{layer_type}_inv_freq`) and a dict `rope_type`.
+
+Some rotate from a table instead (GPT-J, CodeGen): a module whose `forward(x, position_ids)` indexes a buffer of
+sin/cos rows, built once at init from a base its config does not record. Such a module is recognised by what it holds
+and returns (`sincos_table`), never by its model type: row p of the buffer is sin(p·θ_i), cos(p·θ_i) for
+θ_i = b^(−2i/d), and the forward gives those rows at the positions it is called with.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +64,9 @@ class PatchSite:
     check: bool = True  # run the apply-time plumbing check of the attention-side schemes (attention/plumbing.py)
     rotaries: tuple = ()  # every rotary module (the primary first); () means (rotary,)
 
+    # a rotary that is a sin/cos table (GPT-J, CodeGen): its layout and the RoPE it holds; None for inv_freq rotaries
+    table: SinCosTable | None = None
+
     def __post_init__(self):
         if not self.rotaries:
             self.rotaries = (self.rotary,)
@@ -64,11 +76,13 @@ class PatchSite:
         model's."""
         config = vars(rotary).get("config")
         config = config if getattr(config, "rope_parameters", None) is not None else self.config
-        return PatchSite(self.model, rotary, config, self.check, (rotary,))
+        return PatchSite(self.model, rotary, config, self.check, (rotary,), self.table)
 
     @property
     def layer_types(self) -> list[str | None]:
         """Per-layer-type keys of the rotary module, or [None] for a single rotary."""
+        if self.table is not None:
+            return [None]
         rope_type = self.rotary.rope_type
         return sorted(rope_type) if isinstance(rope_type, dict) else [None]
 
@@ -85,6 +99,8 @@ class PatchSite:
     def contexts(self) -> dict[str | None, RopeContext]:
         """RopeContext per layer type, from the model's current (unpatched) state."""
         cfg = self.config
+        if self.table is not None:
+            return {None: self.table.context(cfg)}
         out = {}
         for lt in self.layer_types:
             params = cfg.rope_parameters[lt] if lt is not None else cfg.rope_parameters
@@ -158,6 +174,154 @@ def _is_rotary(module: nn.Module) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class SinCosTable:
+    """A rotary module that rotates from a table (GPT-J, CodeGen: `embed_positions`, built at init by
+    `create_sinusoidal_positions`): buffer `buffer` holds, for positions 0 … rows − 1, sin(p·θ_i) and cos(p·θ_i) of the
+    `pairs` rotated pairs side by side (`sin_first`: [sin | cos], else [cos | sin]), θ_i = rope_theta^(−2i/(2·pairs));
+    its forward returns the two halves at the given position ids (`returns_sin_first`: in the order (sin, cos)). The
+    attention layers rotate interleaved pairs of the first 2·pairs coordinates with them; their own code does that, so
+    nothing here depends on it."""
+
+    buffer: str
+    rows: int
+    pairs: int
+    rope_theta: float
+    sin_first: bool
+    returns_sin_first: bool
+
+    def context(self, config) -> RopeContext:
+        """The RoPE this table holds, as a scheme sees it: transformers' `default` with the table's base over its
+        rotated pairs (`partial_rotary_factor` where they are fewer than the head's), and the config's window."""
+        head_dim = head_size(config)
+        rotary_dim = 2 * self.pairs
+        params = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if rotary_dim < head_dim:
+            params["partial_rotary_factor"] = rotary_dim / head_dim
+        window = getattr(config, "max_position_embeddings", None) or self.rows
+        return RopeContext(head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=self.rope_theta,
+                           max_position_embeddings=int(window), rope_parameters=params)
+
+    def build(self, inv_freq: torch.Tensor, scaling: float, rows: int, device=None) -> torch.Tensor:
+        """The table of these frequencies (fp32) for positions 0 … rows − 1, in this layout, times `scaling` (the
+        cos/sin scale a rotary module multiplies its output by): row p as `create_sinusoidal_positions` computes it."""
+        inv_freq = inv_freq.float().to(device)
+        angles = torch.arange(rows, dtype=torch.int64, device=device).float()[:, None] * inv_freq
+        sin, cos = torch.sin(angles), torch.cos(angles)
+        if scaling != 1.0:
+            sin, cos = sin * scaling, cos * scaling
+        return torch.cat((sin, cos) if self.sin_first else (cos, sin), dim=1)
+
+
+def default_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
+    """θ_i = b^(−2i/d) as transformers' default RoPE (and GPT-J's table) computes it, fp32."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
+def sincos_table(module: nn.Module) -> SinCosTable | None:
+    """The layout of a table rotary (see SinCosTable), read from the module's buffers and forward; None for any other
+    module. The base is read from the table's rows (θ_1 from row 1, refined on rows 2, 4, 8, … so that it is exact to
+    float precision) and taken as the shortest decimal that rebuilds the table bit for bit."""
+    params = list(inspect.signature(type(module).forward).parameters)
+    if params[1:3] != ["x", "position_ids"] or _is_rotary(module):
+        return None
+    for name, table in module._buffers.items():
+        if table is None or table.dim() != 2 or not table.is_floating_point() or table.device.type == "meta":
+            continue
+        rows, width = table.shape
+        if rows < 2 or width < 2 or width % 2:
+            continue
+        # read once per tensor and version (find_target runs at every apply / remove / current)
+        key = (id(module), name, table._version)
+        address = id(table)
+        known = _READ.get(address)
+        if known is None or known[0]() is not table or known[1] != key:
+            ref = weakref.ref(table, functools.partial(_forget, address))
+            known = (ref, key, _read_table(module, name, table.detach().cpu()))
+            _READ[address] = known
+        if known[2] is not None:
+            return known[2]
+    return None
+
+
+_READ: dict = {}  # id(buffer) -> (weak reference to it, (module id, name, version), its layout or None)
+
+
+def _forget(address: int, _ref) -> None:
+    _READ.pop(address, None)
+
+
+def _read_table(module: nn.Module, name: str, stored: torch.Tensor) -> SinCosTable | None:
+    """`stored` in its own dtype: a model cast to bf16 holds its table rounded, which is compared as such."""
+    table = stored.float()
+    rows, width = table.shape
+    pairs = width // 2
+    first, second = table[0, :pairs], table[0, pairs:]
+    if torch.all(first == 0) and torch.all(second == 1):
+        sin_first = True
+    elif torch.all(first == 1) and torch.all(second == 0):
+        sin_first = False
+    else:
+        return None
+    sin, cos = (table[:, :pairs], table[:, pairs:]) if sin_first else (table[:, pairs:], table[:, :pairs])
+    ladder = [2**k for k in range(rows.bit_length()) if 2**k < rows]  # rows 1, 2, 4, …
+    angle = dict(zip(ladder, torch.atan2(sin[ladder].double(), cos[ladder].double()), strict=True))  # p·θ_i mod 2π
+    theta = angle[1]
+    for p in ladder[1:]:  # unwrap p·θ with the current estimate, p doubling: the error shrinks as 1/p
+        turns = torch.round((p * theta - angle[p]) / (2 * math.pi))
+        theta = (angle[p] + 2 * math.pi * turns) / p
+    if not math.isclose(float(theta[0]), 1.0, rel_tol=1e-3):  # θ_0 = b^0 = 1 for every base
+        return None
+    tolerance = max(1e-4, 4 * torch.finfo(stored.dtype).eps)  # what one rounding of |sin|, |cos| ≤ 1 moves
+    base = 10000.0
+    if pairs > 1:
+        estimate = math.exp(-math.log(float(theta[1])) * pairs)  # θ_1 = b^(−1/pairs)
+        candidates = [float(f"{estimate:.{n}g}") for n in range(1, 10)] + [estimate]
+        exact = next((b for b in candidates
+                      if b > 1 and torch.equal(_default_table(b, pairs, rows, sin_first).to(stored.dtype), stored)), None)
+        if exact is not None:
+            base = exact
+        elif estimate > 1 and (_default_table(estimate, pairs, rows, sin_first) - table).abs().max() <= tolerance:
+            base = estimate
+        else:
+            return None
+    elif (_default_table(base, 1, rows, sin_first) - table).abs().max() > tolerance:
+        return None
+    returns = _returns_sin_first(module, table, pairs, sin_first)
+    if returns is None:
+        return None
+    return SinCosTable(name, rows, pairs, base, sin_first, returns)
+
+
+def _default_table(base: float, pairs: int, rows: int, sin_first: bool) -> torch.Tensor:
+    layout = SinCosTable("", rows, pairs, base, sin_first, sin_first)
+    return layout.build(default_inv_freq(base, 2 * pairs), 1.0, rows)
+
+
+def _returns_sin_first(module: nn.Module, table: torch.Tensor, pairs: int, sin_first: bool) -> bool | None:
+    """Whether the module's forward returns (sin, cos) rows of its table at the positions it is given (None: it does
+    not return its table's rows, so it is not a table rotary)."""
+    device = module._buffers[next(n for n, b in module._buffers.items() if b is not None)].device
+    ids = torch.tensor([[0, 1, table.shape[0] - 1]], device=device)
+    try:
+        with torch.no_grad():
+            out = type(module).forward(module, torch.zeros(1, 3, 1, device=device), ids)
+    except Exception:  # noqa: BLE001 (a module this forward does not fit is simply not a table rotary)
+        return None
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, torch.Tensor) for o in out)):
+        return None
+    rows = table[[0, 1, table.shape[0] - 1]]
+    sin, cos = (rows[:, :pairs], rows[:, pairs:]) if sin_first else (rows[:, pairs:], rows[:, :pairs])
+    got = [o.detach().float().cpu().reshape(3, -1) for o in out]
+    if any(g.shape != (3, pairs) for g in got):
+        return None
+    if torch.equal(got[0], sin) and torch.equal(got[1], cos):
+        return True
+    if torch.equal(got[0], cos) and torch.equal(got[1], sin):
+        return False
+    return None
+
+
 class NoRotary(TypeError):
     """A transformers model without a rotary module: nothing to patch (and nothing a patch could have left)."""
 
@@ -175,10 +339,16 @@ def find_target(model) -> PatchSite:
     rotaries = list({id(m): m for m in rotaries}.values())
     model_type = getattr(base.config, "model_type", "?")
     if not rotaries:
+        tables = _table_rotaries(base)
+        if len(tables) == 1:
+            (module, layout), = tables
+            return PatchSite(model=base, rotary=module, config=base.config, table=layout)
+    if not rotaries:
         raise NoRotary(
             f"{type(base).__name__} (model_type={model_type!r}) has no rotary position embedding module: "
             "rope_patch patches the RoPE of LLaMA-family models (llama, mistral, qwen2/3, gemma, phi3, olmo2, "
-            "granite, ...), which keep one `*RotaryEmbedding` module with an `inv_freq` buffer. Models with "
+            "granite, ...), which keep one `*RotaryEmbedding` module with an `inv_freq` buffer (or a table of sin/cos "
+            "rows at integer positions, as GPT-J and CodeGen). Models with "
             f"absolute or learned position embeddings (gpt2, bert, ...) are not supported. Schemes: {', '.join(list_schemes())}."
         )
     # the primary rotary: one built from the model's config itself, else the first (the state of a patch lives there)
@@ -199,6 +369,23 @@ def find_target(model) -> PatchSite:
             f"rope_patch.apply({where}, ...); the rest of the model has no rotary position embedding.")
     return PatchSite(model=base, rotary=primary, config=base.config,
                      rotaries=(primary, *(m for m in rotaries if m is not primary)))
+
+
+def _table_rotaries(base: nn.Module) -> list[tuple[nn.Module, SinCosTable]]:
+    """The table rotaries of a model without inv_freq rotaries: a patched one is known by its patch (its table may hold
+    scaled rows by now; the patch keeps the layout it found), any other by its contents."""
+    found = {}
+    for m in base.modules():
+        if id(m) in found:
+            continue
+        layout = getattr(m._modules.get("rope_patch"), "table", None)
+        if isinstance(layout, SinCosTable):
+            found[id(m)] = (m, layout)
+            continue
+        layout = sincos_table(m)
+        if layout is not None:
+            found[id(m)] = (m, layout)
+    return list(found.values())
 
 
 # ---- facts beyond the rotary module -------------------------------------------------------------------------------

@@ -78,6 +78,8 @@ def to_rope_parameters(scheme: SchemeLike | None, *, model: nn.Module | None = N
     _require_native(scheme)
     if model is not None:
         target = find_target(model)
+        if target.table is not None:
+            _require_native(scheme.resolve(target).on_table(target))
         ctx = next(iter(target.contexts().values()))
         return scheme.resolve(target).rope_parameters(ctx)
     theta = rope_theta or scheme.params().get("rope_theta")
@@ -151,7 +153,7 @@ def _adapter_native(path: Path, manifest: dict | None, base) -> tuple[dict, int]
         config = transformers.AutoConfig.from_pretrained(src)
     except OSError as err:
         raise FileNotFoundError(f"The adapter's base model {src!r} cannot be read ({err}); pass --base PATH.") from None
-    if manifest and manifest.get("original"):
+    if manifest and manifest.get("original") and manifest["original"]["rope_parameters"] is not None:
         config.rope_parameters = manifest["original"]["rope_parameters"]
         config.max_position_embeddings = manifest["original"]["max_position_embeddings"]
     with torch.device("meta"):
@@ -329,7 +331,7 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
         if not isinstance(src, (str, os.PathLike)):
             return src
         config = transformers.AutoConfig.from_pretrained(src)
-        if original:  # the scheme is defined relative to the unpatched model
+        if original and original["rope_parameters"] is not None:  # the scheme is relative to the unpatched model
             config.rope_parameters = copy.deepcopy(original["rope_parameters"])
             config.max_position_embeddings = original["max_position_embeddings"]
         return model_class.from_pretrained(src, config=config, **kwargs)
@@ -424,7 +426,8 @@ def _is_native(scheme: Scheme) -> bool:
 
 def _rewrite_config(path: Path, rope: dict) -> None:
     config = json.loads(path.read_text())
-    config.update(copy.deepcopy(rope))
+    # a table rotary's model (GPT-J) has no rope_parameters: none are written for it
+    config.update({k: copy.deepcopy(v) for k, v in rope.items() if v is not None})
     write_text_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

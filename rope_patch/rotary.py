@@ -37,7 +37,7 @@ class BackendChanged(RuntimeError):
 class PatchedRotaryForward:
     def __init__(self, rotary: nn.Module, masters: dict[str, torch.Tensor], *, identity: bool, config=None,
                  attn_implementation: str | None = None, allowed: tuple[str, ...] = (), scheme: str = "", update=None,
-                 tagged: bool = False):
+                 tagged: bool = False, sin_first: bool = False):
         self.rotary = rotary
         self.masters = masters  # buffer name -> float32 tensor the patch installed
         self.identity = identity
@@ -47,6 +47,7 @@ class PatchedRotaryForward:
         self.scheme = scheme
         self.update = update  # None, or called with (rotary, x, position_ids, layer_type) before each forward
         self.tagged = tagged  # return attention.copies.Tagged embeddings (the re-positioning schemes read them)
+        self.sin_first = sin_first  # the rotary returns (sin, cos), not (cos, sin) (a table rotary: GPT-J, CodeGen)
         self.seen = self._buffers_now()  # the buffer tensors as the patch (or the last forward) left them
         self.recent: list = []  # the tagged outputs of the current forward (run-time only: not copied or pickled)
 
@@ -80,8 +81,9 @@ class PatchedRotaryForward:
         self.seen = self._buffers_now()
         if self.identity:
             if isinstance(out, tuple):  # broadcast views of one element: the identity costs no (L × d) tensors
-                cos, sin = out
-                out = (cos.new_ones(()).expand_as(cos), sin.new_zeros(()).expand_as(sin))
+                cos, sin = out[::-1] if self.sin_first else out
+                cos, sin = cos.new_ones(()).expand_as(cos), sin.new_zeros(()).expand_as(sin)
+                out = (sin, cos) if self.sin_first else (cos, sin)
             else:  # Llama 4: one complex tensor e^{i·m·θ}·attention_scaling, not (cos, sin)
                 out = out.new_ones(()).expand_as(out)
         if self.tagged:
@@ -93,6 +95,28 @@ class PatchedRotaryForward:
 
     def _buffers_now(self) -> dict:
         return {name: self.rotary._buffers.get(name) for name in self.masters}
+
+
+class TableGrowth:
+    """The `update` of a table rotary (GPT-J, CodeGen: sin/cos rows indexed by position): before a forward reaches a
+    position past the table's last row, the table is extended with the rows of the same frequencies and scale, the
+    existing rows kept as they are. The model as built stops at its `max_position_embeddings` rows (an index error
+    past them); a patch serves the positions its scheme is for (Self-Extend past the window, YaRN's extended window,
+    the positions a re-positioned copy is moved to)."""
+
+    def __init__(self, layout, inv_freq: torch.Tensor, scaling: float):
+        self.layout = layout  # discovery.SinCosTable
+        self.inv_freq = inv_freq.float()
+        self.scaling = scaling
+
+    def __call__(self, rotary: nn.Module, x, position_ids, layer_type=None) -> None:
+        table = rotary._buffers[self.layout.buffer]
+        need = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        if need <= table.shape[0]:
+            return
+        rows = max(need, 2 * table.shape[0])  # doubling: a generation step does not rebuild it every token
+        grown = self.layout.build(self.inv_freq, self.scaling, rows, device=table.device)
+        rotary._buffers[self.layout.buffer] = torch.cat((table, grown[table.shape[0]:].to(table.dtype)))
 
 
 class Tagged(tuple):
@@ -136,6 +160,10 @@ def embed(embeddings, positions: torch.Tensor):
     """The embeddings that the rotary module which made `embeddings` gives at `positions`, the same way (its class
     forward: the frequencies it holds now, its attention scaling, its layer type)."""
     rotary = embeddings.rotary
+    patched = vars(rotary).get("forward")
+    if isinstance(getattr(patched, "update", None), TableGrowth):  # a table rotary: the moved positions' rows must exist
+        patched.update(rotary, embeddings.x, positions)
+        patched.seen = patched._buffers_now()  # grown by the patch, not replaced by a cast
     return type(rotary).forward(rotary, embeddings.x, positions, *embeddings.args, **embeddings.kwargs)
 
 

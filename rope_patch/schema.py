@@ -352,8 +352,9 @@ MANIFEST = Kind(
     "rope_patch.json", format=None, fix=MANIFEST_FIX, version=_manifest_version, rules=_manifest_rules,
     spec=Obj(
         {"format": Int(ge=1), "scheme": Opt(Str(nonempty=True, what="a scheme name (str)")), "params": Map(),
-         "original": Obj({"rope_parameters": ROPE_PARAMETERS, "max_position_embeddings": Int(ge=1)},
-                         name='a JSON object {"rope_parameters": {...}, "max_position_embeddings": N}'),
+         "original": Obj({"rope_parameters": Opt(ROPE_PARAMETERS), "max_position_embeddings": Int(ge=1)},
+                         name='a JSON object {"rope_parameters": {...} (null: a model whose config has none, '
+                              'GPT-J\'s table rotary), "max_position_embeddings": N}'),
          "native": Bool()},
         {"adapter": Bool(), "versions": Map(),
          "weights": Opt(Obj({"file": Str(nonempty=True), "keys": List(Str())}, {"sha256": Str()}, name=_WEIGHTS))},

@@ -25,6 +25,7 @@ one class in one module of rope_patch/schemes/ (the package imports every module
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Callable
@@ -214,6 +215,19 @@ class Scheme:
     def served_window(self, target: PatchSite) -> int | None:
         """The context window this scheme extends the model to (None: unchanged); `target` is unpatched."""
         return None
+
+    def on_table(self, target: PatchSite) -> Scheme:
+        """This scheme as applied to a model that rotates from a sin/cos table (GPT-J, CodeGen: `target.table`), whose
+        config has no `rope_parameters` to hold it: a scheme with a native form elsewhere has none there (saved with
+        rope_patch.json, refused by the export). A copy: the scheme object the caller passed stays as it was."""
+        if not self.native:
+            return self
+        copied = copy.copy(self)
+        object.__setattr__(copied, "native", False)
+        object.__setattr__(copied, "changes", f"the sin/cos table {target.model_type} rotates from "
+                                              f"({type(target.rotary).__name__}.{target.table.buffer}), which its config "
+                                              "has no rope_parameters to describe")
+        return copied
 
     def __str__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())

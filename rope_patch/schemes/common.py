@@ -27,7 +27,7 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 
 from .. import attention, discovery
 from ..discovery import PatchSite, execution_device  # noqa: F401 (re-exported for the schemes)
-from ..rotary import PatchedRotaryForward
+from ..rotary import PatchedRotaryForward, TableGrowth
 from ..undo import UndoLog
 from .base import InstallStep, Scheme
 
@@ -231,6 +231,10 @@ class AttentionScheme(Scheme):
         # rotary module (one per block kind or base in some models: each is patched alike).
         names = {r: [f"{lt}_inv_freq" if lt else "inv_freq" for lt in target.site(r).layer_types]
                  for r in target.rotaries}
+        table = target.table  # a table rotary (GPT-J, CodeGen): its sin/cos rows are the frequencies it holds
+        if table is not None:
+            names = {target.rotary: [table.buffer]}
+            self._check_table(target, layouts)
 
         def put(log: UndoLog, rule, layouts: dict, cache_mode: str, wrap=None) -> None:
             """Install `rule` with these layouts (the scheme's own, or the check's probes) through `log`."""
@@ -246,7 +250,8 @@ class AttentionScheme(Scheme):
                 during_check = ("eager", attention.plumbing.CAPTURE) if wrap is not None else ()
                 log.setattr(r, "forward", PatchedRotaryForward(
                     r, masters, identity=not moves, config=target.config, attn_implementation=impl,
-                    allowed=(*attention.BACKENDS.values(), *during_check), scheme=self.name, tagged=rule is not None))
+                    allowed=(*attention.BACKENDS.values(), *during_check), scheme=self.name, tagged=rule is not None,
+                    update=_table_growth(r, table), sin_first=table is not None and table.returns_sin_first))
             if rule is None:
                 return
             attention.register()
@@ -272,6 +277,32 @@ class AttentionScheme(Scheme):
                 attach(log)
 
         return install
+
+
+    def _check_table(self, target: PatchSite, layouts: dict) -> None:
+        """A table rotary holds rows at integer positions only: a scheme that moves queries or keys to fractional
+        positions (leaky ReRoPE's j/k) has no row to read there. Read from the scheme's own position maps."""
+        probe = torch.arange(0, 64, dtype=torch.int64)
+        for layout in layouts.values():
+            for m in layout.maps if layout is not None else ():
+                if m(probe).is_floating_point():
+                    raise ValueError(
+                        f"{self.name}: moves queries or keys to fractional positions, and {target.model_type} rotates "
+                        f"from a sin/cos table of integer positions ({type(target.rotary).__name__}."
+                        f"{target.table.buffer}), which has no rows between them. Use a scheme with integer positions "
+                        "(self_extend, rerope, string, dca) on this architecture.")
+
+
+def _table_growth(rotary: nn.Module, table) -> TableGrowth | None:
+    """A table rotary's rows past its last one, made on demand (rotary.TableGrowth) with the frequencies it holds: a
+    frequency scheme's under it (a stack), else the model's own."""
+    if table is None:
+        return None
+    installed = getattr(vars(rotary).get("forward"), "update", None)
+    if isinstance(installed, TableGrowth):
+        return installed
+    inv_freq = discovery.default_inv_freq(table.rope_theta, 2 * table.pairs)
+    return TableGrowth(table, inv_freq, 1.0)
 
 
 @dataclasses.dataclass

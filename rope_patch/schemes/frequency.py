@@ -27,7 +27,7 @@ from .. import discovery
 from .. import validation as check
 from ..discovery import PatchSite, RopeContext
 from ..registry import register_scheme
-from ..rotary import PatchedRotaryForward
+from ..rotary import PatchedRotaryForward, TableGrowth
 from ..undo import UndoLog
 from .base import InstallStep, Scheme, Suggestion, extension_ratio, plain_number
 from .cached import cache_rotation as _cache_rotation
@@ -162,6 +162,8 @@ class FrequencyScheme(Scheme):
         """Every rotary module of the model (one in most; one per block kind or base in Blt, Granite-SWA, Moshi,
         DeepSeek-V4) gets the scheme applied to its own RoPE, as a model built with the patched rope_parameters would
         compute it from its config; the model's config announces the patched form."""
+        if target.table is not None:
+            return self._prepare_table(target)
         if getattr(self, "cache_rotation", None) and len(target.rotaries) > 1:
             raise ValueError(
                 f"{self.name}: cache_rotation='consistent' re-rotates cached keys inside attention with the model's one "
@@ -269,6 +271,43 @@ class FrequencyScheme(Scheme):
             else:
                 log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False, update=update))
             _runs(self, model_site, rot, device, list(contexts) if layered else [None])
+
+        return install
+
+
+    def _prepare_table(self, target: PatchSite) -> InstallStep:
+        """A table rotary (GPT-J, CodeGen: sin/cos rows indexed by position, discovery.SinCosTable): a new table of this
+        scheme's frequencies and cos/sin scale, computed by transformers' own init function on a config carrying the
+        scheme's rope_parameters (`inv_freq`), for the scheme's window (and grown past it on demand, rotary.TableGrowth).
+        The model's config has no `rope_parameters` to announce it: the patch is saved as a non-native one (resolve
+        marks it so). Length-dependent schemes would need a table per sequence length: refused."""
+        layout = target.table
+        if self.length_dependent:
+            raise ValueError(
+                f"{self.name}: its frequencies follow the sequence length, and {target.model_type} rotates from one "
+                f"fixed sin/cos table ({type(target.rotary).__name__}.{layout.buffer}, {layout.rows} positions), built "
+                "once. Use a static scheme (yarn, linear, ntk, llama3, default with rope_theta), or an attention-side "
+                "scheme.")
+        ctx = next(iter(target.contexts().values()))
+        try:
+            inv_freq, scaling = self.inv_freq(ctx)
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as err:
+            raise ValueError(f"{self.name}: transformers' own RoPE computation fails for {target.model_type}'s rotary "
+                             f"({type(err).__name__}: {err}). Use another scheme.") from None
+        if inv_freq.numel() != layout.pairs:
+            raise ValueError(
+                f"{self.name}: gives {inv_freq.numel()} frequencies, and {target.model_type}'s table rotates "
+                f"{layout.pairs} coordinate pairs. Use a scheme of the same width (not p_rope), or an attention-side one.")
+        rot = target.rotary
+        device = rot._buffers[layout.buffer].device
+        rows = max(layout.rows, self.window(ctx) or 0)
+        table = layout.build(inv_freq, scaling, rows, device=device)
+        growth = TableGrowth(layout, inv_freq, scaling)
+
+        def install(log: UndoLog) -> None:
+            log.set_buffer(rot, layout.buffer, table)
+            log.setattr(rot, "forward", PatchedRotaryForward(rot, {layout.buffer: table}, identity=False,
+                                                             update=growth, sin_first=layout.returns_sin_first))
 
         return install
 

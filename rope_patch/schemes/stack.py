@@ -242,7 +242,8 @@ class Stack(Scheme):
 
         def install(log) -> None:
             cfg = target.config  # the model's private config (api.apply): what any save writes to config.json
-            public = {key: copy.deepcopy(getattr(cfg, key)) for key in PUBLIC_FIELDS}
+            # (a table rotary's config, GPT-J's, has no rope_parameters, and the parts write none there)
+            public = {key: copy.deepcopy(getattr(cfg, key)) for key in PUBLIC_FIELDS if hasattr(cfg, key)}
             below = None
             for part, step in zip(self.schemes, installs, strict=True):
                 step(log)

@@ -21,6 +21,8 @@ import copy
 import torch
 import transformers
 from packaging.version import Version
+from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import rope_patch
 from helpers.models import INPUTS, PADDING_INEXACT, VOCAB, rope_folders, tiny_model
@@ -90,6 +92,28 @@ def _native(model):
     return twin
 
 
+def _table_reference(model, scheme: str, params: dict):
+    """For a model that rotates from a sin/cos table and has no `rope_parameters` (GPT-J, CodeGen:
+    `rotary_emb.embed_positions`, [sin | cos] of base 10000 over the first `rotary_dim` coordinates, built at init by
+    `create_sinusoidal_positions`): the same model with its table built as that function builds it, from the
+    frequencies and cos/sin scale of transformers' own init function (`ROPE_INIT_FUNCTIONS[scheme]`) on a config
+    carrying the scheme's parameters, for factor × the window."""
+    twin = copy.deepcopy(model)
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    window = cfg.max_position_embeddings
+    rope = {"rope_type": scheme, "rope_theta": 10000.0, "original_max_position_embeddings": window,
+            "partial_rotary_factor": cfg.rotary_dim / head_dim, **params}
+    standalone = PreTrainedConfig(rope_parameters=rope, head_dim=head_dim, hidden_size=cfg.hidden_size,
+                                  num_attention_heads=cfg.num_attention_heads,
+                                  max_position_embeddings=int(params.get("factor", 1) * window))
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[scheme](standalone)
+    angles = torch.arange(standalone.max_position_embeddings, dtype=torch.int64).float()[:, None] * inv_freq.float()
+    rotary = next(m for m in twin.modules() if "embed_positions" in m._buffers)
+    rotary.embed_positions = torch.cat((torch.sin(angles) * scale, torch.cos(angles) * scale), dim=1)
+    return twin
+
+
 def _frequency(folder, make, ids, kw, real) -> str:
     model = make()
     before = _logits(folder, model, ids, kw)
@@ -99,7 +123,9 @@ def _frequency(folder, make, ids, kw, real) -> str:
     except (ValueError, TypeError) as e:
         return f"refused: {e}"
     got = _logits(folder, model, ids, kw)
-    d = _delta(got, _logits(folder, _native(model), ids, kw), real)
+    table = getattr(model.config, "rope_parameters", None) is None
+    want = _table_reference(make(), scheme, params) if table else _native(model)
+    d = _delta(got, _logits(folder, want, ids, kw), real)
     rope_patch.remove(model)
     if not torch.equal(_logits(folder, model, ids, kw), before):
         return "wrong: remove() is not bit-exact"
@@ -164,8 +190,11 @@ ALL_ATTENTION = tuple(ATTENTION)
 REPOSITIONING = tuple(s for s in ATTENTION if s != "alibi")
 # Why a folder refuses a scheme: (a phrase of apply()'s refusal, the reason in a few words for the architecture page)
 NO_ROTARY = ("has no rotary position embedding module",
-             "no rotary module: its rotation is a fixed sin/cos table (GPT-J, CodeGen) or it has no RoPE (Inkling 2's "
-             "text decoder)")
+             "no RoPE: Inkling 2's text decoder has a learned relative-position bias")
+# GPT-J / CodeGen rotate from a table of sin/cos rows at integer positions (discovery.SinCosTable)
+FRACTIONAL = ("fractional positions",
+              "it rotates from a sin/cos table of integer positions; leaky ReRoPE moves queries and keys to fractional "
+              "ones (j/k), where the table has no rows")
 OWN_ATTENTION = ("computes attention in its own module code",
                  "attention computed in the module's own code, not through transformers' attention interface")
 NATIVE_REJECTS = ("rejects this RoPE configuration",
@@ -177,7 +206,8 @@ PROPORTIONAL = ("('proportional') gives",
 OWN_CODE = ("gpt_neox_japanese",) + (("falcon",) if Version(transformers.__version__) < Version("5.25") else ())
 # folder -> {scheme: (phrase, reason)}; every (folder, scheme) not listed must be exact
 REFUSED: dict[str, dict[str, tuple[str, str]]] = {
-    **{f: dict.fromkeys(SCHEMES, NO_ROTARY) for f in ("codegen", "gptj", "inkling2")},
+    "inkling2": dict.fromkeys(SCHEMES, NO_ROTARY),
+    **{f: {"leaky_rerope": FRACTIONAL} for f in ("codegen", "gptj")},
     **{f: dict.fromkeys(ALL_ATTENTION, OWN_ATTENTION) for f in OWN_CODE},
     **{f: {"yarn": NATIVE_REJECTS} for f in ("phi3", "phi4_multimodal")},
     **{f: {"yarn": PROPORTIONAL} for f in ("gemma4", "gemma4_unified", "lfm3")},
@@ -219,7 +249,10 @@ def page() -> str:
         "",
         f"Every model folder of transformers {transformers.__version__} that defines a rotary embedding and a causal "
         f"LM ({len(folders_)} folders), tried on a tiny random model of each (`tests/helpers/models.py`): the "
-        "frequency schemes (yarn ×4 against a model transformers builds from the patched config), the re-positioning "
+        "frequency schemes (yarn ×4 against a model transformers builds from the patched config; GPT-J and CodeGen, "
+        "whose configs have no `rope_parameters` and which rotate from a sin/cos table built at init, against the same "
+        "model with its table built from the frequencies and attention scaling of transformers' "
+        "`ROPE_INIT_FUNCTIONS['yarn']` on a config carrying the same parameters), the re-positioning "
         "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA: at an identity setting against the model, at a real "
         "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
         "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "

@@ -122,11 +122,15 @@ def _bias_attention(module, query, key, value, attention_mask, scaling, **kwargs
     return _softmax_out(s, value, attention_mask, kwargs.get("s_aux")), None
 
 
-def _identity(module, args, out):
+def _identity(module, args, kwargs, out):
     if isinstance(out, torch.Tensor) and out.is_complex():  # Llama 4's freqs_cis: rotation by e^{i·0} = 1
         return torch.ones_like(out)
-    cos, sin = out
-    return torch.ones_like(cos), torch.zeros_like(sin)
+    # the rotation by angle 0: cos = 1, sin = 0, in the order the module returns them ((cos, sin), or GPT-J's table
+    # rotary (sin, cos)): at position 0 the cos slot is the non-zero one (cos 0 = 1, times any scale) and sin 0 = 0
+    call = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
+    call["position_ids"] = torch.zeros_like(call["position_ids"])
+    at_zero = type(module).forward(**call)
+    return tuple(torch.ones_like(o) if bool(z.ne(0).any()) else torch.zeros_like(o) for o, z in zip(out, at_zero, strict=True))
 
 
 def _record(module, args, kwargs, out):
@@ -320,7 +324,7 @@ def forward(model, patched, ids, scheme, params, mask=None, **kw):
             m.forward = _Layer(m)
             layers.append(m)
     else:
-        hooks = [r.register_forward_hook(_identity) for r in _rotaries(model)]
+        hooks = [r.register_forward_hook(_identity, with_kwargs=True) for r in _rotaries(model)]
     try:
         if scheme in OWN_ATTENTION:
             model.set_attn_implementation(NAME)
