@@ -37,6 +37,7 @@ ATTENTION = {
     "leaky_rerope": ({"window_size": 64, "factor": 4.0}, {"window_size": 12, "factor": 4.0}),
     "string": ({"shift_size": 64, "window_size": 8}, {"shift_size": 20, "window_size": 6}),
     "dca": ({"chunk_size": 64, "local_size": 4}, {"chunk_size": 24, "local_size": 4}),
+    "dpe": ({"group_sizes": [4, 2], "window_size": 64}, {"group_sizes": [4, 2], "window_size": 12}),
     "alibi": (None, {}),
 }
 SCHEMES = (FREQUENCY[0], *ATTENTION)
@@ -187,7 +188,10 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
                  "its config records no window for a factor to be relative to; transformers' scaled types need it too")},
     "deepseek_v4": {
         **dict.fromkeys(ALL_ATTENTION, ("keys for", "attention over compressed memory: keys that are not tokens at "
-                                                    "positions, and values that rotate with the keys (K = V)"))},
+                                                    "positions, and values that rotate with the keys (K = V)")),
+        # refused before that on the tiny model: its rotary_dim 2 has one frequency for dpe's two groups
+        "dpe": ("group sizes for the 1 RoPE frequencies", "one RoPE frequency (rotary_dim 2) for two groups on the "
+                                                          "tiny model; attention over compressed memory besides")},
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
@@ -218,7 +222,7 @@ def page() -> str:
         f"Every model folder of transformers {transformers.__version__} that defines a rotary embedding and a causal "
         f"LM ({len(folders_)} folders), tried on a tiny random model of each (`tests/helpers/models.py`): the "
         "frequency schemes (yarn ×4 against a model transformers builds from the patched config), the re-positioning "
-        "schemes (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA: at an identity setting against the model, at a real "
+        "schemes (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA, DPE: at an identity setting against the model, at a real "
         "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
         "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "
         "bit-exact; ✗ is refused at `apply()` with the reason below, the model left as it was. Nothing is wrong or "
