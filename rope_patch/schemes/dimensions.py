@@ -193,5 +193,6 @@ class Dpe(TwoRegion):
                 raise ValueError(
                     f"{self.name}: {len(self.group_sizes)} group sizes for the {ctx.rotary_dim // 2} RoPE frequencies of "
                     f"{target.model_type} (rotary_dim {ctx.rotary_dim}): every group needs at least one frequency. Give "
-                    f"at most {ctx.rotary_dim // 2} group sizes (the authors use 8 groups of a 128-dim head's 64).")
+                    f"at most {ctx.rotary_dim // 2} group size{'s' if ctx.rotary_dim > 2 else ''} (the authors use 8 groups of a "
+                    "128-dim head's 64).")
         return resolved

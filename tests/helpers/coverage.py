@@ -41,6 +41,7 @@ ATTENTION = {
     "leaky_rerope": ({"window_size": 64, "factor": 4.0}, {"window_size": 12, "factor": 4.0}),
     "string": ({"shift_size": 64, "window_size": 8}, {"shift_size": 20, "window_size": 6}),
     "dca": ({"chunk_size": 64, "local_size": 4}, {"chunk_size": 24, "local_size": 4}),
+    "dpe": ({"group_sizes": [4, 2], "window_size": 64}, {"group_sizes": [4, 2], "window_size": 12}),
     "alibi": (None, {}),
 }
 SCHEMES = (FREQUENCY[0], *ATTENTION)
@@ -219,7 +220,10 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
                  "its config records no window for a factor to be relative to; transformers' scaled types need it too")},
     "deepseek_v4": {
         **dict.fromkeys(ALL_ATTENTION, ("keys for", "attention over compressed memory: keys that are not tokens at "
-                                                    "positions, and values that rotate with the keys (K = V)"))},
+                                                    "positions, and values that rotate with the keys (K = V)")),
+        # refused before that on the tiny model: its rotary_dim 2 has one frequency for dpe's two groups
+        "dpe": ("group sizes for the 1 RoPE frequencies", "one RoPE frequency (rotary_dim 2) for two groups on the "
+                                                          "tiny model; attention over compressed memory besides")},
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
@@ -253,7 +257,7 @@ def page() -> str:
         "whose configs have no `rope_parameters` and which rotate from a sin/cos table built at init, against the same "
         "model with its table built from the frequencies and attention scaling of transformers' "
         "`ROPE_INIT_FUNCTIONS['yarn']` on a config carrying the same parameters), the re-positioning "
-        "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA: at an identity setting against the model, at a real "
+        "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA, DPE: at an identity setting against the model, at a real "
         "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
         "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "
         "bit-exact; ✗ is refused at `apply()` with the reason below, the model left as it was. Nothing is wrong or "

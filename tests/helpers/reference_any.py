@@ -15,6 +15,9 @@ only the positions are the reference's:
   (i, j) are q_i at its pair position · k_j at its pair position, materialised (b, H, L, L), masked with transformers'
   eager mask, one softmax (sinks and softcapping as the model has them), times the values. A last run of the layer's
   own forward (at the true positions) turns that attention output into the layer output (o_proj, output gates, norms).
+- DPE: the same with a position per frequency group: the layer's embeddings are its rotary's at group g's positions
+  for the elements of pair k, k·G/(d/2) = g (k the index of the rotary's `inv_freq` whose angle the element turns by
+  at position 1: the code's index grouping, read from the buffer), each group Self-Extend with its own size.
 - ALiBi / T5 bias: the rotary is made the identity by a forward hook (the layers then run without rotation: NoPE) and
   the bias of true positions is added in a materialised attention function.
 - sinusoidal / learned absolute tables are added to the input embeddings, which are passed as `inputs_embeds`.
@@ -36,7 +39,7 @@ from helpers.reference import alibi_slopes, pair_positions, sinusoid_table, t5_b
 from helpers.reference_dca import pair_positions as dca_pair_positions
 
 NAME = "rope_patch_tests_reference"
-POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca")  # pairs at the papers' positions
+POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe")  # pairs at the papers' positions
 BIAS = ("alibi", "relative_bias")
 OWN_ATTENTION = (*BIAS, *POSITIONAL)
 
@@ -162,6 +165,30 @@ def _tables(pq: torch.Tensor, valid: torch.Tensor, dim: int) -> tuple[list[torch
     return arrays, index
 
 
+def _element_groups(rotary, given: dict, count: int) -> torch.Tensor:
+    """DPE's group of each element of the rotary's output: the index k of the `inv_freq` entry (of the layer type's
+    buffer where there is one) nearest to the element's angle at position 1, grouped k·count // (d/2)."""
+    out = type(rotary).forward(**{**given, "position_ids": torch.ones_like(given["position_ids"][..., :1])})
+    angle = torch.atan2(out[1].float(), out[0].float()) if isinstance(out, tuple) else torch.angle(out)
+    angle = angle.reshape(-1, angle.shape[-1])[0]
+    layer_type = given.get("layer_type")
+    inv = getattr(rotary, f"{layer_type}_inv_freq", None) if layer_type else None
+    inv = (inv if inv is not None else rotary.inv_freq).float()
+    k = (angle[:, None] - inv[None, :]).abs().argmin(-1)
+    return k * count // inv.numel()
+
+
+def _grouped_embeddings(rotary, given: dict, positions: list[torch.Tensor]):
+    """The rotary's embeddings with the elements of group g at positions[g]."""
+    parts = [type(rotary).forward(**{**given, "position_ids": p}) for p in positions]
+    groups = _element_groups(rotary, given, len(positions))
+    if isinstance(parts[0], tuple):
+        return tuple(torch.stack([part[i] for part in parts], -1).gather(
+            -1, groups.expand(*parts[0][i].shape).unsqueeze(-1)).squeeze(-1) for i in range(len(parts[0])))
+    stacked = torch.stack(parts, -1)
+    return stacked.gather(-1, groups.expand(*parts[0].shape).unsqueeze(-1)).squeeze(-1)
+
+
 def _sliced(run, embeddings):
     """(rotary, args, kwargs) for embeddings that are the last positions of a recorded rotary output (Gemma 4 keeps
     only those for its KV-shared layers), with the position ids cut alike; None if there is no such output."""
@@ -203,12 +230,16 @@ class _Layer:
     def _run(self, call: dict, extra: dict, positions: torch.Tensor | None, made):
         """The layer's own forward with every token at `positions` (None: as given)."""
         call, extra = dict(call), dict(extra)
+        grouped = positions if isinstance(positions, list) else None  # DPE: one position array per frequency group
+        if grouped is not None:
+            positions = grouped[0]
         if positions is not None:
             if made is not None:
                 rotary, args, kwargs = made
                 given = dict(inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs).arguments)
                 given = {**given, "position_ids": positions}
-                call["position_embeddings"] = type(rotary).forward(**given)
+                call["position_embeddings"] = (type(rotary).forward(**given) if grouped is None
+                                               else _grouped_embeddings(rotary, given, grouped))
             for where in (call, extra):
                 if where.get("position_ids") is not None:
                     where["position_ids"] = positions
@@ -223,7 +254,7 @@ class _Layer:
             for where in (call, extra):
                 for name, value in where.items():
                     if isinstance(value, MutableMapping):
-                        key = (id(value), positions.numpy().tobytes())
+                        key = (id(value), torch.stack(grouped or [positions]).numpy().tobytes())
                         where[name] = shared.setdefault(key, copy.copy(value))
         return type(self.module).forward(self.module, **call, **extra)
 
@@ -236,25 +267,33 @@ class _Layer:
         made = run.made.get(id(call.get("position_embeddings"))) or _sliced(run, call.get("position_embeddings"))
         pos = self._positions(call, extra, made, run.pos)
         b, n = pos.shape
-        if run.scheme == "dca":
-            p = run.params
-            pq_table, pk_table = dca_pair_positions(int(pos.max()) + 1, p["chunk_size"], p["local_size"])
-            pq, pk = pq_table[pos[:, :, None], pos[:, None, :]], pk_table[pos[:, :, None], pos[:, None, :]]
-        else:
-            pq, pk = pair_positions(run.scheme, run.params, pos[:, :, None], pos[:, None, :])
         slot = torch.arange(n)
-        valid = (slot[:, None] >= slot[None, :]).expand(b, n, n)  # causal pairs; the mask handles the rest
-        q_arrays, q_index = _tables(pq, valid, dim=2)
-        k_arrays, k_index = _tables(pk, valid, dim=1)
+        if run.scheme == "dpe":  # Lu et al. 2025: near pairs at true positions, far ones per group (Self-Extend, s_g)
+            w, sizes = run.params["window_size"], run.params["group_sizes"]
+            q_arrays = [[pos] * len(sizes), [torch.div(pos, s, rounding_mode="floor") + w - w // s for s in sizes]]
+            k_arrays = [[pos] * len(sizes), [torch.div(pos, s, rounding_mode="floor") for s in sizes]]
+            q_index = k_index = (pos[:, :, None] - pos[:, None, :] >= w).long()
+        else:
+            if run.scheme == "dca":
+                p = run.params
+                pq_table, pk_table = dca_pair_positions(int(pos.max()) + 1, p["chunk_size"], p["local_size"])
+                pq, pk = pq_table[pos[:, :, None], pos[:, None, :]], pk_table[pos[:, :, None], pos[:, None, :]]
+            else:
+                pq, pk = pair_positions(run.scheme, run.params, pos[:, :, None], pos[:, None, :])
+            valid = (slot[:, None] >= slot[None, :]).expand(b, n, n)  # causal pairs; the mask handles the rest
+            q_arrays, q_index = _tables(pq, valid, dim=2)
+            k_arrays, k_index = _tables(pk, valid, dim=1)
         run.mode = "capture"
         qs, ks, calls = [], [], None  # per position array, per attention call of the layer (DiffLlama makes two)
         for arr in q_arrays:
             run.captured = []
-            self._run(call, extra, arr.to(pq.dtype if run.scheme == "leaky_rerope" else torch.long), made)
+            self._run(call, extra, arr if isinstance(arr, list) else arr.to(pq.dtype if run.scheme == "leaky_rerope"
+                                                                             else torch.long), made)
             qs.append([c["q"] for c in run.captured])
         for arr in k_arrays:
             run.captured = []
-            self._run(call, extra, arr.to(pk.dtype if run.scheme == "leaky_rerope" else torch.long), made)
+            self._run(call, extra, arr if isinstance(arr, list) else arr.to(pk.dtype if run.scheme == "leaky_rerope"
+                                                                             else torch.long), made)
             ks.append([c["k"] for c in run.captured])
             calls = run.captured
         # a sparse-attention indexer's choice of keys (DeepSeek-V3.2 & co. hand it as `indices` to backends other than

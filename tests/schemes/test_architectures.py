@@ -1,5 +1,5 @@
 """Architectures: every RoPE folder of the installed transformers, every scheme family exact or refused clearly
-(`test_every_rope_folder`, with the table in helpers/coverage.py), and in more depth (both backends, all ten
+(`test_every_rope_folder`, with the table in helpers/coverage.py), and in more depth (both backends, all eleven
 attention-side schemes, cached decoding) the architectures added after the first 19 (`ADDED`), with `REFUSED` naming
 what each cannot serve and why; the frequency schemes run in test_frequency.py over all of ARCHS.
 """
@@ -31,9 +31,10 @@ ATTENTION_SCHEMES = [
     ("leaky_rerope", {"window_size": 12, "factor": 4.0}),
     ("string", {"shift_size": 20, "window_size": 6}),
     ("dca", {"chunk_size": 24, "local_size": 4}),
+    ("dpe", {"group_sizes": [4, 2], "window_size": 12}),
 ]
-OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca"}
-DEFERRED = {"self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca"}
+OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe"}
+DEFERRED = {"self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe"}
 # arch -> {scheme: regex of the refusal}; every other (arch, scheme) pair must equal the reference
 REFUSED = {
     f: {s: rf"{f} computes attention in its own module code" for s in OWN_FUNCTION} for f in coverage.OWN_CODE if f in ADDED
