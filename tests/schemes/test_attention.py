@@ -88,7 +88,8 @@ VANILLA_SETUPS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "sdpa"), ("ge
     ("rerope", {"window_size": L}),
     ("leaky_rerope", {"window_size": 8, "factor": 1.0}),
     ("string", {"shift_size": L, "window_size": 8}),  # S ≥ the sequence length: no distance is shifted
-], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift"])
+    ("self_extend_logistic", {"group_size": 6, "window_size": L, "growth_rate": 0.5}),
+], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift", "self-window"])
 def test_degenerate_settings_equal_vanilla_rope(scheme, params, arch, backend):
     """cohere rotates interleaved pairs: the model's own apply_rotary_pos_emb is reused, so it works too."""
     model = tiny_model(arch, attn_implementation=backend)
