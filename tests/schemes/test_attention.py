@@ -91,7 +91,8 @@ VANILLA_SETUPS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "sdpa"), ("ge
     ("string", {"shift_size": L, "window_size": 8}),  # S ≥ the sequence length: no distance is shifted
     ("dpe", {"group_sizes": [2, 4, 8, 3], "window_size": L}),
     ("dpe", {"group_sizes": [1, 1, 1, 1], "window_size": 8}),
-], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift", "dpe-window", "dpe-group1"])
+    ("self_extend_logistic", {"group_size": 6, "window_size": L, "growth_rate": 0.5}),
+], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift", "dpe-window", "dpe-group1", "self-window"])
 def test_degenerate_settings_equal_vanilla_rope(scheme, params, arch, backend):
     """cohere rotates interleaved pairs: the model's own apply_rotary_pos_emb is reused, so it works too."""
     model = tiny_model(arch, attn_implementation=backend)

@@ -169,6 +169,7 @@ def test_flash_left_padded_row_equals_sequence_alone(fake_flash, monkeypatch):
 FLASH_REFUSED = [
     ("relative_bias", {}, True, ("cuda", "cpu"), "cannot run this scheme"),
     ("self_extend", {"group_size": 2, "window_size": 8}, True, ("cuda", "cpu"), "cannot run this scheme"),
+    ("self_extend_logistic", {"group_size": 4, "window_size": 8}, True, ("cuda", "cpu"), "cannot run this scheme"),
     ("rerope", {"window_size": 8}, True, ("cuda", "cpu"), "cannot run this scheme"),
     ("string", {"shift_size": 16, "window_size": 4}, True, ("cuda", "cpu"), "cannot run this scheme"),
     ("alibi", {}, False, ("cuda", "cpu"), "needs the `flash_attn` package"),
@@ -177,7 +178,8 @@ FLASH_REFUSED = [
 
 
 @pytest.mark.parametrize("scheme,params,installed,devices,words", FLASH_REFUSED,
-                         ids=["relative_bias", "self_extend", "rerope", "string", "no-package", "cpu"])
+                         ids=["relative_bias", "self_extend", "self_extend_logistic", "rerope", "string", "no-package",
+                              "cpu"])
 def test_flash_refusals_name_scheme_backend_and_remedy(scheme, params, installed, devices, words, fake_flash,
                                                        monkeypatch):
     monkeypatch.setattr(attention.settings, "FLASH_DEVICES", devices)
@@ -198,6 +200,8 @@ GEMMA3 = dict(layer_types=["sliding_attention", "full_attention"], sliding_windo
 GEMMA3_SCHEMES = [
     ("self_extend", {"group_size": 2, "window_size": 4}),  # W < S: the scheme also acts inside the sliding window
     ("self_extend", {"group_size": 4, "window_size": 12}),  # W ≥ S: sliding layers run as vanilla RoPE
+    ("self_extend_logistic", {"group_size": 3, "window_size": 4, "growth_rate": 0.5}),  # W < S
+    ("self_extend_logistic", {"group_size": 6, "window_size": 12, "growth_rate": 0.5}),  # W ≥ S
     ("rerope", {"window_size": 6}),
     ("leaky_rerope", {"window_size": 12, "factor": 4.0}),
     ("string", {"shift_size": 12, "window_size": 4}),  # S > sliding window: sliding layers run as vanilla RoPE
