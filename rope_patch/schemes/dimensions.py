@@ -187,12 +187,16 @@ class Dpe(TwoRegion):
                             for s in self.group_sizes])
 
     def resolve(self, target):
+        # Read from the rotary modules' frequency buffers (`inv_freq`, `<layer_type>_inv_freq`), not from
+        # target.contexts(): that needs a pretraining window, which DPE does not (RecurrentGemma records none).
         resolved = super().resolve(target)
-        for ctx in target.contexts().values():
-            if ctx.rotary_dim // 2 < len(self.group_sizes):
-                raise ValueError(
-                    f"{self.name}: {len(self.group_sizes)} group sizes for the {ctx.rotary_dim // 2} RoPE frequencies of "
-                    f"{target.model_type} (rotary_dim {ctx.rotary_dim}): every group needs at least one frequency. Give "
-                    f"at most {ctx.rotary_dim // 2} group size{'s' if ctx.rotary_dim > 2 else ''} (the authors use 8 groups of a "
-                    "128-dim head's 64).")
+        for rotary in target.rotaries:
+            for name, freqs in rotary.named_buffers(recurse=False):
+                n = freqs.numel() if name.endswith("inv_freq") else len(self.group_sizes)
+                if n < len(self.group_sizes):
+                    raise ValueError(
+                        f"{self.name}: {len(self.group_sizes)} group sizes for the {n} RoPE frequencies of "
+                        f"{target.model_type} ({type(rotary).__name__}.{name}): every group needs at least one frequency. "
+                        f"Give at most {n} group size{'s' if n > 1 else ''} (the authors use 8 groups of a 128-dim "
+                        "head's 64).")
         return resolved

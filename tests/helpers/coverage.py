@@ -222,7 +222,7 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
         **dict.fromkeys(ALL_ATTENTION, ("keys for", "attention over compressed memory: keys that are not tokens at "
                                                     "positions, and values that rotate with the keys (K = V)")),
         # refused before that on the tiny model: its rotary_dim 2 has one frequency for dpe's two groups
-        "dpe": ("group sizes for the 1 RoPE frequencies", "one RoPE frequency (rotary_dim 2) for two groups on the "
+        "dpe": ("2 group sizes for the 1 RoPE frequencies", "one RoPE frequency (rotary_dim 2) for two groups on the "
                                                           "tiny model; attention over compressed memory besides")},
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
