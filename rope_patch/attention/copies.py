@@ -85,13 +85,10 @@ def _id_rows(ids: torch.Tensor, b: int) -> torch.Tensor:
 
 def stack_embeddings(embeddings, maps: Sequence[PositionMap], b: int, key) -> object:
     """The embeddings of every copy, stacked on the batch axis (copy t's rows t·b … (t + 1)·b − 1). Memoised on the
-    tagged object per layout (`key`): the decoder hands the same embeddings to every layer. A map with an `embed`
-    method makes its copy's embeddings itself (DPE: each frequency group at positions of its own)."""
+    tagged object per layout (`key`): the decoder hands the same embeddings to every layer."""
     if key in embeddings.memo:
         return embeddings.memo[key]
-    pos = embeddings.position_ids
-    parts = [embeddings if isinstance(m, Identity) else m.embed(embeddings, pos) if hasattr(m, "embed")
-             else embed(embeddings, m(pos)) for m in maps]
+    parts = [_at(embeddings, m) for m in maps]
     if isinstance(embeddings, tuple):
         out = tuple(torch.cat([_rows(p[i], b) for p in parts]) for i in range(len(embeddings)))
     else:  # Llama 4: one complex tensor
@@ -365,5 +362,10 @@ def _true(positions: torch.Tensor) -> torch.Tensor:
 def _at(embeddings, at: PositionMap):
     """The embeddings at a copy's positions. Made again in every layer rather than memoised for the forward: a few
     milliseconds at 16k positions, where holding every copy's (cos, sin) through the forward would cost more memory
-    than a copy's queries."""
-    return embeddings if isinstance(at, Identity) else embed(embeddings, at(embeddings.position_ids))
+    than a copy's queries. A map with an `embed` method makes its copy's embeddings itself (DPE: each frequency group
+    at positions of its own)."""
+    if isinstance(at, Identity):
+        return embeddings
+    if hasattr(at, "embed"):
+        return at.embed(embeddings, embeddings.position_ids)
+    return embed(embeddings, at(embeddings.position_ids))
