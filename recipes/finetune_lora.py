@@ -208,8 +208,7 @@ class LoRAFinetuneRecipe:
         if not self.main_process:
             return {}
         if when == "after":
-            scheme = rope_patch.current(model)
-            return {f"{scheme.name if scheme else 'unpatched'} + LoRA fine-tuned": e.score(model, self.tokenizer, seed)}
+            return {f"{_label(rope_patch.current(model))} + LoRA fine-tuned": e.score(model, self.tokenizer, seed)}
         if self.resume and before_path.is_file():
             return json.loads(before_path.read_text())
         if e is None or not e.before:
@@ -221,7 +220,7 @@ class LoRAFinetuneRecipe:
             rows["base (unpatched)"] = e.score(base, self.tokenizer, seed)
             if scheme is not None:
                 rope_patch.apply(base, scheme)
-                rows[f"{scheme.name}, no fine-tuning"] = e.score(base, self.tokenizer, seed)
+                rows[f"{_label(scheme)}, no fine-tuning"] = e.score(base, self.tokenizer, seed)
         self.log(e.table(rows))
         before_path.write_text(json.dumps(rows, indent=2) + "\n")
         return rows
@@ -264,6 +263,14 @@ class LoRAFinetuneRecipe:
 
 
 # ---- command line --------------------------------------------------------------------------------------------------
+def _label(scheme) -> str:
+    """A scheme as the evaluation table names it: its name, and the Resonance flag where it is set (the two runs of
+    tiny_yarn_4x.yaml and tiny_yarn_4x_resonance.yaml must not share a label)."""
+    if scheme is None:
+        return "unpatched"
+    return scheme.name + ("+resonance" if getattr(scheme, "resonance", False) else "")
+
+
 def main(cfg, *, resume: bool = False, callbacks=()) -> dict:
     """`LoRAFinetuneRecipe(cfg, resume=..., callbacks=...).run()`."""
     return LoRAFinetuneRecipe(cfg, resume=resume, callbacks=callbacks).run()
