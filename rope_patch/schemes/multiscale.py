@@ -41,7 +41,8 @@ What rope_patch decided, and why:
     head order) and indexes its per-ratio tables with that permutation (`cos[head_order]`), so head g takes ratio
     slot order[g]; the paper's wording (the k-th most position-aware head takes r_k) is the inverse permutation.
 (d) Layers: the first `skip_layers` keep vanilla RoPE (the authors' scripts apply Ms-PoE to layers 2 … 31 of
-    Vicuna-7B's 32), every later layer takes the ratios.
+    Vicuna-7B's 32), every later layer takes the ratios. Unset, it is their 2, or one less than the model's layers
+    on a model of at most two (so some layer keeps Ms-PoE); a value that leaves no layer is refused.
 
 Parameter names: `min_ratio` / `max_ratio` are the authors' `compress_ratio_min` / `compress_ratio_max` (their
 rotary's `min_cratio` / `max_cratio`), defaults 1.2 / 1.8 as in their scripts; `skip_layers` stands for their
@@ -63,6 +64,7 @@ from .base import Suggestion
 from .common import AttentionScheme
 
 RATIO_RANGE = (1.0, 64.0)
+DEFAULT_SKIP = 2  # the authors' scripts: `--apply_layers 2,...,31` on Vicuna-7B's 32 layers
 OUTLIER = 3.0  # a weight above 3× the row's mean weight is an outlier (the authors' `_calculate_outlier`)
 
 
@@ -183,7 +185,7 @@ class MsPoE(AttentionScheme):
     changes = "the positions of each attention head (p/r_h, r_h from the prompt's attention)"
     min_ratio: float = 1.2
     max_ratio: float = 1.8
-    skip_layers: int = 2
+    skip_layers: int | None = None  # None: the authors' 2, fewer on a model of at most 2 layers (one keeps Ms-PoE)
 
     @classmethod
     def suggestion(cls, n, window):
@@ -191,7 +193,7 @@ class MsPoE(AttentionScheme):
         helps the model use the middle of a context, it does not extend it."""
         if n > window:
             return None
-        return Suggestion.of(cls.name, {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 2},
+        return Suggestion.of(cls.name, {"min_ratio": 1.2, "max_ratio": 1.8},
                              f"ratios 1.2 … 1.8 per head, layers 2 on (Zhang et al. 2024, VITA-Group/Ms-PoE scripts); "
                              f"N = {n} ≤ L = {window}: it helps use the middle of the context, it does not extend it")
 
@@ -208,22 +210,25 @@ class MsPoE(AttentionScheme):
         if self.max_ratio < self.min_ratio:
             raise ValueError(f"{n}: parameter `max_ratio` must be at least `min_ratio`, got min_ratio={self.min_ratio}, "
                              f"max_ratio={self.max_ratio}. The authors use min_ratio=1.2, max_ratio=1.8.")
-        self._set("skip_layers", check.integer(n, "skip_layers", self.skip_layers, ge=0, le=100_000,
-                                               hint="The first skip_layers layers keep vanilla RoPE (the authors: 2)."))
+        if self.skip_layers is not None:
+            self._set("skip_layers", check.integer(n, "skip_layers", self.skip_layers, ge=0, le=100_000,
+                                                   hint="The first skip_layers layers keep vanilla RoPE (the authors: 2)."))
 
     def repositions(self):
         return True
 
     def resolve(self, target):
-        layers = {m.layer_idx for m in _modules(target)}
-        if layers and self.skip_layers > max(layers):
+        count = 1 + max((m.layer_idx for m in _modules(target)), default=0)
+        if self.skip_layers is None:  # the authors' 2 of 32; at least one layer keeps Ms-PoE on a tiny model
+            return self.replace(skip_layers=min(DEFAULT_SKIP, count - 1))
+        if self.skip_layers >= count:
             raise ValueError(f"{self.name}: parameter `skip_layers` leaves no layer to apply to: the model has "
-                             f"{max(layers) + 1} attention layers, got skip_layers={self.skip_layers}. Use a smaller "
-                             "value (the authors skip 2 of 32).")
+                             f"{count} attention layers, got skip_layers={self.skip_layers}. Use a smaller value (the "
+                             "authors skip 2 of 32).")
         return self
 
     def layout(self, module):
-        if module.layer_idx < self.skip_layers:
+        if module.layer_idx < (DEFAULT_SKIP if self.skip_layers is None else self.skip_layers):
             return None
         n = _kv_heads(module)
         return attention.Layout((AtZero(), *(Scaled(r) for r in ratios(self.min_ratio, self.max_ratio, n))),

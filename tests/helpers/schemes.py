@@ -53,6 +53,7 @@ SCHEMES = [
     Row("leaky_rerope", "attention", {"window_size": 16, "factor": 4.0}, suggest="own"),
     Row("string", "attention", {"shift_size": 16, "window_size": 4}, suggest="own"),
     Row("dca", "attention", {"chunk_size": 24, "local_size": 4}, suggest="own"),
+    Row("ms_poe", "attention", {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 1}),  # 2-layer models: skip one
     Row("logn", "modifier", {}),
 ]
 BY_NAME = {row.name: row for row in SCHEMES}

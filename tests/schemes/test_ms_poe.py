@@ -204,7 +204,10 @@ def test_ratio_one_is_vanilla_and_remove_is_exact(backend):
 def test_ratio_slots_follow_the_authors():
     """r_k = min + (max − min)·k/n: max_ratio itself is never used (their `_set_cos_sin_cache`)."""
     assert ratios(1.2, 1.8, 3) == pytest.approx([1.2, 1.4, 1.6])
-    assert rope_patch.as_scheme("ms_poe") == rope_patch.as_scheme("ms_poe", min_ratio=1.2, max_ratio=1.8, skip_layers=2)
+    assert rope_patch.as_scheme("ms_poe") == rope_patch.as_scheme("ms_poe", min_ratio=1.2, max_ratio=1.8)
+    model = rope_patch.apply(tiny_model("llama", num_hidden_layers=4), "ms_poe")
+    assert rope_patch.current(model).skip_layers == 2  # the authors' default ...
+    assert rope_patch.current(rope_patch.apply(tiny_model("llama"), "ms_poe")).skip_layers == 1  # ... one layer kept
 
 
 BAD = [
@@ -231,5 +234,5 @@ def test_bad_input_fails_at_apply_and_leaves_model_unchanged(params, error, word
 def test_suggested_for_contexts_that_fit_only():
     model = tiny_model("llama")
     specs = {s.scheme: s.spec for s in rope_patch.suggest(model, 32)}
-    assert specs.get("ms_poe") == "ms_poe:min_ratio=1.2,max_ratio=1.8,skip_layers=2"
+    assert specs.get("ms_poe") == "ms_poe:min_ratio=1.2,max_ratio=1.8"
     assert "ms_poe" not in {s.scheme for s in rope_patch.suggest(model, 128)}
