@@ -236,3 +236,14 @@ def test_suggested_for_contexts_that_fit_only():
     specs = {s.scheme: s.spec for s in rope_patch.suggest(model, 32)}
     assert specs.get("ms_poe") == "ms_poe:min_ratio=1.2,max_ratio=1.8"
     assert "ms_poe" not in {s.scheme for s in rope_patch.suggest(model, 128)}
+
+
+def test_packed_row_orders_by_its_last_sequence_alone():
+    """A packed row (position ids restarting, no cache): the last query's outlier scores count only its own segment's
+    keys, so the second sequence gets the logits it gets alone."""
+    model = model_with()
+    a, b = token_batch(30, 2)[0][:1], token_batch(40, 3)[0][:1]
+    pos = torch.cat([torch.arange(30), torch.arange(40)])[None]
+    packed = logits(model, torch.cat([a, b], dim=1), position_ids=pos, use_cache=False)[:, 30:]
+    alone = logits(model, b, position_ids=torch.arange(40)[None], use_cache=False)
+    assert (packed - alone).abs().max().item() <= 1e-5
