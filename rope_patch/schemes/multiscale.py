@@ -32,7 +32,8 @@ What rope_patch decided, and why:
 (c) The head order is computed from the prompt as the authors do: at a call whose queries are all its keys (a
     prefill, with or without a cache), from q and k at position 0 (the un-rotated ones on a plain RoPE layer, as
     the authors' code reads them before rotation) of the last query against every real key of its row, per row of
-    the batch; cached calls reuse that order (the cache holds keys rotated with it). Each fresh prompt recomputes
+    the batch (the last slot: a real token under left padding, as generate pads; a right-padded row would be ordered
+    by a pad's query); cached calls reuse that order (the cache holds keys rotated with it). Each fresh prompt recomputes
     it, where the authors' code keeps the first prompt's order until a manual `_reset()`. Consequence: generation
     without a cache recomputes the order from each longer input, so it is not the cached generation; cached
     generation equals a full forward with the prompt's order (tests/schemes/test_ms_poe.py). The order is kept per

@@ -37,6 +37,7 @@ ATTENTION = {
     "leaky_rerope": ({"window_size": 64, "factor": 4.0}, {"window_size": 12, "factor": 4.0}),
     "string": ({"shift_size": 64, "window_size": 8}, {"shift_size": 20, "window_size": 6}),
     "dca": ({"chunk_size": 64, "local_size": 4}, {"chunk_size": 24, "local_size": 4}),
+    "ms_poe": ({"min_ratio": 1.0, "max_ratio": 1.0, "skip_layers": 0}, {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 0}),
     "alibi": (None, {}),
 }
 SCHEMES = (FREQUENCY[0], *ATTENTION)
@@ -187,13 +188,18 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
                  "its config records no window for a factor to be relative to; transformers' scaled types need it too")},
     "deepseek_v4": {
         **dict.fromkeys(ALL_ATTENTION, ("keys for", "attention over compressed memory: keys that are not tokens at "
-                                                    "positions, and values that rotate with the keys (K = V)"))},
+                                                    "positions, and values that rotate with the keys (K = V)")),
+        "ms_poe": ("without the head order of its prompt", "attention over compressed memory: no call's queries are "
+                                                           "its keys, so no prompt orders the heads")},
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
     **{f: {"dca": ("sparse-attention indexer's choice of keys",
                    "a sparse-attention indexer picks the keys at the tokens' positions; DCA moves every copy, so no "
-                   "copy has them")} for f in ("axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "hy_v4")},
+                   "copy has them"),
+           "ms_poe": ("apply-time check", "a sparse-attention indexer picks the keys at the tokens' positions; Ms-PoE "
+                                          "moves every copy (to 0 and p/r), so no copy has them")}
+       for f in ("axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "hy_v4")},
 }
 
 
@@ -218,8 +224,8 @@ def page() -> str:
         f"Every model folder of transformers {transformers.__version__} that defines a rotary embedding and a causal "
         f"LM ({len(folders_)} folders), tried on a tiny random model of each (`tests/helpers/models.py`): the "
         "frequency schemes (yarn ×4 against a model transformers builds from the patched config), the re-positioning "
-        "schemes (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA: at an identity setting against the model, at a real "
-        "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
+        "schemes (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA, Ms-PoE: at an identity setting against the model, "
+        "at a real one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
         "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "
         "bit-exact; ✗ is refused at `apply()` with the reason below, the model left as it was. Nothing is wrong or "
         "crashes.",
