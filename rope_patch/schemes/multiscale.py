@@ -130,7 +130,7 @@ class MultiScaleScores(attention.AttentionRule):
         if len(call.queries) == 1:  # a skipped layer: attention as the model has it
             call.scratch["q"], call.scratch["k"] = call.query, call.key
             return
-        if len(call.queries) < hkv + 1:
+        if len(call.queries) < hkv + 1 or len(call.queries) > hkv + 2:  # the check adds one copy of its own
             raise attention.NotProven(f"ms_poe: the layer has {hkv} key/value heads but {len(call.queries) - 1} ratio "
                                       "copies (read from its config at apply time)")
         layer = call.module.layer_idx
@@ -219,7 +219,13 @@ class MsPoE(AttentionScheme):
         return True
 
     def resolve(self, target):
-        count = 1 + max((m.layer_idx for m in _modules(target)), default=0)
+        layers = {m.layer_idx for m in _modules(target)}
+        if any(i < 0 for i in layers):
+            raise ValueError(f"{self.name}: {target.model_type} runs one attention module at several depths (layer_idx "
+                             "-1, a shared block): the prompt's head order is kept per layer, and one module cannot keep "
+                             "one per depth for cached decoding. Ms-PoE is not supported on this model; the frequency "
+                             "schemes are.")
+        count = len(layers)
         if self.skip_layers is None:  # the authors' 2 of 32; at least one layer keeps Ms-PoE on a tiny model
             return self.replace(skip_layers=min(DEFAULT_SKIP, count - 1))
         if self.skip_layers >= count:
@@ -246,8 +252,14 @@ def _modules(target):
 
 
 def _kv_heads(module) -> int:
-    """The layer's number of key/value heads, from its config (GQA) or its head count (MHA)."""
+    """The layer's number of key/value heads: its query heads over its `num_key_value_groups` where it has them (layers
+    of one model can differ: MiMo-V2-Flash's sliding layers), else its config's count. The attention function checks
+    it against the keys it receives (a mismatch is refused by the apply-time check)."""
     cfg = getattr(module, "config", None)
+    heads = getattr(module, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
+    groups = getattr(module, "num_key_value_groups", None)
+    if isinstance(heads, int) and isinstance(groups, int) and groups > 0 and heads % groups == 0:
+        return heads // groups
     for name in ("num_key_value_heads", "num_attention_heads"):
         value = getattr(module, name, None) or getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:

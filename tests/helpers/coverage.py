@@ -194,6 +194,8 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
+    "zamba2": {"ms_poe": ("several depths", "one attention module shared by several depths (a hybrid's shared block): "
+                                            "Ms-PoE keeps the prompt's head order per layer, not per depth")},
     **{f: {"dca": ("sparse-attention indexer's choice of keys",
                    "a sparse-attention indexer picks the keys at the tokens' positions; DCA moves every copy, so no "
                    "copy has them"),
