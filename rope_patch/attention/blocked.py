@@ -133,6 +133,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     h, d, k_len = hkv * query.shape[2], value.shape[-1], key.shape[2]
     if attention_mask is not None and attention_mask.shape[-1] != k_len:
         raise ValueError(f"attention mask covers {attention_mask.shape[-1]} keys but there are {k_len}")
+    call.scratch["attention_mask"] = attention_mask  # a rule that reads the mask itself (ms_poe's head order)
     state.scores.begin(call)
     # gpt-oss attention sinks (transformers passes `s_aux=self.sinks`): one learned logit per head that joins the
     # softmax denominator, i.e. a key with value 0, as gpt-oss's own eager function and transformers' flex have it

@@ -108,6 +108,7 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
         raise ValueError("rope_patch: position ids with gaps or restarts (PoSE, packed rows) are not supported on the "
                          "flex_attention backend, whose block masks are built from slots; use the sdpa or eager backend "
                          "(model.set_attn_implementation('sdpa') before rope_patch.apply).")
+    call.scratch["attention_mask"] = attention_mask  # a rule that reads the mask itself (ms_poe's head order)
     state.scores.begin(call)
     block_mask = attention_mask if attention_mask is not None else causal_block_mask(call)
     out = state.scores.flex(call, block_mask)

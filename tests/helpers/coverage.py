@@ -42,6 +42,7 @@ ATTENTION = {
     "string": ({"shift_size": 64, "window_size": 8}, {"shift_size": 20, "window_size": 6}),
     "dca": ({"chunk_size": 64, "local_size": 4}, {"chunk_size": 24, "local_size": 4}),
     "dpe": ({"group_sizes": [4, 2], "window_size": 64}, {"group_sizes": [4, 2], "window_size": 12}),
+    "ms_poe": ({"min_ratio": 1.0, "max_ratio": 1.0, "skip_layers": 0}, {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 0}),
     "alibi": (None, {}),
 }
 SCHEMES = (FREQUENCY[0], *ATTENTION)
@@ -223,13 +224,20 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
                                                     "positions, and values that rotate with the keys (K = V)")),
         # refused before that on the tiny model: its rotary_dim 2 has one frequency for dpe's two groups
         "dpe": ("2 group sizes for the 1 RoPE frequencies", "one RoPE frequency (rotary_dim 2) for two groups on the "
-                                                          "tiny model; attention over compressed memory besides")},
+                                                          "tiny model; attention over compressed memory besides"),
+        "ms_poe": ("without the head order of its prompt", "attention over compressed memory: no call's queries are "
+                                                           "its keys, so no prompt orders the heads")},
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
+    "zamba2": {"ms_poe": ("several depths", "one attention module shared by several depths (a hybrid's shared block): "
+                                            "Ms-PoE keeps the prompt's head order per layer, not per depth")},
     **{f: {"dca": ("sparse-attention indexer's choice of keys",
                    "a sparse-attention indexer picks the keys at the tokens' positions; DCA moves every copy, so no "
-                   "copy has them")} for f in ("axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "hy_v4")},
+                   "copy has them"),
+           "ms_poe": ("apply-time check", "a sparse-attention indexer picks the keys at the tokens' positions; Ms-PoE "
+                                          "moves every copy (to 0 and p/r), so no copy has them")}
+       for f in ("axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "hy_v4")},
 }
 
 
@@ -257,7 +265,7 @@ def page() -> str:
         "whose configs have no `rope_parameters` and which rotate from a sin/cos table built at init, against the same "
         "model with its table built from the frequencies and attention scaling of transformers' "
         "`ROPE_INIT_FUNCTIONS['yarn']` on a config carrying the same parameters), the re-positioning "
-        "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA, DPE: at an identity setting against the model, at a real "
+        "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA, DPE, Ms-PoE: at an identity setting against the model, at a real "
         "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
         "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "
         "bit-exact; ✗ is refused at `apply()` with the reason below, the model left as it was. Nothing is wrong or "

@@ -39,7 +39,7 @@ from helpers.reference import alibi_slopes, pair_positions, sinusoid_table, t5_b
 from helpers.reference_dca import pair_positions as dca_pair_positions
 
 NAME = "rope_patch_tests_reference"
-POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe")  # pairs at the papers' positions
+POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe", "ms_poe")  # pairs at the papers' positions
 BIAS = ("alibi", "relative_bias")
 OWN_ATTENTION = (*BIAS, *POSITIONAL)
 
@@ -267,6 +267,8 @@ class _Layer:
         made = run.made.get(id(call.get("position_embeddings"))) or _sliced(run, call.get("position_embeddings"))
         pos = self._positions(call, extra, made, run.pos)
         b, n = pos.shape
+        if run.scheme == "ms_poe":
+            return self._ms_poe(call, extra, made, pos)
         slot = torch.arange(n)
         if run.scheme == "dpe":  # Lu et al. 2025: near pairs at true positions, far ones per group (Self-Extend, s_g)
             w, sizes = run.params["window_size"], run.params["group_sizes"]
@@ -322,6 +324,62 @@ class _Layer:
             return self._run(call, extra, None, None)
         finally:
             run.mode = None
+
+
+def _ms_poe_layer(self, call, extra, made, pos):
+    """Ms-PoE (Zhang et al. 2024): the layer run at position 0 and at p/r_k for every ratio slot r_k = min + (max −
+    min)·k/n (n = its KV heads); each KV head's order from the outlier scores of the last query at position 0 over the
+    real keys (the share of weights above 3× the mean, averaged over the head's query heads, most first, ties in head
+    order), KV head g then reads slot order[g] (the authors' `cos[head_order]`); one softmax per head."""
+    run, p = _Run.current, _Run.current.params
+    skip = p.get("skip_layers", 2)
+    run.mode = "capture"
+    if self.module.layer_idx < skip:
+        arrays = [pos]
+    else:
+        run.captured = []
+        self._run(call, extra, pos, made)
+        hkv = run.captured[0]["k"].shape[1]
+        lo, hi = p.get("min_ratio", 1.2), p.get("max_ratio", 1.8)
+        arrays = [torch.zeros_like(pos, dtype=torch.float32)] + [pos / (lo + (hi - lo) * k / hkv) for k in range(hkv)]
+    runs = []
+    for arr in arrays:
+        run.captured = []
+        self._run(call, extra, arr, made)
+        runs.append(run.captured)
+    run.emit = []
+    for c, info in enumerate(runs[0]):
+        h, d = info["q"].shape[1], info["q"].shape[-1]
+        scaling = info["scaling"] if info["scaling"] is not None else d**-0.5
+        mask = info["mask"]
+        if len(arrays) == 1:
+            q, k = info["q"], _expand_kv(info["k"], h)
+        else:
+            hkv = info["k"].shape[1]
+            s0 = _softcapped((info["q"][:, :, -1:] @ _expand_kv(info["k"], h).transpose(-1, -2)).float() * scaling,
+                             info["softcap"])  # (b, H, 1, n)
+            seen = torch.ones(s0.shape[0], s0.shape[-1], dtype=torch.bool) if mask is None else \
+                mask[:, 0, -1, : s0.shape[-1]] > torch.finfo(mask.dtype).min / 2
+            w = torch.softmax(s0.masked_fill(~seen[:, None, None], float("-inf")), dim=-1)[:, :, 0]
+            count = seen.sum(-1, keepdim=True).float()  # (b, 1)
+            share = (w > 3 / count[:, None]).sum(-1) / count  # (b, H)
+            order = torch.argsort(-share.view(share.shape[0], hkv, -1).mean(-1), dim=-1, stable=True)
+            slot = order.repeat_interleave(h // hkv, dim=1)  # (b, H): each query head's ratio slot
+            qs = torch.stack([r[c]["q"] for r in runs[1:]])  # (n, b, H, L, d)
+            ks = torch.stack([_expand_kv(r[c]["k"], h) for r in runs[1:]])
+            bi, hi = torch.arange(slot.shape[0])[:, None], torch.arange(h)[None, :]
+            q, k = qs[slot, bi, hi], ks[slot, bi, hi]
+        s = _softcapped((q @ k.transpose(-1, -2)).float() * scaling, info["softcap"])
+        value = _expand_kv(info["v"], h)
+        run.emit.append(_softmax_out(s, value, mask, info["sinks"]).to(value.dtype))
+    run.mode = "emit"
+    try:
+        return self._run(call, extra, None, None)
+    finally:
+        run.mode = None
+
+
+_Layer._ms_poe = _ms_poe_layer
 
 
 def _attention_modules(model):

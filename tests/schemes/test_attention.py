@@ -16,9 +16,9 @@ from rope_patch.schemes.bias import alibi_slopes
 L = 96
 PAD = 7  # left padding of row 0 in padded batches
 
-# scheme, params: every attention-side scheme of tests/helpers/schemes.py (dca has its own reference and file,
-# test_dca.py) and, after them, settings that reach other code paths; every test below runs over them
-SCHEMES = cases("attention", without=("dca",)) + [
+# scheme, params: every attention-side scheme of tests/helpers/schemes.py (dca and ms_poe have their own references
+# and files, test_dca.py and test_ms_poe.py) and, after them, settings that reach other code paths; every test below runs over them
+SCHEMES = cases("attention", without=("dca", "ms_poe")) + [
     ("alibi", {"max_bias": 4.0}),
     ("self_extend", {"group_size": 3, "window_size": 10}),
     ("rerope", {"window_size": 40}),  # window > block: the fast path's four-way key split

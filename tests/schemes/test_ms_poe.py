@@ -1,0 +1,249 @@
+"""Ms-PoE (rope_patch/schemes/multiscale.py): exact against the paper's explicit per-head positions and against the
+authors' computation, the prompt's head order kept for cached generation, padding-invariant, on eager / sdpa / flex,
+stacked with a frequency scheme, reversible, and bad input refused at apply()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.models import logits, tiny_model, token_batch
+from helpers.reference_ms_poe import authors_forward, paper_forward
+
+import rope_patch
+from rope_patch import attention
+from rope_patch.schemes.multiscale import ratios
+
+L, PAD, NEW = 96, 7, 6
+P = {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 1}  # the tiny models have 2 layers: one skipped, one not
+# initializer_range 0.2: peaked attention, so the heads' outlier scores differ and the order is not the identity
+INIT = {"initializer_range": 0.2}
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Several query blocks per call, so the block loops of the sdpa-style function are what gets tested."""
+    monkeypatch.setattr(attention.settings, "BLOCK_ELEMENTS", 2 * 4 * L * 11)
+    monkeypatch.setattr(attention.settings, "FUSED_BLOCK", 24)
+
+
+def tiny(arch="llama", backend="sdpa", **kw):
+    """A tiny model with peaked attention; its output head scaled down so the logits stay O(1) (float noise too)."""
+    model = tiny_model(arch, attn_implementation=backend, **INIT, **kw)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.1)
+    return model
+
+
+def rule(model):
+    """The scheme's attention rule on the patched model (it keeps the prompt's head order per layer)."""
+    return getattr(model.model.layers[1].self_attn, attention.STATE).scores
+
+
+def model_with(arch="llama", backend="sdpa", params=P, **kw):
+    return rope_patch.apply(tiny(arch, backend, **kw), "ms_poe", **params)
+
+
+def batch(padded: bool, n: int = L):
+    return token_batch(n, 0, PAD if padded else 0)
+
+
+def real(ids, kw):
+    return kw["attention_mask"].bool() if "attention_mask" in kw else torch.ones_like(ids, dtype=torch.bool)
+
+
+SETUPS = [("llama", b, p) for b in ("eager", "sdpa") for p in (False, True)] + [("qwen2", "sdpa", True),
+                                                                               ("mistral", "eager", True)]
+
+
+@pytest.mark.parametrize("arch,backend,padded", SETUPS, ids=[f"{a}-{b}-{'pad' if p else 'nopad'}" for a, b, p in SETUPS])
+def test_matches_paper_reference(arch, backend, padded):
+    """Explicit per-head positions p/r_h, full attention, fp32; the heads' order is not the identity in every row."""
+    model = model_with(arch, backend)
+    ids, kw = batch(padded)
+    got = logits(model, ids, **kw)
+    want, orders = paper_forward(model, ids, P, kw.get("attention_mask"))
+    assert (got - want)[real(ids, kw)].abs().max().item() <= 1e-5
+    assert not torch.equal(orders[1], torch.arange(2).expand(2, 2))  # a non-trivial order is under test
+    assert torch.equal(rule(model).orders[1], orders[1])
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("skip,seed", [(0, 1), (1, 6)])  # prompts whose head orders are not involutions
+def test_matches_authors_code_on_mha(backend, skip, seed):
+    """MHA (their target): rope_patch's per-KV-head ratios are their per-head ones, `cos[head_order]` included."""
+    params = {**P, "skip_layers": skip}
+    model = tiny("llama", backend, num_key_value_heads=4)
+    ids = token_batch(L, seed)[0][:1]
+    want = authors_forward(model, ids, params)
+    _, orders = paper_forward(model, ids, params)
+    order = orders[1][0]
+    assert not torch.equal(order[order], torch.arange(4))  # not an involution: the inverse mapping would differ
+    rope_patch.apply(model, "ms_poe", **params)
+    assert (logits(model, ids) - want).abs().max().item() <= 1e-4
+
+
+def test_authors_code_on_gqa_mixes_scales_and_rope_patch_does_not():
+    """On GQA the authors' queries take their own ratio and the shared keys the group's first: a different model."""
+    model = tiny("llama", "eager")
+    ids = batch(False)[0][:1]
+    authors = authors_forward(model, ids, P)
+    rope_patch.apply(model, "ms_poe", **P)
+    assert (logits(model, ids) - authors).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("arch,backend", [("llama", "eager"), ("qwen2", "sdpa"), ("gemma2", "eager")])
+def test_cached_generation_equals_full_forward_with_the_prompt_order(arch, backend):
+    """Greedy decoding of a left-padded batch with the KV cache: every step's logits are the paper reference's on the
+    whole sequence with the head order of the prompt."""
+    model = model_with(arch, backend)
+    ids, kw = batch(True, n=24)
+    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=kw["attention_mask"], use_cache=True, **gen)
+    if arch == "gemma2":  # no plain-math reference for gemma2's layout: the same steps without the order recomputed
+        full = torch.cat([kw["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)
+        prompt_order = {k: v.clone() for k, v in rule(model).orders.items()}
+        want = torch.stack(list(out.logits), 1)
+        # the same logits from one cached call over all generated tokens after the prompt (chunked prefill)
+        cache = model(ids, attention_mask=kw["attention_mask"], use_cache=True).past_key_values
+        step = model(out.sequences[:, 24:-1], attention_mask=full[:, :-1], past_key_values=cache).logits
+        got = torch.cat([model(ids, attention_mask=kw["attention_mask"]).logits[:, -1:], step], 1)
+        assert torch.equal(rule(model).orders[1], prompt_order[1])
+        assert (got - want).abs().max().item() <= 1e-5
+        return
+    _, prompt_orders = paper_forward(model, ids, P, kw["attention_mask"])
+    full = torch.cat([kw["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)
+    want, _ = paper_forward(model, out.sequences, P, full, orders=prompt_orders)
+    got = torch.stack(list(out.logits), 1)
+    assert (got - want[:, 23:23 + NEW]).abs().max().item() <= 1e-5
+
+
+def test_without_cache_each_input_is_its_own_prompt():
+    """A forward without cache recomputes the order from its own last query (the authors' code would keep the first
+    prompt's until `_reset()`): two different prompts through one model each equal their own reference."""
+    model = model_with()
+    for seed in (0, 1):
+        ids, _ = token_batch(40, seed)
+        want, _ = paper_forward(model, ids, P)
+        assert (logits(model, ids) - want).abs().max().item() <= 1e-5
+
+
+def test_cached_call_without_a_prompt_is_refused():
+    model = model_with()
+    ids, _ = batch(False, n=20)
+    cache = model(ids, use_cache=True).past_key_values
+    rule(model).orders.clear()
+    with pytest.raises(ValueError, match="without the head order of its prompt"):
+        model(ids[:, :1], past_key_values=cache)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_left_padded_row_equals_sequence_alone(backend):
+    model = model_with("qwen2", backend)
+    ids, kw = batch(True)
+    alone = logits(model, ids[:1, PAD:])
+    assert (logits(model, ids, **kw)[:1, PAD:] - alone).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_eager_and_sdpa_agree(arch):
+    """The dense (eager) and blocked (sdpa) functions, also with Gemma 2's softcap."""
+    ids, kw = batch(True)
+    outs = []
+    for backend in (attention.DENSE, attention.BLOCKED):
+        model = model_with(arch, "eager")
+        model.set_attn_implementation(backend)
+        outs.append(logits(model, ids, **kw))
+    assert (outs[0] - outs[1])[real(ids, kw)].abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+def test_flex_matches_paper_reference(padded, monkeypatch):
+    """flex_attention (uncompiled on CPU: torch's compiled CPU flex is refused, schemes/test_backends.py), its
+    BlockMask read for the last query's real keys."""
+    monkeypatch.setattr(attention.settings, "FLEX_COMPILE", False)
+    model = model_with("llama", "flex_attention")
+    assert model.config._attn_implementation == attention.FLEX
+    ids, kw = batch(padded)
+    want, _ = paper_forward(model, ids, P, kw.get("attention_mask"))
+    assert (logits(model, ids, **kw) - want)[real(ids, kw)].abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("freq", ["yarn:4", "linear:2"])
+def test_frequency_scheme_stacks_under_it(freq):
+    """A frequency scheme under Ms-PoE: the ratio copies rotate with the patched frequencies, so the stack is Ms-PoE on
+    the model natively configured with them."""
+    ids, kw = batch(True)
+    model, native = tiny(), tiny()
+    rope_patch.apply(native, freq)
+    params = dict(native.config.rope_parameters)
+    native = rope_patch.remove(native)
+    native.config.rope_parameters = params  # transformers' own scaling from the config, no rope_patch frequencies
+    native.model.rotary_emb.__init__(native.config)
+    rope_patch.apply(native, "ms_poe", **P)
+    rope_patch.apply(model, [freq, "ms_poe:min_ratio=1.2,max_ratio=1.8,skip_layers=1"])
+    got = logits(model, ids, **kw)
+    assert (got - logits(native, ids, **kw))[real(ids, kw)].abs().max().item() <= 1e-5
+    assert (got - logits(model_with(), ids, **kw))[real(ids, kw)].abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_ratio_one_is_vanilla_and_remove_is_exact(backend):
+    model, other = (tiny("llama", backend) for _ in range(2))
+    ids, kw = batch(True)
+    before = logits(model, ids, **kw)
+    rope_patch.apply(model, "ms_poe", min_ratio=1.0, max_ratio=1.0, skip_layers=0)
+    assert (logits(model, ids, **kw) - before)[real(ids, kw)].abs().max().item() <= 1e-5
+    rope_patch.apply(model, "ms_poe", **P)
+    assert not torch.equal(logits(model, ids, **kw), before) and torch.equal(logits(other, ids, **kw), before)
+    rope_patch.remove(model)
+    assert torch.equal(logits(model, ids, **kw), before) and model.config._attn_implementation == backend
+    assert not any(hasattr(m, attention.STATE) for m in model.modules())
+
+
+def test_ratio_slots_follow_the_authors():
+    """r_k = min + (max − min)·k/n: max_ratio itself is never used (their `_set_cos_sin_cache`)."""
+    assert ratios(1.2, 1.8, 3) == pytest.approx([1.2, 1.4, 1.6])
+    assert rope_patch.as_scheme("ms_poe") == rope_patch.as_scheme("ms_poe", min_ratio=1.2, max_ratio=1.8)
+    model = rope_patch.apply(tiny_model("llama", num_hidden_layers=4), "ms_poe")
+    assert rope_patch.current(model).skip_layers == 2  # the authors' default ...
+    assert rope_patch.current(rope_patch.apply(tiny_model("llama"), "ms_poe")).skip_layers == 1  # ... one layer kept
+
+
+BAD = [
+    (dict(min_ratio=1.8, max_ratio=1.2), ValueError, "`max_ratio` must be at least `min_ratio`"),
+    (dict(min_ratio=0.5), ValueError, "min_ratio"),
+    (dict(max_ratio="2"), TypeError, "max_ratio"),
+    (dict(skip_layers=-1), ValueError, "skip_layers"),
+    (dict(skip_layers=2), ValueError, "leaves no layer"),  # the tiny models have 2 layers
+    (dict(compress_ratio_min=1.2), TypeError, "unknown parameter"),
+]
+
+
+@pytest.mark.parametrize("params,error,words", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input_fails_at_apply_and_leaves_model_unchanged(params, error, words):
+    model = tiny_model("llama", attn_implementation="sdpa")
+    ids, _ = batch(False)
+    before = logits(model, ids)
+    with pytest.raises(error, match=words):
+        rope_patch.apply(model, "ms_poe", **params)
+    assert rope_patch.current(model) is None and model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits(model, ids), before)
+
+
+def test_suggested_for_contexts_that_fit_only():
+    model = tiny_model("llama")
+    specs = {s.scheme: s.spec for s in rope_patch.suggest(model, 32)}
+    assert specs.get("ms_poe") == "ms_poe:min_ratio=1.2,max_ratio=1.8"
+    assert "ms_poe" not in {s.scheme for s in rope_patch.suggest(model, 128)}
+
+
+def test_packed_row_orders_by_its_last_sequence_alone():
+    """A packed row (position ids restarting, no cache): the last query's outlier scores count only its own segment's
+    keys, so the second sequence gets the logits it gets alone."""
+    model = model_with()
+    a, b = token_batch(30, 2)[0][:1], token_batch(40, 3)[0][:1]
+    pos = torch.cat([torch.arange(30), torch.arange(40)])[None]
+    packed = logits(model, torch.cat([a, b], dim=1), position_ids=pos, use_cache=False)[:, 30:]
+    alone = logits(model, b, position_ids=torch.arange(40)[None], use_cache=False)
+    assert (packed - alone).abs().max().item() <= 1e-5
