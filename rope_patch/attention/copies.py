@@ -146,8 +146,8 @@ class CacheView:
     READS = frozenset({"get_seq_length", "get_mask_sizes", "is_compileable", "is_sliding", "get_max_cache_shape",
                        "max_batch_size", "max_cache_len", "is_initialized", "layers"})
 
-    def __init__(self, cache, rows: int, layout: Layout, mode: str = HEADS):
-        self._cache, self._rows, self._layout, self._mode = cache, rows, layout, mode
+    def __init__(self, cache, rows: int, layout: Layout, mode: str = HEADS, module: nn.Module | None = None):
+        self._cache, self._rows, self._layout, self._mode, self._module = cache, rows, layout, mode, module
 
     def _keep(self, x: torch.Tensor) -> torch.Tensor:
         b = self._rows
@@ -155,9 +155,24 @@ class CacheView:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self._mode == HEADS:
-            return self._cache.update(self._keep(key_states), value_states[:self._rows], layer_idx, *args, **kwargs)
-        keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args, **kwargs)
-        return self._unstack(keys), self._unstack(values)
+            out = self._cache.update(self._keep(key_states), value_states[:self._rows], layer_idx, *args, **kwargs)
+        else:
+            keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args, **kwargs)
+            out = self._unstack(keys), self._unstack(values)
+        self._note_head(layer_idx)
+        return out
+
+    def _note_head(self, layer_idx) -> None:
+        """A cache layer that evicts from the middle (StreamingLLM's sink cache, schemes/sink.py) says how many leading
+        slots it handed back at their own positions before a contiguous run that ends at the queries (`kept_head`,
+        None while it has evicted nothing): the attention function reads it from `Current`."""
+        layers = getattr(self._cache, "layers", None)
+        if self._module is None or not isinstance(layers, (list, tuple)) or not isinstance(layer_idx, int):
+            return
+        head = getattr(layers[layer_idx], "kept_head", None) if layer_idx < len(layers) else None
+        current = module_state(self._module).current
+        if current is not None:
+            current.kept_head = head
 
     def _unstack(self, x: torch.Tensor) -> torch.Tensor:
         """(b, S·H, N, d) → (c·b, H, N, d): copy t gets its own stored set, the copies the scheme reads no keys of get
@@ -213,6 +228,9 @@ class Current:
     rows: int  # b: the batch the decoder has; the query batch is copies · b
     positions: torch.Tensor | None  # (b|1, n) the true position ids of the queries
     layout: Layout
+    # set by `CacheView` when the cache layer evicted keys from the middle: the keys are its first `kept_head` slots
+    # (at their own positions) and then a contiguous run ending at the queries (None: contiguous from slot 0)
+    kept_head: int | None = None
 
 
 class Reentry:
@@ -261,7 +279,7 @@ class Reentry:
         for name in CACHE_ARGS:
             cache = call.get(name, extra.get(name))
             if cache is not None:
-                (call if name in call else extra)[name] = CacheView(cache, b, layout, self.cache_mode)
+                (call if name in call else extra)[name] = CacheView(cache, b, layout, self.cache_mode, module)
         # Whatever else the layer receives per row (a mask, a position-dependent query scale computed by the decoder,
         # as Beam's NoPE layers get) is the same for every copy: only positions differ between copies.
         done = {next(iter(call)), "position_embeddings", "position_ids", *CACHE_ARGS}
