@@ -88,14 +88,15 @@ NEWER = {  # schemes added after this file was written
         {"window_size": st.just(w), "shift_size": st.sampled_from([s for s in (8, 16, 24) if s > w])})),
     "dca": st.sampled_from([16, 24]).flatmap(lambda c: st.fixed_dictionaries(
         {"chunk_size": st.just(c), "local_size": st.sampled_from([4, 8])})),
+    "sink": st.fixed_dictionaries({"window_size": st.sampled_from([4, 8, 16]), "sink_size": st.sampled_from([0, 1, 4])}),
 }
 SCHEMES.update(NEWER)
 SCHEMES["logn"] = st.just({}) | st.fixed_dictionaries({"kind": st.just("llama4"), "attn_scale": st.sampled_from([0.1, 0.5]),
                                                        "floor_scale": st.sampled_from([4, 8])})
 # attention schemes that run through their own attention function: a backend switch makes the next forward raise
-OWN_FUNCTION = {"alibi", "self_extend", "rerope", "leaky_rerope", "relative_bias", "string", "dca", "logn"}
+OWN_FUNCTION = {"alibi", "self_extend", "rerope", "leaky_rerope", "relative_bias", "string", "dca", "logn", "sink"}
 # they rotate q/k inside attention with the model's frequency buffers as they were at apply time
-ROTATING = {"self_extend", "rerope", "leaky_rerope", "string", "dca"}
+ROTATING = {"self_extend", "rerope", "leaky_rerope", "string", "dca", "sink"}
 # transformers' dynamic NTK keeps the frequencies of the longest input seen (until an input shorter than the window)
 LENGTH_STATEFUL = {"dynamic"}
 # frequencies that follow the longest position of each input (dynamic NTK, dynamic YaRN, LongRoPE's two sets)

@@ -165,6 +165,10 @@ def decoder_forward(model, ids, scores_fn, mask=None, position_encoding=None):
 @torch.no_grad()
 def forward(model, ids, scheme, params, mask=None):
     """Reference logits (b, L, vocab) under `scheme`; rows that are padding are garbage (compare real tokens only)."""
+    if scheme == "sink":  # per-query visible sets and cache indices: helpers/reference_sink.py
+        from helpers.reference_sink import paper_forward
+
+        return paper_forward(model, ids, params.get("sink_size", 4), params["window_size"], mask)
     encoding = None
     if scheme == "sinusoidal":
         table = sinusoid_table(ids.shape[1], model.config.hidden_size, params.get("rope_theta", 10000.0))

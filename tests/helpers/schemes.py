@@ -53,6 +53,7 @@ SCHEMES = [
     Row("leaky_rerope", "attention", {"window_size": 16, "factor": 4.0}, suggest="own"),
     Row("string", "attention", {"shift_size": 16, "window_size": 4}, suggest="own"),
     Row("dca", "attention", {"chunk_size": 24, "local_size": 4}, suggest="own"),
+    Row("sink", "attention", {"window_size": 16, "sink_size": 4}, suggest="own"),
     Row("logn", "modifier", {}),
 ]
 BY_NAME = {row.name: row for row in SCHEMES}
