@@ -37,6 +37,7 @@ ATTENTION = {
     "leaky_rerope": ({"window_size": 64, "factor": 4.0}, {"window_size": 12, "factor": 4.0}),
     "string": ({"shift_size": 64, "window_size": 8}, {"shift_size": 20, "window_size": 6}),
     "dca": ({"chunk_size": 64, "local_size": 4}, {"chunk_size": 24, "local_size": 4}),
+    "sink": ({"window_size": 64, "sink_size": 4}, {"window_size": 12, "sink_size": 4}),
     "alibi": (None, {}),
 }
 SCHEMES = (FREQUENCY[0], *ATTENTION)
@@ -218,7 +219,7 @@ def page() -> str:
         f"Every model folder of transformers {transformers.__version__} that defines a rotary embedding and a causal "
         f"LM ({len(folders_)} folders), tried on a tiny random model of each (`tests/helpers/models.py`): the "
         "frequency schemes (yarn ×4 against a model transformers builds from the patched config), the re-positioning "
-        "schemes (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA: at an identity setting against the model, at a real "
+        "schemes (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA, StreamingLLM sinks: at an identity setting against the model, at a real "
         "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
         "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "
         "bit-exact; ✗ is refused at `apply()` with the reason below, the model left as it was. Nothing is wrong or "

@@ -64,6 +64,10 @@ def pair_positions(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> tu
         return i, j
     if scheme == "dca":
         raise KeyError("dca: use helpers.reference_dca.pair_positions")
+    if scheme == "sink":  # Xiao et al. 2024 (StreamingLLM), pos_shift: q at min(i, S + W − 1) for the sinks beyond the
+        # window, keys in place; pairs that are neither near nor a sink are hidden (`sink_hidden`)
+        far = d >= p["window_size"]
+        return torch.where(far, i.clamp(max=p.get("sink_size", 4) + p["window_size"] - 1), i), j
     w = p["window_size"]
     if scheme == "string":  # An et al. 2024 (STRING): the query moved to i − S + W for d ≥ S, keys in place
         far = d >= p["shift_size"]
@@ -78,6 +82,11 @@ def pair_positions(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> tu
         g = p["group_size"]
         return torch.where(far, torch.floor(i / g) + w - w // g, i), torch.where(far, torch.floor(j / g), j)
     raise KeyError(scheme)
+
+
+def sink_hidden(p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """StreamingLLM: the pairs (i, j) of true positions that are neither in the window (i − j < W) nor a sink (j < S)."""
+    return (i - j >= p["window_size"]) & (j >= p.get("sink_size", 4))
 
 
 def alibi_slopes(n, max_bias=8.0):
