@@ -46,7 +46,7 @@ def test_the_scheme_changes_the_model_past_the_window_only():
     before = logits(model, ids)
     rope_patch.apply(model, "sink:16")
     after = logits(model, ids)
-    assert torch.equal(after[:, :16], before[:, :16]) or (after[:, :16] - before[:, :16]).abs().max() <= 1e-5
+    assert (after[:, :16] - before[:, :16]).abs().max() <= 1e-5  # every key is in the window: plain RoPE
     assert (after[:, 40:] - before[:, 40:]).abs().max() > 1e-2
 
 
