@@ -265,7 +265,12 @@ class Reentry:
         made = next((m for m in tagged.values() if m is not None), None)
         positions = made.position_ids if made is not None else given
         if positions is None:  # no positions reach the layer (a NoPE layer): nothing to move, it runs as it is
-            return type(module).forward(module, *args, **kwargs)
+            state = module_state(module)
+            previous, state.positionless = state.positionless, True  # a rule that needs positions can refuse
+            try:
+                return type(module).forward(module, *args, **kwargs)
+            finally:
+                state.positionless = previous
         if made is not None:
             stacked = {k: stack_embeddings(v, layout.maps, b, id(layout)) if v is not None else None
                        for k, v in tagged.items()}

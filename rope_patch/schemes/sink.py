@@ -97,7 +97,13 @@ class SinkScores(TwoRegionScores):
 
     def begin(self, call):
         super().begin(call)
-        current = module_state(call.module).current
+        state = module_state(call.module)
+        if state.positionless:
+            # StreamingLLM evicts the middle of every layer's cache, a layer without positions too (exaone4's,
+            # kolibri1's global NoPE layers): which keys are sinks needs the tokens' positions, which do not reach it
+            raise attention.NotProven("runs without positions (a layer with no position encoding), and sink must hide "
+                                      "its middle keys too, which needs the tokens' positions")
+        current = state.current
         head = getattr(current, "kept_head", None)
         if head is not None:
             if call.offset.numel() > 1 and bool((call.offset != call.offset[:1]).any()):
@@ -357,6 +363,14 @@ class Sink(TwoRegion):
 
     def far_positions(self):
         return Clamp(self.sink_size + self.window_size - 1), attention.Identity()
+
+    def layout(self, module):
+        # Unlike the other two-region schemes, sink changes layers without positions too (it hides keys): a full
+        # layer that carries its model's `sliding_window` attribute without using it (exaone4's global NoPE layers,
+        # `is_sliding` False) is not left alone.
+        if getattr(module, "is_sliding", None) is False:
+            return self._layout()[0]
+        return super().layout(module)
 
     def relative_position(self, i, j):
         """i − j in the window, min(i, S + W − 1) − j for a sink, NaN for a hidden key."""

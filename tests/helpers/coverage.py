@@ -189,6 +189,9 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
     "deepseek_v4": {
         **dict.fromkeys(ALL_ATTENTION, ("keys for", "attention over compressed memory: keys that are not tokens at "
                                                     "positions, and values that rotate with the keys (K = V)"))},
+    "cohere_compass": {"sink": ("runs without positions",
+                                "its global layers receive no positions (NoPE), and StreamingLLM must hide their middle "
+                                "keys by the tokens' positions too")},
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
