@@ -91,6 +91,7 @@ FREQ_ATTN = [
     ("yarn:4", "self_extend_logistic:group_size=6,window_size=16,growth_rate=0.5"),
     ("llama3:4", "self_extend_logistic:group_size=8,window_size=12,growth_rate=0.3"),
     ("yarn:4", "dpe:group_sizes=2/4/8/3,window_size=16"),
+    ("yarn:2", "sink:window_size=16,sink_size=4"),
 ]
 SETUPS = [("eager", False), ("sdpa", False), ("sdpa", True), ("eager", True)]
 
@@ -157,7 +158,7 @@ def test_logn_wraps_the_attention_function_of_cache_rotation_consistent():
 
 
 ATTN_LOGN = ["self_extend:group_size=4,window_size=16", "rerope:window_size=16", "alibi", "nope", "sinusoidal",
-             "relative_bias:init=alibi", "string:shift_size=40,window_size=16"]
+             "relative_bias:init=alibi", "string:shift_size=40,window_size=16", "sink:window_size=16"]
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
@@ -187,7 +188,8 @@ def test_three_parts_yarn_self_extend_logn():
 
 # ---- cached decoding --------------------------------------------------------------------------------------------
 STACKS = ["yarn:4+self_extend:group_size=4,window_size=16", "yarn:4+logn", "logn:kind=llama4,attn_scale=0.5,floor_scale=4",
-          "linear:2+rerope:window_size=16+logn", "alibi+logn", "dca:chunk_size=24,local_size=4+logn"]
+          "linear:2+rerope:window_size=16+logn", "alibi+logn", "dca:chunk_size=24,local_size=4+logn",
+          "yarn:2+sink:window_size=16,sink_size=4"]
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])

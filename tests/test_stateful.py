@@ -93,14 +93,15 @@ NEWER = {  # schemes added after this file was written
     "dpe": st.fixed_dictionaries({"group_sizes": st.lists(st.sampled_from([1, 2, 3, 4]), min_size=4, max_size=4),
                                   "window_size": st.sampled_from([8, 16])}),
     "ms_poe": st.fixed_dictionaries({"min_ratio": st.sampled_from([1.0, 1.2]), "max_ratio": st.sampled_from([1.8, 2.5])}),
+    "sink": st.fixed_dictionaries({"window_size": st.sampled_from([4, 8, 16]), "sink_size": st.sampled_from([0, 1, 4])}),
 }
 SCHEMES.update(NEWER)
 SCHEMES["logn"] = st.just({}) | st.fixed_dictionaries({"kind": st.just("llama4"), "attn_scale": st.sampled_from([0.1, 0.5]),
                                                        "floor_scale": st.sampled_from([4, 8])})
 # attention schemes that run through their own attention function: a backend switch makes the next forward raise
-OWN_FUNCTION = {"alibi", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "relative_bias", "string", "dca", "logn", "dpe", "ms_poe"}
+OWN_FUNCTION = {"alibi", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "relative_bias", "string", "dca", "logn", "dpe", "ms_poe", "sink"}
 # they rotate q/k inside attention with the model's frequency buffers as they were at apply time
-ROTATING = {"self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe", "ms_poe"}
+ROTATING = {"self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe", "ms_poe", "sink"}
 # transformers' dynamic NTK keeps the frequencies of the longest input seen (until an input shorter than the window)
 LENGTH_STATEFUL = {"dynamic"}
 # frequencies that follow the longest position of each input (dynamic NTK, dynamic YaRN, LongRoPE's two sets)

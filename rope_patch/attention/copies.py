@@ -175,9 +175,10 @@ class CacheView:
     READS = frozenset({"get_seq_length", "get_mask_sizes", "is_compileable", "is_sliding", "get_max_cache_shape",
                        "max_batch_size", "max_cache_len", "is_initialized", "layers"})
 
-    def __init__(self, cache, rows: int, layout: Layout, mode: str = HEADS, copy: int = 0, stash: Stash | None = None):
+    def __init__(self, cache, rows: int, layout: Layout, mode: str = HEADS, copy: int = 0, stash: Stash | None = None,
+                 module: nn.Module | None = None):
         self._cache, self._rows, self._layout, self._mode = cache, rows, layout, mode
-        self._copy, self._stash = copy, stash
+        self._copy, self._stash, self._module = copy, stash, module
 
     def _keep(self, x: torch.Tensor) -> torch.Tensor:
         b = self._rows
@@ -192,12 +193,27 @@ class CacheView:
                 return key_states, value_states
             keys = [key_states if t == 0 else self._stash.cache_keys.pop(t) for t in kept]
             self._stash.cached = True
-            return self._cache.update(torch.cat(keys, dim=1) if len(keys) > 1 else keys[0], value_states, layer_idx,
-                                      *args, **kwargs)
-        if self._mode == HEADS:
-            return self._cache.update(self._keep(key_states), value_states[:self._rows], layer_idx, *args, **kwargs)
-        keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args, **kwargs)
-        return self._unstack(keys), self._unstack(values)
+            out = self._cache.update(torch.cat(keys, dim=1) if len(keys) > 1 else keys[0], value_states, layer_idx,
+                                     *args, **kwargs)
+        elif self._mode == HEADS:
+            out = self._cache.update(self._keep(key_states), value_states[:self._rows], layer_idx, *args, **kwargs)
+        else:
+            keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args, **kwargs)
+            out = self._unstack(keys), self._unstack(values)
+        self._note_head(layer_idx)
+        return out
+
+    def _note_head(self, layer_idx) -> None:
+        """A cache layer that evicts from the middle (StreamingLLM's sink cache, schemes/sink.py) says how many leading
+        slots it handed back at their own positions before a contiguous run that ends at the queries (`kept_head`,
+        None while it has evicted nothing): the attention function reads it from `Current`."""
+        layers = getattr(self._cache, "layers", None)
+        if self._module is None or not isinstance(layers, (list, tuple)) or not isinstance(layer_idx, int):
+            return
+        head = getattr(layers[layer_idx], "kept_head", None) if layer_idx < len(layers) else None
+        current = module_state(self._module).current
+        if current is not None:
+            current.kept_head = head
 
     def _unstack(self, x: torch.Tensor) -> torch.Tensor:
         """(b, S·H, N, d) → (c·b, H, N, d): copy t gets its own stored set, the copies the scheme reads no keys of get
@@ -260,6 +276,9 @@ class Current:
     layout: Layout
     copy: int = 0  # SEQUENTIAL: the copy this call of the layer computes
     stash: Stash | None = None  # SEQUENTIAL: what the earlier copies left for the attention of copy 0 (None: stacked)
+    # set by `CacheView` when the cache layer evicted keys from the middle: the keys are its first `kept_head` slots
+    # (at their own positions) and then a contiguous run ending at the queries (None: contiguous from slot 0)
+    kept_head: int | None = None
 
 
 class Reentry:
@@ -299,7 +318,12 @@ class Reentry:
         made = next((m for m in tagged.values() if m is not None), None)
         positions = made.position_ids if made is not None else given
         if positions is None:  # no positions reach the layer (a NoPE layer): nothing to move, it runs as it is
-            return type(module).forward(module, *args, **kwargs)
+            state = module_state(module)
+            previous, state.positionless = state.positionless, True  # a rule that needs positions can refuse
+            try:
+                return type(module).forward(module, *args, **kwargs)
+            finally:
+                state.positionless = previous
         if self.cache_mode == SEQUENTIAL:
             return self._sequential(call, extra, b, positions, tagged, type(embeddings) is dict, given)
         if made is not None:
@@ -315,7 +339,7 @@ class Reentry:
         for name in CACHE_ARGS:
             cache = call.get(name, extra.get(name))
             if cache is not None:
-                (call if name in call else extra)[name] = CacheView(cache, b, layout, self.cache_mode)
+                (call if name in call else extra)[name] = CacheView(cache, b, layout, self.cache_mode, module=module)
         # Whatever else the layer receives per row (a mask, a position-dependent query scale computed by the decoder,
         # as Beam's NoPE layers get) is the same for every copy: only positions differ between copies.
         done = {next(iter(call)), "position_embeddings", "position_ids", *CACHE_ARGS}
@@ -342,7 +366,7 @@ class Reentry:
                 (one if "position_ids" in one else more)["position_ids"] = given if isinstance(at, Identity) else at(given)
             for name, cache in caches.items():
                 if cache is not None:
-                    (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash)
+                    (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash, module)
             out = self._run(one, more, Current(b, _true(positions), layout, t, stash))
         return out
 

@@ -58,8 +58,9 @@ def causal_block_mask(call: AttentionCall):
     return create_block_mask(causal, None, None, q_len, k_len, device=call.key.device)
 
 
-def restrict_block_mask(block_mask, call: AttentionCall, window: int, near: bool):
-    """`block_mask` ∧ (i − j < W if near else i − j ≥ W), i − j in key slots. The element rule is the mask_mod;
+def restrict_block_mask(block_mask, call: AttentionCall, window: int, near: bool, keep=None):
+    """`block_mask` ∧ (i − j < W if near else i − j ≥ W) [∧ keep(b, h, q, kv), a mask_mod of the scheme's own], i − j
+    in key slots. The element rule is the mask_mod;
     the block list is the original one minus the blocks that hold no element of the region (judged from each
     block's smallest / largest distance), so the near call only visits the diagonal band and the far call the
     rest. All kept blocks are partial (mask_mod evaluated): a block that was full may now be cut by the band."""
@@ -70,7 +71,8 @@ def restrict_block_mask(block_mask, call: AttentionCall, window: int, near: bool
 
     def mask_mod(b, h, qi, kv):
         dist = qi + first - kv
-        return base(b, h, qi, kv) & ((dist < w) if near else (dist >= w))
+        inside = base(b, h, qi, kv) & ((dist < w) if near else (dist >= w))
+        return inside if keep is None else inside & keep(b, h, qi, kv)
 
     qb, kb = block_mask.BLOCK_SIZE
     dense = block_mask.to_dense().bool()  # (B, H, q blocks, kv blocks): partial ∪ full

@@ -33,6 +33,7 @@ class AttnState:
     scores: AttentionRule
     block_elements: int | None = None  # None: settings.BLOCK_ELEMENTS (read at call time, tests shrink it)
     current: object = None  # during a re-positioned layer's call: its `copies.Current` (rows, true positions, layout)
+    positionless: bool = False  # during a call of a layer that no positions reach (`copies.Reentry` runs it as it is)
     recorder: object = None  # during the apply-time check (plumbing.py): what the attention function received
     rotaries: tuple = ()  # the model's rotary modules (copies.Reentry recovers embeddings a decoder sliced)
 

@@ -43,6 +43,7 @@ ATTENTION = {
     "dca": ({"chunk_size": 64, "local_size": 4}, {"chunk_size": 24, "local_size": 4}),
     "dpe": ({"group_sizes": [4, 2], "window_size": 64}, {"group_sizes": [4, 2], "window_size": 12}),
     "ms_poe": ({"min_ratio": 1.0, "max_ratio": 1.0, "skip_layers": 0}, {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 0}),
+    "sink": ({"window_size": 64, "sink_size": 4}, {"window_size": 12, "sink_size": 4}),
     "alibi": (None, {}),
 }
 SCHEMES = (FREQUENCY[0], *ATTENTION)
@@ -227,6 +228,9 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
                                                           "tiny model; attention over compressed memory besides"),
         "ms_poe": ("without the head order of its prompt", "attention over compressed memory: no call's queries are "
                                                            "its keys, so no prompt orders the heads")},
+    "cohere_compass": {"sink": ("runs without positions",
+                                "its global layers receive no positions (NoPE), and StreamingLLM must hide their middle "
+                                "keys by the tokens' positions too")},
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
@@ -265,7 +269,7 @@ def page() -> str:
         "whose configs have no `rope_parameters` and which rotate from a sin/cos table built at init, against the same "
         "model with its table built from the frequencies and attention scaling of transformers' "
         "`ROPE_INIT_FUNCTIONS['yarn']` on a config carrying the same parameters), the re-positioning "
-        "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA, DPE, Ms-PoE: at an identity setting against the model, at a real "
+        "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA, DPE, Ms-PoE, StreamingLLM sinks: at an identity setting against the model, at a real "
         "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
         "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "
         "bit-exact; ✗ is refused at `apply()` with the reason below, the model left as it was. Nothing is wrong or "

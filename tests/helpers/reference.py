@@ -79,6 +79,10 @@ def pair_positions(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> tu
         return i, j
     if scheme == "dca":
         raise KeyError("dca: use helpers.reference_dca.pair_positions")
+    if scheme == "sink":  # Xiao et al. 2024 (StreamingLLM), pos_shift: q at min(i, S + W − 1) for the sinks beyond the
+        # window, keys in place; pairs that are neither near nor a sink are hidden (`sink_hidden`)
+        far = d >= p["window_size"]
+        return torch.where(far, i.clamp(max=p.get("sink_size", 4) + p["window_size"] - 1), i), j
     w = p["window_size"]
     if scheme == "string":  # An et al. 2024 (STRING): the query moved to i − S + W for d ≥ S, keys in place
         far = d >= p["shift_size"]
@@ -98,6 +102,11 @@ def pair_positions(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> tu
         q_far = w + f[(i - w).clamp(min=0).long()]
         return torch.where(far, q_far, i), torch.where(far, f[j.clamp(min=0).long()], j)
     raise KeyError(scheme)
+
+
+def sink_hidden(p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """StreamingLLM: the pairs (i, j) of true positions that are neither in the window (i − j < W) nor a sink (j < S)."""
+    return (i - j >= p["window_size"]) & (j >= p.get("sink_size", 4))
 
 
 def alibi_slopes(n, max_bias=8.0):
@@ -192,6 +201,10 @@ def decoder_forward(model, ids, scores_fn, mask=None, position_encoding=None):
 @torch.no_grad()
 def forward(model, ids, scheme, params, mask=None):
     """Reference logits (b, L, vocab) under `scheme`; rows that are padding are garbage (compare real tokens only)."""
+    if scheme == "sink":  # per-query visible sets and cache indices: helpers/reference_sink.py
+        from helpers.reference_sink import paper_forward
+
+        return paper_forward(model, ids, params.get("sink_size", 4), params["window_size"], mask)
     encoding = None
     if scheme == "sinusoidal":
         table = sinusoid_table(ids.shape[1], model.config.hidden_size, params.get("rope_theta", 10000.0))

@@ -35,11 +35,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from helpers.reference import alibi_slopes, pair_positions, sinusoid_table, t5_bucket, true_positions
+from helpers.reference import alibi_slopes, pair_positions, sink_hidden, sinusoid_table, t5_bucket, true_positions
 from helpers.reference_dca import pair_positions as dca_pair_positions
 
 NAME = "rope_patch_tests_reference"
-POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe", "ms_poe")  # pairs at the papers' positions
+POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe", "ms_poe", "sink")  # pairs at the papers' positions
 BIAS = ("alibi", "relative_bias")
 OWN_ATTENTION = (*BIAS, *POSITIONAL)
 
@@ -314,6 +314,8 @@ class _Layer:
             k_pair = k_all[k_index, bi, :, jj].permute(0, 3, 1, 2, 4)
             scaling = info["scaling"] if info["scaling"] is not None else q_all.shape[-1] ** -0.5
             s = _softcapped((q_pair.float() * k_pair.float()).sum(-1) * scaling, info["softcap"])
+            if run.scheme == "sink":  # StreamingLLM: keys neither in the window nor sinks are evicted
+                s = s.masked_fill(sink_hidden(run.params, pos[:, None, :, None], pos[:, None, None, :]), float("-inf"))
             if chosen[c] is not None:  # the keys the indexer did not choose are masked (its model's eager path)
                 keep = torch.zeros(b, n, s.shape[-1], dtype=torch.bool).scatter(-1, chosen[c].long(), True)
                 s = s.masked_fill(~keep[:, None], float("-inf"))

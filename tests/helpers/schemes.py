@@ -56,6 +56,7 @@ SCHEMES = [
     Row("dca", "attention", {"chunk_size": 24, "local_size": 4}, suggest="own"),
     Row("dpe", "attention", {"group_sizes": [3, 1, 4, 8], "window_size": 16}, suggest="own"),
     Row("ms_poe", "attention", {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 1}),  # 2-layer models: skip one
+    Row("sink", "attention", {"window_size": 16, "sink_size": 4}, suggest="own"),
     Row("logn", "modifier", {}),
 ]
 BY_NAME = {row.name: row for row in SCHEMES}

@@ -25,9 +25,11 @@ SCHEMES = cases("attention", without=("dca", "ms_poe")) + [
     ("string", {"shift_size": 20, "window_size": 6}),  # split S = 20 < block: the band path
     ("string", {"shift_size": 40, "window_size": 16}),  # split S = 40 > block: the four-way key split
     ("dpe", {"group_sizes": [2, 4, 8, 16, 16, 8, 4, 2], "window_size": 40}),  # one group per pair, W > block
+    ("sink", {"window_size": 40, "sink_size": 2}),  # window > block: the four-way key split, sinks cut from it
+    ("sink", {"window_size": 1, "sink_size": 0}),  # each token sees itself only (no recent key, no sink)
 ]
 IDS = [f"{s}-{i}" for i, (s, _) in enumerate(SCHEMES)]
-CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string", "dpe"}  # run through rope_patch's attention
+CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string", "dpe", "sink"}  # run through rope_patch's attention
 BACKENDS = ["eager", "sdpa"]
 
 

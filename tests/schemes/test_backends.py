@@ -32,6 +32,7 @@ FLEX = [
     ("leaky_rerope", {"window_size": 16, "factor": 4.0}, False),
     ("string", {"shift_size": 20, "window_size": 6}, False),
     ("dpe", {"group_sizes": [3, 1, 4, 8], "window_size": 16}, False),
+    ("sink", {"window_size": 16, "sink_size": 4}, False),
 ]
 FLEX_IDS = [s for s, *_ in FLEX]
 
@@ -77,7 +78,7 @@ def test_compiled_cpu_flex_is_refused_with_what_to_do(scheme, params):
     score_mod of a process and, compiled with static shapes, returned NaN after recompiles; two-call schemes need
     the log-sum-exp it does not return. Refused at apply(), the model untouched."""
     model = tiny_model("llama", attn_implementation="flex_attention")
-    two_calls = ("self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dpe")
+    two_calls = ("self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dpe", "sink")
     why = "log-sum-exp" if scheme in two_calls else "miscompiles"
     with pytest.raises(ValueError, match=f"{scheme}: .*{why}.*found the model on cpu.*'sdpa'"):
         rope_patch.apply(model, scheme, **params)

@@ -1,0 +1,384 @@
+"""StreamingLLM: attention sinks and a rolling window, at constant memory.
+
+Xiao, Tian, Chen, Han & Lewis 2024, "Efficient Streaming Language Models with Attention Sinks" (ICLR 2024,
+arXiv:2309.17453); reference code mit-han-lab/streaming-llm (read at 2e50426: `kv_cache.py`'s StartRecentKVCache,
+`pos_shift/modify_llama.py`'s llama_pos_shift_attention_forward). Each query sees the first S tokens of the text (the
+"attention sinks", `sink_size`, 4 in the paper) and the most recent ones; the tokens between are evicted from the KV
+cache, and positions are taken inside the cache, not in the text.
+
+Window. Query i sees key j when j < S (a sink) or i − j < W (`window_size`: the last W tokens, the query itself
+included, as transformers' sliding windows count them); every other key is hidden. The authors' cache keeps S + R
+keys between steps (`start_size` S, `recent_size` R), and the query attends to them and to itself: their R is
+W − 1 here, and their default deployment "cache size = the pre-training window L" is S + W = L + 1 keys per query
+(positions 0 … L); rope_patch's suggestion takes S + W = L, so the query sits at most at position L − 1.
+
+Positions (the pos_shift form, derived). The authors rotate the cached keys, stored un-rotated, at their index in the
+cache every step (`key_position_ids = arange(kv_seq_len)`) and the query at the last index. Once the text is longer
+than the cache, query i sees S sinks at indices 0 … S − 1 and the window keys j ∈ (i − W, i] at indices
+S + W − 1 − (i − j), the query at S + W − 1. RoPE's score depends only on the difference of the two indices
+(RoFormer: rot(q, m)·rot(k, n) = rot(q, m − n)·k), so:
+    window key j   index(query) − index(key) = i − j: exactly the true distance, so q at i and k at j give the same
+                   score, whatever i is;
+    sink key j     index(query) − index(key) = S + W − 1 − j: q at min(i, S + W − 1) against k at its true position j
+                   (before the cache fills, min(i, ·) = i: the indices are the true positions).
+So the keys can stay rotated at their own positions, rotated once when they are written, like vanilla RoPE: no
+re-rotation per step (the feature request assumed one, which the pos_shift code does, but the scores do not need it;
+the difference is the fp32 rounding of the angles, a few 1e-7 in the logits). The scheme is then a two-region rule on
+the position copies of attention/copies.py: near (i − j < W) at the true positions, far (i − j ≥ W) only for the
+sinks, with the query copy at min(i, S + W − 1), and every other far key hidden. The cache holds one key copy, as
+vanilla.
+
+Constant memory. Attention alone is exact with any dynamic cache: a plain `DynamicCache` keeps every key and the
+rule hides the middle (memory grows with the text, left padding works). For constant memory pass a `SinkCache` to
+`generate` (`SinkCache.for_model(model)`): its layers keep the S sinks and the last W − 1 keys and drop the rest,
+as the authors' StartRecentKVCache does after every step. An explicit cache object rather than one installed behind
+`generate`'s back: which cache to use is the caller's choice in transformers (`generate(..., cache=...)`), and
+generate's own cache construction is private. A prefill (one forward over a long prompt) equals decoding the same
+text token by token through the evicting cache (tests/schemes/test_sink.py). Sliding-window layers keep transformers'
+own sliding cache layer (their window already bounds them).
+
+Limits: a `SinkCache` takes unpadded batches (its layers evict the same slots of every row, and left padding puts each
+row's sinks at other slots): it is refused with a left-padded `attention_mask`; a `DynamicCache` serves them.
+StreamingLLM does not extend the context: a token evicted from the window is gone (the authors' README says so);
+it keeps generation fluent past the window at fixed cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    DynamicLayer,
+    get_layer_types_and_kwargs,
+)
+
+from .. import attention
+from .. import validation as check
+from ..attention.protocol import module_state
+from ..discovery import unwrap
+from ..registry import register_scheme
+from ..undo import UndoLog
+from .base import Suggestion
+from .common import cache_arg, decoder
+from .positions import TwoRegion, TwoRegionScores, _check_window_size
+
+HIDDEN = torch.finfo(torch.float32).min  # a hidden key's logit: finite, so a row with every key hidden stays finite
+
+
+@dataclasses.dataclass(frozen=True)
+class Clamp:
+    """p ↦ min(p, limit): the query's position against the sinks (S + W − 1 once the cache is full)."""
+
+    limit: int
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        return p.clamp(max=self.limit)
+
+
+class SinkScores(TwoRegionScores):
+    """Near (i − j < W): true positions. Far: only the sinks, the query at min(i, S + W − 1), the key at its own
+    position (key set 0); other far keys are hidden.
+
+    Which slots hold sinks: with a contiguous cache (none, a DynamicCache, a sliding layer) slot j is at true position
+    j + offset, so the sinks are the slots j < S − offset (left padding: offset = −pads); after a `SinkCache` layer
+    evicted, its first `kept_head` = S slots are the sinks (`copies.Current.kept_head`) and the rest is the window,
+    contiguous up to the queries, so slot distances are the pos_shift distances."""
+
+    def __init__(self, window: int, sink_size: int):
+        super().__init__(window, far_key=0)
+        self.sink_size = sink_size
+
+    def probe(self, length):
+        # every key a sink: nothing is hidden, so on identical copies the rule is the model's attention
+        return SinkScores(max(2, length // 4), length)
+
+    def begin(self, call):
+        super().begin(call)
+        state = module_state(call.module)
+        if state.positionless:
+            # StreamingLLM evicts the middle of every layer's cache, a layer without positions too (exaone4's,
+            # kolibri1's global NoPE layers): which keys are sinks needs the tokens' positions, which do not reach it
+            raise attention.NotProven("runs without positions (a layer with no position encoding), and sink must hide "
+                                      "its middle keys too, which needs the tokens' positions")
+        current = state.current
+        head = getattr(current, "kept_head", None)
+        if head is not None:
+            if call.offset.numel() > 1 and bool((call.offset != call.offset[:1]).any()):
+                raise ValueError(
+                    "sink: a SinkCache that evicted keys met a left-padded batch: its layers evict the same slots of "
+                    "every row, so the rows' sinks are not all kept. Generate unpadded rows one at a time with a "
+                    "SinkCache, or use the default DynamicCache (exact, keeps every key).")
+            limit = torch.full((1, 1), head, dtype=torch.long, device=call.q_slot.device)
+        else:
+            limit = (self.sink_size - call.offset).clamp(min=0)  # (b|1, 1): slots before it hold sinks (or pads)
+        call.scratch["sinks"] = limit
+
+    def _hidden(self, call, rows, start, end) -> torch.Tensor:
+        """(b|1, 1, 1, r, e) bool: far keys that are not sinks."""
+        if call.gapped:  # PoSE gaps / packed rows: regions and sinks by position ids
+            far = call.distance(rows, start, end) >= self.window
+            return far & (call.ids[:, None, None, None, start:end] >= self.sink_size)
+        far = call.distance(rows, start, end) >= call.scratch["window"]  # (r, e)
+        slots = torch.arange(start, end, device=call.q_slot.device)
+        not_sink = slots[None, :] >= call.scratch["sinks"]  # (b|1, e)
+        return far[None, None, None] & not_sink[:, None, None, None, :]
+
+    def logits(self, call, rows, start, end):
+        s = super().logits(call, rows, start, end)
+        return s.masked_fill(self._hidden(call, rows, start, end), HIDDEN)
+
+    def _flat_limit(self, call) -> int | None:
+        limit = call.scratch["sinks"]
+        return int(limit.reshape(-1)[0]) if bool((limit == limit.reshape(-1)[0]).all()) else None
+
+    def fused(self, call, rows, end):
+        """TwoRegionScores' split with the far part cut to the sinks: keys [0, min(c − W + 1, sinks)) through the fused
+        kernel at the far query, the mixed keys through two masked calls (far only where a sink), the near keys as
+        before."""
+        limit = self._flat_limit(call)
+        if limit is None:  # rows with different sink slots: the materialised path
+            return None
+        w, c, r = call.scratch["window"], call.first_slot(rows), rows.stop - rows.start
+        near_start = max(0, c - w + 1)
+        parts = []
+        sinks = min(near_start, limit)
+        if sinks > 0:
+            parts.append(attention.flash_partial(call, self._q(call, rows, far=True), self._k_far(call, 0, sinks),
+                                                 call.value[:, :, :sinks]))
+        if r > w:
+            return [*parts, attention.band_partial(call, self.logits(call, rows, near_start, end), rows, near_start, end)]
+        mix_end = max(near_start, c + r - w)
+        q_near = self._q(call, rows, far=False)
+        if mix_end > near_start:
+            far_mask, near_mask = self._mixed_masks(call, rows, near_start, mix_end)
+            v = call.value[:, :, near_start:mix_end]
+            parts.append(attention.flash_partial(call, self._q(call, rows, far=True),
+                                                 self._k_far(call, near_start, mix_end), v, mask=far_mask))
+            parts.append(attention.flash_partial(call, q_near, self._k_near(call, near_start, mix_end), v, mask=near_mask))
+        if c > mix_end:
+            parts.append(attention.flash_partial(call, q_near, self._k_near(call, mix_end, c), call.value[:, :, mix_end:c]))
+        parts.append(attention.flash_causal_partial(call, q_near, self._k_near(call, c, end), call.value[:, :, c:end]))
+        return parts
+
+    def _mixed_masks(self, call, rows, start, end):
+        """Additive masks of the mixed keys: far where i − j ≥ W and the key is a sink, near where i − j < W."""
+        is_near = call.distance(rows, start, end) < call.scratch["window"]
+        sink = torch.arange(start, end, device=is_near.device) < self._flat_limit(call)
+        inf = torch.tensor(float("-inf"), dtype=call.query.dtype, device=call.query.device)
+        zero = torch.zeros((), dtype=call.query.dtype, device=call.query.device)
+        shape = (1, *call.query.shape[1:3], *is_near.shape)
+        far = ~is_near & sink[None, :]
+        return tuple(torch.where(m, zero, inf).expand(shape).contiguous() for m in (far, is_near))
+
+    def flex(self, call, block_mask):
+        if call.scratch["window"] != self.window:
+            return super().flex(call, block_mask)
+        limit = call.scratch["sinks"].reshape(-1).expand(call.query.shape[0]).contiguous()
+
+        def sink(b, h, qi, kv):
+            return kv < limit[b]
+
+        w = self.window
+        near = attention.restrict_block_mask(block_mask, call, w, near=True)
+        far = attention.restrict_block_mask(block_mask, call, w, near=False, keep=sink)
+        q_near, q_far = call.queries[0].flatten(1, 2), call.queries[1].flatten(1, 2)
+        return attention.merge([attention.flex_call(call, q_near, call.key, call.value, near, lse=True),
+                                attention.flex_call(call, q_far, call.key, call.value, far, lse=True)])
+
+
+class SinkLayer(DynamicLayer):
+    """A cache layer that keeps the first `sink_size` keys and the last `window_size` − 1 (the authors'
+    StartRecentKVCache with recent_size = W − 1, applied after every forward); `update` hands back every key of the
+    call (the kept ones and the new ones), so a prefill sees its whole prompt and the rule hides the middle.
+
+    `get_seq_length` counts every token seen (positions and `generate` need it, as for transformers' sliding layers);
+    `get_mask_sizes` gives the kept keys plus the queries, offset by the number evicted, so transformers' causal
+    mask marks every kept key visible (its padding lookup reads the last columns of the 2-D mask: unpadded rows)."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, sink_size: int, window_size: int, **kwargs):
+        super().__init__()
+        self.sink_size, self.window_size = sink_size, window_size
+        self.cumulative_length = 0
+        self.kept_head: int | None = None  # what the last update handed back: None contiguous, else sinks + run
+
+    @property
+    def capacity(self) -> int:
+        return self.sink_size + self.window_size - 1
+
+    def _stored(self) -> int:
+        return 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.shape[-2]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.kept_head = self.sink_size if self.cumulative_length > self._stored() else None
+        self.cumulative_length += key_states.shape[-2]
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        self.keys, self.values = self._evict(keys), self._evict(values)
+        return keys, values
+
+    def _evict(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-2]
+        if n <= self.capacity:
+            return x
+        return torch.cat([x[..., :self.sink_size, :], x[..., n - (self.window_size - 1):, :]], dim=-2)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self._stored()
+        return stored + query_length, self.cumulative_length - stored
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1  # any text length: the memory is bounded, the length is not
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.cumulative_length > self._stored():
+            raise RuntimeError("sink: a SinkCache layer that evicted keys cannot be cropped (the evicted keys are gone).")
+        super().crop(tokens_to_remove)
+        self.cumulative_length = self._stored()
+
+    def reset(self) -> None:
+        super().reset()
+        self.kept_head = None
+
+
+class SinkCache(Cache):
+    """StreamingLLM's KV cache for a model patched with `sink`: `SinkLayer`s for the full-attention layers (S sinks +
+    the last W − 1 keys), transformers' own layers for the others (sliding windows, linear attention). Memory stays
+    at S + W − 1 keys per layer whatever the length. Pass it to `generate` (`cache=`) or to forward calls.
+
+        cache = SinkCache.for_model(model)       # the sink_size / window_size of the applied scheme
+        model.generate(ids, cache=cache, max_new_tokens=4096)
+    """
+
+    def __init__(self, config, sink_size: int = 4, window_size: int | None = None, offloading: bool = False):
+        if window_size is None:
+            raise TypeError("SinkCache: missing `window_size` (the scheme's; SinkCache.for_model(model) reads it).")
+        sink_size = check.integer("sink", "sink_size", sink_size, ge=0, le=check.WINDOW_RANGE[1])
+        window_size = _check_window_size("sink", window_size)
+        types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        layers = [SinkLayer(sink_size, window_size) if t == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[t](**kw)
+                  for t, kw in zip(types, kwargs, strict=True)]
+        self.sink_size, self.window_size = sink_size, window_size
+        super().__init__(layers=layers, offloading=offloading)
+
+    @classmethod
+    def for_model(cls, model, offloading: bool = False) -> SinkCache:
+        """The cache for a model that carries `sink` (alone or in a stack such as `yarn:2+sink`): the sizes are read
+        from the scheme's guard on the model's decoder."""
+        base = unwrap(model)
+        hooks = getattr(decoder(base), "_forward_pre_hooks", {}).values()
+        guard = next((h for h in hooks if isinstance(h, SinkGuard)), None)
+        if guard is None:
+            raise ValueError(f"SinkCache.for_model: {type(base).__name__} carries no `sink` scheme; apply it first: "
+                             "rope_patch.apply(model, 'sink:window_size=...').")
+        return cls(base.config, guard.sink_size, guard.window_size, offloading=offloading)
+
+
+def _sink_layers(cache) -> list[SinkLayer]:
+    return [layer for layer in getattr(cache, "layers", None) or () if isinstance(layer, SinkLayer)]
+
+
+class SinkGuard:
+    """Forward pre-hook on the decoder: a `SinkCache` must have the scheme's sizes, and take unpadded rows."""
+
+    def __init__(self, sink_size: int, window_size: int):
+        self.sink_size, self.window_size = sink_size, window_size
+
+    def __call__(self, module, args, kwargs):
+        layers = _sink_layers(cache_arg(kwargs))
+        if not layers:
+            return
+        sizes = (layers[0].sink_size, layers[0].window_size)
+        if sizes != (self.sink_size, self.window_size):
+            raise ValueError(f"sink: the SinkCache keeps sink_size={sizes[0]}, window_size={sizes[1]} but the model "
+                             f"runs sink_size={self.sink_size}, window_size={self.window_size}. Build it with "
+                             "SinkCache.for_model(model).")
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+            raise ValueError(
+                "sink: a SinkCache takes unpadded rows (its layers evict the same slots of every row, and left padding "
+                "puts each row's sinks at other slots); found zeros in attention_mask. Generate rows one at a time "
+                "with a SinkCache, or leave `cache` out (the default DynamicCache is exact with padding, at growing "
+                "memory).")
+
+
+@dataclasses.dataclass(frozen=True)
+class _AttachGuard:
+    target: object
+    guard: SinkGuard
+
+    def __call__(self, log: UndoLog) -> None:
+        log.add_hook(decoder(self.target.model), self.guard, with_kwargs=True)
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class Sink(TwoRegion):
+    """StreamingLLM (Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks", arXiv:2309.17453;
+    reference code mit-han-lab/streaming-llm): each query sees the first `sink_size` tokens (S, the attention sinks)
+    and the last `window_size` tokens (W, itself included); positions are taken inside the cache, which by RoPE's
+    relative property is q at i, k at j for the window and q at min(i, S + W − 1) for the sinks (derivation in the
+    module docstring of rope_patch/schemes/sink.py). With `SinkCache.for_model(model)` passed to `generate`, memory
+    stays at S + W − 1 keys per layer. It does not extend the context: evicted tokens are gone."""
+
+    name = "sink"
+    aliases = ("streaming_llm", "streamingllm", "attention_sink", "attention_sinks")
+    bare_param = "window_size"
+    window_size: int | None = None
+    sink_size: int = 4
+
+    @classmethod
+    def search_space(cls, window, target):
+        return {"sink_size": [4], "window_size": [window // 4, window // 2, window - 4]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """4 sinks (Xiao et al. 2024 §3.2: four initial tokens restore window attention's perplexity) and a cache the
+        size of the pre-training window (the authors' README: "the maximum cache size … remains 4096" for Llama-2):
+        W = L − 4, so every position stays below L. It bounds memory and keeps generation fluent past L; it does not
+        let the model use what leaves the window."""
+        if n <= window or window <= 5:
+            return None
+        w = window - 4
+        return Suggestion.of(cls.name, {"sink_size": 4, "window_size": w},
+                             f"4 sinks + a window of L − 4 = {w}: the cache is the pre-training window L = {window} "
+                             "(Xiao et al. 2024); constant memory past L, but tokens older than the window are dropped")
+
+    def __post_init__(self):
+        n = self.name
+        self._set("window_size", _check_window_size(n, self.window_size))
+        self._set("sink_size", check.integer(n, "sink_size", self.sink_size, ge=0, le=check.WINDOW_RANGE[1],
+                                             hint="The number of initial tokens kept (4 in the paper; 0 is plain "
+                                                  "window attention, the paper's failing baseline)."))
+
+    def far_positions(self):
+        return Clamp(self.sink_size + self.window_size - 1), attention.Identity()
+
+    def layout(self, module):
+        # Unlike the other two-region schemes, sink changes layers without positions too (it hides keys): a full
+        # layer that carries its model's `sliding_window` attribute without using it (exaone4's global NoPE layers,
+        # `is_sliding` False) is not left alone.
+        if getattr(module, "is_sliding", None) is False:
+            return self._layout()[0]
+        return super().layout(module)
+
+    def relative_position(self, i, j):
+        """i − j in the window, min(i, S + W − 1) − j for a sink, NaN for a hidden key."""
+        i, j = torch.as_tensor(i, dtype=torch.float64), torch.as_tensor(j, dtype=torch.float64)
+        d = i - j
+        sink = i.clamp(max=self.sink_size + self.window_size - 1) - j
+        hidden = torch.full_like(d, float("nan"))
+        return torch.where(d < self.window_size, d, torch.where(j < self.sink_size, sink, hidden))
+
+    def build(self, target):
+        return SinkScores(self.window_size, self.sink_size), _AttachGuard(target, SinkGuard(self.sink_size, self.window_size))
