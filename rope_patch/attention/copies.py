@@ -333,18 +333,19 @@ class Reentry:
         stash = Stash(everything=module_state(module).recorder is not None)
         caches = {name: call.get(name, extra.get(name)) for name in CACHE_ARGS}
         out = None
-        for t in reversed(range(layout.copies)):
-            at = layout.maps[t]
-            one, more = dict(call), dict(extra)
-            if any(v is not None for v in tagged.values()):
-                moved = {k: _at(v, at) if v is not None else None for k, v in tagged.items()}
-                one["position_embeddings"] = moved if several else moved[None]
-            if given is not None:  # as in the stacked call: copy t sees the ids map_t(p)
-                (one if "position_ids" in one else more)["position_ids"] = given if isinstance(at, Identity) else at(given)
-            for name, cache in caches.items():
-                if cache is not None:
-                    (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash)
-            out = self._run(one, more, Current(b, _true(positions), layout, t, stash))
+        with _Projections(module, call[next(iter(call))]):
+            for t in reversed(range(layout.copies)):
+                at = layout.maps[t]
+                one, more = dict(call), dict(extra)
+                if any(v is not None for v in tagged.values()):
+                    moved = {k: _at(v, at) if v is not None else None for k, v in tagged.items()}
+                    one["position_embeddings"] = moved if several else moved[None]
+                if given is not None:  # as in the stacked call: copy t sees the ids map_t(p)
+                    (one if "position_ids" in one else more)["position_ids"] = given if isinstance(at, Identity) else at(given)
+                for name, cache in caches.items():
+                    if cache is not None:
+                        (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash)
+                out = self._run(one, more, Current(b, _true(positions), layout, t, stash))
         return out
 
     def _run(self, call: dict, extra: dict, current: Current):
@@ -354,6 +355,38 @@ class Reentry:
             return type(self.module).forward(self.module, **call, **extra)
         finally:
             state.current = previous
+
+
+class _Projections:
+    """While one call's copies run: a linear map of the layer applied to the layer's input itself (the same tensor for
+    every copy: q, k, v projections before the rotation) is computed once and handed to every copy. The layer's
+    `nn.Linear` modules get an instance `forward` for the duration (what was there before is put back, an
+    accelerate hook included); inputs other than the hidden states pass through."""
+
+    def __init__(self, module: nn.Module, hidden: torch.Tensor):
+        self.linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        self.hidden, self.memo = hidden, {}
+
+    def __enter__(self):
+        self.saved = [(m, vars(m).get("forward")) for m in self.linears]
+        for m in self.linears:
+            m.forward = functools.partial(self._forward, m, m.forward)
+        return self
+
+    def _forward(self, m: nn.Module, inner, x, *args, **kwargs):
+        if x is not self.hidden or args or kwargs:
+            return inner(x, *args, **kwargs)
+        if m not in self.memo:
+            self.memo[m] = inner(x)
+        return self.memo[m]
+
+    def __exit__(self, *exc):
+        for m, before in self.saved:
+            if before is None:
+                del m.forward
+            else:
+                m.forward = before
+        self.memo.clear()
 
 
 def _true(positions: torch.Tensor) -> torch.Tensor:
