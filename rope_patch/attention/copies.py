@@ -6,7 +6,7 @@ the layer does between the rotation and the scores. Layers differ there: q/k RMS
 per-channel query scale after RoPE (Dory), the partial-rotary split inside attention (Phi, StableLM, Persimmon), the
 one-tensor rotary API (Gemma 3n/4), MLA's rope/nope split with a shared rotated key (DeepSeek-V2/V3, Mistral 4),
 layers that use no RoPE at all (Cohere 2, AFMoE, ...: their q and k simply do not change with the positions). Rather
-than re-implementing each layout, the layer's own `forward` runs once on c stacked copies of its input batch:
+than re-implementing each layout, the layer's own `forward` runs on c copies of its input batch:
 
     copy t      hidden states h (the same), position embeddings of positions map_t(p), position ids map_t(p)
     module      its own projections, norms, rotation, post-rotation operations, cache update, attention call
@@ -28,8 +28,16 @@ The KV cache keeps what the scheme's math fixes once a key is written: the keys 
 one copy per step. A cache layer sees one more head group than the model's; beam search's reordering, cropping and
 offloading act on the batch and sequence axes and keep working.
 
-Cost: the attention layer's projections run on c·b rows (c = 2 for STRING, 3 for the others); the attention itself
-reads each key once. The cache holds S key copies and one value copy: (S + 1)/2 of vanilla (1.5× for S = 2).
+How the copies run (the cache mode the apply-time check picks, attention/plumbing.py): one after another where the
+layer allows (SEQUENTIAL: copy 0 last; each earlier copy leaves the queries and keys the scheme reads in a `Stash`
+and its attention returns zeros; the layer's linear maps of its input are computed once for all copies), so the
+layer's activations are held once; else stacked on the batch axis (c·b rows in one call: HEADS, ROWS), for layers
+whose copies must share state the cache keeps beside keys and values (a sparse-attention indexer's, a conv state).
+
+Cost: what the layer does after its input projections (rotation, norms, output projection) runs c times (c = 2 for
+STRING, 3 for the others); the attention itself reads each key once. Memory: the layer's activations once plus the
+stashed queries and key copies (sequential), or c times (stacked). The cache holds S key copies and one value copy:
+(S + 1)/2 of vanilla (1.5× for S = 2).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import torch
 from torch import nn
 
 from ..rotary import embed, recover, source
+from . import settings
 from .protocol import module_state
 
 PositionMap = Callable[[torch.Tensor], torch.Tensor]
@@ -270,7 +279,9 @@ class Reentry:
     Two ways, by the cache mode the apply-time check chose: SEQUENTIAL runs the forward once per copy on the layer's
     own batch, the copies other than 0 first (each leaves its queries and keys in a `Stash`; its attention returns
     zeros), copy 0 last (its attention reads them all); so the layer's activations are held once, plus the stashed
-    queries and keys. HEADS and ROWS run it once on the c copies stacked on the batch axis and cut copy 0's rows.
+    queries and keys; a decoding step (at most settings.DECODE_ROWS tokens) runs stacked as HEADS, one call instead
+    of c, with the same cache layout. HEADS and ROWS run it once on the c copies stacked on the batch axis and cut
+    copy 0's rows.
 
     An object of a module-level class holding only the module and its layout, so a patched model deep-copies and
     pickles."""
@@ -301,8 +312,11 @@ class Reentry:
         positions = made.position_ids if made is not None else given
         if positions is None:  # no positions reach the layer (a NoPE layer): nothing to move, it runs as it is
             return type(module).forward(module, *args, **kwargs)
-        if self.cache_mode == SEQUENTIAL:
-            return self._sequential(call, extra, b, positions, tagged, type(embeddings) is dict, given)
+        mode = self.cache_mode
+        if mode == SEQUENTIAL:
+            if positions.shape[-1] > settings.DECODE_ROWS:  # a prefill: the layer's activations held once
+                return self._sequential(call, extra, b, positions, tagged, type(embeddings) is dict, given)
+            mode = HEADS  # a decoding step: one stacked call costs less than c; the cache is laid out alike
         if made is not None:
             stacked = {k: stack_embeddings(v, layout.maps, b, id(layout)) if v is not None else None
                        for k, v in tagged.items()}
@@ -316,7 +330,7 @@ class Reentry:
         for name in CACHE_ARGS:
             cache = call.get(name, extra.get(name))
             if cache is not None:
-                (call if name in call else extra)[name] = CacheView(cache, b, layout, self.cache_mode)
+                (call if name in call else extra)[name] = CacheView(cache, b, layout, mode)
         # Whatever else the layer receives per row (a mask, a position-dependent query scale computed by the decoder,
         # as Beam's NoPE layers get) is the same for every copy: only positions differ between copies.
         done = {next(iter(call)), "position_embeddings", "position_ids", *CACHE_ARGS}
