@@ -6,7 +6,7 @@ the layer does between the rotation and the scores. Layers differ there: q/k RMS
 per-channel query scale after RoPE (Dory), the partial-rotary split inside attention (Phi, StableLM, Persimmon), the
 one-tensor rotary API (Gemma 3n/4), MLA's rope/nope split with a shared rotated key (DeepSeek-V2/V3, Mistral 4),
 layers that use no RoPE at all (Cohere 2, AFMoE, ...: their q and k simply do not change with the positions). Rather
-than re-implementing each layout, the layer's own `forward` runs once on c stacked copies of its input batch:
+than re-implementing each layout, the layer's own `forward` runs on c copies of its input batch:
 
     copy t      hidden states h (the same), position embeddings of positions map_t(p), position ids map_t(p)
     module      its own projections, norms, rotation, post-rotation operations, cache update, attention call
@@ -28,8 +28,16 @@ The KV cache keeps what the scheme's math fixes once a key is written: the keys 
 one copy per step. A cache layer sees one more head group than the model's; beam search's reordering, cropping and
 offloading act on the batch and sequence axes and keep working.
 
-Cost: the attention layer's projections run on c·b rows (c = 2 for STRING, 3 for the others); the attention itself
-reads each key once. The cache holds S key copies and one value copy: (S + 1)/2 of vanilla (1.5× for S = 2).
+How the copies run (the cache mode the apply-time check picks, attention/plumbing.py): one after another where the
+layer allows (SEQUENTIAL: copy 0 last; each earlier copy leaves the queries and keys the scheme reads in a `Stash`
+and its attention returns zeros; the layer's linear maps of its input are computed once for all copies), so the
+layer's activations are held once; else stacked on the batch axis (c·b rows in one call: HEADS, ROWS), for layers
+whose copies must share state the cache keeps beside keys and values (a sparse-attention indexer's, a conv state).
+
+Cost: what the layer does after its input projections (rotation, norms, output projection) runs c times (c = 2 for
+STRING, 3 for the others); the attention itself reads each key once. Memory: the layer's activations once plus the
+stashed queries and key copies (sequential), or c times (stacked). The cache holds S key copies and one value copy:
+(S + 1)/2 of vanilla (1.5× for S = 2).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import torch
 from torch import nn
 
 from ..rotary import embed, recover, source
+from . import settings
 from .protocol import module_state
 
 PositionMap = Callable[[torch.Tensor], torch.Tensor]
@@ -288,7 +297,9 @@ class Reentry:
     Two ways, by the cache mode the apply-time check chose: SEQUENTIAL runs the forward once per copy on the layer's
     own batch, the copies other than 0 first (each leaves its queries and keys in a `Stash`; its attention returns
     zeros), copy 0 last (its attention reads them all); so the layer's activations are held once, plus the stashed
-    queries and keys. HEADS and ROWS run it once on the c copies stacked on the batch axis and cut copy 0's rows.
+    queries and keys; a decoding step (at most settings.DECODE_ROWS tokens) runs stacked as HEADS, one call instead
+    of c, with the same cache layout. HEADS and ROWS run it once on the c copies stacked on the batch axis and cut
+    copy 0's rows.
 
     An object of a module-level class holding only the module and its layout, so a patched model deep-copies and
     pickles."""
@@ -324,8 +335,11 @@ class Reentry:
                 return type(module).forward(module, *args, **kwargs)
             finally:
                 state.positionless = previous
-        if self.cache_mode == SEQUENTIAL:
-            return self._sequential(call, extra, b, positions, tagged, type(embeddings) is dict, given)
+        mode = self.cache_mode
+        if mode == SEQUENTIAL:
+            if positions.shape[-1] > settings.DECODE_ROWS:  # a prefill: the layer's activations held once
+                return self._sequential(call, extra, b, positions, tagged, type(embeddings) is dict, given)
+            mode = HEADS  # a decoding step: one stacked call costs less than c; the cache is laid out alike
         if made is not None:
             stacked = {k: stack_embeddings(v, layout.maps, b, id(layout)) if v is not None else None
                        for k, v in tagged.items()}
@@ -339,7 +353,7 @@ class Reentry:
         for name in CACHE_ARGS:
             cache = call.get(name, extra.get(name))
             if cache is not None:
-                (call if name in call else extra)[name] = CacheView(cache, b, layout, self.cache_mode, module=module)
+                (call if name in call else extra)[name] = CacheView(cache, b, layout, mode, module=module)
         # Whatever else the layer receives per row (a mask, a position-dependent query scale computed by the decoder,
         # as Beam's NoPE layers get) is the same for every copy: only positions differ between copies.
         done = {next(iter(call)), "position_embeddings", "position_ids", *CACHE_ARGS}
@@ -356,18 +370,19 @@ class Reentry:
         stash = Stash(everything=module_state(module).recorder is not None)
         caches = {name: call.get(name, extra.get(name)) for name in CACHE_ARGS}
         out = None
-        for t in reversed(range(layout.copies)):
-            at = layout.maps[t]
-            one, more = dict(call), dict(extra)
-            if any(v is not None for v in tagged.values()):
-                moved = {k: _at(v, at) if v is not None else None for k, v in tagged.items()}
-                one["position_embeddings"] = moved if several else moved[None]
-            if given is not None:  # as in the stacked call: copy t sees the ids map_t(p)
-                (one if "position_ids" in one else more)["position_ids"] = given if isinstance(at, Identity) else at(given)
-            for name, cache in caches.items():
-                if cache is not None:
-                    (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash, module)
-            out = self._run(one, more, Current(b, _true(positions), layout, t, stash))
+        with _Projections(module, call[next(iter(call))]):
+            for t in reversed(range(layout.copies)):
+                at = layout.maps[t]
+                one, more = dict(call), dict(extra)
+                if any(v is not None for v in tagged.values()):
+                    moved = {k: _at(v, at) if v is not None else None for k, v in tagged.items()}
+                    one["position_embeddings"] = moved if several else moved[None]
+                if given is not None:  # as in the stacked call: copy t sees the ids map_t(p)
+                    (one if "position_ids" in one else more)["position_ids"] = given if isinstance(at, Identity) else at(given)
+                for name, cache in caches.items():
+                    if cache is not None:
+                        (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash, module)
+                out = self._run(one, more, Current(b, _true(positions), layout, t, stash))
         return out
 
     def _run(self, call: dict, extra: dict, current: Current):
@@ -377,6 +392,38 @@ class Reentry:
             return type(self.module).forward(self.module, **call, **extra)
         finally:
             state.current = previous
+
+
+class _Projections:
+    """While one call's copies run: a linear map of the layer applied to the layer's input itself (the same tensor for
+    every copy: q, k, v projections before the rotation) is computed once and handed to every copy. The layer's
+    `nn.Linear` modules get an instance `forward` for the duration (what was there before is put back, an
+    accelerate hook included); inputs other than the hidden states pass through."""
+
+    def __init__(self, module: nn.Module, hidden: torch.Tensor):
+        self.linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        self.hidden, self.memo = hidden, {}
+
+    def __enter__(self):
+        self.saved = [(m, vars(m).get("forward")) for m in self.linears]
+        for m in self.linears:
+            m.forward = functools.partial(self._forward, m, m.forward)
+        return self
+
+    def _forward(self, m: nn.Module, inner, x, *args, **kwargs):
+        if x is not self.hidden or args or kwargs:
+            return inner(x, *args, **kwargs)
+        if m not in self.memo:
+            self.memo[m] = inner(x)
+        return self.memo[m]
+
+    def __exit__(self, *exc):
+        for m, before in self.saved:
+            if before is None:
+                del m.forward
+            else:
+                m.forward = before
+        self.memo.clear()
 
 
 def _true(positions: torch.Tensor) -> torch.Tensor:

@@ -443,7 +443,7 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
                if hasattr(c, "_attn_implementation_internal")}
     backends = {k: c._attn_implementation_internal for k, c in configs.items()}
-    failure = None
+    failures = {}
     for mode in modes:
         check = Check(model, native, rotate_reference)
         log = UndoLog()
@@ -475,9 +475,11 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
         if not check.findings:
             CHECKED[key] = mode
             return mode
-        failure = failure or check
+        failures[mode] = check
         if mode != SEQUENTIAL and any(f.step == "a prefill without cache" for f in check.findings):
             break  # the stacked prefill without cache failed: another cache mode will not help
+    # reported: the first stacked mode's findings (a sequential failure only says the copies must run stacked)
+    failure = next((failures[m] for m in (HEADS, ROWS) if m in failures), failures.get(SEQUENTIAL))
     raise ValueError(
         f"{name}: the apply-time check ran the scheme side by side with {target.model_type}'s own attention layers "
         f"(at an identity setting, which must reproduce the model) and it does not hold: "

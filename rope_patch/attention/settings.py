@@ -10,5 +10,6 @@ FUSED_BLOCK: int | None = None  # query rows per block on the fused path; None: 
 FLEX_COMPILE = True
 FLASH_DEVICES = ("cuda",)  # devices on which flash_attn's kernels run
 # Calls with at most this many query rows (decoding steps) take the materialised path: one row of scores per head and
-# key (8k keys × 9 heads: 0.3 MB) costs less than the fused path's several kernel calls and log-sum-exp merge.
+# key (8k keys × 9 heads: 0.3 MB) costs less than the fused path's several kernel calls and log-sum-exp merge; and a
+# re-positioned layer runs its position copies stacked in one call rather than one after another (attention/copies.py).
 DECODE_ROWS = 4
