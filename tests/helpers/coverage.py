@@ -185,9 +185,6 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
     "recurrent_gemma": {
         "yarn": ("records no max_position_embeddings",
                  "its config records no window for a factor to be relative to; transformers' scaled types need it too")},
-    "deepseek_v4": {
-        **dict.fromkeys(ALL_ATTENTION, ("keys for", "attention over compressed memory: keys that are not tokens at "
-                                                    "positions, and values that rotate with the keys (K = V)"))},
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
