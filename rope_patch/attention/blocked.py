@@ -147,6 +147,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     fused = (not dense and attention_mask is None and softcap is None and not (dropout and module.training)
             and not torch.is_grad_enabled() and query.device.type == "cpu" and _flash_lse_op() is not None
             and not call.gapped  # gapped ids: regions by id differences, per element (the materialised path)
+            and not call.values  # values per key set (copies.SPLIT): the output split by query copy, materialised
             and q_len > settings.DECODE_ROWS)  # a step of decoding: one row of scores per head costs less than kernels
     if dense:
         block = q_len
@@ -156,6 +157,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         block = max(1, min(q_len, budget // max(1, b * h * k_len)))
     out = query.new_empty(b, hkv, h // hkv, q_len, d)
     weights = []
+    # values rotating with their keys (copies.SPLIT): each query copy's part of the output, from its pairs' key sets
+    split = query.new_zeros(len(call.queries), b, hkv, h // hkv, q_len, d) if call.values else None
     for r0 in range(0, q_len, block):
         rows = slice(r0, min(q_len, r0 + block))
         end = call.first_slot(rows) + (rows.stop - rows.start)  # causal: later keys are masked for the whole block
@@ -186,13 +189,23 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if dropout and module.training:
             p = nn.functional.dropout(p, p=dropout, training=True)
         pv = p.view(b, hkv, -1, end)  # (b, Hkv, G·r, end)
-        block_out = torch.matmul(pv, value[:, :, :end]).view(b, hkv, h // hkv, -1, d)
+        if split is not None:
+            for copy, key_set, where in state.scores.regions(call, rows, 0, end):
+                share = pv if where is None else (p * where.to(p.dtype)).view(b, hkv, -1, end)
+                split[copy, :, :, :, rows] += torch.matmul(share, call.values[key_set][:, :, :end]).view(
+                    b, hkv, h // hkv, -1, d)
+            block_out = split[0, :, :, :, rows]
+        else:
+            block_out = torch.matmul(pv, value[:, :, :end]).view(b, hkv, h // hkv, -1, d)
         if dense:
             out = block_out  # one block: no copy (and autograd sees no in-place write)
             weights.append(p.reshape(b, h, -1, end))
         else:
             out[:, :, :, rows] = block_out
         del s, p, pv
+    if split is not None:  # the copies' rows as the layer stacked them: its own code rotates each back at its positions
+        out = split.reshape(-1, h, q_len, d).transpose(1, 2).contiguous()
+        return out, (weights[0] if dense else None)
     out = out.reshape(b, h, q_len, d).transpose(1, 2).contiguous()
     return restack(module, out), (weights[0] if dense else None)
 

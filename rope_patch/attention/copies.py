@@ -34,6 +34,17 @@ and its attention returns zeros; the layer's linear maps of its input are comput
 layer's activations are held once; else stacked on the batch axis (c·b rows in one call: HEADS, ROWS), for layers
 whose copies must share state the cache keeps beside keys and values (a sparse-attention indexer's, a conv state).
 
+Memory and K = V (DeepSeek-V4). A layer may append memory entries to its keys: DeepSeek-V4's compressor makes one
+entry per block of m tokens, rotated by a rotary of its own at w·m (the block's first token), not at the position ids
+the layer is handed. An entry is a key at the position it is rotated at: copy t makes it at map_t(w·m)
+(`MemoryPositions`), the cache keeps the entries of every key copy with their positions (`MemoryLayerView`), and the
+attention function places every key by its position (tokens by slot, entries by theirs). DeepSeek-V4 also reads the
+key tensor as the value (rotated with it) and rotates the attention output back at the query's position; a pair placed
+at (P_q, P_k) then takes its value at P_k and is rotated back at P_q, as the layer treats a query at P_q and a key at
+P_k (`SPLIT`, chosen by the apply-time check when values move with the positions): values are read per key set, each
+query copy's part of the output goes back through the layer's own code at that copy's positions, and the parts are
+summed (the check, at an identity setting, shows that code linear: a bias would count once per copy). Such layers run stacked.
+
 Cost: what the layer does after its input projections (rotation, norms, output projection) runs c times (c = 2 for
 STRING, 3 for the others); the attention itself reads each key once. Memory: the layer's activations once plus the
 stashed queries and key copies (sequential), or c times (stacked). The cache holds S key copies and one value copy:
@@ -83,6 +94,15 @@ class Layout:
         return len(self.maps)
 
 
+def own_copy(layout: Layout) -> int:
+    """The copy at the tokens' own positions: copy 0, unless a later copy is and copy 0 is not (DCA's extra copy on a
+    layer with memory, schemes/chunked.py); 0 when none is. A layer's mask and a sparse indexer's choice are read
+    from it."""
+    if isinstance(layout.maps[0], Identity):
+        return 0
+    return next((t for t, m in enumerate(layout.maps) if isinstance(m, Identity)), 0)
+
+
 def _rows(t: torch.Tensor, b: int) -> torch.Tensor:
     return t.expand(b, *t.shape[1:]) if t.shape[0] != b else t
 
@@ -130,6 +150,14 @@ def _copy_zero(out, b: int, c: int):
     return out
 
 
+def _summed(out, b: int, c: int):
+    """The layer's output (its first tensor of c·b rows) as the sum of the copies' rows; the rest as copy 0's."""
+    first, *rest = out if isinstance(out, tuple) else (out,)
+    total = sum(first[t * b:(t + 1) * b] for t in range(c))
+    rest = [_copy_zero(x, b, c) for x in rest]
+    return (total, *rest) if isinstance(out, tuple) else total
+
+
 HEADS, ROWS = "heads", "rows"  # how a cache hands the stored copies back to the layer
 SEQUENTIAL = "sequential"  # the copies run one after another, the cache as HEADS (`Reentry`)
 
@@ -154,6 +182,51 @@ class Stash:
             self.keys[t] = key
         if self.everything:
             self.values[t] = value
+
+
+# ROWS, with values read per key set and the attention output split by query copy, each copy's part run through the
+# layer's own code after attention at that copy's positions and the parts summed: for layers whose values rotate with
+# their keys and whose output is rotated back at the query's position (DeepSeek-V4's K = V), so that a pair placed at
+# (P_q, P_k) contributes its value at P_k rotated back at P_q, as the layer treats a query at P_q and a key at P_k
+SPLIT = "split"
+
+
+def memory_rotaries(module: nn.Module) -> list[nn.Module]:
+    """Rotary modules held by a part of an attention layer (DeepSeek-V4's compressor and its indexer): they rotate
+    memory entries, keys appended after the tokens', at positions the part makes itself (entry w at w·m, the first
+    token of its block), not at the position ids the layer is handed. A rotary the layer holds directly (Moshi,
+    RecurrentGemma) rotates its queries and keys at the ids it is handed: not one of these."""
+    direct = {id(c) for c in module.children()}
+    return [m for m in module.modules() if m is not module and id(m) not in direct
+            and type(m).__name__.endswith("RotaryEmbedding")]
+
+
+class MemoryPositions:
+    """Forward pre-hooks on a layer's memory rotaries for one call of the layer on its c stacked copies: a call at
+    positions of the layer's own making (not `given`, the ids the layer was handed) is recorded (copy 0's rows: the
+    entries' own positions) and made, for copy t's rows, at map_t of those positions, so copy t's memory entries are
+    keys at map_t(p) like its tokens. Removed when the call ends."""
+
+    def __init__(self, module: nn.Module, maps: Sequence[PositionMap], b: int, given, seen: list):
+        self.maps, self.b, self.given, self.seen = maps, b, given, seen
+        self.hooks = [r.register_forward_pre_hook(self, with_kwargs=True) for r in memory_rotaries(module)]
+
+    def __call__(self, rotary, args, kwargs):
+        bound = _signature(type(rotary)).bind(rotary, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        ids = arguments.get("position_ids")
+        if ids is None or ids is self.given:
+            return None
+        b = self.b
+        own = ids[:b] if ids.shape[0] == b * len(self.maps) else ids.expand(b, *ids.shape[1:])
+        self.seen.append(own)
+        arguments["position_ids"] = torch.cat([_rows(m(own), b) for m in self.maps])
+        return (), arguments
+
+    def close(self):
+        for hook in self.hooks:
+            hook.remove()
 
 
 class CacheView:
@@ -182,7 +255,7 @@ class CacheView:
     carry copy 0's positions into another copy is caught there."""
 
     READS = frozenset({"get_seq_length", "get_mask_sizes", "is_compileable", "is_sliding", "get_max_cache_shape",
-                       "max_batch_size", "max_cache_len", "is_initialized", "layers"})
+                       "max_batch_size", "max_cache_len", "is_initialized"})
 
     def __init__(self, cache, rows: int, layout: Layout, mode: str = HEADS, copy: int = 0, stash: Stash | None = None,
                  module: nn.Module | None = None):
@@ -204,11 +277,16 @@ class CacheView:
             self._stash.cached = True
             out = self._cache.update(torch.cat(keys, dim=1) if len(keys) > 1 else keys[0], value_states, layer_idx,
                                      *args, **kwargs)
-        elif self._mode == HEADS:
-            out = self._cache.update(self._keep(key_states), value_states[:self._rows], layer_idx, *args, **kwargs)
         else:
-            keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args, **kwargs)
-            out = self._unstack(keys), self._unstack(values)
+            if self._mode == HEADS:
+                keys, values = self._cache.update(self._keep(key_states), value_states[:self._rows], layer_idx, *args,
+                                                  **kwargs)
+            else:
+                keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args,
+                                                  **kwargs)
+            if self.current is not None:  # the keys that are tokens: the memory entries a layer appends come after them
+                self.current.tokens = keys.shape[-2]
+            out = (keys, values) if self._mode == HEADS else (self._unstack(keys), self._unstack(values))
         self._note_head(layer_idx)
         return out
 
@@ -223,6 +301,16 @@ class CacheView:
         current = module_state(self._module).current
         if current is not None:
             current.kept_head = head
+
+    current = None  # the layer call's `Current` (Reentry sets it): what the attention function reads besides q, k, v
+
+    @property
+    def layers(self):
+        """The cache layers, as a layer that reads them directly sees them: DeepSeek-V4's compressors keep their
+        state (buffered tokens, memory entries) on the layer (`MemoryLayerView`)."""
+        if self.current is None or not self.current.memory_layer:
+            return self._cache.layers
+        return [MemoryLayerView(layer, self) for layer in self._cache.layers]
 
     def _unstack(self, x: torch.Tensor) -> torch.Tensor:
         """(b, S·H, N, d) → (c·b, H, N, d): copy t gets its own stored set, the copies the scheme reads no keys of get
@@ -245,6 +333,48 @@ class CacheView:
 
     def __bool__(self):
         return True
+
+
+class MemoryLayerView:
+    """A cache layer as a re-positioned layer's memory compressor sees it (DeepSeek-V4's `store_compression_weights`,
+    `update_overlap_state`, `update_compressor_states`). What the compressor stores of its input (buffered tokens, an
+    overlap window) is the same for every copy: copy 0's rows are stored, handed back repeated. The memory entries it
+    appends are rotated at each copy's positions: copy 0's go to the layer's own list, the other key copies' to lists
+    of their own in the same `compressed_kv` dict of the layer (so a beam reorder or reset reaches them), with the
+    entries' own positions beside them; the running lists come back stacked by copy (a copy whose keys the scheme
+    never reads gets key set 0's). A cache layer without that dict fails the apply-time check."""
+
+    def __init__(self, layer, view: CacheView):
+        self._layer, self._view = layer, view
+
+    def update_compressor_states(self, name, compressed):
+        view, current = self._view, self._view.current
+        b, layout = view._rows, view._layout
+        if current is None or compressed.shape[0] != b * layout.copies:
+            return self._layer.update_compressor_states(name, compressed)
+        # the key copies' entries, and the entries at the tokens' own positions, from which a sparse indexer chooses
+        kept = layout.key_copies if own_copy(layout) in layout.key_copies else (*layout.key_copies, own_copy(layout))
+        sets = [self._layer.update_compressor_states(name, compressed[kept[0] * b:(kept[0] + 1) * b])]
+        for t in kept[1:]:
+            sets.append(self._append(f"{name}:rope_patch_copy{t}", compressed[t * b:(t + 1) * b]))
+        if current.seen and compressed.shape[1] > 0:
+            new = current.seen[-1].expand(b, -1)[:, -compressed.shape[1]:]
+        else:
+            new = compressed.new_zeros(b, 0, dtype=torch.long)
+        current.seen.append(self._append(f"{name}:rope_patch_positions", new))
+        return torch.cat([sets[kept.index(t)] if t in kept else sets[0] for t in range(layout.copies)])
+
+    def _append(self, key: str, new: torch.Tensor) -> torch.Tensor:
+        store = self._layer.compressed_kv
+        old = store.get(key)
+        store[key] = new if old is None else torch.cat([old, new], dim=1)
+        return store[key]
+
+    def __getattr__(self, name):
+        found = getattr(self._layer, name)
+        if not callable(found):
+            return found
+        return _CopyZero(found, self._view._rows, self._view._layout.copies)
 
 
 class _CopyZero:
@@ -288,6 +418,15 @@ class Current:
     # set by `CacheView` when the cache layer evicted keys from the middle: the keys are its first `kept_head` slots
     # (at their own positions) and then a contiguous run ending at the queries (None: contiguous from slot 0)
     kept_head: int | None = None
+    split: bool = False  # values per key set, the output split by query copy (SPLIT)
+    seen: list = dataclasses.field(default_factory=list)  # positions of memory entries, as the layer made them
+    tokens: int | None = None  # keys that are tokens (from the cache; None: as many as the queries)
+    memory_layer: bool = False  # the layer holds memory rotaries (`memory_rotaries`)
+
+    def memory(self, count: int) -> torch.Tensor | None:
+        """(b|1, count) positions of the `count` memory entries after the tokens' keys: the last positions the layer
+        made for that many entries (DeepSeek-V4: its compressor's, then its indexer's, the same w·m); None if none."""
+        return next((p for p in reversed(self.seen) if p.shape[-1] == count), None)
 
 
 class Reentry:
@@ -337,7 +476,8 @@ class Reentry:
                 state.positionless = previous
         mode = self.cache_mode
         if mode == SEQUENTIAL:
-            if positions.shape[-1] > settings.DECODE_ROWS:  # a prefill: the layer's activations held once
+            # a prefill: the layer's activations held once; a layer with memory entries (DeepSeek-V4) runs stacked
+            if positions.shape[-1] > settings.DECODE_ROWS and not memory_rotaries(module):
                 return self._sequential(call, extra, b, positions, tagged, type(embeddings) is dict, given)
             mode = HEADS  # a decoding step: one stacked call costs less than c; the cache is laid out alike
         if made is not None:
@@ -353,7 +493,8 @@ class Reentry:
         for name in CACHE_ARGS:
             cache = call.get(name, extra.get(name))
             if cache is not None:
-                (call if name in call else extra)[name] = CacheView(cache, b, layout, mode, module=module)
+                (call if name in call else extra)[name] = CacheView(cache, b, layout, ROWS if mode == SPLIT else mode,
+                                                                    module=module)
         # Whatever else the layer receives per row (a mask, a position-dependent query scale computed by the decoder,
         # as Beam's NoPE layers get) is the same for every copy: only positions differ between copies.
         done = {next(iter(call)), "position_embeddings", "position_ids", *CACHE_ARGS}
@@ -361,7 +502,27 @@ class Reentry:
             for name, value in where.items():
                 if name not in done:
                     where[name] = _repeated(value, b, layout.copies)
-        return _copy_zero(self._run(call, extra, Current(b, _true(positions), layout)), b, layout.copies)
+        return self._stacked(call, extra, b, positions)
+
+    def _stacked(self, call: dict, extra: dict, b: int, positions: torch.Tensor):
+        """The forward once on the c copies stacked on the batch axis; copy 0's rows of what it returns (SPLIT: the
+        copies' parts summed). A layer's memory rotaries make each copy's entries at its positions meanwhile."""
+        module, layout = self.module, self.layout
+        current = Current(b, _true(positions), layout, split=self.cache_mode == SPLIT)
+        given = call.get("position_ids", extra.get("position_ids"))
+        memory = MemoryPositions(module, layout.maps, b, given, current.seen)
+        current.memory_layer = bool(memory.hooks)
+        for name in CACHE_ARGS:
+            view = call.get(name, extra.get(name))
+            if isinstance(view, CacheView):
+                view.current = current
+        try:
+            out = self._run(call, extra, current)
+        finally:
+            memory.close()
+        if current.split:  # each copy's part of the attention output went through the layer's code: their sum
+            return _summed(out, b, layout.copies)
+        return _copy_zero(out, b, layout.copies)
 
     def _sequential(self, call: dict, extra: dict, b: int, positions: torch.Tensor, tagged: dict, several: bool,
                     given):

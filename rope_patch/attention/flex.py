@@ -106,6 +106,9 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
         raise NotProven("hands its sparse-attention indexer's chosen keys (`indices`) to attention, which rope_patch's "
                         "flex_attention function does not take (its eager and sdpa ones do)")
     call = make_call(module, query, key, value, scaling, softcap, kwargs.get("position_ids"))
+    if call.values:  # copies.SPLIT: the apply-time check refuses the scheme on this backend
+        raise NotProven("its values rotate with its keys (K = V), and rope_patch's flex_attention function reads one "
+                        "value per key and returns one output per query; its eager and sdpa ones split them by copy")
     if call.gapped:
         raise ValueError("rope_patch: position ids with gaps or restarts (PoSE, packed rows) are not supported on the "
                          "flex_attention backend, whose block masks are built from slots; use the sdpa or eager backend "

@@ -18,8 +18,8 @@ one-token steps. Every attention layer call also runs
       (and keys, where the copies reach attention stacked) must agree with it, i.e. the copies' positions move what
       the layer's own rotation moves;
 and the layer must have called rope_patch's attention function, and must not have raised (e.g. `NotProven`: a layer
-that writes to its cache other than through `update`). The cache's hand-back (`CacheView` HEADS, else ROWS) is the
-first that passes.
+that writes to its cache other than through `update`). The cache's hand-back (`CacheView` HEADS, else ROWS; SPLIT where the values
+move with the positions, DeepSeek-V4's K = V) is the first that passes.
 
 Cost. About 3 + c forwards of a `length`-token input per mode tried (c position copies; `length` ≥ 48 and beyond
 every sliding window / attention chunk / sparse top-k the config or layers declare, at most 1040), in the model's
@@ -41,7 +41,7 @@ from torch import nn
 from ..discovery import execution_device
 from ..rotary import embed, recover, source
 from ..undo import UndoLog
-from .copies import CACHE_ARGS, HEADS, ROWS, SEQUENTIAL, Identity, Layout, NotProven
+from .copies import CACHE_ARGS, HEADS, ROWS, SEQUENTIAL, SPLIT, Identity, Layout, MemoryPositions, NotProven
 from .protocol import module_state
 
 SHIFT = 3  # the extra copy's positions: p + SHIFT
@@ -89,6 +89,7 @@ class Finding:
     what: str
     size: float | None
     step: str
+    values: bool = False  # the values move with the positions (K = V): the SPLIT hand-over serves that
 
 
 class Recorder:
@@ -100,6 +101,7 @@ class Recorder:
 
     def seen(self, query, key, value=None, module=None, indices=None):
         self.calls, self.query, self.key, self.value = self.calls + 1, query, key, value
+        self.placed = False  # keys beyond the tokens (memory entries) placed at the positions the layer made them at
         if indices is not None and module is not None:
             self.chooses.add(module)
 
@@ -107,6 +109,7 @@ class Recorder:
 def _capture(module, query, key, value, attention_mask, *args, **kwargs):
     """The attention function of the check's moved-position runs: keeps q and k, returns zeros."""
     module._rope_patch_captured = (query, key)
+    module._rope_patch_captured_value = value
     b, h, n, _ = query.shape
     return query.new_zeros(b, n, h, value.shape[-1]), None
 
@@ -130,8 +133,8 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 class Check:
     """One run of the check on a model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, native: str, rotate_reference: bool):
-        self.model, self.native, self.rotate_reference = model, native, rotate_reference
+    def __init__(self, model: nn.Module, native: str, rotate_reference: bool, mode: str = HEADS):
+        self.model, self.native, self.rotate_reference, self.mode = model, native, rotate_reference, mode
         self.dtype = next(model.parameters()).dtype
         self.tol = tolerance(self.dtype)
         self.findings: list[Finding] = []
@@ -149,8 +152,9 @@ class Check:
             self.shadows[(id(obj), run)] = copy.copy(obj) if isinstance(obj, MutableMapping) else copy.deepcopy(obj)
         return self.shadows[(id(obj), run)]
 
-    def note(self, module, what: str, size: float | None = None):
-        self.findings.append(Finding(getattr(module, "layer_idx", -1), type(module).__name__, what, size, self.step))
+    def note(self, module, what: str, size: float | None = None, values: bool = False):
+        self.findings.append(Finding(getattr(module, "layer_idx", -1), type(module).__name__, what, size, self.step,
+                                     values))
 
     def compare(self, module, what: str, got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor | None):
         """got/want (b, n, ...) or (b, H, n, d) with `rows` (b, n) the real tokens, compared on those."""
@@ -203,12 +207,12 @@ class SideBySide:
             check.note(module, "rope_patch's attention function never ran (the layer computes attention in its own "
                                "code, so a scheme that replaces the attention function has no effect)")
             return out
-        if not check.cached and recorder.key.shape[2] != recorder.query.shape[2]:
-            # the schemes place keys by their slot (a token at a position): slots that are not tokens (DeepSeek-V4's
-            # compressed memory, appended to the keys) have no position the schemes define
+        if not check.cached and recorder.key.shape[2] != recorder.query.shape[2] and not recorder.placed:
+            # the schemes place keys by their slot (a token at a position), or memory entries appended to the keys at
+            # the positions the layer rotated them at (DeepSeek-V4's compressor): keys that are neither have none
             check.note(module, f"it attends to {recorder.key.shape[2]} keys for {recorder.query.shape[2]} tokens (keys "
-                               "that are not tokens at positions, such as compressed memory, have no position a scheme "
-                               "can place)")
+                               "that are not tokens, and that no rotation inside the layer made at positions, have no "
+                               "position a scheme can place)")
         got = out[0] if isinstance(out, tuple) else out
         try:
             want = self._native(call, extra)
@@ -227,6 +231,9 @@ class SideBySide:
         embeddings = call.get("position_embeddings")
         if check.rotate_reference and source(embeddings) is not None:
             call["position_embeddings"] = embed(embeddings, embeddings.position_ids)
+        elif check.rotate_reference and type(embeddings) is dict:
+            call["position_embeddings"] = {k: embed(v, v.position_ids) if source(v) is not None else v
+                                           for k, v in embeddings.items()}
         for where in (call, extra):
             for name, value in where.items():
                 if (name in CACHE_ARGS and value is not None) or isinstance(value, MutableMapping):
@@ -248,6 +255,9 @@ class SideBySide:
         embeddings = call.get("position_embeddings")
         if source(embeddings) is not None:
             call["position_embeddings"] = embed(embeddings, embeddings.position_ids + SHIFT)
+        elif type(embeddings) is dict:  # DeepSeek-V4: {"main", "compress"}
+            call["position_embeddings"] = {k: embed(v, v.position_ids + SHIFT) if source(v) is not None else v
+                                           for k, v in embeddings.items()}
         for where in (call, extra):
             if where.get("position_ids") is not None:
                 where["position_ids"] = where["position_ids"] + SHIFT
@@ -256,19 +266,32 @@ class SideBySide:
                 # (a layer whose queries depend on cached state, as Zaya's convolved projections, needs its own past)
                 if (name in CACHE_ARGS and value is not None) or isinstance(value, MutableMapping):
                     where[name] = check.shadow(value, "moved")
-        self._with_backend(CAPTURE, call, extra)
+        # memory entries the layer rotates at positions of its own making move with the positions too (the copies
+        # make them at map_t(p): copies.MemoryPositions)
+        given = call.get("position_ids", extra.get("position_ids"))
+        memory = MemoryPositions(module, (Shifted(),), b, given, [])
+        try:
+            self._with_backend(CAPTURE, call, extra)
+        finally:
+            memory.close()
         q, k = module.__dict__.pop("_rope_patch_captured")
+        value = module.__dict__.pop("_rope_patch_captured_value")
         check.compare(module, f"its queries at moved positions (p + {SHIFT})", recorder.query[last * b:(last + 1) * b], q,
                       check.rows)
         if not check.cached:  # without a cache the keys reach attention stacked like the queries: the copy's own
             keys = recorder.key[last * b:(last + 1) * b]
             check.compare(module, f"its keys at moved positions (p + {SHIFT})", keys[:, :, -k.shape[2]:], k, check.rows)
             values = recorder.value
-            if values is not None and values.shape[0] == recorder.query.shape[0]:
+            if check.mode == SPLIT:  # values read per key set: the copy's must be the layer's own at p + SHIFT too
+                check.compare(module, f"its values at moved positions (p + {SHIFT})",
+                              values[last * b:(last + 1) * b][:, :, -k.shape[2]:], value, check.rows)
+            elif values is not None and values.shape[0] == recorder.query.shape[0]:
                 # a key's value is read from copy 0 whatever copy its key comes from: values must not move with positions
+                before = len(check.findings)
                 check.compare(module, f"its values, which move with the positions (p + {SHIFT}: a rotated value, "
-                                      "as DeepSeek-V4's K = V, has no position the schemes' regions define)",
-                              values[last * b:(last + 1) * b], values[:b], None)
+                                      "as DeepSeek-V4's K = V)", values[last * b:(last + 1) * b], values[:b], None)
+                for f in check.findings[before:]:
+                    f.values = True
 
     def _with_backend(self, backend: str, call: dict, extra: dict):
         config = self.module.config
@@ -439,13 +462,14 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
     probe = rule.probe(n)
     probes = {m: probe_layout(layout) for m, layout in layouts.items()}
     # the copies one after another first (the layer's activations held once), stacked where they must share state
-    modes = (SEQUENTIAL, HEADS, ROWS) if any(v is not None for v in layouts.values()) else (HEADS,)
+    modes = [SEQUENTIAL, HEADS, ROWS] if any(v is not None for v in layouts.values()) else [HEADS]
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
                if hasattr(c, "_attn_implementation_internal")}
     backends = {k: c._attn_implementation_internal for k, c in configs.items()}
     failures = {}
-    for mode in modes:
-        check = Check(model, native, rotate_reference)
+    while modes:
+        mode = modes.pop(0)
+        check = Check(model, native, rotate_reference, mode)
         log = UndoLog()
 
         def wrap(module, inner, _check=check):
@@ -475,11 +499,14 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
         if not check.findings:
             CHECKED[key] = mode
             return mode
-        failures[mode] = check
-        if mode != SEQUENTIAL and any(f.step == "a prefill without cache" for f in check.findings):
+        failures.setdefault(mode, check)
+        if mode in (HEADS, ROWS) and any(f.values for f in check.findings):
+            modes = [SPLIT]  # values rotate with the keys: read them per key set, the output split by query copy
+            continue
+        if mode not in (SEQUENTIAL, SPLIT) and any(f.step == "a prefill without cache" for f in check.findings):
             break  # the stacked prefill without cache failed: another cache mode will not help
     # reported: the first stacked mode's findings (a sequential failure only says the copies must run stacked)
-    failure = next((failures[m] for m in (HEADS, ROWS) if m in failures), failures.get(SEQUENTIAL))
+    failure = next((failures[m] for m in (HEADS, ROWS, SPLIT) if m in failures), failures.get(SEQUENTIAL))
     raise ValueError(
         f"{name}: the apply-time check ran the scheme side by side with {target.model_type}'s own attention layers "
         f"(at an identity setting, which must reproduce the model) and it does not hold: "

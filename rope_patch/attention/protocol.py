@@ -50,6 +50,12 @@ class AttentionRule:
         flash-attention form."""
         return None
 
+    def regions(self, call: AttentionCall, rows: slice, start: int, end: int) -> list:
+        """[(query copy, key set, where)] for the scores `logits` returns: which copy's query and which key set each
+        score used (`where`: bool, broadcastable to the scores; None: all). A layer whose values rotate with its keys
+        (copies.SPLIT) reads each pair's value from its key set and hands the layer its output split by query copy."""
+        return [(0, 0, None)]
+
     def probe(self, length: int) -> AttentionRule:
         """This rule at an identity setting that still runs its own code paths on a `length`-token input (a window
         or chunk short enough to split it, a zero bias): the apply-time check (attention/plumbing.py) runs it on
@@ -113,6 +119,11 @@ class AttentionCall:
     # Position ids that are not the slots' (PoSE's skipped ids, packed rows that restart): (b, k) per key, the
     # queries the last q of them; None when they are the slots plus a per-row offset (`offset`)
     ids: torch.Tensor | None = None
+    # With memory entries after the tokens' keys (DeepSeek-V4): the queries' positions (b, q); `ids` then gives every
+    # key's, memory entries at the positions the layer rotated them at
+    q_ids: torch.Tensor | None = None
+    values: tuple = ()  # per key set, where values rotate with their keys (copies.SPLIT); () otherwise
+    memory: int = 0  # keys after the tokens' (memory entries)
 
     @property
     def gapped(self) -> bool:
@@ -134,20 +145,20 @@ class AttentionCall:
         (a distance is the difference of position ids, as the rotary embedding has it)."""
         if self.ids is None:
             return self.q_slot[rows, None] - torch.arange(start, end, device=self.q_slot.device)
-        q_ids = self.ids[:, -self.query.shape[3]:][:, rows]
+        q_ids = (self.ids[:, -self.query.shape[3]:] if self.q_ids is None else self.q_ids)[:, rows]
         return (q_ids[:, :, None] - self.ids[:, None, start:end])[:, None, None]
 
     def segments(self, rows: slice, start: int, end: int) -> torch.Tensor | None:
         """With gapped ids, (b, 1, 1, r, w) bool: the query and the key are in one segment of the row (a packed row
         restarts its ids: keys of the earlier segment are masked, as packed-sequence attention does); else None."""
-        if self.ids is None:
+        if self.ids is None or self.q_ids is not None:
             return None
         seg = torch.cat([torch.zeros_like(self.ids[:, :1]), (self.ids.diff(dim=-1) <= 0).long()], dim=-1).cumsum(-1)
         q_seg = seg[:, -self.query.shape[3]:][:, rows]
         return (q_seg[:, :, None] == seg[:, None, start:end])[:, None, None]
 
     def first_slot(self, rows: slice) -> int:
-        return self.key.shape[2] - self.query.shape[3] + rows.start
+        return self.key.shape[2] - self.memory - self.query.shape[3] + rows.start
 
 
 Partial = tuple  # (out (b, H, r, d) float32, lse (b, H, r) float32): softmax-weighted values over a subset of keys
@@ -243,7 +254,8 @@ def unstack(module, query, key, value, position_ids, indices=None):
     queries = tuple(query[t * b:(t + 1) * b] for t in range(layout.copies))
     if key.shape[0] == query.shape[0]:  # no cache, or a ROWS cache: every copy's keys, stacked like the queries
         keys = tuple(key[t * b:(t + 1) * b] for t in layout.key_copies)
-        value = value[:b]
+        # values of every key set where they rotate with the keys (SPLIT), else copy 0's
+        value = tuple(value[t * b:(t + 1) * b] for t in layout.key_copies) if current.split else value[:b]
     else:  # a HEADS cache: its key sets, side by side on the head axis
         keys = _key_sets(key, value.shape[1], len(layout.key_copies))
     return queries, keys, value, current.positions
@@ -273,27 +285,56 @@ def _gathered(module, state, current, query, key, value, indices):
 
 def make_call(module, query, key, value, scaling, softcap, position_ids, indices=None) -> AttentionCall:
     queries, keys, value, position_ids = unstack(module, query, key, value, position_ids, indices)
+    values = value if isinstance(value, tuple) else ()
+    value = values[0] if values else value
     b, h, q_len, d = queries[0].shape
     hkv, k_len = keys[0].shape[1], keys[0].shape[2]
     if h % hkv:
         raise ValueError(f"{h} query heads cannot share {hkv} key/value heads")
-    q_slot = torch.arange(k_len - q_len, k_len, device=query.device)
+    current = module_state(module).current
+    # keys that are tokens: all of them, but in a layer with memory (copies.memory_rotaries), whose entries follow the
+    # tokens' keys (as many as the cache returned, else as the queries)
+    memory_layer = current is not None and current.memory_layer
+    tokens = (current.tokens or q_len) if memory_layer else k_len
+    memory = k_len - tokens
+    q_slot = torch.arange(tokens - q_len, tokens, device=query.device)
     queries = tuple(q.view(b, hkv, h // hkv, q_len, d) if q is not None else None for q in queries)
     offset = _offsets(position_ids, q_slot)
-    # gapped ids with a cache are refused before the forward (schemes/common.py CacheGuard): here they come
-    # without one, the queries' ids being every key's
-    ids = gapped_ids(position_ids, q_slot, offset, k_len) if k_len == q_len else None
+    q_ids = None
+    if memory > 0:  # memory entries after the tokens' keys (DeepSeek-V4): every key's position explicit
+        placed = current.memory(memory)
+        if placed is None:
+            raise NotPlaced(f"{type(module).__name__} attends to {memory} keys beyond its {tokens} tokens, and no "
+                            "rotation inside the layer made them at positions, so no scheme can place them")
+        token_ids = torch.arange(tokens, device=query.device) + offset
+        ids = torch.cat([token_ids.expand(b, -1), placed.to(token_ids).expand(b, -1)], dim=-1)
+        q_ids = token_ids.expand(b, -1)[:, -q_len:]
+        if recorder := module_state(module).recorder:
+            recorder.placed = True
+    else:
+        # gapped ids with a cache are refused before the forward (schemes/common.py CacheGuard): here they come
+        # without one, the queries' ids being every key's
+        ids = gapped_ids(position_ids, q_slot, offset, k_len) if k_len == q_len else None
     return AttentionCall(module, queries[0], keys[0], value, scaling if scaling is not None else d**-0.5,
-                         softcap, q_slot, offset, queries=queries, keys=keys, ids=ids)
+                         softcap, q_slot, offset, queries=queries, keys=keys, ids=ids, q_ids=q_ids, values=values,
+                         memory=memory)
+
+
+class NotPlaced(RuntimeError):
+    """Keys beyond the tokens' (memory entries) whose positions the layer did not make through a rotary."""
 
 
 def own_rows(module, mask):
-    """The rows of `mask` that belong to copy 0 of a re-positioned layer (its tensors reach the layer repeated for every
-    copy, attention/copies.py); the mask itself otherwise."""
+    """The rows of `mask` that belong to the copy at the tokens' own positions of a re-positioned layer (copy 0 unless
+    a later copy is: DCA's extra copy on a layer that builds its memory's causality inside itself); the mask itself
+    otherwise. Its tensors reach the layer repeated for every copy (attention/copies.py), or made by the layer per copy."""
+    from .copies import own_copy  # copies.py builds on this module
+
     current = module_state(module).current
     if current is None or not isinstance(mask, torch.Tensor) or mask.shape[0] != current.rows * current.layout.copies:
         return mask
-    return mask[:current.rows]
+    own, b = own_copy(current.layout), current.rows
+    return mask[own * b:(own + 1) * b]
 
 
 def restack(module, out: torch.Tensor) -> torch.Tensor:

@@ -165,7 +165,7 @@ class DualChunkScores(attention.AttentionRule):
         if call.scratch["plain"]:
             return attention.PLAIN.logits(call, rows, start, end)
         if call.gapped:  # chunks by position id, per element (the three regions over every key)
-            q_ids = call.ids[:, -call.query.shape[3]:][:, rows]
+            q_ids = (call.ids[:, -call.query.shape[3]:] if call.q_ids is None else call.q_ids)[:, rows]
             dn = (torch.div(q_ids.clamp(min=0), self.chunk, rounding_mode="floor")[:, :, None]
                   - torch.div(call.ids[:, None, start:end].clamp(min=0), self.chunk, rounding_mode="floor"))
             region = ((dn >= 1).long() + (dn >= 2).long())[:, None, None]  # (b, 1, 1, r, w)
@@ -187,6 +187,20 @@ class DualChunkScores(attention.AttentionRule):
             a, z = lo - start, hi - start
             s[..., a:z] = torch.where(region[..., a:z] == r, part, s[..., a:z])
         return s
+
+    def regions(self, call, rows, start, end):
+        """Each score's region is its query copy (INTRA, SUCC, INTER); every region reads key set 0 (j mod c)."""
+        if call.scratch["plain"]:
+            return [(0, 0, None)]
+        if call.gapped:
+            q_ids = (call.ids[:, -call.query.shape[3]:] if call.q_ids is None else call.q_ids)[:, rows]
+            dn = (torch.div(q_ids.clamp(min=0), self.chunk, rounding_mode="floor")[:, :, None]
+                  - torch.div(call.ids[:, None, start:end].clamp(min=0), self.chunk, rounding_mode="floor"))[:, None, None]
+        else:
+            slots = torch.arange(start, end, device=call.key.device)
+            dn = (self._chunk_of(call, call.q_slot[rows])[:, :, None] - self._chunk_of(call, slots)[:, None, :])[:, None, None]
+        region = (dn >= 1).long() + (dn >= 2).long()
+        return [(r, 0, region == r) for r in (INTRA, SUCC, INTER)]
 
     # ---- fused (inference on CPU without mask) ---------------------------------------------------------------------
     def fused(self, call, rows, end):
@@ -372,7 +386,13 @@ class DualChunk(AttentionScheme):
 
     def layout(self, module):
         # every layer alike: sliding windows only hide pairs, the regions are per pair
-        return DualChunkScores(self.chunk_size, self.local_size).layout()
+        layout = DualChunkScores(self.chunk_size, self.local_size).layout()
+        if attention.memory_rotaries(module):
+            # A layer with memory (DeepSeek-V4) decides inside itself, from its position ids, which memory entries a
+            # query sees (and its indexer which it picks): one more copy at the tokens' own positions decides that
+            # (protocol.own_rows reads the mask from it); DCA's copies are all at chunk positions.
+            return attention.Layout((*layout.maps, attention.Identity()), layout.key_copies)
+        return layout
 
     def build(self, target):
         return DualChunkScores(self.chunk_size, self.local_size), None

@@ -225,7 +225,12 @@ class AttentionScheme(Scheme):
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
         model = target.model
         moves = self.repositions()
-        layouts = {m: self.layout(m) if moves else None for m in modules}
+        # A layer with memory (attention.memory_rotaries: DeepSeek-V4's compressor) runs through the copies even where
+        # the scheme moves no position (ALiBi, T5 bias, NoPE: one copy), so its attention learns where the memory
+        # entries it appends to the keys are (the positions the layer makes them at)
+        layouts = {m: self.layout(m) if moves else (attention.Layout((attention.Identity(),))
+                                                    if scores is not None and attention.memory_rotaries(m) else None)
+                   for m in modules}
         native = target.config._attn_implementation
         # The model's own frequencies, as float32 masters (a cast of the model must not round the angles), of every
         # rotary module (one per block kind or base in some models: each is patched alike).

@@ -116,6 +116,12 @@ class TwoRegionScores(attention.AttentionRule):
         s[..., near_start - start:] = torch.where(is_near, near, s[..., near_start - start:])
         return s
 
+    def regions(self, call, rows, start, end):
+        if len(call.queries) == 1:
+            return [(0, 0, None)]
+        near = call.distance(rows, start, end) < (self.window if call.gapped else call.scratch["window"])
+        return [(0, 0, near), (1, self.far_key, ~near)]
+
     def fused(self, call, rows, end):
         """Split the keys of a block (first query slot c, r ≤ W rows) by what every row sees; with s = c − W, key j
         is far for row i iff j − s ≤ i − c:
@@ -218,8 +224,10 @@ class TwoRegion(AttentionScheme):
     def layout(self, module):
         # A sliding layer whose window S ≤ split never sees a key `split` back: the scheme is exact RoPE there, and
         # the layer runs as it is (no copies). A window S > split is taken as asked: the far region applies.
+        # A layer with memory (DeepSeek-V4: entries of compressed blocks appended to its window's keys) sees beyond
+        # its window: the far region applies there.
         sliding = getattr(module, "sliding_window", None)
-        if isinstance(sliding, int) and sliding <= self.split():
+        if isinstance(sliding, int) and sliding <= self.split() and not attention.memory_rotaries(module):
             return None
         return self._layout()[0]
 

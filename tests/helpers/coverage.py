@@ -221,11 +221,9 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
         "yarn": ("records no max_position_embeddings",
                  "its config records no window for a factor to be relative to; transformers' scaled types need it too")},
     "deepseek_v4": {
-        **dict.fromkeys(ALL_ATTENTION, ("keys for", "attention over compressed memory: keys that are not tokens at "
-                                                    "positions, and values that rotate with the keys (K = V)")),
-        # refused before that on the tiny model: its rotary_dim 2 has one frequency for dpe's two groups
+        # its tiny model's rotary_dim 2 has one frequency for dpe's two groups
         "dpe": ("2 group sizes for the 1 RoPE frequencies", "one RoPE frequency (rotary_dim 2) for two groups on the "
-                                                          "tiny model; attention over compressed memory besides"),
+                                                          "tiny model"),
         "ms_poe": ("without the head order of its prompt", "attention over compressed memory: no call's queries are "
                                                            "its keys, so no prompt orders the heads")},
     "cohere_compass": {"sink": ("runs without positions",

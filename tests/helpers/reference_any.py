@@ -55,6 +55,7 @@ class _Run:
         self.mode, self.captured, self.emit = None, [], []
         self.shared = {}  # (id(mapping), positions) -> the copy a layer run at those positions reads and writes
         self.outputs, self.outputs_by_id = {}, {}  # the rotary outputs of the forward, for embeddings cut from them
+        self.inner = {}  # rotary module -> the position ids of its last call (bias schemes: memory entries' positions)
 
 
 def _rotaries(model):
@@ -83,16 +84,20 @@ def _softcapped(s, softcap):
     return s if softcap is None else torch.tanh(s / softcap) * softcap
 
 
-def _softmax_out(s, value, attention_mask, sinks):
-    """(b, H, n, k) float scores (softcapped, biased) → (b, n, H, dv): eager mask, softmax (with sinks), values."""
-    b, h, n, _ = s.shape
+def _probabilities(s, attention_mask, sinks):
+    """(b, H, n, k) float scores (softcapped, biased) → attention probabilities: eager mask, softmax (with sinks)."""
+    b, h, n, k = s.shape
     if attention_mask is not None:
-        s = s + attention_mask[:, :, :, : value.shape[-2]]
+        s = s + attention_mask[:, :, :, :k]
     if sinks is not None:  # gpt-oss: a per-head logit in the denominator (a key with value 0)
         sink = sinks.view(1, h, 1, 1).expand(b, h, n, 1).float()
-        attn = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        attn = torch.softmax(s, dim=-1)
+        return torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.softmax(s, dim=-1)
+
+
+def _softmax_out(s, value, attention_mask, sinks):
+    """(b, H, n, k) float scores (softcapped, biased) → (b, n, H, dv): eager mask, softmax (with sinks), values."""
+    attn = _probabilities(s[..., : value.shape[-2]], attention_mask, sinks)
     return (attn.to(value.dtype) @ value).transpose(1, 2).contiguous()
 
 
@@ -107,9 +112,14 @@ def _bias_attention(module, query, key, value, attention_mask, scaling, **kwargs
     scaling = d**-0.5 if scaling is None else scaling
     s = _softcapped((query @ key.transpose(-1, -2)).float() * scaling, kwargs.get("softcap"))
     pos, k_len = run.pos, key.shape[-2]
-    if k_len != pos.shape[-1] or n != pos.shape[-1]:  # a layer over other units than the tokens (Blt's patches)
-        pos = torch.arange(k_len).expand(b, -1)  # its own slots, the queries the last n of them
-    dist = (pos[:, -n:, None] - pos[:, None, :]).clamp(min=0)
+    entries = _entries(module, k_len - n) if k_len > n == pos.shape[-1] else None
+    if entries is not None:  # memory entries after the tokens (DeepSeek-V4): keys at the positions they are made at
+        key_pos = torch.cat([pos, entries.expand(b, -1).to(pos.dtype)], dim=-1)
+    else:
+        if k_len != pos.shape[-1] or n != pos.shape[-1]:  # a layer over other units than the tokens (Blt's patches)
+            pos = torch.arange(k_len).expand(b, -1)  # its own slots, the queries the last n of them
+        key_pos = pos
+    dist = (pos[:, -n:, None] - key_pos[:, None, :]).clamp(min=0)
     if run.scheme == "alibi":
         slopes = torch.tensor(alibi_slopes(h, run.params.get("max_bias", 8.0)))
         s = s - slopes[None, :, None, None] * dist[:, None].float()
@@ -123,6 +133,19 @@ def _bias_attention(module, query, key, value, attention_mask, scaling, **kwargs
         keep = torch.zeros(b, n, key.shape[-2], dtype=torch.bool).scatter(-1, kwargs["indices"].long(), True)
         s = s.masked_fill(~keep[:, None], float("-inf"))
     return _softmax_out(s, value, attention_mask, kwargs.get("s_aux")), None
+
+
+def _entries(module, memory: int):
+    """The positions (b|1, memory) of the memory entries a layer appends to its keys: the last call of its first inner
+    rotary that made `memory` positions (DeepSeek-V4's compressor, w·m; its indexer's last call rotates the queries),
+    recorded by `_last_call`; None if there is none."""
+    calls = _Run.current.inner
+    return next((calls[r] for r in _inner_rotaries(module) if r in calls and calls[r].shape[-1] == memory), None)
+
+
+def _last_call(rotary, args, kwargs):
+    bound = inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs)
+    _Run.current.inner[rotary] = bound.arguments["position_ids"]
 
 
 def _identity(module, args, kwargs, out):
@@ -143,21 +166,26 @@ def _record(module, args, kwargs, out):
     run.outputs_by_id[id(out)] = out
 
 
-def _tables(pq: torch.Tensor, valid: torch.Tensor, dim: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Position arrays P_0 … P_{m−1} (b, L) and, per pair, which array holds its position: for every token (row i of
-    `pq` for queries, dim=2; column j for keys, dim=1) its distinct pair positions over the valid pairs, the t-th of
-    them in P_t (the last repeated when a token has fewer)."""
-    b, n, _ = pq.shape
-    values = [[sorted({float(v) for v in (pq[r, t, :] if dim == 2 else pq[r, :, t])[(valid[r, t, :] if dim == 2 else valid[r, :, t])]}) or [0.0]
-               for t in range(n)] for r in range(b)]
+def _tables(pp: torch.Tensor, valid: torch.Tensor, dim: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Position arrays P_0 … P_{m−1} and, per pair, which array holds its position. `pp` (b, nq, nk) holds every
+    pair's query (dim=2: per query row t, pp[r, t, :]) or key (dim=1: per key column t, pp[r, :, t]) position; each
+    query or key gets its distinct positions over the valid pairs, the t-th of them in P_t (the last repeated when it
+    has fewer). P_t is (b, nq) for queries, (b, nk) for keys; the index is (b, nq, nk)."""
+    b = pp.shape[0]
+    units = pp.shape[1] if dim == 2 else pp.shape[2]
+
+    def line(x, r, t):
+        return x[r, t, :] if dim == 2 else x[r, :, t]
+
+    values = [[sorted({float(v) for v in line(pp, r, t)[line(valid, r, t)]}) or [0.0] for t in range(units)]
+              for r in range(b)]
     m = max(len(v) for row in values for v in row)
     arrays = [torch.tensor([[v[min(t, len(v) - 1)] for v in row] for row in values]) for t in range(m)]
-    index = torch.zeros(b, n, n, dtype=torch.long)
+    index = torch.zeros(pp.shape, dtype=torch.long)
     for r in range(b):
-        for t in range(n):
+        for t in range(units):
             v = values[r][t]
-            line = pq[r, t, :] if dim == 2 else pq[r, :, t]
-            idx = torch.tensor([v.index(float(x)) if float(x) in v else 0 for x in line])
+            idx = torch.tensor([v.index(float(x)) if float(x) in v else 0 for x in line(pp, r, t)])
             if dim == 2:
                 index[r, t, :] = idx
             else:
@@ -206,6 +234,49 @@ def _sliced(run, embeddings):
     return None
 
 
+def _inner_rotaries(module) -> list:
+    """Rotary modules inside an attention layer (DeepSeek-V4's compressor and indexer each hold one)."""
+    return [m for m in module.modules() if m is not module and type(m).__name__.endswith("RotaryEmbedding")]
+
+
+class _Own:
+    """Forward pre-hooks on a layer's inner rotaries for one run: calls at positions of the layer's own making (not
+    the position ids the layer is handed, `given`) are recorded in `seen`, and those with as many positions as
+    `entries` are made at `entries` instead. DeepSeek-V4's compressor rotates memory entry w at w·m, the position of
+    its block's first token: that is where the reference places the entry as a key."""
+
+    def __init__(self, module, given, entries=None):
+        self.given, self.entries, self.seen = given, entries, []
+        self.hooks = [r.register_forward_pre_hook(self, with_kwargs=True) for r in _inner_rotaries(module)]
+
+    def __call__(self, rotary, args, kwargs):
+        bound = inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        ids = arguments.get("position_ids")
+        if ids is None or ids is self.given:
+            return None
+        self.seen.append(ids)
+        if self.entries is None or ids.shape[-1] != self.entries.shape[-1]:
+            return None
+        arguments["position_ids"] = self.entries.expand(ids.shape[0], -1)
+        return (), arguments
+
+    def close(self):
+        for hook in self.hooks:
+            hook.remove()
+
+
+def _embed(made, positions, grouped=None):
+    """What the rotary call `made` (rotary, args, kwargs) gives at `positions` (DPE: `grouped`, one position array per
+    frequency group)."""
+    rotary, args, kwargs = made
+    given = dict(inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs).arguments)
+    if grouped is not None:
+        return _grouped_embeddings(rotary, given, grouped)
+    return type(rotary).forward(**{**given, "position_ids": positions})
+
+
 class _Layer:
     """The forward of an attention layer during a positional reference run (see the module docstring)."""
 
@@ -218,6 +289,8 @@ class _Layer:
         """The layer's own positions (b, n): what its rotary was called with (Blt's global layers count patches, not
         the tokens), else the position ids it gets, else the tokens' true positions."""
         pos = None
+        if type(made) is dict:  # DeepSeek-V4: {"main", "compress"} embeddings, of the same positions
+            made = next((m for m in made.values() if m is not None), None)
         if made is not None:
             rotary, args, kwargs = made
             pos = inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs).arguments["position_ids"]
@@ -227,19 +300,20 @@ class _Layer:
         pos = pos[0] if pos.dim() == 3 else pos  # M-RoPE: the text section
         return pos.expand(tokens.shape[0], pos.shape[-1]).long()
 
-    def _run(self, call: dict, extra: dict, positions: torch.Tensor | None, made):
-        """The layer's own forward with every token at `positions` (None: as given)."""
+    def _run(self, call: dict, extra: dict, positions: torch.Tensor | None, made, entries=None, seen=None):
+        """The layer's own forward with every token at `positions` (None: as given), its memory entries (keys past
+        the tokens) at `entries` (None: where the layer puts them); `seen` collects the positions of the layer's own
+        making its inner rotaries were called with."""
         call, extra = dict(call), dict(extra)
         grouped = positions if isinstance(positions, list) else None  # DPE: one position array per frequency group
         if grouped is not None:
             positions = grouped[0]
         if positions is not None:
-            if made is not None:
-                rotary, args, kwargs = made
-                given = dict(inspect.signature(type(rotary).forward).bind(rotary, *args, **kwargs).arguments)
-                given = {**given, "position_ids": positions}
-                call["position_embeddings"] = (type(rotary).forward(**given) if grouped is None
-                                               else _grouped_embeddings(rotary, given, grouped))
+            if type(made) is dict:
+                call["position_embeddings"] = {k: _embed(m, positions, grouped) if m is not None
+                                               else call["position_embeddings"][k] for k, m in made.items()}
+            elif made is not None:
+                call["position_embeddings"] = _embed(made, positions, grouped)
             for where in (call, extra):
                 if where.get("position_ids") is not None:
                     where["position_ids"] = positions
@@ -256,7 +330,13 @@ class _Layer:
                     if isinstance(value, MutableMapping):
                         key = (id(value), torch.stack(grouped or [positions]).numpy().tobytes())
                         where[name] = shared.setdefault(key, copy.copy(value))
-        return type(self.module).forward(self.module, **call, **extra)
+        own = _Own(self.module, positions, entries)
+        try:
+            return type(self.module).forward(self.module, **call, **extra)
+        finally:
+            own.close()
+            if seen is not None:
+                seen.extend(own.seen)
 
     def __call__(self, *args, **kwargs):
         run = _Run.current
@@ -264,13 +344,37 @@ class _Layer:
         call = dict(bound.arguments)
         call.pop("self")
         extra = call.pop("kwargs", {}) if "kwargs" in self.signature.parameters else {}
-        made = run.made.get(id(call.get("position_embeddings"))) or _sliced(run, call.get("position_embeddings"))
+        embeddings = call.get("position_embeddings")
+        if type(embeddings) is dict:  # DeepSeek-V4: one per rope type, {"main", "compress"}
+            made = {k: run.made.get(id(v)) or _sliced(run, v) for k, v in embeddings.items()}
+        else:
+            made = run.made.get(id(embeddings)) or _sliced(run, embeddings)
         pos = self._positions(call, extra, made, run.pos)
         b, n = pos.shape
         if run.scheme == "ms_poe":
             return self._ms_poe(call, extra, made, pos)
+        run.mode = "capture"
+        # The layer at the tokens' own positions: its mask (DeepSeek-V4 builds the causality of its memory entries
+        # inside the layer), a sparse-attention indexer's choice of keys (made at the tokens' own positions, as the
+        # unpatched model makes it), and the keys that are not tokens: memory entries appended after the n tokens,
+        # each a key at the position the layer rotates it at (DeepSeek-V4: w·m, the first token of its block).
+        run.captured, seen = [], []
+        self._run(call, extra, pos, made, seen=seen)
+        truth = run.captured
+        memory = truth[0]["k"].shape[-2] - n if truth else 0
+        key_pos = pos
+        if memory > 0:
+            entries = next((p for p in seen if p.shape[-1] == memory), None)
+            if entries is None:
+                raise ValueError(f"{type(self.module).__name__} attends to {memory} keys beyond its {n} tokens, and "
+                                 "no rotation inside it placed them: the reference cannot place them")
+            key_pos = torch.cat([pos, entries.expand(b, -1).to(pos.dtype)], dim=-1)
+        nk = key_pos.shape[1]
         slot = torch.arange(n)
+        kind = torch.long
         if run.scheme == "dpe":  # Lu et al. 2025: near pairs at true positions, far ones per group (Self-Extend, s_g)
+            if memory:
+                raise ValueError("the DPE reference places token keys only: this layer attends to memory entries")
             w, sizes = run.params["window_size"], run.params["group_sizes"]
             q_arrays = [[pos] * len(sizes), [torch.div(pos, s, rounding_mode="floor") + w - w // s for s in sizes]]
             k_arrays = [[pos] * len(sizes), [torch.div(pos, s, rounding_mode="floor") for s in sizes]]
@@ -278,52 +382,73 @@ class _Layer:
         else:
             if run.scheme == "dca":
                 p = run.params
-                pq_table, pk_table = dca_pair_positions(int(pos.max()) + 1, p["chunk_size"], p["local_size"])
-                pq, pk = pq_table[pos[:, :, None], pos[:, None, :]], pk_table[pos[:, :, None], pos[:, None, :]]
+                pq_table, pk_table = dca_pair_positions(int(key_pos.max()) + 1, p["chunk_size"], p["local_size"])
+                pq, pk = pq_table[pos[:, :, None], key_pos[:, None, :]], pk_table[pos[:, :, None], key_pos[:, None, :]]
             else:
-                pq, pk = pair_positions(run.scheme, run.params, pos[:, :, None], pos[:, None, :])
-            valid = (slot[:, None] >= slot[None, :]).expand(b, n, n)  # causal pairs; the mask handles the rest
+                pq, pk = pair_positions(run.scheme, run.params, pos[:, :, None], key_pos[:, None, :])
+            valid = torch.cat([slot[:, None] >= slot[None, :], torch.ones(n, memory, dtype=torch.bool)], dim=1)
+            valid = valid.expand(b, n, nk)  # causal pairs of tokens, every memory entry; the mask handles the rest
             q_arrays, q_index = _tables(pq, valid, dim=2)
             k_arrays, k_index = _tables(pk, valid, dim=1)
-        run.mode = "capture"
-        qs, ks, calls = [], [], None  # per position array, per attention call of the layer (DiffLlama makes two)
+            kind = pq.dtype if run.scheme == "leaky_rerope" else torch.long
+        qs, ks, vs, moved = [], [], [], []  # per position array, per attention call of the layer (DiffLlama makes two)
         for arr in q_arrays:
             run.captured = []
-            self._run(call, extra, arr if isinstance(arr, list) else arr.to(pq.dtype if run.scheme == "leaky_rerope"
-                                                                             else torch.long), made)
+            self._run(call, extra, arr if isinstance(arr, list) else arr.to(kind), made)
             qs.append([c["q"] for c in run.captured])
+            moved.append([c["v"] for c in run.captured])
         for arr in k_arrays:
             run.captured = []
-            self._run(call, extra, arr if isinstance(arr, list) else arr.to(pk.dtype if run.scheme == "leaky_rerope"
-                                                                             else torch.long), made)
+            if isinstance(arr, list):  # DPE: one position array per frequency group
+                self._run(call, extra, arr, made)
+            else:
+                arr = arr.to(kind)
+                self._run(call, extra, arr[:, :n], made, entries=arr[:, n:] if memory else None)
             ks.append([c["k"] for c in run.captured])
-            calls = run.captured
-        # a sparse-attention indexer's choice of keys (DeepSeek-V3.2 & co. hand it as `indices` to backends other than
-        # eager/sdpa): the unpatched model's, made at the tokens' own positions
-        run.captured = []
-        self._run(call, extra, pos, made)
-        chosen = [c["indices"] for c in run.captured]
+            vs.append([c["v"] for c in run.captured])
         bi = torch.arange(b)[:, None, None]
-        ii, jj = slot[None, :, None], slot[None, None, :]
-        run.emit = []
-        for c, info in enumerate(calls):
+        ii, jj = slot[None, :, None], torch.arange(nk)[None, None, :]
+        # K = V (DeepSeek-V4): the value is the key tensor, rotated with it, and the layer rotates the attention output
+        # back at the query's position. A pair placed at (P_q, P_k) then contributes its value at P_k rotated back at
+        # P_q, as the layer treats a query at P_q and a key at P_k: the output is summed over the query position
+        # arrays, each run through the layer's own code at its positions (linear after attention: rotation, o_proj).
+        moves = any(not torch.equal(v[c], truth[c]["v"]) for v in vs + moved for c in range(len(truth)))
+        emits = [[] for _ in q_arrays] if moves else [[]]
+        for c, info in enumerate(truth):
             h = qs[0][c].shape[1]
             q_all = torch.stack([q[c] for q in qs])  # (m, b, H, n, d)
-            k_all = torch.stack([_expand_kv(k[c], h) for k in ks])  # (m', b, H, n, d)
-            q_pair = q_all[q_index, bi, :, ii].permute(0, 3, 1, 2, 4)  # (b, H, n, n, d): q_i at pair (i, j)'s position
+            k_all = torch.stack([_expand_kv(k[c], h) for k in ks])  # (m', b, H, nk, d)
+            q_pair = q_all[q_index, bi, :, ii].permute(0, 3, 1, 2, 4)  # (b, H, n, nk, d): q_i at pair (i, j)'s position
             k_pair = k_all[k_index, bi, :, jj].permute(0, 3, 1, 2, 4)
             scaling = info["scaling"] if info["scaling"] is not None else q_all.shape[-1] ** -0.5
             s = _softcapped((q_pair.float() * k_pair.float()).sum(-1) * scaling, info["softcap"])
             if run.scheme == "sink":  # StreamingLLM: keys neither in the window nor sinks are evicted
-                s = s.masked_fill(sink_hidden(run.params, pos[:, None, :, None], pos[:, None, None, :]), float("-inf"))
-            if chosen[c] is not None:  # the keys the indexer did not choose are masked (its model's eager path)
-                keep = torch.zeros(b, n, s.shape[-1], dtype=torch.bool).scatter(-1, chosen[c].long(), True)
+                s = s.masked_fill(sink_hidden(run.params, pos[:, None, :, None], key_pos[:, None, None, :]), float("-inf"))
+            if info["indices"] is not None:  # the keys the indexer did not choose are masked (its model's eager path)
+                keep = torch.zeros(b, n, s.shape[-1], dtype=torch.bool).scatter(-1, info["indices"].long(), True)
                 s = s.masked_fill(~keep[:, None], float("-inf"))
             value = _expand_kv(info["v"], h)
-            run.emit.append(_softmax_out(s, value, info["mask"], info["sinks"]).to(value.dtype))
+            if not moves:
+                emits[0].append(_softmax_out(s, value, info["mask"], info["sinks"]).to(value.dtype))
+                continue
+            p = _probabilities(s, info["mask"], info["sinks"])
+            v_all = torch.stack([_expand_kv(v[c], h) for v in vs])
+            v_pair = v_all[k_index, bi, :, jj].permute(0, 3, 1, 2, 4)  # (b, H, n, nk, dv): v_j at pair (i, j)'s position
+            for t in range(len(q_arrays)):
+                part = p * (q_index == t)[:, None].to(p.dtype)
+                out = torch.einsum("bhij,bhijd->bhid", part.to(v_pair.dtype), v_pair)
+                emits[t].append(out.transpose(1, 2).contiguous().to(value.dtype))
         run.mode = "emit"
         try:
-            return self._run(call, extra, None, None)
+            if not moves:
+                run.emit = emits[0]
+                return self._run(call, extra, None, None)
+            total = None
+            for t, arr in enumerate(q_arrays):
+                run.emit = emits[t]
+                out = self._run(call, extra, arr.to(kind), made)
+                total = out if total is None else (total[0] + out[0], *total[1:])
+            return total
         finally:
             run.mode = None
 
@@ -424,6 +549,7 @@ def forward(model, patched, ids, scheme, params, mask=None, **kw):
             layers.append(m)
     else:
         hooks = [r.register_forward_hook(_identity, with_kwargs=True) for r in _rotaries(model)]
+        hooks += [r.register_forward_pre_hook(_last_call, with_kwargs=True) for r in _rotaries(model)]
     try:
         if scheme in OWN_ATTENTION:
             model.set_attn_implementation(NAME)

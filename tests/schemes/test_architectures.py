@@ -283,3 +283,79 @@ def test_the_architecture_page_is_generated_from_the_table():
 
     committed = (ROOT / "docs" / "architectures.md").read_text(encoding="utf-8")
     assert committed == coverage.page(), "docs/architectures.md is stale: run `cd tests && python -m helpers.coverage`"
+
+
+# ---- DeepSeek-V4: attention over a sliding window and compressed memory, K = V ----------------------------------------
+# Its layers append memory entries (one per block of m tokens, made by a compressor inside the layer and rotated at w·m,
+# the block's first token) to the keys of a sliding window; the key tensor is also the value (K = V), and the output is
+# rotated back at the query's position. The schemes place an entry as a key at w·m; a pair placed at (P_q, P_k) takes
+# its value at P_k and is rotated back at P_q, as the layer treats a query at P_q and a key at P_k.
+V4_SCHEMES = [s for s in ATTENTION_SCHEMES if s[0] in ("alibi", "self_extend", "rerope", "leaky_rerope", "string", "dca")]
+
+
+def test_deepseek_v4_reference_keeps_each_pairs_relative_position(monkeypatch):
+    """The reference's placement of memory entries and K = V values: moving the far pairs (i − j ≥ 12, memory entries
+    included) by 7 in both query and key must leave the model as it is (everything the layer does with positions is
+    relative); it would not if the entries stayed at w·m, or the values or the output's inverse rotation stayed put."""
+    import helpers.reference_any as reference_any
+
+    def moved(scheme, params, i, j):
+        i, j = torch.broadcast_tensors(i.float(), j.float())
+        far = i - j >= 12
+        return torch.where(far, i + 7, i), torch.where(far, j + 7, j)
+
+    monkeypatch.setattr(reference_any, "pair_positions", moved)
+    ids, _, real = coverage.batch("deepseek_v4")
+    model = tiny_model("deepseek_v4")
+    want = reference_any.forward(tiny_model("deepseek_v4"), model, ids, "rope", {})
+    got = logits(model, ids)
+    assert coverage._delta(got, want, real) <= 1e-5
+
+
+@pytest.mark.slow  # ~1 min: six schemes, each with its apply-time check
+@pytest.mark.parametrize("scheme,params", V4_SCHEMES, ids=[s for s, _ in V4_SCHEMES])
+def test_deepseek_v4_memory_schemes_match_the_reference(scheme, params):
+    """At the identity setting the model, at a real one the reference (memory entries at w·m), remove() bit-exact."""
+    assert coverage.outcomes("deepseek_v4", (scheme,))[scheme] == "exact"
+
+
+@pytest.mark.parametrize("scheme,params", V4_SCHEMES, ids=[s for s, _ in V4_SCHEMES])
+def test_deepseek_v4_cached_decoding_is_recomputation(scheme, params):
+    """Prefill 30 tokens into the cache, decode 14 one by one: the memory entries of every key copy and their
+    positions kept on the cache layer (copies.MemoryLayerView) give what a forward over all 44 tokens gives. The
+    indexer keeps every entry (index_topk 64): its top-k over the tiny model's scores, which tie at 0, is not the
+    same for one query and for 44 even unpatched."""
+    model = tiny_model("deepseek_v4", index_topk=64)
+    rope_patch.apply(model, scheme, **params)
+    ids = torch.randint(3, VOCAB, (2, 44), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :30], use_cache=True)
+        steps = [out.logits] + [model(ids[:, t:t + 1], cache=out.cache, use_cache=True).logits for t in range(30, 44)]
+    got = torch.cat(steps, dim=1)
+    assert ((got - full).abs().max() / full.abs().max()).item() <= 1e-5
+
+
+def test_deepseek_v4_two_region_schemes_read_values_per_key_copy():
+    """The apply-time check finds the values rotating with the keys and picks the SPLIT hand-over for DeepSeek-V4; a
+    model whose values do not move keeps reading them once."""
+    from rope_patch.schemes.common import attention_modules
+
+    for arch, mode in [("deepseek_v4", "split"), ("gpt_oss", "heads")]:
+        model = tiny_model(arch)
+        rope_patch.apply(model, "rerope", window_size=12)
+        modes = {vars(m)["forward"].cache_mode for m in attention_modules(model) if "forward" in vars(m)}
+        assert modes == {mode}, arch
+
+
+def test_deepseek_v4_dca_decides_memory_visibility_at_the_tokens_positions():
+    """DCA moves every copy to chunk positions; on a layer that decides inside itself which memory entries a query sees
+    (from its position ids) it runs one more copy at the tokens' own positions, whose mask is read."""
+    from rope_patch import attention
+    from rope_patch.schemes.common import attention_modules
+
+    model = tiny_model("deepseek_v4")
+    rope_patch.apply(model, "dca", chunk_size=24, local_size=4)
+    for m in attention_modules(model):
+        layout = vars(m)["forward"].layout
+        assert layout.copies == 4 and attention.copies.own_copy(layout) == 3
