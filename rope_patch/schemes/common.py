@@ -290,6 +290,13 @@ class AttentionScheme(Scheme):
         probe = torch.arange(0, 64, dtype=torch.int64)
         for layout in layouts.values():
             for m in layout.maps if layout is not None else ():
+                if hasattr(m, "embed"):  # DPE: one position per frequency group, the groups read at a fractional probe
+                    raise ValueError(
+                        f"{self.name}: places each frequency group of the rotation at positions of its own, reading the "
+                        f"groups from the rotary at a fractional position, and {target.model_type} rotates from a "
+                        f"sin/cos table of integer positions ({type(target.rotary).__name__}.{target.table.buffer}) "
+                        "whose rows are not split by frequency. Use self_extend (one group size for every frequency) "
+                        "on this architecture.")
                 if m(probe).is_floating_point():
                     raise ValueError(
                         f"{self.name}: moves queries or keys to fractional positions, and {target.model_type} rotates "

@@ -197,7 +197,10 @@ NO_ROTARY = ("has no rotary position embedding module",
 # GPT-J / CodeGen rotate from a table of sin/cos rows at integer positions (discovery.SinCosTable)
 FRACTIONAL = ("fractional positions",
               "it rotates from a sin/cos table of integer positions; leaky ReRoPE moves queries and keys to fractional "
-              "ones (j/k), where the table has no rows")
+              "ones (j/k; Ms-PoE p/r), where the table has no rows")
+GROUPED = ("frequency group of the rotation at positions of its own",
+           "it rotates from a sin/cos table of integer positions whose rows are not split by frequency; DPE places each "
+           "frequency group at positions of its own")
 OWN_ATTENTION = ("computes attention in its own module code",
                  "attention computed in the module's own code, not through transformers' attention interface")
 NATIVE_REJECTS = ("rejects this RoPE configuration",
@@ -210,7 +213,7 @@ OWN_CODE = ("gpt_neox_japanese",) + (("falcon",) if Version(transformers.__versi
 # folder -> {scheme: (phrase, reason)}; every (folder, scheme) not listed must be exact
 REFUSED: dict[str, dict[str, tuple[str, str]]] = {
     "inkling2": dict.fromkeys(SCHEMES, NO_ROTARY),
-    **{f: {"leaky_rerope": FRACTIONAL} for f in ("codegen", "gptj")},
+    **{f: {"leaky_rerope": FRACTIONAL, "ms_poe": FRACTIONAL, "dpe": GROUPED} for f in ("codegen", "gptj")},
     **{f: dict.fromkeys(ALL_ATTENTION, OWN_ATTENTION) for f in OWN_CODE},
     **{f: {"yarn": NATIVE_REJECTS} for f in ("phi3", "phi4_multimodal")},
     **{f: {"yarn": PROPORTIONAL} for f in ("gemma4", "gemma4_unified", "lfm3")},

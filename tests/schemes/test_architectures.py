@@ -341,7 +341,7 @@ def test_deepseek_v4_two_region_schemes_read_values_per_key_copy():
     model whose values do not move keeps reading them once."""
     from rope_patch.schemes.common import attention_modules
 
-    for arch, mode in [("deepseek_v4", "split"), ("gpt_oss", "heads")]:
+    for arch, mode in [("deepseek_v4", "split"), ("gpt_oss", "sequential")]:
         model = tiny_model(arch)
         rope_patch.apply(model, "rerope", window_size=12)
         modes = {vars(m)["forward"].cache_mode for m in attention_modules(model) if "forward" in vars(m)}
