@@ -226,6 +226,8 @@ class MsPoE(AttentionScheme):
                              "one per depth for cached decoding. Ms-PoE is not supported on this model; the frequency "
                              "schemes are.")
         count = len(layers)
+        if not count:  # no layer attends through transformers' interface: the common checks refuse, with the reason
+            return self
         if self.skip_layers is None:  # the authors' 2 of 32; at least one layer keeps Ms-PoE on a tiny model
             return self.replace(skip_layers=min(DEFAULT_SKIP, count - 1))
         if self.skip_layers >= count:
