@@ -435,7 +435,7 @@ def _default_init(config, device=None, layer_type=None, **_):
     params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
     head_dim = discovery.head_size(config)
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    return discovery.default_inv_freq(params["rope_theta"], dim), 1.0
 
 
 def _init_fn(rope_type: str, rotary_cls=None):
