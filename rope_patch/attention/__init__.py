@@ -43,7 +43,14 @@ caches break the contiguity (keys are padded to the maximum length); the schemes
 from __future__ import annotations
 
 from . import plumbing, settings
-from .blocked import band_partial, blocked_attention, dense_attention, flash_causal_partial, flash_partial
+from .blocked import (
+    band_partial,
+    blocked_attention,
+    dense_attention,
+    flash_causal_partial,
+    flash_distance_partial,
+    flash_partial,
+)
 from .copies import HEADS, ROWS, SEQUENTIAL, SPLIT, CacheView, Identity, Layout, NotProven, Reentry, memory_rotaries
 from .flash import flash_module
 from .flex import causal_block_mask, flex_available, flex_call, restrict_block_mask
@@ -54,6 +61,6 @@ from .rotation import Rotation, floor_div
 __all__ = [
     "BACKENDS", "PLAIN", "Plain", "HEADS", "ROWS", "SEQUENTIAL", "SPLIT", "memory_rotaries", "CacheView", "Identity", "Layout", "NotProven", "Reentry", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",
     "Rotation", "band_partial", "blocked_attention", "causal_block_mask", "dense_attention", "fit_rows",
-    "flash_causal_partial", "flash_module", "flash_partial", "flex_available", "flex_call", "floor_div", "merge",
+    "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "flex_available", "flex_call", "floor_div", "merge",
     "plumbing", "register", "restrict_block_mask", "settings",
 ]

@@ -64,6 +64,34 @@ def flash_causal_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, 
     return out[..., :dv].float(), lse.float()
 
 
+def flash_distance_partial(call: AttentionCall, rows: slice, end: int, by_distance: torch.Tensor) -> Partial:
+    """Fused attention of the query rows `rows` over key slots [0, end) with an additive bias of the distance alone:
+    `by_distance` (H, q_len − 1 + k_len), contiguous, holds b_h(i − j) at column q_len − 1 + i − j (−inf for the
+    future). Such a bias is a Toeplitz matrix; over the keys in reverse order it is a Hankel one, whose entry depends
+    on row + column, so the kernel's additive mask is a view of the vector with row and column strides 1: nothing of
+    size rows × keys is materialised and the kernel runs at the model's head size, the bias one add per score. The
+    keys and values are reversed once per call; each of the G query heads of a kv head is one kernel call (its mask
+    rows are another head's)."""
+    q = call.query[:, :, :, rows]
+    b, hkv, g, r, dq = q.shape
+    dv = call.value.shape[-1]
+    if "reversed" not in call.scratch:
+        call.scratch["reversed"] = (call.key.flip(2), _padded(call.value, dq).flip(2))
+    k_rev, v_rev = call.scratch["reversed"]
+    n, width = k_rev.shape[2], by_distance.stride(0)
+    k_rev, v_rev = k_rev[:, :, n - end:], v_rev[:, :, n - end:]  # key j at reversed index end − 1 − j
+    # mask[a, t] = b(i − j) with i = c + a, j = end − 1 − t: column q_len − 1 + c − end + 1 + a + t of the vector
+    first = by_distance.storage_offset() + call.query.shape[3] + call.first_slot(rows) - end
+    outs, lses = [], []
+    for group in range(g):
+        mask = by_distance.as_strided((1, hkv, r, end), (0, g * width, 1, 1), first + group * width)
+        out, lse = _flash_lse_op()(q[:, :, group], k_rev, v_rev, attn_mask=mask, scale=call.scaling)[:2]
+        outs.append(out[..., :dv])
+        lses.append(lse)
+    return (torch.stack(outs, 2).float().reshape(b, hkv * g, r, dv),
+            torch.stack(lses, 2).float().reshape(b, hkv * g, r))
+
+
 def band_partial(call: AttentionCall, s: torch.Tensor, rows: slice, start: int, e: int) -> Partial:
     """Materialised scores s (b, Hkv, G, r, e − start) of a narrow key band, causal-masked, as a Partial."""
     b, hkv, g, r, w = s.shape

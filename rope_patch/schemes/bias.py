@@ -1,7 +1,8 @@
 """Additive attention biases: ALiBi (fixed slopes) and T5/Shaw relative-position buckets (learned).
 
-Both remove the rotation and add b_h(i − j) to the logits of query i and key j. The bias is built per query block
-inside the attention function (a (heads, block, keys) slice), never as a (heads, L, L) tensor.
+Both remove the rotation and add b_h(i − j) to the logits of query i and key j. The bias is never a (heads, L, L)
+tensor: the fused path reads it from one (heads, L) vector by distance, the materialised path builds it per query
+block.
 """
 
 from __future__ import annotations
@@ -40,7 +41,27 @@ def _heads(q: torch.Tensor) -> torch.Tensor:
     return q.flatten(1, 2)
 
 
-class AlibiScores(attention.AttentionRule):
+class DistanceBias(attention.AttentionRule):
+    """An additive bias b_h(i − j) of the distance alone, per query head. On the fused path it is one kernel call per
+    query block with the bias as a strided view of one (H, keys) vector (`attention.flash_distance_partial`)."""
+
+    def by_distance(self, call, distance: torch.Tensor) -> torch.Tensor:
+        """(H, n) float32: b_h(d) for the distances `distance` (n,) ≥ 0, query heads in the call's order."""
+        raise NotImplementedError
+
+    def fused_rows(self, heads):
+        return 1024  # nothing is materialised on the fused path
+
+    def fused(self, call, rows, end):
+        if "by_distance" not in call.scratch:  # once per call: every distance a block meets, the future at −inf
+            distance = torch.arange(1 - call.query.shape[3], call.key.shape[2], device=call.query.device)
+            bias = self.by_distance(call, distance.clamp(min=0)).masked_fill(distance < 0, float("-inf"))
+            # float32 for half-precision queries (the kernel adds a float32 mask exactly); float64 queries want theirs
+            call.scratch["by_distance"] = bias.to(torch.promote_types(call.query.dtype, torch.float32)).contiguous()
+        return [attention.flash_distance_partial(call, rows, end, call.scratch["by_distance"])]
+
+
+class AlibiScores(DistanceBias):
     """−m_h·(i − j) with the slopes of the call's query head count (layers may differ in it: heterogeneous configs);
     `max_bias` None: all slopes 0 (the apply-time check's identity setting)."""
 
@@ -63,31 +84,12 @@ class AlibiScores(attention.AttentionRule):
         s = call.qk(call.query[:, :, :, rows], call.key[:, :, start:end])
         return s - self._slopes(call) * call.distance(rows, start, end).float()  # score(i, j) −= m_h·(i − j)
 
-    def fused_rows(self, heads):
-        return 1024  # nothing is materialised on the fused path
-
     def probe(self, length):
         return AlibiScores(None)  # slopes 0: the model without positions (NoPE)
 
-    def fused(self, call, rows, end):
-        """Fused kernels only: −m_h(i − j) = m_h(j − c) − m_h(i − c) with c the block's first slot. The first term is
-        rank one (an extra q channel m_h/scale against a k channel j − c), the second is constant per row, so it only
-        shifts that row's log-sum-exp. |m_h(j − c)| ≤ |m_h(i − j)| for every key before the block, so the channel
-        costs no precision. Keys before the block: one unmasked call; the diagonal block: one causal call."""
-        c = call.first_slot(rows)
-        q = call.query[:, :, :, rows]
-        slopes = self._slopes(call)  # (1, Hkv, G, 1, 1)
-        q_aug = torch.cat((q, (slopes / call.scaling).to(q.dtype).expand(*q.shape[:-1], 1)), dim=-1)
-        if "k_aug" not in call.scratch:  # once per call; each block rewrites only the extra channel
-            call.scratch["k_aug"] = torch.nn.functional.pad(call.key, (0, 1))
-            call.scratch["v_aug"] = torch.nn.functional.pad(call.value, (0, 1))  # the kernel wants equal head sizes
-        k_aug, v_aug = call.scratch["k_aug"], call.scratch["v_aug"]
-        k_aug[:, :, :end, -1] = (torch.arange(end, device=q.device) - c).to(k_aug.dtype)
-        shift = (slopes * call.distance(rows, c, c + 1).float().view(1, 1, 1, -1, 1)).flatten(1, 3)  # m_h·(i − c)
-        parts = [attention.flash_causal_partial(call, q_aug, k_aug[:, :, c:end], v_aug[:, :, c:end])]
-        if c > 0:
-            parts.append(attention.flash_partial(call, q_aug, k_aug[:, :, :c], v_aug[:, :, :c]))
-        return [(out[..., :-1], lse - shift.reshape(1, -1, lse.shape[-1])) for out, lse in parts]
+    def by_distance(self, call, distance):
+        slopes = self.heads_slopes(call.query.shape[1] * call.query.shape[2]).to(call.query.device)
+        return -slopes[:, None] * distance.float()  # −m_h·d, as `logits` computes it
 
     def flex(self, call, block_mask):
         """One flex_attention call; the bias is a score_mod (nothing of size L×L): s − m_h·(i − j), i − j in slots."""
@@ -175,13 +177,10 @@ class RelativeBias(nn.Module):
         return f"layers={layers}, heads={heads}, num_buckets={buckets}, max_distance={self.max_distance}"
 
 
-class RelativeBiasScores(attention.AttentionRule):
+class RelativeBiasScores(DistanceBias):
     def __init__(self, owner: nn.Module, num_buckets: int, max_distance: int):
         # The table is looked up on its owner at call time: peft may have replaced it by a wrapper since.
         self.owner, self.num_buckets, self.max_distance = owner, num_buckets, max_distance
-
-    def fused_rows(self, heads):
-        return attention.fit_rows(heads, self.max_distance)  # the band: r × (r + max_distance) bias + mask
 
     def probe(self, length):
         return _ZeroTable(self.num_buckets, self.max_distance)  # a zero bias: the model without positions (NoPE)
@@ -191,22 +190,18 @@ class RelativeBiasScores(attention.AttentionRule):
         # on the layer's device (layers spread over devices by a device_map read one table)
         return getattr(self.owner, MODULE_NAME)(call.module.layer_idx)[:heads].to(call.query.device)  # (H, buckets)
 
+    def by_distance(self, call, distance):
+        return self.table(call)[:, t5_bucket(distance, self.num_buckets, self.max_distance)].float()
+
     def bias(self, call, rows, start, end) -> torch.Tensor:
-        """(1, Hkv, G, r, end − start) float32. Every full block of the fused path has the same distance pattern, so
-        its band is built once per call and reused."""
+        """(1|b, Hkv, G, r, end − start) float32; with gapped ids a bias per element of the batch."""
         dist = call.distance(rows, start, end)
-        if call.gapped:  # (b, 1, 1, r, w) distances of position ids: a bias per element of the batch
+        if call.gapped:  # (b, 1, 1, r, w) distances of position ids
             bucket = t5_bucket(dist.clamp(min=0)[:, 0, 0], self.num_buckets, self.max_distance)  # (b, r, w)
             bias = self.table(call)[:, bucket].float().permute(1, 0, 2, 3)  # (b, H, r, w)
             return bias.reshape(bias.shape[0], *call.query.shape[1:3], *bias.shape[2:])
-        key = ("relative_bias", int(dist[0, 0]), *dist.shape)
-        if key in call.scratch:
-            return call.scratch[key]
         bucket = t5_bucket(dist, self.num_buckets, self.max_distance)  # (r, w)
-        bias = self.table(call)[:, bucket].float().view(1, *call.query.shape[1:3], *bucket.shape)
-        if start > 0:  # a fused-path band (its pattern repeats); the materialised path's blocks never repeat
-            call.scratch[key] = bias
-        return bias
+        return self.table(call)[:, bucket].float().view(1, *call.query.shape[1:3], *bucket.shape)
 
     def logits(self, call, rows, start, end):
         return call.qk(call.query[:, :, :, rows], call.key[:, :, start:end]) + self.bias(call, rows, start, end)
@@ -215,31 +210,13 @@ class RelativeBiasScores(attention.AttentionRule):
         """One flex_attention call; the score_mod reads the per-call (H, k_len) bias-by-distance vector, so the
         table lookup costs O(L), not O(L²). Future keys (masked anyway) read distance 0."""
         k_len = call.key.shape[2]
-        bucket = t5_bucket(torch.arange(k_len, device=call.key.device), self.num_buckets, self.max_distance)
-        by_distance = self.table(call)[:, bucket].float()  # (H, k_len)
+        by_distance = self.by_distance(call, torch.arange(k_len, device=call.key.device))  # (H, k_len)
         first = torch.tensor(k_len - call.query.shape[3], device=call.query.device)
 
         def bias(score, b, h, qi, kv):
             return score + by_distance[h, (qi + first - kv).clamp(min=0)]
 
         return attention.flex_call(call, _heads(call.query), call.key, call.value, block_mask, bias)
-
-    def fused(self, call, rows, end):
-        """Keys at distance ≥ max_distance from every row of the block all fall in the last bucket: a per-head
-        constant, i.e. plain attention through the fused kernel with that constant added to its log-sum-exp. Only
-        the band of nearer keys (block + max_distance wide) is materialised with its buckets."""
-        start = max(0, call.first_slot(rows) - self.max_distance + 1)
-        q = call.query[:, :, :, rows]
-        key = ("relative_bias_band", start > 0, rows.stop - rows.start, end - start)
-        if key not in call.scratch:  # bias + causal mask of the band; the same for every full block of the call
-            future = call.distance(rows, start, end) < 0
-            call.scratch[key] = self.bias(call, rows, start, end).masked_fill(future, float("-inf")).to(q.dtype)
-        band = attention.flash_partial(call, q, call.key[:, :, start:end], call.value[:, :, start:end], mask=call.scratch[key])
-        if start == 0:
-            return [band]
-        out, lse = attention.flash_partial(call, q, call.key[:, :, :start], call.value[:, :, :start])
-        last = self.table(call)[:, -1].float().view(1, -1, 1)  # (1, H, 1)
-        return [(out, lse + last), band]
 
 
 class _ZeroTable(RelativeBiasScores):

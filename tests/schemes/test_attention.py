@@ -8,6 +8,7 @@ from helpers.models import logits, tiny_model, token_batch
 from helpers.reference import alibi_slopes as ref_slopes
 from helpers.reference import forward as reference_forward
 from helpers.schemes import cases
+from transformers import DynamicCache
 
 import rope_patch
 from rope_patch import attention
@@ -155,6 +156,27 @@ def test_unpadded_decoding_on_the_fused_path_equals_eager(scheme, params):
             runs.append(model.generate(ids, use_cache=True, **gen))
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert max((a - b).abs().max().item() for a, b in zip(runs[0].logits, runs[1].logits, strict=True)) <= 1e-5
+
+
+# the fused path's kernel adds the bias as a mask of its own dtype: float64 queries read a float32 mask as garbage
+DTYPE_TOLERANCE = [(torch.float32, 1e-5), (torch.float64, 1e-6), (torch.bfloat16, 2e-2)]
+
+
+@pytest.mark.parametrize("dtype,tolerance", DTYPE_TOLERANCE, ids=[str(d)[6:] for d, _ in DTYPE_TOLERANCE])
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM], ids=[i for i, (s, _) in zip(IDS, SCHEMES, strict=True) if s in CUSTOM])
+def test_fused_path_in_every_dtype_and_chunked_prefill_equals_dense(scheme, params, dtype, tolerance):
+    """The fused path (no padding, no grad) against the dense function, in each dtype, and a prefill in two chunks
+    over a cache (queries after cached keys: the fused path with q_len < k_len) against one call."""
+    ids, _ = batch(False)
+    model = patched_model("llama", "sdpa", scheme, params).to(dtype)
+    with torch.no_grad():
+        fused = model(ids).logits.float()
+        cache = DynamicCache(config=model.config)
+        chunks = [model(part, cache=cache, use_cache=True).logits.float() for part in (ids[:, :37], ids[:, 37:])]
+        model.set_attn_implementation(attention.DENSE)
+        dense = model(ids).logits.float()
+    assert (fused - dense).abs().max().item() <= tolerance
+    assert (torch.cat(chunks, 1) - fused).abs().max().item() <= tolerance
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -291,5 +291,5 @@ def test_prefill_in_pieces_with_the_cache_equals_one_forward(backend):
     ids, _ = batch(False, n=60)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        pieces = [model(ids[:, a:z], past_key_values=cache, use_cache=True).logits for a, z in ((0, 25), (25, 31), (31, 60))]
+        pieces = [model(ids[:, a:z], cache=cache, use_cache=True).logits for a, z in ((0, 25), (25, 31), (31, 60))]
     assert max_diff(torch.cat(pieces, dim=1), logits(model, ids)) <= 1e-5

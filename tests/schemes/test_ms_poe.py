@@ -106,7 +106,7 @@ def test_cached_generation_equals_full_forward_with_the_prompt_order(arch, backe
         want = torch.stack(list(out.logits), 1)
         # the same logits from one cached call over all generated tokens after the prompt (chunked prefill)
         cache = model(ids, attention_mask=kw["attention_mask"], use_cache=True).past_key_values
-        step = model(out.sequences[:, 24:-1], attention_mask=full[:, :-1], past_key_values=cache).logits
+        step = model(out.sequences[:, 24:-1], attention_mask=full[:, :-1], cache=cache).logits
         got = torch.cat([model(ids, attention_mask=kw["attention_mask"]).logits[:, -1:], step], 1)
         assert torch.equal(rule(model).orders[1], prompt_order[1])
         assert (got - want).abs().max().item() <= 1e-5
@@ -134,7 +134,7 @@ def test_cached_call_without_a_prompt_is_refused():
     cache = model(ids, use_cache=True).past_key_values
     rule(model).orders.clear()
     with pytest.raises(ValueError, match="without the head order of its prompt"):
-        model(ids[:, :1], past_key_values=cache)
+        model(ids[:, :1], cache=cache)
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
