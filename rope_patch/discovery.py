@@ -165,7 +165,9 @@ def unwrap(model) -> nn.Module:
     return model
 
 
-def _is_rotary(module: nn.Module) -> bool:
+def is_rotary(module: nn.Module) -> bool:
+    """A rotary embedding module of transformers: a `rope_type` and its inverse frequencies (one set per layer type
+    where `rope_type` is a dict)."""
     rope_type = getattr(module, "rope_type", None)
     if isinstance(rope_type, str):
         return "inv_freq" in module._buffers
@@ -223,7 +225,7 @@ def sincos_table(module: nn.Module) -> SinCosTable | None:
     module. The base is read from the table's rows (θ_1 from row 1, refined on rows 2, 4, 8, … so that it is exact to
     float precision) and taken as the shortest decimal that rebuilds the table bit for bit."""
     params = list(inspect.signature(type(module).forward).parameters)
-    if params[1:3] != ["x", "position_ids"] or _is_rotary(module):
+    if params[1:3] != ["x", "position_ids"] or is_rotary(module):
         return None
     for name, table in module._buffers.items():
         if table is None or table.dim() != 2 or not table.is_floating_point() or table.device.type == "meta":
@@ -334,7 +336,7 @@ def find_target(model) -> PatchSite:
             f"rope_patch.apply expects a transformers PreTrainedModel (or a peft PeftModel wrapping one), got "
             f"{type(model).__name__}. Load the model with AutoModelForCausalLM.from_pretrained(...) first."
         )
-    rotaries = [m for m in base.modules() if _is_rotary(m)]
+    rotaries = [m for m in base.modules() if is_rotary(m)]
     # A rotary module may be shared (ForCausalLM and its decoder both reach it): keep distinct objects only.
     rotaries = list({id(m): m for m in rotaries}.values())
     model_type = getattr(base.config, "model_type", "?")
@@ -361,7 +363,7 @@ def find_target(model) -> PatchSite:
         if getattr(sub, "rope_parameters", None) is None:
             raise TypeError(f"{type(base).__name__} has a rotary module but its config has no `rope_parameters`.")
         owner = next((name for name, m in base.named_modules() if name and vars(m).get("config") is sub
-                      and not _is_rotary(m)), None)
+                      and not is_rotary(m)), None)
         where = f"model.{owner}" if owner else "its language model"
         raise TypeError(
             f"rope_patch.apply: {type(base).__name__} keeps its RoPE in a sub-model's config ({type(sub).__name__}), "

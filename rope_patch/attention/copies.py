@@ -61,6 +61,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..discovery import is_rotary
 from ..rotary import embed, recover, source
 from . import settings
 from .protocol import module_state
@@ -195,10 +196,10 @@ def memory_rotaries(module: nn.Module) -> list[nn.Module]:
     """Rotary modules held by a part of an attention layer (DeepSeek-V4's compressor and its indexer): they rotate
     memory entries, keys appended after the tokens', at positions the part makes itself (entry w at w·m, the first
     token of its block), not at the position ids the layer is handed. A rotary the layer holds directly (Moshi,
-    RecurrentGemma) rotates its queries and keys at the ids it is handed: not one of these."""
+    RecurrentGemma) rotates its queries and keys at the ids it is handed: not one of these. Recognised by what a
+    rotary holds (`discovery.is_rotary`), not by its class name."""
     direct = {id(c) for c in module.children()}
-    return [m for m in module.modules() if m is not module and id(m) not in direct
-            and type(m).__name__.endswith("RotaryEmbedding")]
+    return [m for m in module.modules() if m is not module and id(m) not in direct and is_rotary(m)]
 
 
 class MemoryPositions:
@@ -207,9 +208,9 @@ class MemoryPositions:
     entries' own positions) and made, for copy t's rows, at map_t of those positions, so copy t's memory entries are
     keys at map_t(p) like its tokens. Removed when the call ends."""
 
-    def __init__(self, module: nn.Module, maps: Sequence[PositionMap], b: int, given, seen: list):
+    def __init__(self, rotaries: Sequence[nn.Module], maps: Sequence[PositionMap], b: int, given, seen: list):
         self.maps, self.b, self.given, self.seen = maps, b, given, seen
-        self.hooks = [r.register_forward_pre_hook(self, with_kwargs=True) for r in memory_rotaries(module)]
+        self.hooks = [r.register_forward_pre_hook(self, with_kwargs=True) for r in rotaries]
 
     def __call__(self, rotary, args, kwargs):
         bound = _signature(type(rotary)).bind(rotary, *args, **kwargs)
@@ -445,6 +446,14 @@ class Reentry:
 
     def __init__(self, module: nn.Module, layout: Layout, cache_mode: str = HEADS):
         self.module, self.layout, self.cache_mode = module, layout, cache_mode
+        self._memory: list[nn.Module] | None = None
+
+    @property
+    def memory(self) -> list[nn.Module]:
+        """The layer's `memory_rotaries`, found once (a walk of its modules, on every call of a decoding step else)."""
+        if self._memory is None:
+            self._memory = memory_rotaries(self.module)
+        return self._memory
 
     def __call__(self, *args, **kwargs):
         module, layout = self.module, self.layout
@@ -477,7 +486,7 @@ class Reentry:
         mode = self.cache_mode
         if mode == SEQUENTIAL:
             # a prefill: the layer's activations held once; a layer with memory entries (DeepSeek-V4) runs stacked
-            if positions.shape[-1] > settings.DECODE_ROWS and not memory_rotaries(module):
+            if positions.shape[-1] > settings.DECODE_ROWS and not self.memory:
                 return self._sequential(call, extra, b, positions, tagged, type(embeddings) is dict, given)
             mode = HEADS  # a decoding step: one stacked call costs less than c; the cache is laid out alike
         if made is not None:
@@ -507,10 +516,10 @@ class Reentry:
     def _stacked(self, call: dict, extra: dict, b: int, positions: torch.Tensor):
         """The forward once on the c copies stacked on the batch axis; copy 0's rows of what it returns (SPLIT: the
         copies' parts summed). A layer's memory rotaries make each copy's entries at its positions meanwhile."""
-        module, layout = self.module, self.layout
+        layout = self.layout
         current = Current(b, _true(positions), layout, split=self.cache_mode == SPLIT)
         given = call.get("position_ids", extra.get("position_ids"))
-        memory = MemoryPositions(module, layout.maps, b, given, current.seen)
+        memory = MemoryPositions(self.memory, layout.maps, b, given, current.seen)
         current.memory_layer = bool(memory.hooks)
         for name in CACHE_ARGS:
             view = call.get(name, extra.get(name))

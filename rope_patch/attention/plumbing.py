@@ -41,7 +41,18 @@ from torch import nn
 from ..discovery import execution_device
 from ..rotary import embed, recover, source
 from ..undo import UndoLog
-from .copies import CACHE_ARGS, HEADS, ROWS, SEQUENTIAL, SPLIT, Identity, Layout, MemoryPositions, NotProven
+from .copies import (
+    CACHE_ARGS,
+    HEADS,
+    ROWS,
+    SEQUENTIAL,
+    SPLIT,
+    Identity,
+    Layout,
+    MemoryPositions,
+    NotProven,
+    memory_rotaries,
+)
 from .protocol import module_state
 
 SHIFT = 3  # the extra copy's positions: p + SHIFT
@@ -269,7 +280,7 @@ class SideBySide:
         # memory entries the layer rotates at positions of its own making move with the positions too (the copies
         # make them at map_t(p): copies.MemoryPositions)
         given = call.get("position_ids", extra.get("position_ids"))
-        memory = MemoryPositions(module, (Shifted(),), b, given, [])
+        memory = MemoryPositions(memory_rotaries(module), (Shifted(),), b, given, [])
         try:
             self._with_backend(CAPTURE, call, extra)
         finally:
