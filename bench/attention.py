@@ -16,9 +16,10 @@ subprocess per L loads the model once and runs `--repeats` rounds, each round on
 grouped (heads × L × L) score matrices merged with `torch.where`): the reference for the ≥ 4× memory claim; it is
 skipped where it would not fit (`--naive-max`) and then reported as its quadratic extrapolation.
 
-First call: each (scheme, L) also runs in a fresh subprocess that loads the model, applies the scheme and times its
-very first forward at L (no warm-up: what a user's first call pays, kernel and allocator set-up included), column
-`first s`; the steady-state column is the best of `--repeats` warmed-up forwards.
+First call: each (scheme, L) also runs in fresh subprocesses that load the model, apply the scheme and time its very
+first forward at L (no warm-up: what a user's first call pays, kernel and allocator set-up included), `--first-runs`
+rounds over the schemes, column `first s` their median; the steady-state column is the best of `--repeats`
+warmed-up forwards.
 
 One thread by default: on a shared machine torch's two-thread pool spends most of its time in barriers on small
 ops, which says more about the neighbours than about the schemes.
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -163,6 +166,8 @@ def main() -> None:
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--first-runs", type=int, default=3,
+                    help="fresh processes per scheme for the first call (rounds interleaved across schemes; the median)")
     ap.add_argument("--naive-max", type=int, default=8192, help="longest L at which the naive reference is run")
     ap.add_argument("--json", help="also write the raw rows here")
     ap.add_argument("--worker-memory", nargs=2, metavar=("SCHEME", "L"), help=argparse.SUPPRESS)
@@ -188,19 +193,27 @@ def main() -> None:
             return None
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    rows = []
+    rows, load = [], os.getloadavg()[0]  # the 1-minute load before and after, beside every row
     for length in args.lengths:
         schemes = [s for s in args.schemes if s != "naive" or length <= args.naive_max]
         times = run("--worker-time", str(length), *schemes) or {}
+        # one fresh process's first call varies by ±15% on a quiet machine: rounds over the schemes, their median
+        firsts = {scheme: [] for scheme in schemes}
+        for _ in range(args.first_runs):
+            for scheme in schemes:
+                if (first := run("--worker-first", scheme, str(length))) is not None:
+                    firsts[scheme].append(first["first_s"])
         for scheme in schemes:
             mem = run("--worker-memory", scheme, str(length))
-            first = run("--worker-first", scheme, str(length))
-            if mem is None or first is None or scheme not in times:
+            if mem is None or not firsts[scheme] or scheme not in times:
                 continue
+            first = {"first_s": statistics.median(firsts[scheme]), "first_runs_s": firsts[scheme]}
             rows.append({**mem, **first, "time_s": times[scheme]})
             r = rows[-1]
             print(f"  {scheme:14s} L={length:6d}  peak {r['peak_mb']:9.1f} MiB (rss {r['rss_mb']:9.1f})  time {r['time_s']:8.2f} s"
                   f"  first call {r['first_s']:8.2f} s", file=sys.stderr, flush=True)
+    for r in rows:
+        r["load"] = [load, os.getloadavg()[0]]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
