@@ -64,8 +64,9 @@ def flash_causal_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, 
     return out[..., :dv].float(), lse.float()
 
 
-def flash_distance_partial(call: AttentionCall, rows: slice, end: int, by_distance: torch.Tensor) -> Partial:
-    """Fused attention of the query rows `rows` over key slots [0, end) with an additive bias of the distance alone:
+def flash_distance_partial(call: AttentionCall, rows: slice, end: int, by_distance: torch.Tensor,
+                           start: int = 0) -> Partial:
+    """Fused attention of the query rows `rows` over key slots [start, end) with an additive bias of the distance alone:
     `by_distance` (H, q_len − 1 + k_len), contiguous, holds b_h(i − j) at column q_len − 1 + i − j (−inf for the
     future). Such a bias is a Toeplitz matrix; over the keys in reverse order it is a Hankel one, whose entry depends
     on row + column, so the kernel's additive mask is a view of the vector with row and column strides 1: nothing of
@@ -79,12 +80,12 @@ def flash_distance_partial(call: AttentionCall, rows: slice, end: int, by_distan
         call.scratch["reversed"] = (call.key.flip(2), _padded(call.value, dq).flip(2))
     k_rev, v_rev = call.scratch["reversed"]
     n, width = k_rev.shape[2], by_distance.stride(0)
-    k_rev, v_rev = k_rev[:, :, n - end:], v_rev[:, :, n - end:]  # key j at reversed index end − 1 − j
+    k_rev, v_rev = k_rev[:, :, n - end:n - start], v_rev[:, :, n - end:n - start]  # key j at reversed index end − 1 − j
     # mask[a, t] = b(i − j) with i = c + a, j = end − 1 − t: column q_len − 1 + c − end + 1 + a + t of the vector
     first = by_distance.storage_offset() + call.query.shape[3] + call.first_slot(rows) - end
     outs, lses = [], []
     for group in range(g):
-        mask = by_distance.as_strided((1, hkv, r, end), (0, g * width, 1, 1), first + group * width)
+        mask = by_distance.as_strided((1, hkv, r, end - start), (0, g * width, 1, 1), first + group * width)
         out, lse = _flash_lse_op()(q[:, :, group], k_rev, v_rev, attn_mask=mask, scale=call.scaling)[:2]
         outs.append(out[..., :dv])
         lses.append(lse)

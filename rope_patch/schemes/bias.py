@@ -53,12 +53,16 @@ class DistanceBias(attention.AttentionRule):
         return 1024  # nothing is materialised on the fused path
 
     def fused(self, call, rows, end):
+        return [self.near(call, rows, end, 0)]
+
+    def near(self, call, rows, end, start):
+        """The Partial of key slots [start, end) through the bias-by-distance view."""
         if "by_distance" not in call.scratch:  # once per call: every distance a block meets, the future at −inf
             distance = torch.arange(1 - call.query.shape[3], call.key.shape[2], device=call.query.device)
             bias = self.by_distance(call, distance.clamp(min=0)).masked_fill(distance < 0, float("-inf"))
             # float32 for half-precision queries (the kernel adds a float32 mask exactly); float64 queries want theirs
             call.scratch["by_distance"] = bias.to(torch.promote_types(call.query.dtype, torch.float32)).contiguous()
-        return [attention.flash_distance_partial(call, rows, end, call.scratch["by_distance"])]
+        return attention.flash_distance_partial(call, rows, end, call.scratch["by_distance"], start)
 
 
 class AlibiScores(DistanceBias):
@@ -192,6 +196,18 @@ class RelativeBiasScores(DistanceBias):
 
     def by_distance(self, call, distance):
         return self.table(call)[:, t5_bucket(distance, self.num_buckets, self.max_distance)].float()
+
+    def fused(self, call, rows, end):
+        """Keys at distance ≥ max_distance from every row of the block all fall in the last bucket: a per-head
+        constant, i.e. plain attention through the fused kernel (no mask to add) with that constant added to its
+        log-sum-exp. Only the nearer keys (block + max_distance − 1 of them) go through the bias-by-distance view."""
+        start = max(0, call.first_slot(rows) - self.max_distance + 1)
+        near = self.near(call, rows, end, start)
+        if start == 0:
+            return [near]
+        out, lse = attention.flash_partial(call, call.query[:, :, :, rows], call.key[:, :, :start], call.value[:, :, :start])
+        last = self.table(call)[:, -1].float().view(1, -1, 1)  # (1, H, 1)
+        return [(out, lse + last), near]
 
     def bias(self, call, rows, start, end) -> torch.Tensor:
         """(1|b, Hkv, G, r, end − start) float32; with gapped ids a bias per element of the batch."""

@@ -21,6 +21,7 @@ PAD = 7  # left padding of row 0 in padded batches
 # and files, test_dca.py and test_ms_poe.py) and, after them, settings that reach other code paths; every test below runs over them
 SCHEMES = cases("attention", without=("dca", "ms_poe")) + [
     ("alibi", {"max_bias": 4.0}),
+    ("relative_bias", {"num_buckets": 8, "max_distance": 20}),  # max_distance < block: the far keys as one constant
     ("self_extend", {"group_size": 3, "window_size": 10}),
     ("rerope", {"window_size": 40}),  # window > block: the fast path's four-way key split
     ("string", {"shift_size": 20, "window_size": 6}),  # split S = 20 < block: the band path
