@@ -56,12 +56,14 @@ def cache_bytes(cache) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def run(model_name: str, prompt: int, threads: int, new: int, rounds: int) -> dict:
+def run(model_name: str, prompt: int, threads: int, new: int, rounds: int, only: list[str] | None = None) -> dict:
     torch.set_num_threads(threads)
     config = LlamaConfig(**MODELS[model_name], attn_implementation="sdpa")
     ids = torch.randint(3, config.vocab_size, (1, prompt + new), generator=torch.Generator().manual_seed(0))
     entries = {}
     for name, params in schemes(config.max_position_embeddings).items():
+        if only and name != "vanilla" and name not in only:
+            continue
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).eval()
         if params is not None:
@@ -103,13 +105,14 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--new", type=int, default=32, help="cached one-token steps timed per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--schemes", nargs="+", default=None, help="only these (vanilla is always run beside them)")
     parser.add_argument("--out", default=None, help="write the JSON summary here (default: stdout)")
     args = parser.parse_args(argv)
     results = []
     for model_name in args.model:
         for prompt in args.prompts:
             for threads in args.threads:
-                result = run(model_name, prompt, threads, args.new, args.rounds)
+                result = run(model_name, prompt, threads, args.new, args.rounds, args.schemes)
                 results.append(result)
                 print(f"{model_name}, prompt {prompt}, {threads} thread(s), load {result['load_before'][0]} -> "
                       f"{result['load_after'][0]}", file=sys.stderr)
