@@ -177,9 +177,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             and not torch.is_grad_enabled() and query.device.type == "cpu" and _flash_lse_op() is not None
             and not call.gapped  # gapped ids: regions by id differences, per element (the materialised path)
             and not call.values  # values per key set (copies.SPLIT): the output split by query copy, materialised
-            # a step of decoding: one row of scores per head costs less than several kernel calls, unless the rule's
-            # fused form is one call, as vanilla's step is
-            and (q_len > settings.DECODE_ROWS or state.scores.fused_steps))
+            and q_len > settings.DECODE_ROWS)  # a step of decoding: one row of scores per head costs less than kernels
     if dense:
         block = q_len
     elif fused:  # only a narrow band is materialised per block: the scheme picks the block that balances the two

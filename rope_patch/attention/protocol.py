@@ -38,9 +38,6 @@ class AttentionRule:
         """Query rows per block on the fused path (`heads` = batch × query heads)."""
         return 256
 
-    # whether `fused` also serves a decoding step (≤ settings.DECODE_ROWS rows), which otherwise takes `logits`
-    fused_steps: bool = False
-
     # flex_attention: `flex(call, block_mask)` → out (b, H, q, d). `flex_lse`: whether it merges partial softmaxes,
     # which needs flex's log-sum-exp (not available from the compiled CPU kernel in torch ≤ 2.13).
     flex_lse: bool = False

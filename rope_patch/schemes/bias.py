@@ -52,27 +52,17 @@ class DistanceBias(attention.AttentionRule):
     def fused_rows(self, heads):
         return 1024  # nothing is materialised on the fused path
 
-    fused_steps = True  # a decoding step is one kernel call with its rows' bias, as vanilla's step is one call
-
     def fused(self, call, rows, end):
         return [self.near(call, rows, end, 0)]
 
     def near(self, call, rows, end, start):
-        """The Partial of key slots [start, end) through the bias-by-distance view; a decoding step's few rows read
-        their bias gathered instead (reversing the whole cache per step would cost more than the step)."""
+        """The Partial of key slots [start, end) through the bias-by-distance view."""
         if "by_distance" not in call.scratch:  # once per call: every distance a block meets, the future at −inf
             distance = torch.arange(1 - call.query.shape[3], call.key.shape[2], device=call.query.device)
             bias = self.by_distance(call, distance.clamp(min=0)).masked_fill(distance < 0, float("-inf"))
             # float32 for half-precision queries (the kernel adds a float32 mask exactly); float64 queries want theirs
             call.scratch["by_distance"] = bias.to(torch.promote_types(call.query.dtype, torch.float32)).contiguous()
-        by_distance = call.scratch["by_distance"]
-        r = rows.stop - rows.start
-        if r > attention.settings.DECODE_ROWS:
-            return attention.flash_distance_partial(call, rows, end, by_distance, start)
-        columns = call.query.shape[3] - 1 + call.distance(rows, start, end)  # (r, w)
-        mask = by_distance[:, columns].view(1, *call.query.shape[1:3], r, end - start)
-        return attention.flash_partial(call, call.query[:, :, :, rows], call.key[:, :, start:end],
-                                       call.value[:, :, start:end], mask=mask)
+        return attention.flash_distance_partial(call, rows, end, call.scratch["by_distance"], start)
 
 
 class AlibiScores(DistanceBias):
