@@ -201,11 +201,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             end = k_len  # a custom additive mask may open any key
         s = state.scores.logits(call, rows, 0, end)
-        m = _mask_block(attention_mask, call, rows, end)
+        # a block of one row (a decoding step) sees every key before `end`: no causal mask to build and apply
+        m = _mask_block(attention_mask, call, rows, end) if attention_mask is not None or rows.stop - rows.start > 1 \
+            else None
         same = call.segments(rows, 0, end)
         if same is not None:  # a packed row that restarts its ids: no key of an earlier segment
-            m = m & same if m.dtype == torch.bool else m.masked_fill(~same, torch.finfo(m.dtype).min)
-        if m.dtype == torch.bool:
+            m = same if m is None else m & same if m.dtype == torch.bool else m.masked_fill(~same, torch.finfo(m.dtype).min)
+        if m is None:
+            pass
+        elif m.dtype == torch.bool:
             # finfo.min rather than -inf: a fully masked row (a left-pad query) stays finite, as in transformers
             s = s.masked_fill(~m, torch.finfo(s.dtype).min)
         else:

@@ -159,6 +159,27 @@ def test_unpadded_decoding_on_the_fused_path_equals_eager(scheme, params):
     assert max((a - b).abs().max().item() for a, b in zip(runs[0].logits, runs[1].logits, strict=True)) <= 1e-5
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["slots", "packed"])
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM], ids=[i for i, (s, _) in zip(IDS, SCHEMES, strict=True) if s in CUSTOM])
+def test_one_row_blocks_equal_dense(scheme, params, packed, monkeypatch):
+    """Blocks of one query row (a decoding step's shape) build no causal mask: every key before the row's end is its
+    past. Forced on a whole prefill (grad on: the materialised path, a budget of one row per block), with slot
+    positions and with a packed row whose ids restart (the segment mask alone then applies), against the dense
+    function."""
+    monkeypatch.setattr(attention.settings, "BLOCK_ELEMENTS", 1)
+    ids, _ = batch(False, n=40)
+    kw = {"use_cache": False}
+    if packed:
+        kw["position_ids"] = torch.cat([torch.arange(23), torch.arange(17)])[None].expand(2, -1)
+    model = patched_model("llama", "sdpa", scheme, params)
+    with torch.enable_grad():
+        blocked = model(ids, **kw).logits.detach()
+    model.set_attn_implementation(attention.DENSE)
+    with torch.no_grad():
+        dense = model(ids, **kw).logits
+    assert (blocked - dense).abs().max().item() <= 1e-5
+
+
 # the fused path's kernel adds the bias as a mask of its own dtype: float64 queries read a float32 mask as garbage
 DTYPE_TOLERANCE = [(torch.float32, 1e-5), (torch.float64, 1e-6), (torch.bfloat16, 2e-2)]
 
