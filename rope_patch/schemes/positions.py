@@ -331,13 +331,22 @@ class LogisticGroups:
         object.__setattr__(self, "groups", tuple(groups))
         object.__setattr__(self, "sizes", tuple(sizes))
 
+    def _tables(self, device) -> torch.Tensor:
+        """(3, classes) int64 on `device`: first tokens, first groups, sizes. Made once per device: a decoding step
+        maps positions on every layer, and three host-to-tensor copies per call were most of SELF's step overhead."""
+        made = self.__dict__.setdefault("_on_device", {})
+        if device not in made:
+            made[device] = torch.tensor([self.tokens, self.groups, self.sizes], device=device)
+        return made[device]
+
+    def __getstate__(self):  # the device copies stay behind (a pickle made on a GPU loads on a CPU)
+        return {k: v for k, v in self.__dict__.items() if k != "_on_device"}
+
     def __call__(self, p: torch.Tensor) -> torch.Tensor:
         t = (p.long() - self.shift - 1).clamp(min=0)  # the kernel counts tokens from 1: t − 1, token 0 with token 1
-        starts = torch.tensor(self.tokens, device=p.device)
+        starts, groups, sizes = self._tables(p.device)
         k = torch.searchsorted(starts, t, right=True) - 1  # the size class of token t
-        groups = torch.tensor(self.groups, device=p.device)[k]
-        sizes = torch.tensor(self.sizes, device=p.device)[k]
-        return (groups + torch.div(t - starts[k], sizes, rounding_mode="floor") + self.shift).to(p.dtype)
+        return (groups[k] + torch.div(t - starts[k], sizes[k], rounding_mode="floor") + self.shift).to(p.dtype)
 
 
 def _reach(capacity: int, rate: float, n: int, w: int) -> int:
