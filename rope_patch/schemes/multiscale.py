@@ -118,6 +118,7 @@ class MultiScaleScores(attention.AttentionRule):
 
     def __init__(self):
         self.orders: dict[int, torch.Tensor] = {}
+        self.chosen: dict[int, list[int]] = {}  # orders[layer][0] as a list (no device read per step)
 
     def probe(self, length):
         return MultiScaleScores()  # the check's copies are all at true positions: every order is the model
@@ -138,6 +139,7 @@ class MultiScaleScores(attention.AttentionRule):
         if k_len == q_len:  # a prompt: its order, for this call and the cached ones after it
             self.orders[layer] = head_order(call.queries[0][:, :, :, -1:], call.keys[0],
                                             visible_keys(call), call)
+            self.chosen[layer] = self.orders[layer][0].tolist()  # one row's, read by its decoding steps
         order = self.orders.get(layer)
         if order is None or order.shape[0] != b:
             raise ValueError(
@@ -147,18 +149,35 @@ class MultiScaleScores(attention.AttentionRule):
                 "cache (model.generate does).")
         rows, heads = torch.arange(b, device=order.device)[:, None], torch.arange(hkv, device=order.device)[None, :]
         call.scratch["q"] = torch.stack(call.queries[1:hkv + 1])[order, rows, heads]  # (b, Hkv, G, q, d)
-        call.scratch["k"] = torch.stack(call.keys[1:hkv + 1])[order, rows, heads]  # (b, Hkv, k, d)
+        call.scratch["order"] = order
+
+    @staticmethod
+    def keys(call) -> torch.Tensor:
+        """(b, Hkv, k, d): each KV head's keys from its ratio's key set, gathered once per call (one copy of the keys)."""
+        if "k" not in call.scratch:
+            order, hkv = call.scratch["order"], call.key.shape[1]
+            rows = torch.arange(order.shape[0], device=order.device)[:, None]
+            heads = torch.arange(hkv, device=order.device)[None, :]
+            call.scratch["k"] = torch.stack(call.keys[1:hkv + 1])[order, rows, heads]
+        return call.scratch["k"]
 
     def logits(self, call, rows, start, end):
-        return call.qk(call.scratch["q"][:, :, :, rows], call.scratch["k"][:, :, start:end])
+        q = call.scratch["q"][:, :, :, rows]
+        if len(call.keys) == 1 or q.shape[0] > 1 or call.query.shape[3] > attention.settings.DECODE_ROWS:
+            return call.qk(q, self.keys(call)[:, :, start:end])
+        # a decoding step of one row: each KV head's scores read its ratio's cached key set in place, where gathering
+        # the chosen heads would copy every cached key at every step (Hkv small matmuls instead)
+        chosen = self.chosen[call.module.layer_idx]
+        return torch.cat([call.qk(q[:, g:g + 1], call.keys[1 + s][:, g:g + 1, start:end]) for g, s in enumerate(chosen)],
+                         dim=1)
 
     def fused(self, call, rows, end):
-        c, q, k, v = call.first_slot(rows), call.scratch["q"][:, :, :, rows], call.scratch["k"], call.value
+        c, q, k, v = call.first_slot(rows), call.scratch["q"][:, :, :, rows], self.keys(call), call.value
         parts = [attention.flash_partial(call, q, k[:, :, :c], v[:, :, :c])] if c > 0 else []
         return [*parts, attention.flash_causal_partial(call, q, k[:, :, c:end], v[:, :, c:end])]
 
     def flex(self, call, block_mask):
-        return attention.flex_call(call, call.scratch["q"].flatten(1, 2), call.scratch["k"], call.value, block_mask)
+        return attention.flex_call(call, call.scratch["q"].flatten(1, 2), self.keys(call), call.value, block_mask)
 
 
 def head_order(q_last: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, call) -> torch.Tensor:

@@ -118,6 +118,23 @@ def test_cached_generation_equals_full_forward_with_the_prompt_order(arch, backe
     assert (got - want[:, 23:23 + NEW]).abs().max().item() <= 1e-5
 
 
+# seed and row of a prompt whose order is not the heads' own (a swap the step must read)
+@pytest.mark.parametrize("arch,backend,seed,row", [("llama", "eager", 0, 1), ("qwen2", "sdpa", 1, 0)])
+def test_one_row_decoding_reads_each_heads_key_set_in_place(arch, backend, seed, row):
+    """A one-row generation's steps score each KV head against its ratio's cached key set in place (no gathered copy
+    of the cache): every step's logits are the paper reference's with the prompt's head order."""
+    model = model_with(arch, backend)
+    ids = token_batch(24, seed)[0][row:row + 1]
+    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(ids, use_cache=True, **gen)
+    _, prompt_orders = paper_forward(model, ids, P, None)
+    want, _ = paper_forward(model, out.sequences, P, None, orders=prompt_orders)
+    assert rule(model).chosen[1] != sorted(rule(model).chosen[1])  # heads read other sets than their own index
+    got = torch.stack(list(out.logits), 1)
+    assert (got - want[:, 23:23 + NEW]).abs().max().item() <= 1e-5
+
+
 def test_without_cache_each_input_is_its_own_prompt():
     """A forward without cache recomputes the order from its own last query (the authors' code would keep the first
     prompt's until `_reset()`): two different prompts through one model each equal their own reference."""
