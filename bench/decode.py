@@ -3,7 +3,7 @@
     python bench/decode.py                                     # SmolLM2-135M's shape, 8k prompt, 1 thread
     python bench/decode.py --model 2-layer --prompts 2048 8192 16384 --threads 1 2 --out FILE
 
-Per (model, prompt length, threads): every scheme's model (random weights, the same for all) is built and patched,
+Per (model, prompt length, threads): every scheme's model (random weights, one shared set for all) is built and patched,
 its prompt prefilled once into a DynamicCache; then `--rounds` rounds, each cropping every cache back to the prompt
 and timing `--new` one-token cached steps of every scheme in turn (interleaved: the machine's load hits all alike).
 Reported per scheme: the median ms per token, its ratio to vanilla's, the cache's bytes after the prefill and their
@@ -48,6 +48,10 @@ def schemes(window: int) -> dict:
         "leaky_rerope": {"window_size": window // 8, "factor": 16.0},
         "string": {"shift_size": window // 2, "window_size": window // 32},
         "dca": {"chunk_size": window * 3 // 4, "local_size": window // 8},
+        "self_extend_logistic": {"group_size": 5, "window_size": window // 8, "growth_rate": 0.01},
+        "dpe": {"group_sizes": [4] * 8, "window_size": window // 8},
+        "ms_poe": {},  # the authors' ratios 1.2-1.8, first 2 layers kept
+        "sink": {"sink_size": 4, "window_size": window - 4},
     }
 
 
@@ -61,11 +65,15 @@ def run(model_name: str, prompt: int, threads: int, new: int, rounds: int, only:
     config = LlamaConfig(**MODELS[model_name], attn_implementation="sdpa")
     ids = torch.randint(3, config.vocab_size, (1, prompt + new), generator=torch.Generator().manual_seed(0))
     entries = {}
+    torch.manual_seed(0)
+    weights = LlamaForCausalLM(config).state_dict()
     for name, params in schemes(config.max_position_embeddings).items():
         if only and name != "vanilla" and name not in only:
             continue
-        torch.manual_seed(0)
         model = LlamaForCausalLM(config).eval()
+        # one set of weights in memory for every scheme's model (assign: the tensors are shared, not copied), so each
+        # step reads the same weight memory and 13 models fit beside their caches; a patch changes no weight
+        model.load_state_dict(weights, assign=True)
         if params is not None:
             rope_patch.apply(model, name, **params)
         cache = DynamicCache(config=model.config)
