@@ -23,6 +23,8 @@ What rope_patch decided, and why:
     SmolLM2 (3 KV heads), but 33× / 17× on an MHA model with 32 heads (Llama 2, the authors' Vicuna). A per-head
     rotation inside the attention function (deferred RoPE) would cost one rotation of the cached keys per step and
     one key set, but is exact only where nothing sits between RoPE and the scores; left for a later cheaper path.
+    A one-row decoding step reads each KV head's keys in place from its ratio's set (`MultiScaleScores.logits`):
+    it reads one key set, as vanilla's step does, and copies none; the cache stays (n + 2)/2 of vanilla's.
 (b) GQA: one ratio per KV head (n = number of KV heads), shared by the query heads of its group, whose outlier
     scores are averaged. The authors' code targets MHA (Llama 2 / Vicuna): on GQA it rotates each query head with its
     own ratio and the shared keys with the ratio of the group's first query head, so q and k of the other heads
