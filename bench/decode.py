@@ -6,8 +6,9 @@
 Per (model, prompt length, threads): every scheme's model (random weights, one shared set for all) is built and patched,
 its prompt prefilled once into a DynamicCache; then `--rounds` rounds, each cropping every cache back to the prompt
 and timing `--new` one-token cached steps of every scheme in turn (interleaved: the machine's load hits all alike).
-Reported per scheme: the median ms per token, its ratio to vanilla's, the cache's bytes after the prefill and their
-ratio to vanilla's, and the load average before and after. Prefill time is reported once (not interleaved).
+Reported per scheme: the median ms per token, its ratio to vanilla's (and each round's, against vanilla's same round),
+the cache's bytes after the prefill and their ratio to vanilla's, and the load average before and after. Prefill
+time is reported once (not interleaved).
 
 Models: "smollm2" is SmolLM2-135M's shape (30 layers, hidden 576, 9 query / 3 KV heads of 64, vocab 49152) with random
 weights (no download); "2-layer" is a 2-layer hidden-256 model, where Python overhead per step dominates.
@@ -99,6 +100,8 @@ def run(model_name: str, prompt: int, threads: int, new: int, rounds: int, only:
     for name, entry in entries.items():
         ms = statistics.median(entry["times"]) * 1e3
         rows.append({"scheme": name, "ms_per_token": round(ms, 2), "ratio": round(ms / vanilla_ms, 2),
+                     # each round's ratio to vanilla's same round (side by side): the spread the median hides
+                     "round_ratios": [round(t / v, 2) for t, v in zip(entry["times"], base["times"], strict=True)],
                      "cache_mb": round(entry["bytes"] / 2**20, 1), "cache_ratio": round(entry["bytes"] / vanilla_bytes, 2),
                      "prefill_s": round(entry["prefill"], 2)})
     return {"model": model_name, "prompt": prompt, "threads": threads, "new_tokens": new, "rounds": rounds,
@@ -126,7 +129,8 @@ def main(argv=None) -> None:
                       f"{result['load_after'][0]}", file=sys.stderr)
                 for row in result["rows"]:
                     print(f"  {row['scheme']:14s} {row['ms_per_token']:8.2f} ms/token  x{row['ratio']:<5} "
-                          f"cache {row['cache_mb']:7.1f} MB x{row['cache_ratio']:<5} prefill {row['prefill_s']} s",
+                          f"cache {row['cache_mb']:7.1f} MB x{row['cache_ratio']:<5} prefill {row['prefill_s']} s "
+                          f"rounds {row['round_ratios']}",
                           file=sys.stderr)
     text = json.dumps(results, indent=1)
     if args.out:

@@ -315,6 +315,17 @@ def test_alibi_slopes_follow_press_et_al():
         assert len(set(alibi_slopes(n))) == n
 
 
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (8, 20), (2, 2), (64, 1000), (33, 17)])
+def test_relative_bias_bucket_table_equals_t5_buckets(num_buckets, max_distance):
+    """The rule reads buckets from a table of distances 0 … max_distance: equal to T5's bucket at every distance,
+    the far ones (one last bucket) and negative ones (the future, bucket 0) included."""
+    from rope_patch.schemes.bias import RelativeBiasScores, t5_bucket
+
+    distance = torch.arange(-5, 50 * max_distance + 7)
+    rule = RelativeBiasScores(None, num_buckets, max_distance)
+    assert torch.equal(rule.buckets(distance), t5_bucket(distance, num_buckets, max_distance))
+
+
 def test_relative_bias_is_trainable_and_alibi_init_is_alibi():
     model = tiny_model("llama", attn_implementation="sdpa")
     ids, kw = batch(True, n=12)
