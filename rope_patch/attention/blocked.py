@@ -206,7 +206,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             else None
         same = call.segments(rows, 0, end)
         if same is not None:  # a packed row that restarts its ids: no key of an earlier segment
-            m = same if m is None else m & same if m.dtype == torch.bool else m.masked_fill(~same, torch.finfo(m.dtype).min)
+            if m is None or m.dtype == torch.bool:
+                m = same if m is None else m & same
+            else:
+                m = m.masked_fill(~same, torch.finfo(m.dtype).min)
         if m is None:
             pass
         elif m.dtype == torch.bool:

@@ -17,7 +17,7 @@ from .. import attention, discovery
 from .. import validation as check
 from ..discovery import PatchSite
 from ..registry import register_scheme
-from .common import AttachModule, AttentionScheme, attention_modules, execution_device, table_dtype
+from .common import AttachModule, AttentionScheme, DeviceTables, attention_modules, execution_device, table_dtype
 
 MODULE_NAME = "rope_patch_relative_bias"  # attribute under which relative_bias attaches its table to the model
 
@@ -188,7 +188,7 @@ class RelativeBias(nn.Module):
         return f"layers={layers}, heads={heads}, num_buckets={buckets}, max_distance={self.max_distance}"
 
 
-class RelativeBiasScores(DistanceBias):
+class RelativeBiasScores(DistanceBias, DeviceTables):
     def __init__(self, owner: nn.Module, num_buckets: int, max_distance: int):
         # The table is looked up on its owner at call time: peft may have replaced it by a wrapper since.
         self.owner, self.num_buckets, self.max_distance = owner, num_buckets, max_distance
@@ -205,14 +205,9 @@ class RelativeBiasScores(DistanceBias):
         """t5_bucket(distance), read from a table of the buckets of distances 0 … max_distance (made once per device):
         every farther distance is in the last bucket, as is max_distance itself. Two operations per lookup instead
         of t5_bucket's dozen, on every layer of every decoding step."""
-        made = self.__dict__.setdefault("_buckets", {})
-        if distance.device not in made:
-            every = torch.arange(self.max_distance + 1, device=distance.device)
-            made[distance.device] = t5_bucket(every, self.num_buckets, self.max_distance)
-        return made[distance.device].index_select(0, distance.clamp(0, self.max_distance))
-
-    def __getstate__(self):  # the device tables stay behind (a pickle made on a GPU loads on a CPU)
-        return {k: v for k, v in self.__dict__.items() if k != "_buckets"}
+        table = self.on_device(distance.device, lambda d: t5_bucket(torch.arange(self.max_distance + 1, device=d),
+                                                                    self.num_buckets, self.max_distance))
+        return table.index_select(0, distance.clamp(0, self.max_distance))
 
     def by_distance(self, call, distance):
         # index_select: 5x faster than advanced indexing for one row of a decoding step

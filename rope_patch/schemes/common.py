@@ -72,6 +72,21 @@ def _device(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+class DeviceTables:
+    """Small constant tensors a scheme's hot path reads (a decoding step reads them on every layer), made once per
+    device by `on_device` instead of once per call. They are left out of the pickled state, so a pickle made on a GPU
+    loads on a CPU (they are made again on first use)."""
+
+    def on_device(self, device: torch.device, make: Callable[[torch.device], torch.Tensor]) -> torch.Tensor:
+        made = self.__dict__.setdefault("_on_device", {})
+        if device not in made:
+            made[device] = make(device)
+        return made[device]
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_on_device"}
+
+
 def table_dtype(module: nn.Module) -> torch.dtype:
     param = next(module.parameters(), None)
     return param.dtype if param is not None and param.is_floating_point() else torch.float32

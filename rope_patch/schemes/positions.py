@@ -29,7 +29,7 @@ from .. import attention
 from .. import validation as check
 from ..registry import register_scheme
 from .base import Suggestion, extension_ratio, plain_number
-from .common import AttentionScheme
+from .common import AttentionScheme, DeviceTables
 
 Positions = Callable[[torch.Tensor], torch.Tensor]
 
@@ -293,7 +293,7 @@ class SelfExtend(TwoRegion):
 
 
 @dataclasses.dataclass(frozen=True)
-class LogisticGroups:
+class LogisticGroups(DeviceTables):
     """SELF's far positions (Dang et al. 2025, arXiv:2505.17296): p ↦ shift + f(p − shift), f(t) the group of token t
     when consecutive groups grow along the logistic curve g(x) = C / (1 + (C − 1)·e^(−r·x)) (C = `capacity`, r =
     `rate`): group x holds ⌊g(x)⌋ tokens, 1 at first, approaching C − 1. Keys use shift 0 (k at f(j)), queries shift W
@@ -331,20 +331,12 @@ class LogisticGroups:
         object.__setattr__(self, "groups", tuple(groups))
         object.__setattr__(self, "sizes", tuple(sizes))
 
-    def _tables(self, device) -> torch.Tensor:
-        """(3, classes) int64 on `device`: first tokens, first groups, sizes. Made once per device: a decoding step
-        maps positions on every layer, and three host-to-tensor copies per call were most of SELF's step overhead."""
-        made = self.__dict__.setdefault("_on_device", {})
-        if device not in made:
-            made[device] = torch.tensor([self.tokens, self.groups, self.sizes], device=device)
-        return made[device]
-
-    def __getstate__(self):  # the device copies stay behind (a pickle made on a GPU loads on a CPU)
-        return {k: v for k, v in self.__dict__.items() if k != "_on_device"}
-
     def __call__(self, p: torch.Tensor) -> torch.Tensor:
         t = (p.long() - self.shift - 1).clamp(min=0)  # the kernel counts tokens from 1: t − 1, token 0 with token 1
-        starts, groups, sizes = self._tables(p.device)
+        # (3, classes): first tokens, first groups, sizes; once per device (three host copies per call were most of
+        # SELF's decoding-step overhead: four position maps per layer)
+        starts, groups, sizes = self.on_device(p.device, lambda d: torch.tensor([self.tokens, self.groups, self.sizes],
+                                                                                device=d))
         k = torch.searchsorted(starts, t, right=True) - 1  # the size class of token t
         return (groups[k] + torch.div(t - starts[k], sizes[k], rounding_mode="floor") + self.shift).to(p.dtype)
 

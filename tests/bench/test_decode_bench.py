@@ -6,16 +6,26 @@ from __future__ import annotations
 
 import json
 
+from helpers.models import tiny_model
 from helpers.schemes import cases
 from helpers.scripts import load_script
 
-# the schemes that keep the model's own attention (no position in attention to re-place) need no decode row
-OWN_ATTENTION = {"nope", "sinusoidal", "learned_absolute"}
+import rope_patch
+from rope_patch.attention.protocol import STATE
+
+
+def runs_own_attention(scheme: str, params: dict) -> bool:
+    """Does the patched model attend through rope_patch's attention function (its modules carry its state)? The
+    schemes that keep the model's own attention (no position in attention to re-place) need no decode row."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    rope_patch.apply(model, scheme, **params)
+    return any(hasattr(m, STATE) for m in model.modules())
 
 
 def test_the_decode_benchmark_covers_every_attention_scheme(tmp_path):
     bench = load_script("bench/decode.py")
-    attention_side = {name for name, _ in cases("attention")} - OWN_ATTENTION
+    attention_side = {name for name, params in cases("attention") if runs_own_attention(name, params)}
+    assert {"alibi", "self_extend", "ms_poe"} <= attention_side and "nope" not in attention_side
     assert attention_side <= set(bench.schemes(4096)), "a new attention-side scheme has no decode benchmark row"
     out = tmp_path / "decode.json"
     bench.main(["--model", "2-layer", "--prompts", "64", "--new", "2", "--rounds", "1", "--out", str(out)])
