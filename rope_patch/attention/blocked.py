@@ -18,7 +18,7 @@ from torch import nn
 
 from . import settings
 from .copies import Identity, NotProven
-from .protocol import STATE, AttentionCall, Partial, make_call, merge, own_rows, placeholder, restack, stand_in
+from .protocol import STATE, AttentionCall, Partial, begin, make_call, merge, own_rows, placeholder, restack, stand_in
 
 
 def _flash_lse_op():
@@ -163,7 +163,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if attention_mask is not None and attention_mask.shape[-1] != k_len:
         raise ValueError(f"attention mask covers {attention_mask.shape[-1]} keys but there are {k_len}")
     call.scratch["attention_mask"] = attention_mask  # a rule that reads the mask itself (ms_poe's head order)
-    state.scores.begin(call)
+    begin(state, call)  # the rule's, then a prompt's cache store it picks for
     # gpt-oss attention sinks (transformers passes `s_aux=self.sinks`): one learned logit per head that joins the
     # softmax denominator, i.e. a key with value 0, as gpt-oss's own eager function and transformers' flex have it
     sinks = kwargs.get("s_aux")

@@ -26,7 +26,8 @@ The KV cache keeps what the scheme's math fixes once a key is written: the keys 
 (`Layout.key_copies`: true positions and Self-Extend's ⌊j/G⌋; DCA's j mod c alone), concatenated along the head axis
 (b, S·Hkv, n, d), and the values once. So decoding rotates nothing but the new token, and each cached key is read from
 one copy per step. A cache layer sees one more head group than the model's; beam search's reordering, cropping and
-offloading act on the batch and sequence axes and keep working.
+offloading act on the batch and sequence axes and keep working. Where each KV head reads one key set that the rule
+picks from the prompt (`Layout.chosen`: Ms-PoE's ratio per head), the cache keeps that set alone: the model's heads.
 
 How the copies run (the cache mode the apply-time check picks, attention/plumbing.py): one after another where the
 layer allows (SEQUENTIAL: copy 0 last; each earlier copy leaves the queries and keys the scheme reads in a `Stash`
@@ -84,11 +85,14 @@ class Layout:
     `maps[t]` gives copy t's positions from the true ones; `key_copies` lists the copies whose keys the attention
     reads (key set s is copy key_copies[s]); values are read from copy 0 (values do not depend on positions);
     `query_copies` the copies whose queries it reads (None: all; a copy that only supplies keys, Self-Extend's far
-    keys, need not be kept while the copies run one after another)."""
+    keys, need not be kept while the copies run one after another); `chosen`: each KV head reads one key set, which
+    the rule picks from a prompt (`AttentionRule.chosen_sets`: Ms-PoE's ratio per head), so the cache keeps that set
+    alone, as many key heads as the model's (`CacheView`)."""
 
     maps: tuple[PositionMap, ...]
     key_copies: tuple[int, ...] = (0,)
     query_copies: tuple[int, ...] | None = None
+    chosen: bool = False
 
     @property
     def copies(self) -> int:
@@ -129,6 +133,12 @@ def stack_embeddings(embeddings, maps: Sequence[PositionMap], b: int, key) -> ob
 
 class NotProven(RuntimeError):
     """A layer did something with its cache that the stacked copies are not proven to preserve."""
+
+
+class SharedKeys(NotProven):
+    """A layer attends to keys another layer stored (KV sharing) under a layout whose cache keeps, per KV head, the one
+    key set the storing layer's rule picked (`Layout.chosen`): the reading layer's own pick cannot be served. The
+    apply-time check (plumbing.verify) then installs the layout keeping every set."""
 
 
 def _repeated(value, b: int, c: int):
@@ -268,20 +278,19 @@ class CacheView:
         return torch.cat([x[t * b:(t + 1) * b] for t in self._layout.key_copies], dim=1)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        kept, b = self._layout.key_copies, self._rows
         if self._mode == SEQUENTIAL:
-            kept = self._layout.key_copies
             if self._copy != 0:  # an earlier copy: its keys wait for copy 0's call, which stores them all once
                 if self._copy in kept:
                     self._stash.cache_keys[self._copy] = key_states
                 return key_states, value_states
-            keys = [key_states if t == 0 else self._stash.cache_keys.pop(t) for t in kept]
+            sets = [key_states if t == 0 else self._stash.cache_keys.pop(t) for t in kept]
             self._stash.cached = True
-            out = self._cache.update(torch.cat(keys, dim=1) if len(keys) > 1 else keys[0], value_states, layer_idx,
-                                     *args, **kwargs)
+            out = self._store(sets, value_states, layer_idx, args, kwargs)
         else:
             if self._mode == HEADS:
-                keys, values = self._cache.update(self._keep(key_states), value_states[:self._rows], layer_idx, *args,
-                                                  **kwargs)
+                keys, values = self._store([key_states[t * b:(t + 1) * b] for t in kept], value_states[:b],
+                                           layer_idx, args, kwargs)
             else:
                 keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args,
                                                   **kwargs)
@@ -290,6 +299,29 @@ class CacheView:
             out = (keys, values) if self._mode == HEADS else (self._unstack(keys), self._unstack(values))
         self._note_head(layer_idx)
         return out
+
+    def _store(self, sets: list, values: torch.Tensor, layer_idx, args, kwargs):
+        """HEADS and SEQUENTIAL: the key sets side by side on the head axis and the values once. With `Layout.chosen`,
+        only the key set the rule picked for each KV head (`chosen_keys`): vanilla's cache. A prompt (the layer's cache
+        still empty) is stored once its attention has picked them (`Current.pending`, run after the rule's `begin`) and
+        handed back as every set, as an empty cache hands back its first update: what it was given (static caches,
+        which pad, are refused by schemes/common.CacheGuard)."""
+        current = module_state(self._module).current if self._module is not None else None
+        if current is not None:
+            current.stored = True
+        keys = torch.cat(sets, dim=1) if len(sets) > 1 else sets[0]
+        if not self._layout.chosen or len(sets) == 1 or current is None or current.memory_layer:
+            return self._cache.update(keys, values, layer_idx, *args, **kwargs)
+        rule = module_state(self._module).scores
+
+        def store():
+            return self._cache.update(chosen_keys(sets, rule.chosen_sets(layer_idx, self._rows)), values, layer_idx,
+                                      *args, **kwargs)
+
+        if self._cache.get_seq_length(layer_idx) == 0:
+            current.pending = store
+            return keys, values
+        return store()
 
     def _note_head(self, layer_idx) -> None:
         """A cache layer that evicts from the middle (StreamingLLM's sink cache, schemes/sink.py) says how many leading
@@ -334,6 +366,13 @@ class CacheView:
 
     def __bool__(self):
         return True
+
+
+def chosen_keys(sets: Sequence[torch.Tensor], chosen: torch.Tensor) -> torch.Tensor:
+    """(b, Hkv, n, d): KV head g of row r from key set chosen[r, g]; sets (S of (b, Hkv, n, d)), chosen (b, Hkv)."""
+    rows = torch.arange(chosen.shape[0], device=chosen.device)[:, None]
+    heads = torch.arange(chosen.shape[1], device=chosen.device)[None, :]
+    return torch.stack(list(sets))[chosen, rows, heads]
 
 
 class MemoryLayerView:
@@ -423,6 +462,9 @@ class Current:
     seen: list = dataclasses.field(default_factory=list)  # positions of memory entries, as the layer made them
     tokens: int | None = None  # keys that are tokens (from the cache; None: as many as the queries)
     memory_layer: bool = False  # the layer holds memory rotaries (`memory_rotaries`)
+    cache: bool = False  # the layer was handed a cache
+    stored: bool = False  # ... and stored its keys in it (a layer that reads another layer's keys does not: KV sharing)
+    pending: Callable[[], object] | None = None  # a prompt's store, left for after the rule's `begin` (`CacheView`)
 
     def memory(self, count: int) -> torch.Tensor | None:
         """(b|1, count) positions of the `count` memory entries after the tokens' keys: the last positions the layer
@@ -517,7 +559,8 @@ class Reentry:
         """The forward once on the c copies stacked on the batch axis; copy 0's rows of what it returns (SPLIT: the
         copies' parts summed). A layer's memory rotaries make each copy's entries at its positions meanwhile."""
         layout = self.layout
-        current = Current(b, _true(positions), layout, split=self.cache_mode == SPLIT)
+        cached = any(isinstance(call.get(n, extra.get(n)), CacheView) for n in CACHE_ARGS)
+        current = Current(b, _true(positions), layout, split=self.cache_mode == SPLIT, cache=cached)
         given = call.get("position_ids", extra.get("position_ids"))
         memory = MemoryPositions(self.memory, layout.maps, b, given, current.seen)
         current.memory_layer = bool(memory.hooks)
@@ -539,6 +582,7 @@ class Reentry:
         module, layout = self.module, self.layout
         stash = Stash(everything=module_state(module).recorder is not None)
         caches = {name: call.get(name, extra.get(name)) for name in CACHE_ARGS}
+        cached = any(c is not None for c in caches.values())
         out = None
         with _Projections(module, call[next(iter(call))]):
             for t in reversed(range(layout.copies)):
@@ -552,7 +596,7 @@ class Reentry:
                 for name, cache in caches.items():
                     if cache is not None:
                         (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash, module)
-                out = self._run(one, more, Current(b, _true(positions), layout, t, stash))
+                out = self._run(one, more, Current(b, _true(positions), layout, t, stash, cache=cached))
         return out
 
     def _run(self, call: dict, extra: dict, current: Current):

@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from . import settings
 from .copies import NotProven
-from .protocol import STATE, AttentionCall, make_call, placeholder, restack, stand_in
+from .protocol import STATE, AttentionCall, begin, make_call, placeholder, restack, stand_in
 
 
 def flex_available() -> bool:
@@ -114,7 +114,7 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
                          "flex_attention backend, whose block masks are built from slots; use the sdpa or eager backend "
                          "(model.set_attn_implementation('sdpa') before rope_patch.apply).")
     call.scratch["attention_mask"] = attention_mask  # a rule that reads the mask itself (ms_poe's head order)
-    state.scores.begin(call)
+    begin(state, call)  # the rule's, then a prompt's cache store it picks for
     block_mask = attention_mask if attention_mask is not None else causal_block_mask(call)
     out = state.scores.flex(call, block_mask)
     return restack(module, out.to(value.dtype).transpose(1, 2).contiguous()), None

@@ -24,7 +24,7 @@ move with the positions, DeepSeek-V4's K = V) is the first that passes.
 Cost. About 3 + c forwards of a `length`-token input per mode tried (c position copies; `length` ≥ 48 and beyond
 every sliding window / attention chunk / sparse top-k the config or layers declare, at most 1040), in the model's
 own dtype and device. Checked once per architecture and process: a second model of the same class, attention layer
-kinds, scheme family and backend is not checked again. `rope_patch.apply(..., check=False)` skips it.
+kinds, copies per layer, scheme family and backend is not checked again. `rope_patch.apply(..., check=False)` skips it.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from .copies import (
     Layout,
     MemoryPositions,
     NotProven,
+    SharedKeys,
     memory_rotaries,
 )
 from .protocol import module_state
@@ -58,7 +59,7 @@ from .protocol import module_state
 SHIFT = 3  # the extra copy's positions: p + SHIFT
 CAPTURE = "rope_patch_capture"  # an attention function that keeps q and k (registered under our own name)
 MIN_LENGTH, MAX_LENGTH = 48, 1040
-CHECKED: dict = {}  # architecture key -> the cache mode that passed, for this process
+CHECKED: dict = {}  # architecture key -> (the cache mode that passed, whether layers read others' keys), this process
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -90,7 +91,13 @@ def probe_layout(layout: Layout | None) -> Layout | None:
     """Every copy at the true positions, plus the extra copy at p + SHIFT (which no rule reads)."""
     if layout is None:
         return None
-    return Layout((Identity(),) * layout.copies + (Shifted(),), layout.key_copies)
+    return Layout((Identity(),) * layout.copies + (Shifted(),), layout.key_copies, chosen=layout.chosen)
+
+
+def all_sets(layouts: dict) -> dict:
+    """The layouts with every key set kept in the cache (`Layout.chosen` off): for a model whose layers read keys
+    another layer stored (KV sharing), each in its own order."""
+    return {m: dataclasses.replace(v, chosen=False) if v is not None else None for m, v in layouts.items()}
 
 
 @dataclasses.dataclass
@@ -101,6 +108,7 @@ class Finding:
     size: float | None
     step: str
     values: bool = False  # the values move with the positions (K = V): the SPLIT hand-over serves that
+    shared: bool = False  # a layer reads keys another layer stored (KV sharing): every key set is kept (`all_sets`)
 
 
 class Recorder:
@@ -163,9 +171,9 @@ class Check:
             self.shadows[(id(obj), run)] = copy.copy(obj) if isinstance(obj, MutableMapping) else copy.deepcopy(obj)
         return self.shadows[(id(obj), run)]
 
-    def note(self, module, what: str, size: float | None = None, values: bool = False):
+    def note(self, module, what: str, size: float | None = None, values: bool = False, shared: bool = False):
         self.findings.append(Finding(getattr(module, "layer_idx", -1), type(module).__name__, what, size, self.step,
-                                     values))
+                                     values, shared))
 
     def compare(self, module, what: str, got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor | None):
         """got/want (b, n, ...) or (b, H, n, d) with `rows` (b, n) the real tokens, compared on those."""
@@ -212,7 +220,7 @@ class SideBySide:
         except Stop:
             raise
         except Exception as e:  # NotProven, or a layer that cannot run the copies: the run stops, the check refuses
-            check.note(module, _raised(e))
+            check.note(module, _raised(e), shared=isinstance(e, SharedKeys))
             raise Stop from e
         if recorder.calls == before:
             check.note(module, "rope_patch's attention function never ran (the layer computes attention in its own "
@@ -439,15 +447,17 @@ def run(check: Check, model: nn.Module, inputs: Inputs) -> None:
                       **{_cache_keyword(model): cache})
 
 
-def architecture(model: nn.Module, modules: list[nn.Module], rule, backend: str, rotate_reference: bool):
+def architecture(model: nn.Module, layouts: dict, rule, backend: str, rotate_reference: bool):
     """What the check's verdict depends on: the model class, its attention layer kinds (class and scalar attributes),
-    the scheme's rule class and the backend."""
+    the copies each layer runs in order (which layers a scheme leaves alone matters where layers read each other's
+    keys: Ms-PoE's `skip_layers` on Gemma 3n), the scheme's rule class and the backend."""
     kinds = set()
-    for m in modules:
+    for m in layouts:
         scalars = tuple(sorted((k, v) for k, v in vars(m).items() if k not in ("layer_idx", "training")
                                and isinstance(v, (int, float, str, bool, type(None)))))
         kinds.add((type(m).__qualname__, scalars))
-    return (type(model).__qualname__, frozenset(kinds), type(rule).__qualname__, backend, rotate_reference)
+    copies = tuple(None if v is None else (v.copies, v.key_copies, v.query_copies, v.chosen) for v in layouts.values())
+    return (type(model).__qualname__, frozenset(kinds), copies, type(rule).__qualname__, backend, rotate_reference)
 
 
 def describe(findings: list[Finding], tol: float) -> str:
@@ -459,14 +469,17 @@ def describe(findings: list[Finding], tol: float) -> str:
     return f"{first.module} (layer {first.layer}): {first.what}{size}, in {first.step}{more}"
 
 
-def verify(target, name: str, rule, layouts: dict, backend: str, native: str, rotate_reference: bool, install) -> str:
-    """Run the check; return the cache mode that passed, or raise ValueError naming the layer and the difference.
+def verify(target, name: str, rule, layouts: dict, backend: str, native: str, rotate_reference: bool,
+           install) -> tuple[str, dict]:
+    """Run the check; return the cache mode that passed and the layouts to install (`all_sets` of them where a layer
+    reads another layer's keys), or raise ValueError naming the layer and the difference.
     `install(log, rule, layouts, mode, wrap)` installs the scheme through `log` (a scratch undo log, undone here)."""
     model = target.model
     modules = list(layouts)
-    key = architecture(model, modules, rule, backend, rotate_reference)
+    key = architecture(model, layouts, rule, backend, rotate_reference)
     if key in CHECKED:
-        return CHECKED[key]
+        mode, shared = CHECKED[key]
+        return mode, all_sets(layouts) if shared else layouts
     register_capture()
     n = length(model, modules)
     inputs = native_inputs(model, n)
@@ -477,14 +490,14 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
                if hasattr(c, "_attn_implementation_internal")}
     backends = {k: c._attn_implementation_internal for k, c in configs.items()}
-    failures = {}
+    failures, shared = {}, False
     while modes:
         mode = modes.pop(0)
         check = Check(model, native, rotate_reference, mode)
         log = UndoLog()
 
-        def wrap(module, inner, _check=check):
-            return SideBySide(_check, module, inner, probes[module])
+        def wrap(module, inner, _check=check, _probes=probes):
+            return SideBySide(_check, module, inner, _probes[module])
 
         recorder = Recorder()
         try:
@@ -508,8 +521,12 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
                               "positions; this scheme moves every copy (DCA: chunk positions), so none is the tokens' "
                               "own for the indexer to choose at")
         if not check.findings:
-            CHECKED[key] = mode
-            return mode
+            CHECKED[key] = mode, shared
+            return mode, layouts
+        if any(f.shared for f in check.findings):  # KV sharing: keep every key set, and try the modes again
+            shared, layouts, probes = True, all_sets(layouts), all_sets(probes)
+            modes = [SEQUENTIAL, HEADS, ROWS]
+            continue
         failures.setdefault(mode, check)
         if mode in (HEADS, ROWS) and any(f.values for f in check.findings):
             modes = [SPLIT]  # values rotate with the keys: read them per key set, the output split by query copy

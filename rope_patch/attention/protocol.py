@@ -56,6 +56,11 @@ class AttentionRule:
         (copies.SPLIT) reads each pair's value from its key set and hands the layer its output split by query copy."""
         return [(0, 0, None)]
 
+    def chosen_sets(self, layer_idx: int, rows: int) -> torch.Tensor:
+        """(rows, Hkv) int64: the key set each KV head of each row reads, for a layout whose heads read one set each
+        (`copies.Layout.chosen`), picked by the latest prompt's `begin`; a clear error where none was picked."""
+        raise NotImplementedError(f"{type(self).__name__} picks no key sets")
+
     def probe(self, length: int) -> AttentionRule:
         """This rule at an identity setting that still runs its own code paths on a `length`-token input (a window
         or chunk short enough to split it, a zero bias): the apply-time check (attention/plumbing.py) runs it on
@@ -257,12 +262,28 @@ def unstack(module, query, key, value, position_ids, indices=None):
         # values of every key set where they rotate with the keys (SPLIT), else copy 0's
         value = tuple(value[t * b:(t + 1) * b] for t in layout.key_copies) if current.split else value[:b]
     else:  # a HEADS cache: its key sets, side by side on the head axis
-        keys = _key_sets(key, value.shape[1], len(layout.key_copies))
+        keys = _cached_sets(module, current, key, value.shape[1])
     return queries, keys, value, current.positions
 
 
 def _key_sets(key: torch.Tensor, hkv: int, sets: int) -> tuple:
     return tuple(key[:, s * hkv:(s + 1) * hkv] for s in range(sets))
+
+
+def _cached_sets(module, current, key: torch.Tensor, hkv: int) -> tuple:
+    """The key sets a cache handed back: side by side on the head axis, or one set of the model's heads (the sets each
+    head's rule picked, `copies.Layout.chosen`)."""
+    from .copies import SharedKeys  # copies.py builds on this module
+
+    layout = current.layout
+    if layout.chosen and current.cache and not current.stored and len(layout.key_copies) > 1:
+        raise SharedKeys(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) attends to keys that "
+                         "another layer stored in the cache (KV sharing), and the cache keeps, per key/value head, only "
+                         "the key set the storing layer's prompt picked. The apply-time check (rope_patch.apply's "
+                         "default, check=True) finds such layers and keeps every key set in the cache instead.")
+    if layout.chosen and key.shape[1] == hkv:
+        return (key,)
+    return _key_sets(key, hkv, len(layout.key_copies))
 
 
 def _gathered(module, state, current, query, key, value, indices):
@@ -274,13 +295,26 @@ def _gathered(module, state, current, query, key, value, indices):
     kept = layout.key_copies
     # a layer that reads another layer's cache (KV sharing) stores nothing itself: its key sets are recognised by shape
     from_cache = stash.cached or (len(kept) > 1 and key.shape[1] == len(kept) * value.shape[1])
-    keys = _key_sets(key, value.shape[1], len(kept)) if from_cache else tuple(stash.keys[t] for t in kept)
+    if from_cache or (layout.chosen and current.cache):
+        keys = _cached_sets(module, current, key, value.shape[1])
+    else:
+        keys = tuple(stash.keys[t] for t in kept)
     if state.recorder is not None:  # the check reads the copies stacked, as the stacked call hands them over
         every = range(layout.copies)
         state.recorder.seen(torch.cat([stash.queries[t] for t in every]),
                             key if from_cache else torch.cat([stash.keys[t] for t in every]),
                             value if from_cache else torch.cat([stash.values[t] for t in every]), module, indices)
     return queries, keys, value, current.positions
+
+
+def begin(state, call: AttentionCall) -> None:
+    """The rule's `begin`, then the cache store a prompt's `CacheView` left for after it (`copies.Current.pending`:
+    the keys kept as the rule picks them in `begin`)."""
+    state.scores.begin(call)
+    current = state.current
+    if current is not None and current.pending is not None:
+        store, current.pending = current.pending, None
+        store()
 
 
 def make_call(module, query, key, value, scaling, softcap, position_ids, indices=None) -> AttentionCall:

@@ -287,12 +287,12 @@ class AttentionScheme(Scheme):
             model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
 
         def install(log: UndoLog) -> None:
-            mode = attention.HEADS
+            mode, chosen = attention.HEADS, layouts
             if scores is not None and target.check:
                 # on the model's private config (api.apply), before anything of the scheme is on the model
-                mode = attention.plumbing.verify(target, self.name, scores, layouts, impl, native,
-                                                 rotate_reference=False, install=put)
-            put(log, scores, layouts, mode)
+                mode, chosen = attention.plumbing.verify(target, self.name, scores, layouts, impl, native,
+                                                         rotate_reference=False, install=put)
+            put(log, scores, chosen, mode)
             if attach is not None:
                 attach(log)
 

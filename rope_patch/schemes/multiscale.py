@@ -18,13 +18,16 @@ What rope_patch decided, and why:
     ratio slot plus one at position 0 for the outlier score; the attention function then gives each head the
     queries and keys of its ratio's copy. The copies run the layer's own code, so whatever a layer does after RoPE
     (q/k norms, partial rotary, interleaved pairs, a shipped or stacked frequency scaling) is exact, on every
-    architecture the apply-time check proves. The price: the attention layer's projections run on (n + 1)·b rows and
-    the cache keeps n + 1 key sets and one value set ((n + 2)/2 of vanilla's cache): 4× projections and 2.5× cache on
-    SmolLM2 (3 KV heads), but 33× / 17× on an MHA model with 32 heads (Llama 2, the authors' Vicuna). A per-head
-    rotation inside the attention function (deferred RoPE) would cost one rotation of the cached keys per step and
-    one key set, but is exact only where nothing sits between RoPE and the scores; left for a later cheaper path.
-    A one-row decoding step reads each KV head's keys in place from its ratio's set (`MultiScaleScores.logits`):
-    it reads one key set, as vanilla's step does, and copies none; the cache stays (n + 2)/2 of vanilla's.
+    architecture the apply-time check proves. The price: the attention layer's projections run on (n + 1)·b rows
+    (4× on SmolLM2's 3 KV heads, 33× on an MHA model with 32 heads: Llama 2, the authors' Vicuna). The cache keeps
+    what a head reads: once a prompt has fixed the order, KV head g's keys of its ratio alone (`Layout.chosen`), so
+    the cache is vanilla's and a decoding step reads one key set, as vanilla's does. The prompt's keys are stored
+    after its attention computed the order (attention/copies.py `CacheView`). Exception: a layer that reads another
+    layer's cached keys (KV sharing: Gemma 3n, Gemma 4) would need them in its own order, so on such models (found
+    by the apply-time check) the cache keeps all n + 1 key sets ((n + 2)/2 of vanilla's) and a one-row step reads
+    each KV head's set in place (`MultiScaleScores.logits`), copying none. A per-head rotation inside the attention
+    function (deferred RoPE) would run the projections once, but is exact only where nothing sits between RoPE and
+    the scores.
 (b) GQA: one ratio per KV head (n = number of KV heads), shared by the query heads of its group, whose outlier
     scores are averaged. The authors' code targets MHA (Llama 2 / Vicuna): on GQA it rotates each query head with its
     own ratio and the shared keys with the ratio of the group's first query head, so q and k of the other heads
@@ -116,7 +119,9 @@ def visible_keys(call: attention.AttentionCall) -> torch.Tensor:
 class MultiScaleScores(attention.AttentionRule):
     """Each KV head (and its query heads) reads the queries and keys of its ratio's copy: `queries[1 + order[g]]`,
     `keys[1 + order[g]]`; copy 0 (position 0) gives the outlier scores of a prefill. A layer handed over as one copy
-    (a layer the scheme skips) attends as the model does. `orders[layer_idx]` (b, Hkv): the prompt's head order."""
+    (a layer the scheme skips) attends as the model does. `orders[layer_idx]` (b, Hkv): the prompt's head order. After
+    the prompt the cache hands back one key set, each head's ratio set (`chosen_sets`), except on a model whose layers
+    share keys (module docstring, (a))."""
 
     def __init__(self):
         self.orders: dict[int, torch.Tensor] = {}
@@ -142,6 +147,15 @@ class MultiScaleScores(attention.AttentionRule):
             self.orders[layer] = head_order(call.queries[0][:, :, :, -1:], call.keys[0],
                                             visible_keys(call), call)
             self.chosen[layer] = self.orders[layer][0].tolist()  # one row's, read by its decoding steps
+        order = self.order(layer, b)
+        rows, heads = torch.arange(b, device=order.device)[:, None], torch.arange(hkv, device=order.device)[None, :]
+        call.scratch["q"] = torch.stack(call.queries[1:hkv + 1])[order, rows, heads]  # (b, Hkv, G, q, d)
+        call.scratch["order"] = order
+        if len(call.keys) == 1:  # the cache kept each head's chosen keys alone (`chosen_sets`)
+            call.scratch["k"] = call.key
+
+    def order(self, layer: int, b: int) -> torch.Tensor:
+        """(b, Hkv): the head order of the layer's latest prompt, or a clear error where there is none for b rows."""
         order = self.orders.get(layer)
         if order is None or order.shape[0] != b:
             raise ValueError(
@@ -149,9 +163,11 @@ class MultiScaleScores(attention.AttentionRule):
                 f"({'none computed' if order is None else f'the last prompt had batch {order.shape[0]}'}): the order is "
                 "computed when a call's queries are all its keys (the prompt). Start from the prompt with an empty "
                 "cache (model.generate does).")
-        rows, heads = torch.arange(b, device=order.device)[:, None], torch.arange(hkv, device=order.device)[None, :]
-        call.scratch["q"] = torch.stack(call.queries[1:hkv + 1])[order, rows, heads]  # (b, Hkv, G, q, d)
-        call.scratch["order"] = order
+        return order
+
+    def chosen_sets(self, layer_idx, rows):
+        """Key set 1 + order[g] for KV head g (set 0: position 0, read only by a prompt's order)."""
+        return self.order(layer_idx, rows) + 1
 
     @staticmethod
     def keys(call) -> torch.Tensor:
@@ -167,8 +183,8 @@ class MultiScaleScores(attention.AttentionRule):
         q = call.scratch["q"][:, :, :, rows]
         if len(call.keys) == 1 or q.shape[0] > 1 or call.query.shape[3] > attention.settings.DECODE_ROWS:
             return call.qk(q, self.keys(call)[:, :, start:end])
-        # a decoding step of one row: each KV head's scores read its ratio's cached key set in place, where gathering
-        # the chosen heads would copy every cached key at every step (Hkv small matmuls instead)
+        # a decoding step of one row with every key set cached (KV sharing): each KV head's scores read its ratio's
+        # set in place, where gathering the chosen heads would copy every cached key at every step
         chosen = self.chosen[call.module.layer_idx]
         return torch.cat([call.qk(q[:, g:g + 1], call.keys[1 + s][:, g:g + 1, start:end]) for g, s in enumerate(chosen)],
                          dim=1)
@@ -262,7 +278,7 @@ class MsPoE(AttentionScheme):
             return None
         n = _kv_heads(module)
         return attention.Layout((AtZero(), *(Scaled(r) for r in ratios(self.min_ratio, self.max_ratio, n))),
-                                key_copies=tuple(range(n + 1)))
+                                key_copies=tuple(range(n + 1)), chosen=True)
 
     def build(self, target):
         return MultiScaleScores(), None

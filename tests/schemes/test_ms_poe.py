@@ -91,48 +91,98 @@ def test_authors_code_on_gqa_mixes_scales_and_rope_patch_does_not():
     assert (logits(model, ids) - authors).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("arch,backend", [("llama", "eager"), ("qwen2", "sdpa"), ("gemma2", "eager")])
-def test_cached_generation_equals_full_forward_with_the_prompt_order(arch, backend):
-    """Greedy decoding of a left-padded batch with the KV cache: every step's logits are the paper reference's on the
-    whole sequence with the head order of the prompt."""
-    model = model_with(arch, backend)
-    ids, kw = batch(True, n=24)
-    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+GEN = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+
+
+def generated(model, ids, mask=None):
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=kw["attention_mask"], use_cache=True, **gen)
-    if arch == "gemma2":  # no plain-math reference for gemma2's layout: the same steps without the order recomputed
-        full = torch.cat([kw["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)
-        prompt_order = {k: v.clone() for k, v in rule(model).orders.items()}
-        want = torch.stack(list(out.logits), 1)
-        # the same logits from one cached call over all generated tokens after the prompt (chunked prefill)
-        cache = model(ids, attention_mask=kw["attention_mask"], use_cache=True).past_key_values
-        step = model(out.sequences[:, 24:-1], attention_mask=full[:, :-1], cache=cache).logits
-        got = torch.cat([model(ids, attention_mask=kw["attention_mask"]).logits[:, -1:], step], 1)
-        assert torch.equal(rule(model).orders[1], prompt_order[1])
-        assert (got - want).abs().max().item() <= 1e-5
-        return
-    _, prompt_orders = paper_forward(model, ids, P, kw["attention_mask"])
-    full = torch.cat([kw["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)
-    want, _ = paper_forward(model, out.sequences, P, full, orders=prompt_orders)
-    got = torch.stack(list(out.logits), 1)
-    assert (got - want[:, 23:23 + NEW]).abs().max().item() <= 1e-5
+        return model.generate(ids, attention_mask=mask, use_cache=True, **GEN)
+
+
+def prompt_order_logits(model, ids, out, mask=None):
+    """The logits of the generated tokens from one forward over the whole sequence with the prompt's head order:
+    the paper reference where it has the architecture's layout (plain Llama-style layers), else the model itself
+    with the prompt in its cache and the generated tokens in one cached call (a chunked prefill: the layer copies run
+    one after another, the steps ran stacked)."""
+    n = ids.shape[1]
+    full = None if mask is None else torch.cat([mask, torch.ones(ids.shape[0], NEW, dtype=torch.long)], dim=1)
+    if model.config.model_type in ("llama", "qwen2", "mistral"):
+        _, prompt_orders = paper_forward(model, ids, P, mask)
+        want, _ = paper_forward(model, out.sequences, P, full, orders=prompt_orders)
+        return want[:, n - 1:n - 1 + NEW]
+    prompt_order = {k: v.clone() for k, v in rule(model).orders.items()}
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        step = model(out.sequences[:, n:-1], attention_mask=None if full is None else full[:, :-1], cache=cache).logits
+        last = model(ids, attention_mask=mask).logits[:, -1:]
+    assert all(torch.equal(rule(model).orders[k], v) for k, v in prompt_order.items())
+    return torch.cat([last, step], 1)
+
+
+# gemma3n: its last layers read the keys of earlier ones (KV sharing), so the cache keeps every key set; no layer
+# skipped (a skipped layer's keys, read by a later one, would have one set: the apply-time check refuses that)
+CACHED = [("llama", "eager"), ("qwen2", "sdpa"), ("gemma2", "eager"), ("gemma3n", "sdpa")]
+SHARING = {"gemma3n": {**P, "skip_layers": 0}}
+
+
+@pytest.mark.parametrize("arch,backend", CACHED)
+def test_cached_generation_equals_full_forward_with_the_prompt_order(arch, backend):
+    """Greedy decoding of a left-padded batch with the KV cache: every step's logits are those of the whole sequence
+    with the head order of the prompt."""
+    model = model_with(arch, backend, SHARING.get(arch, P))
+    ids, kw = batch(True, n=24)
+    out = generated(model, ids, kw["attention_mask"])
+    want = prompt_order_logits(model, ids, out, kw["attention_mask"])
+    assert (torch.stack(list(out.logits), 1) - want).abs().max().item() <= 1e-5
 
 
 # seed and row of a prompt whose order is not the heads' own (a swap the step must read)
-@pytest.mark.parametrize("arch,backend,seed,row", [("llama", "eager", 0, 1), ("qwen2", "sdpa", 1, 0)])
-def test_one_row_decoding_reads_each_heads_key_set_in_place(arch, backend, seed, row):
-    """A one-row generation's steps score each KV head against its ratio's cached key set in place (no gathered copy
-    of the cache): every step's logits are the paper reference's with the prompt's head order."""
-    model = model_with(arch, backend)
+ONE_ROW = [("llama", "eager", 0, 1), ("qwen2", "sdpa", 1, 0), ("gemma3n", "sdpa", 0, 0)]
+
+
+@pytest.mark.parametrize("arch,backend,seed,row", ONE_ROW)
+def test_one_row_decoding_reads_each_heads_chosen_keys(arch, backend, seed, row):
+    """A one-row generation's steps score each KV head against its ratio's keys: the cache's only keys of the head
+    where it keeps the chosen sets alone, the head's set in place where it keeps them all (gemma3n): every step's
+    logits are those of the whole sequence with the prompt's head order."""
+    model = model_with(arch, backend, SHARING.get(arch, P))
     ids = token_batch(24, seed)[0][row:row + 1]
-    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        out = model.generate(ids, use_cache=True, **gen)
-    _, prompt_orders = paper_forward(model, ids, P, None)
-    want, _ = paper_forward(model, out.sequences, P, None, orders=prompt_orders)
-    assert rule(model).chosen[1] != sorted(rule(model).chosen[1])  # heads read other sets than their own index
-    got = torch.stack(list(out.logits), 1)
-    assert (got - want[:, 23:23 + NEW]).abs().max().item() <= 1e-5
+    out = generated(model, ids)
+    assert any(c != sorted(c) for c in rule(model).chosen.values())  # heads read other sets than their own
+    assert (torch.stack(list(out.logits), 1) - prompt_order_logits(model, ids, out)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch,backend", CACHED)
+def test_cache_keeps_the_chosen_keys_alone_unless_layers_share_keys(arch, backend):
+    """Once the prompt fixed the order, the cache of a layer Ms-PoE applies to holds the model's key heads (each head's
+    ratio set alone, vanilla's size); on a model whose layers read other layers' cached keys (gemma3n) every set,
+    1 + KV heads of them, so that each layer reads its own order's."""
+    params = SHARING.get(arch, P)
+    model, vanilla = model_with(arch, backend, params), tiny(arch, backend)
+    ids, kw = batch(True, n=24)
+    shapes = []
+    for m in (model, vanilla):
+        with torch.no_grad():
+            cache = m(ids, attention_mask=kw["attention_mask"], use_cache=True).past_key_values
+            m(ids[:, :1], attention_mask=torch.ones(2, 25, dtype=torch.long), cache=cache)  # and a step after it
+        shapes.append([tuple(layer.keys.shape) for layer in cache.layers if getattr(layer, "keys", None) is not None])
+    shares = getattr(vanilla.config, "num_kv_shared_layers", 0)
+    for i, (got, want) in enumerate(zip(*shapes, strict=True)):
+        sets = vanilla.config.num_key_value_heads + 1 if shares and i >= params["skip_layers"] else 1
+        assert got == (want[0], sets * want[1], *want[2:]), (i, got, want)
+
+
+def test_layers_that_share_keys_are_refused_without_the_check():
+    """With the apply-time check skipped, a layer that reads another layer's cached keys finds them as the storing
+    layer's order picked them: a clear error at the cached prompt, not another model."""
+    params = SHARING["gemma3n"]
+    model = rope_patch.apply(tiny("gemma3n"), "ms_poe", **params, check=False)
+    ids, kw = batch(True, n=24)
+    checked = model_with("gemma3n", params=params)
+    got, want = (logits(m, ids, **kw, use_cache=False) for m in (model, checked))
+    assert (got - want)[real(ids, kw)].abs().max() <= 1e-5  # without a cache, nothing is shared through it
+    with pytest.raises(attention.NotProven, match="another layer stored in the cache"):
+        model(ids, **kw, use_cache=True)
 
 
 def test_without_cache_each_input_is_its_own_prompt():
