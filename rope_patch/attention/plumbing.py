@@ -19,7 +19,8 @@ one-token steps. Every attention layer call also runs
       the layer's own rotation moves;
 and the layer must have called rope_patch's attention function, and must not have raised (e.g. `NotProven`: a layer
 that writes to its cache other than through `update`). The cache's hand-back (`CacheView` HEADS, else ROWS; SPLIT where the values
-move with the positions, DeepSeek-V4's K = V) is the first that passes.
+move with the positions, DeepSeek-V4's K = V) is the first that passes. A layout whose cache keeps one key set per
+head (`Layout.chosen`, Ms-PoE) keeps every set instead where a layer reads keys another layer stored (`SharedKeys`).
 
 Cost. About 3 + c forwards of a `length`-token input per mode tried (c position copies; `length` ≥ 48 and beyond
 every sliding window / attention chunk / sparse top-k the config or layers declare, at most 1040), in the model's
@@ -277,6 +278,8 @@ class SideBySide:
         elif type(embeddings) is dict:  # DeepSeek-V4: {"main", "compress"}
             call["position_embeddings"] = {k: embed(v, v.position_ids + SHIFT) if source(v) is not None else v
                                            for k, v in embeddings.items()}
+        shared = {name: value for where in (call, extra) for name, value in where.items()
+                  if isinstance(value, MutableMapping)}
         for where in (call, extra):
             if where.get("position_ids") is not None:
                 where["position_ids"] = where["position_ids"] + SHIFT
@@ -291,6 +294,17 @@ class SideBySide:
         memory = MemoryPositions(memory_rotaries(module), (Shifted(),), b, given, [])
         try:
             self._with_backend(CAPTURE, call, extra)
+        except Exception as e:
+            # shared state only the model's own run holds was stored by a layer without the side-by-side run: one
+            # this scheme leaves as it is (skip_layers), whose keys this layer would read at the model's positions
+            unfed = [f"{name}[{k!r}]" for name, value in shared.items()
+                     for k in value if k not in check.shadow(value, "moved")]
+            if not unfed:
+                raise
+            check.note(module, f"it reads keys another layer stored ({', '.join(unfed)}: KV sharing), and that layer "
+                               "is one the scheme leaves as it is, so this layer would read them at the model's "
+                               "positions, not the scheme's: patch both layers or neither (skip_layers)")
+            raise Stop from e
         finally:
             memory.close()
         q, k = module.__dict__.pop("_rope_patch_captured")

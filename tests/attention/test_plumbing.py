@@ -57,6 +57,19 @@ def test_an_architecture_is_checked_once_per_process_and_check_false_skips_it(mo
     assert len(runs) == 2
 
 
+def test_a_model_whose_layers_run_other_copies_is_checked_again(monkeypatch):
+    """The verdict is kept per copies run by each layer too: on Gemma 3n, whose later layers read earlier layers' keys,
+    Ms-PoE on every layer passes, and skipping the first (whose keys a later layer reads, rotated the model's way) is
+    refused with the layer that reads them, also after the first passed."""
+    monkeypatch.setattr(plumbing, "CHECKED", {})
+    params = {"min_ratio": 1.2, "max_ratio": 1.8}
+    rope_patch.apply(tiny_model("gemma3n", attn_implementation="sdpa"), "ms_poe", **params, skip_layers=0)
+    model = tiny_model("gemma3n", attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"layer 2\): it reads keys another layer stored .*patch both layers or neither"):
+        rope_patch.apply(model, "ms_poe", **params, skip_layers=1)
+    assert rope_patch.current(model) is None
+
+
 def test_a_refused_check_can_be_overridden_and_then_gives_the_other_model():
     """check=False is the user's own risk: on HunYuan the old design is then what it was, a different model."""
     model = tiny_model("hunyuan_v1_dense", attn_implementation="sdpa")
