@@ -1,6 +1,7 @@
 """The flex_attention stand-in: one `torch.nn.attention.flex_attention` call with a `score_mod` (the bias) under
 transformers' BlockMask (causal, padding, sliding window), or two calls (near band / far part) merged by log-sum-exp
-for the two-rotation schemes. Compiled (settings.FLEX_COMPILE), as transformers' own flex backend is, in a function of its own (`compiled_flex`)."""
+for the two-rotation schemes. Compiled (settings.FLEX_COMPILE), as transformers' own flex backend is, in a function
+of rope_patch's own (`compiled_flex`)."""
 
 from __future__ import annotations
 
