@@ -1,7 +1,8 @@
 """The flex_attention stand-in: one `torch.nn.attention.flex_attention` call with a `score_mod` (the bias) under
 transformers' BlockMask (causal, padding, sliding window), or two calls (near band / far part) merged by log-sum-exp
 for the two-rotation schemes. Compiled (settings.FLEX_COMPILE), as transformers' own flex backend is, in a function
-of rope_patch's own (`compiled_flex`)."""
+of rope_patch's own (`compiled_flex`). A decoding step (≤ settings.DECODE_ROWS query rows) takes the blocked
+function's one-row path with the BlockMask's rows as its mask."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import transformers
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from . import settings
+from .blocked import blocked_attention
 from .copies import NotProven
 from .protocol import STATE, AttentionCall, begin, make_call, placeholder, restack, stand_in
 
@@ -122,6 +124,18 @@ def restrict_block_mask(block_mask, call: AttentionCall, window: int, near: bool
                                     seq_lengths=(q_len, k_len))
 
 
+def step_mask(block_mask: BlockMask | None, q_len: int, k_len: int) -> torch.Tensor | None:
+    """(B, 1, q, k) bool: a BlockMask's element rule (its mask_mod, from which transformers built its blocks) for the
+    few query rows of a decoding step, as the sdpa-style functions take a mask."""
+    if block_mask is None:
+        return None
+    dev = block_mask.kv_num_blocks.device
+    rows = torch.arange(block_mask.shape[0], device=dev)[:, None, None, None]
+    q = torch.arange(q_len, device=dev)[None, None, :, None]
+    seen = block_mask.mask_mod(rows, torch.zeros_like(q), q, torch.arange(k_len, device=dev)[None, None, None, :])
+    return seen.bool().expand(block_mask.shape[0], 1, q_len, k_len)  # (a rule that reads no index: one value)
+
+
 def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
     """transformers attention-function signature on top of flex_attention: `attention_mask` is transformers' BlockMask
     (causal, padding, sliding window) from `flex_attention_mask`. Returns (out (b, q, H, d), None)."""
@@ -129,6 +143,11 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
     if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
         return stand_in("flex_attention", module)(module, query, key, value, attention_mask, dropout=dropout,
                                                   scaling=scaling, softcap=softcap, **kwargs)
+    if query.shape[2] <= settings.DECODE_ROWS and not module.training:
+        # a decoding step: one row of scores per head (the blocked function's materialised path, the same math) costs
+        # less than flex's calls, each with its block masks and its compiled variant's guards
+        return blocked_attention(module, query, key, value, step_mask(attention_mask, query.shape[2], key.shape[2]),
+                                 dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
     waiting = placeholder(module, query, key, value)  # a copy that runs before copy 0 (attention/copies.py)
     if waiting is not None:
         return waiting, None

@@ -60,6 +60,23 @@ def test_flex_matches_reference(scheme, params, compiled, padded, monkeypatch, f
     assert (got - want)[real].abs().max().item() <= 1e-5
 
 
+FLEX_STEPS = [(s, p) for s, p, _ in FLEX if s != "nope"] + [("dca", {"chunk_size": 48, "local_size": 8}),
+                                                             ("ms_poe", {"min_ratio": 1.2, "max_ratio": 1.8})]
+
+
+@pytest.mark.parametrize("scheme,params", FLEX_STEPS, ids=[s for s, _ in FLEX_STEPS])
+def test_flex_decoding_steps_take_the_one_row_path_and_equal_recomputation(scheme, params, monkeypatch):
+    """A decoding step on the flex backend reads its BlockMask's rows and takes the blocked function's one-row path (no
+    flex call: on a GPU each costs its block masks and its compiled variant's guards); left-padded greedy decoding
+    with the cache equals recomputation without it."""
+    monkeypatch.setattr(attention.settings, "FLEX_COMPILE", False)
+    rows = []
+    run = attention.flex.flex_attention
+    monkeypatch.setattr(attention.flex, "flex_attention", lambda q, *a, **k: rows.append(q.shape[2]) or run(q, *a, **k))
+    assert_cached_decoding_equals_recomputation(patched_model("llama", "flex_attention", scheme, params), n=24)
+    assert rows and min(rows) > attention.settings.DECODE_ROWS
+
+
 def test_flex_remove_restores_model_exactly(fresh_compile, monkeypatch):
     monkeypatch.setattr(attention.settings, "FLEX_COMPILE", False)
     model = tiny_model("llama", attn_implementation="flex_attention")
