@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when rope_patch is not installed
 
 import rope_patch  # noqa: E402
-from rope_patch.attention import settings  # noqa: E402
+from rope_patch.attention import flex, settings  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "gpu_check.json"  # the checkout's out/, ignored by git
 
@@ -218,17 +218,6 @@ def decode(device, prompt: int, new: int, deadline: float) -> list[dict]:
     return rows
 
 
-def _flex_variants() -> int | None:
-    """How many compiled variants rope_patch's flex function holds (flex.compiled_flex: past its limit a call raises)."""
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        from rope_patch.attention import flex
-    except ImportError:
-        return None
-    return len(_debug_get_cache_entry_list(flex._flex_attention.__code__))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -252,7 +241,7 @@ def main() -> int:
     rows = exactness(device, compile_flex=not args.no_compile)
     rows += speed(device, args.lengths, start + 0.6 * args.budget_s)  # decoding keeps the budget's last 40%
     rows += decode(device, args.decode_prompt, args.decode_new, start + args.budget_s)
-    info["flex_variants"] = _flex_variants()
+    info["flex_variants"] = flex.compiled_variants()  # past settings.FLEX_RECOMPILES a call raises
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"info": info, "rows": rows, "elapsed_s": time.monotonic() - start}, indent=1))
     bad = [r for r in rows if "error" in r or r.get("ok") is False]

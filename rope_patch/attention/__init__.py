@@ -13,7 +13,7 @@ Two functions are registered once, under names of our own (no existing key is to
 
     rope_patch_flex     flex_attention: one `torch.nn.attention.flex_attention` call with a `score_mod` (the bias) under
                         transformers' BlockMask (causal, padding, sliding window), or two calls (near band / far part)
-                        merged by log-sum-exp for the two-rotation schemes. Compiled like transformers' own flex.
+                        merged by log-sum-exp for the two-rotation schemes; compiled in a function of its own.
     rope_patch_fa2      flash-attention-2 with `alibi_slopes` (ALiBi only; `flash_attn` on CUDA). The name avoids the
                         substring "flash": transformers rewrites such names to its kernel fallbacks.
 
@@ -53,7 +53,7 @@ from .blocked import (
 )
 from .copies import HEADS, ROWS, SEQUENTIAL, SPLIT, CacheView, Identity, Layout, NotProven, Reentry, memory_rotaries
 from .flash import flash_module
-from .flex import causal_block_mask, flex_available, flex_call, restrict_block_mask
+from .flex import causal_block_mask, flex_available, flex_call, mask_rows, restrict_block_mask
 from .protocol import PLAIN, STATE, AttentionCall, AttentionRule, Partial, Plain, fit_rows, merge
 from .registration import BACKENDS, BLOCKED, DENSE, FA2, FLEX, AttnState, register
 from .rotation import Rotation, floor_div
@@ -61,6 +61,6 @@ from .rotation import Rotation, floor_div
 __all__ = [
     "BACKENDS", "PLAIN", "Plain", "HEADS", "ROWS", "SEQUENTIAL", "SPLIT", "memory_rotaries", "CacheView", "Identity", "Layout", "NotProven", "Reentry", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",
     "Rotation", "band_partial", "blocked_attention", "causal_block_mask", "dense_attention", "fit_rows",
-    "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "flex_available", "flex_call", "floor_div", "merge",
+    "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "flex_available", "flex_call", "floor_div", "mask_rows", "merge",
     "plumbing", "register", "restrict_block_mask", "settings",
 ]

@@ -37,6 +37,15 @@ def compiled_flex():
     return torch.compile(_flex_attention)
 
 
+def compiled_variants() -> int | None:
+    """How many compiled variants `compiled_flex` holds in this process (None where torch does not say)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return None
+    return len(_debug_get_cache_entry_list(_flex_attention.__code__))
+
+
 def _run_compiled(q, k, v, **kwargs):
     import torch._dynamo
 
@@ -124,16 +133,14 @@ def restrict_block_mask(block_mask, call: AttentionCall, window: int, near: bool
                                     seq_lengths=(q_len, k_len))
 
 
-def step_mask(block_mask: BlockMask | None, q_len: int, k_len: int) -> torch.Tensor | None:
-    """(B, 1, q, k) bool: a BlockMask's element rule (its mask_mod, from which transformers built its blocks) for the
-    few query rows of a decoding step, as the sdpa-style functions take a mask."""
-    if block_mask is None:
-        return None
+def mask_rows(block_mask: BlockMask, first: int, count: int, k_len: int) -> torch.Tensor:
+    """(B, 1, count, k) bool: a BlockMask's element rule (its mask_mod, from which transformers built its blocks) for
+    the query rows first … first + count − 1 over k_len keys, as the sdpa-style functions take a mask."""
     dev = block_mask.kv_num_blocks.device
-    rows = torch.arange(block_mask.shape[0], device=dev)[:, None, None, None]
-    q = torch.arange(q_len, device=dev)[None, None, :, None]
-    seen = block_mask.mask_mod(rows, torch.zeros_like(q), q, torch.arange(k_len, device=dev)[None, None, None, :])
-    return seen.bool().expand(block_mask.shape[0], 1, q_len, k_len)  # (a rule that reads no index: one value)
+    b = torch.arange(block_mask.shape[0], device=dev)[:, None, None, None]
+    q = torch.arange(first, first + count, device=dev)[None, None, :, None]
+    seen = block_mask.mask_mod(b, torch.zeros_like(q), q, torch.arange(k_len, device=dev)[None, None, None, :])
+    return seen.bool().expand(block_mask.shape[0], 1, count, k_len)  # (a rule that reads no index: one value)
 
 
 def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
@@ -146,8 +153,10 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
     if query.shape[2] <= settings.DECODE_ROWS and not module.training:
         # a decoding step: one row of scores per head (the blocked function's materialised path, the same math) costs
         # less than flex's calls, each with its block masks and its compiled variant's guards
-        return blocked_attention(module, query, key, value, step_mask(attention_mask, query.shape[2], key.shape[2]),
-                                 dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
+        if attention_mask is not None:
+            attention_mask = mask_rows(attention_mask, 0, query.shape[2], key.shape[2])
+        return blocked_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 softcap=softcap, **kwargs)
     waiting = placeholder(module, query, key, value)  # a copy that runs before copy 0 (attention/copies.py)
     if waiting is not None:
         return waiting, None

@@ -105,9 +105,7 @@ def visible_keys(call: attention.AttentionCall) -> torch.Tensor:
     if mask is None:
         seen = torch.ones(1, k_len, dtype=torch.bool, device=dev)
     elif isinstance(mask, BlockMask):
-        b = torch.arange(call.query.shape[0], device=dev)[:, None]
-        q = torch.full((1, 1), call.query.shape[3] - 1, device=dev)
-        seen = mask.mask_mod(b, torch.zeros_like(q), q, torch.arange(k_len, device=dev)[None, :]).bool()
+        seen = attention.mask_rows(mask, call.query.shape[3] - 1, 1, k_len)[:, 0, 0]
     else:
         row = mask[:, 0, -1, :]
         seen = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2

@@ -25,12 +25,6 @@ SCHEMES = [
 ]
 
 
-def _variants() -> int:
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    return len(_debug_get_cache_entry_list(flex._flex_attention.__code__))
-
-
 @pytest.fixture
 def compiled(monkeypatch):
     """flex compiled (dynamo, eager backend) from a clean dynamo cache; the models are patched uncompiled first, as
@@ -59,7 +53,7 @@ def test_schemes_in_one_process_stay_compiled_and_exact(compiled):
             ids = token_batch(n, 0, 0)[0]
             got = logits(model, ids)
             assert (got - reference_forward(model, ids, scheme, params, None)).abs().max().item() <= 1e-5, (scheme, n)
-    assert 0 < _variants() <= len(SCHEMES) + 1  # one or two per scheme (one call kind, or the near and far calls)
+    assert 0 < flex.compiled_variants() <= len(SCHEMES) + 1  # one or two per scheme (one call kind, or the near and far calls)
 
 
 def test_a_call_past_the_limit_raises_instead_of_running_uncompiled(compiled, monkeypatch):
@@ -80,4 +74,4 @@ def test_the_memory_layout_of_the_inputs_makes_no_variant(compiled):
     kwargs = dict(scale=0.3, enable_gqa=True)
     first = flex._run_compiled(q, k, v, **kwargs)
     second = flex._run_compiled(q.contiguous(), k.contiguous(), v, **kwargs)
-    assert torch.equal(first, second) and _variants() == 1
+    assert torch.equal(first, second) and flex.compiled_variants() == 1
