@@ -215,6 +215,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         elif m.dtype == torch.bool:
             # finfo.min rather than -inf: a fully masked row (a left-pad query) stays finite, as in transformers
             s = s.masked_fill(~m, torch.finfo(s.dtype).min)
+        elif m.dtype == torch.float64:
+            # a float64 model's additive mask holds finfo(float64).min, -inf in the float32 scores: a fully masked row
+            # (a left-pad query) would be NaN, and through the next layer's values every token of its row. Clamped to
+            # float32's own minimum it stays finite, as a float32 model's row does (transformers' eager code casts
+            # the same mask to float32 for its softmax and gives NaN there)
+            s = s + m.clamp_min(torch.finfo(torch.float32).min).float()
         else:
             s = s + m.float()
         if sinks is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.coverage import backend, batch
-from helpers.models import logits, tiny_model
+from helpers.models import logits, tiny_model, token_batch
 
 import rope_patch
 from rope_patch.attention import plumbing
@@ -84,3 +84,28 @@ def test_the_check_length_passes_every_window_the_layers_declare():
     modules = [m for m in model.modules() if hasattr(m, "sliding_window")]
     assert plumbing.length(model, modules) == 116
     assert plumbing.length(tiny_model("llama"), []) == plumbing.MIN_LENGTH
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_check_accepts_a_scheme_in_every_dtype_and_backend(monkeypatch, dtype, attn):
+    """float64 eager was refused ("nan relative"): its additive mask holds finfo(float64).min, -inf in float32 scores,
+    so a left-pad query's row was NaN, and through the next layer's values so was every token of its row."""
+    monkeypatch.setattr(plumbing, "CHECKED", {})
+    model = tiny_model("llama", attn_implementation=attn).to(dtype)
+    rope_patch.apply(model, "rerope", window_size=8)
+    assert rope_patch.current(model) is not None
+
+
+@pytest.mark.parametrize("scheme, params", [("rerope", {"window_size": 64}),
+                                            ("self_extend", {"group_size": 2, "window_size": 64})])
+def test_a_float64_eager_model_with_left_padding_keeps_its_tokens_finite_and_exact(scheme, params):
+    """At a window over the input the scheme is the model: real tokens equal the model's own float64 sdpa logits
+    (transformers' own float64 eager gives NaN for the whole left-padded row there); scores in float32 as always."""
+    ids, kw = token_batch(20, pad=3)
+    real = kw["attention_mask"].bool()
+    want = logits(tiny_model("llama", attn_implementation="sdpa").to(torch.float64), ids, **kw)
+    model = rope_patch.apply(tiny_model("llama", attn_implementation="eager").to(torch.float64), scheme, **params)
+    got = logits(model, ids, **kw)
+    assert torch.isfinite(got[real]).all()
+    assert (got - want)[real].abs().max() <= 1e-6
