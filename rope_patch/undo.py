@@ -97,22 +97,31 @@ class AddModule:
 
 @dataclasses.dataclass
 class AddHook:
-    """A forward pre-hook (an object of a module-level class, so it pickles). Kept by its id in the module's own hook
-    dicts rather than through a `RemovableHandle`, which holds a weak reference and does not survive a copy."""
+    """A forward pre-hook, or with `after` a forward hook (an object of a module-level class, so it pickles). Kept by
+    its id in the module's own hook dicts rather than through a `RemovableHandle`, which holds a weak reference and
+    does not survive a copy."""
 
     module: nn.Module
     hook: object
     hook_id: int
     with_kwargs: bool
+    after: bool = False
+
+    def _dicts(self) -> tuple[dict, dict]:
+        if self.after:
+            return self.module._forward_hooks, self.module._forward_hooks_with_kwargs
+        return self.module._forward_pre_hooks, self.module._forward_pre_hooks_with_kwargs
 
     def undo(self, log: UndoLog) -> None:
-        self.module._forward_pre_hooks.pop(self.hook_id, None)
-        self.module._forward_pre_hooks_with_kwargs.pop(self.hook_id, None)
+        hooks, with_kwargs = self._dicts()
+        hooks.pop(self.hook_id, None)
+        with_kwargs.pop(self.hook_id, None)
 
     def redo(self, log: UndoLog) -> None:
-        self.module._forward_pre_hooks[self.hook_id] = self.hook
+        hooks, with_kwargs = self._dicts()
+        hooks[self.hook_id] = self.hook
         if self.with_kwargs:
-            self.module._forward_pre_hooks_with_kwargs[self.hook_id] = True
+            with_kwargs[self.hook_id] = True
 
 
 PATCH_ONLY_PREFIX = "rope_patch_"  # rope_patch's own attention-function names (rope_patch.attention)
@@ -220,9 +229,13 @@ class UndoLog(nn.Module):
         parent.add_module(name, child)
         self._push(AddModule(parent, name, child))
 
-    def add_hook(self, module: nn.Module, hook, *, with_kwargs: bool = False) -> None:
-        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
-        self._push(AddHook(module, hook, handle.id, with_kwargs))
+    def add_hook(self, module: nn.Module, hook, *, with_kwargs: bool = False, after: bool = False) -> None:
+        """A forward pre-hook on `module`, or with `after` a forward hook (it sees the output)."""
+        if after:
+            handle = module.register_forward_hook(hook, with_kwargs=with_kwargs)
+        else:
+            handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        self._push(AddHook(module, hook, handle.id, with_kwargs, after))
 
     def private_config(self, model: nn.Module):
         """Give every module of `model` that holds `model.config` a private deep copy of it; returns the copy.
