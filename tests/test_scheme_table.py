@@ -3,6 +3,9 @@ added without its row fails here, and so does a row whose scheme is gone (the su
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from helpers.schemes import BY_NAME, SCHEMES
 
@@ -32,3 +35,36 @@ def test_a_row_is_a_valid_scheme_of_its_family(name):
     scheme = rope_patch.as_scheme(name, **row.params)
     assert type(scheme).kind == row.family
     assert parse_scheme_spec(row.spec) == scheme  # the row's spec string is the same scheme
+
+
+# ---- the README's account of the schemes ---------------------------------------------------------------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
+_UNITS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
+         "seventeen eighteen nineteen".split()
+_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
+
+
+def _number(words: str) -> int:
+    """'Twenty-four' -> 24, 'nineteen' -> 19, '24' -> 24."""
+    if words.isdigit():
+        return int(words)
+    total = 0
+    for part in words.lower().split("-"):
+        total += _TENS[part] if part in _TENS else _UNITS.index(part)
+    return total
+
+
+def test_the_readme_counts_the_listed_schemes():
+    """The front door's "Twenty schemes" drifted from `rope-patch list` (24) as schemes were added."""
+    intro = README.read_text(encoding="utf-8").split("\n## ", 1)[0]
+    said = re.search(r"\b([A-Za-z]+(?:-[a-z]+)?|\d+) schemes\b", intro)
+    assert said, "README.md's introduction no longer says how many schemes there are"
+    listed = rope_patch.list_schemes()
+    assert _number(said.group(1)) == len(listed), (
+        f"README.md says {said.group(0)!r}; rope-patch list shows {len(listed)}: {', '.join(listed)}")
+
+
+def test_every_listed_scheme_has_a_row_in_the_readme_table():
+    table = README.read_text(encoding="utf-8").split("\n## Schemes", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)`", table, flags=re.M))
+    assert sorted(set(rope_patch.list_schemes()) - rows) == []
