@@ -346,8 +346,8 @@ def make_call(module, query, key, value, scaling, softcap, position_ids, indices
         if recorder := module_state(module).recorder:
             recorder.placed = True
     else:
-        # gapped ids with a cache are refused before the forward (schemes/common.py CacheGuard): here they come
-        # without one, the queries' ids being every key's
+        # gapped ids come without a cache or into an empty one (a cache holding keys is refused before the forward,
+        # schemes/common.py CacheGuard): the queries' ids are every key's
         ids = gapped_ids(position_ids, q_slot, offset, k_len) if k_len == q_len else None
     return AttentionCall(module, queries[0], keys[0], value, scaling if scaling is not None else d**-0.5,
                          softcap, q_slot, offset, queries=queries, keys=keys, ids=ids, q_ids=q_ids, values=values,

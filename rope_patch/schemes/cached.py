@@ -36,7 +36,7 @@ from .. import attention
 from ..discovery import PatchSite
 from ..rotary import PatchedRotaryForward
 from ..undo import UndoLog
-from .common import AttentionScheme, CacheGuard, attention_modules, decoder
+from .common import AttentionScheme, attention_modules, decoder, guard_cache
 
 NATIVE, CONSISTENT = "native", "consistent"
 MODES = (NATIVE, CONSISTENT)
@@ -139,7 +139,7 @@ def prepare(name: str, target: PatchSite):
                 log.setattr(m, attention.STATE, state)
                 if wrap is not None:
                     log.setattr(m, "forward", wrap(m, functools.partial(type(m).forward, m)))
-            log.add_hook(decoder(model), CacheGuard(name), with_kwargs=True)
+            guard_cache(log, decoder(model), name)
             model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
 
         if target.check:

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .. import attention, discovery
 from ..discovery import PatchSite, execution_device  # noqa: F401 (re-exported for the schemes)
@@ -283,7 +283,7 @@ class AttentionScheme(Scheme):
                     inner = wrap(m, inner or functools.partial(type(m).forward, m))
                 if inner is not None:
                     log.setattr(m, "forward", inner)
-            log.add_hook(decoder(model), CacheGuard(self.name), with_kwargs=True)
+            guard_cache(log, decoder(model), self.name)
             model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
 
         def install(log: UndoLog) -> None:
@@ -361,32 +361,85 @@ def _gapped(position_ids, attention_mask) -> bool:
     return bool(step.any())
 
 
+# An attribute of a cache whose keys a forward wrote at position ids with gaps or restarts: the cache keeps no ids
+# beside its keys, so a later step that reads them is refused (`CacheGuard`); set by `CacheMark`
+GAPPED = "rope_patch_gapped_ids"
+
+
+def _key_layers(cache) -> list:
+    """The cache layers that hold keys: not a hybrid model's linear-attention layers (qwen3_next's gated delta net
+    caches a recurrent state), nor the empty placeholders of KV-shared layers (Gemma 4's DummyLayer)."""
+    layers = getattr(cache, "layers", None) or ()
+    return [layer for layer in layers if isinstance(layer, CacheLayerMixin) and not _state_only(layer)]
+
+
+def _holds_keys(cache) -> bool:
+    """Whether a cache already holds keys (a first forward gets an empty one, or none: the decoder makes it)."""
+    if cache is None:
+        return False
+    layers = _key_layers(cache)
+    if layers:
+        return any(layer.get_seq_length() > 0 for layer in layers)
+    try:
+        return cache.get_seq_length() > 0
+    except Exception:  # noqa: BLE001 (a cache that cannot say: taken as holding keys, so gapped ids are refused)
+        return True
+
+
 class CacheGuard:
-    """Forward pre-hook on the decoder: refuse caches whose key slots are not positions (static / hybrid caches)."""
+    """Forward pre-hook on the decoder: refuse caches whose key slots are not positions (static / hybrid caches), and
+    position ids with gaps or restarts where keys already in the cache would be read (the cache keeps no ids beside
+    them). A first forward on an empty cache (the one an eval-mode forward makes by default) is served exactly: its
+    keys are this forward's, whose ids the attention reads; `CacheMark` marks such a cache, and a later step that
+    reads it is refused here."""
 
     def __init__(self, scheme: str):
         self.scheme = scheme
 
     def __call__(self, module, args, kwargs):
         cache = cache_arg(kwargs)
-        layers = getattr(cache, "layers", None) or ()
-        # only layers that hold keys say anything about key slots: not a hybrid model's linear-attention layers
-        # (qwen3_next's gated delta net caches a recurrent state), nor the empty placeholders of KV-shared layers
-        # (Gemma 4's DummyLayer), which are "compileable" because they hold nothing
-        layers = [layer for layer in layers if isinstance(layer, CacheLayerMixin) and not _state_only(layer)]
+        layers = _key_layers(cache)
+        # a static cache's layers are "compileable"; a KV-shared layer's placeholder is too, but holds no keys
         if any(getattr(layer, "is_compileable", False) for layer in layers):
             raise ValueError(
                 f"{self.scheme}: a static KV cache ({type(cache).__name__}) is not supported: it pads keys to its "
                 "maximum length, so key slots stop being positions. Use the default DynamicCache (generate's default)."
             )
-        use = kwargs.get("use_cache")
-        use = getattr(getattr(module, "config", None), "use_cache", False) if use is None else use
-        uses_cache = cache is not None or bool(use)
-        if uses_cache and _gapped(kwargs.get("position_ids"), kwargs.get("attention_mask")):
+        if not _holds_keys(cache):
+            return
+        if getattr(cache, GAPPED, False):
+            raise ValueError(
+                f"{self.scheme}: this cache holds keys written at position ids with gaps or restarts (PoSE's skipped "
+                "ids, packed rows), and a cache keeps no position ids beside its keys, so this step would place each "
+                "cached key at its slot, not at its id. The forward that wrote them was exact; to go on from it, run "
+                "the whole sequence again in one forward (with use_cache=False, or on an empty cache).")
+        if _gapped(kwargs.get("position_ids"), kwargs.get("attention_mask")):
             raise ValueError(
                 f"{self.scheme}: position ids with gaps or restarts (PoSE's skipped ids, packed rows) together with a "
-                "KV cache are not supported: the cache keeps no position ids beside its keys, so a cached key's "
-                "distance would be its slot's. Run such inputs without a cache (use_cache=False), as training does.")
+                "KV cache that already holds keys are not supported: the cache keeps no position ids beside its keys, "
+                "so a cached key's distance would be its slot's. Run such inputs in one forward, without a cache "
+                "(use_cache=False, as training does) or on an empty one.")
+
+
+class CacheMark:
+    """Forward hook on the decoder: a cache a forward with gapped or restarting position ids wrote to is marked
+    (`GAPPED`), so that `CacheGuard` refuses a later step that would read its keys."""
+
+    def __call__(self, module, args, kwargs, output):
+        if not _gapped(kwargs.get("position_ids"), kwargs.get("attention_mask")):
+            return
+        found = [getattr(output, name, None) for name in ("cache", "past_key_values")]
+        if isinstance(output, tuple):  # return_dict=False
+            found += [x for x in output if isinstance(x, Cache)]
+        cache = next((c for c in found if isinstance(c, Cache)), cache_arg(kwargs))
+        if cache is not None:
+            setattr(cache, GAPPED, True)
+
+
+def guard_cache(log: UndoLog, decoder_module: nn.Module, scheme: str) -> None:
+    """`CacheGuard` and `CacheMark` on the decoder, through the undo log."""
+    log.add_hook(decoder_module, CacheGuard(scheme), with_kwargs=True)
+    log.add_hook(decoder_module, CacheMark(), with_kwargs=True, after=True)
 
 
 def sinusoid(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:

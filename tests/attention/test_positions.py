@@ -2,7 +2,9 @@
 ids, as the rotary embedding has it. PoSE (Zhu et al. 2024) skips ids between chunks of a training window; packed
 rows restart their ids at 0 for each sequence. Without a cache every attention-side scheme decides its regions
 (window, groups, chunks, shift) and its bias by those differences, and masks the keys of an earlier segment of a
-packed row; with a cache such ids are refused (the cache keeps no ids beside its keys)."""
+packed row. A first forward into an empty cache (an eval-mode forward's default) is served the same way; a cache
+that already holds keys is refused with such ids, and so is a later step reading keys such ids wrote (the cache keeps
+no ids beside its keys)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 from helpers.models import VOCAB, logits, tiny_model
 from helpers.reference_any import forward as reference_forward
+from transformers import DynamicCache
 
 import rope_patch
 from rope_patch.attention import settings
@@ -75,13 +78,40 @@ def test_left_padding_is_not_a_gap():
     logits(model, ids, attention_mask=mask, position_ids=pos)  # with the default cache: not refused
 
 
-@pytest.mark.parametrize("scheme,params", SCHEMES[:2] + SCHEMES[5:6])
-def test_gapped_ids_with_a_cache_are_refused(scheme, params):
-    model = tiny_model("llama", attn_implementation="sdpa")
-    rope_patch.apply(model, scheme, **params)
+CACHED = [(s, p, shape) for s, p in SCHEMES[:6] for shape in ("pose", "packed")]
+
+
+@pytest.mark.parametrize("scheme,params,shape", CACHED, ids=[f"{s}-{shape}" for s, _, shape in CACHED])
+def test_gapped_ids_into_the_default_cache_equal_the_forward_without_one(scheme, params, shape):
+    """An eval-mode forward makes a cache by default: its first forward holds only its own keys, whose ids the
+    attention reads, so it is served exactly (it was refused). A later step that would read those keys is refused: the
+    cache keeps no ids beside them."""
+    model = rope_patch.apply(tiny_model("llama", attn_implementation="sdpa"), scheme, **params)
+    ids, pos = _ids(), SHAPES[shape][0].expand(2, N)
+    kw = dict(position_ids=pos, attention_mask=torch.ones_like(ids))
+    want = logits(model, ids, **kw, use_cache=False)
+    with torch.no_grad():
+        out = model(ids, **kw)  # use_cache: the config's True
+    assert out.cache is not None
+    assert (out.logits - want).abs().max().item() <= 1e-6
+    step = dict(position_ids=pos[:, -1:] + 1, attention_mask=torch.ones(2, N + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"cache holds keys written at position ids with gaps or restarts .* run the "
+                                         r"whole sequence again in one forward"):
+        logits(model, ids[:, :1], cache=out.cache, use_cache=True, **step)
+
+
+def test_gapped_ids_into_a_cache_that_holds_keys_are_refused_and_an_empty_one_is_served():
+    model = rope_patch.apply(tiny_model("llama", attn_implementation="sdpa"), "self_extend", group_size=4,
+                             window_size=30)
     ids, pos = _ids(), POSE.expand(2, N)
-    with pytest.raises(ValueError, match=r"gaps or restarts .* together with a KV cache are not supported"):
-        logits(model, ids, position_ids=pos, attention_mask=torch.ones_like(ids))  # use_cache: the config's True
+    kw = dict(attention_mask=torch.ones_like(ids), use_cache=True)
+    want = logits(model, ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False)
+    got = logits(model, ids, position_ids=pos, cache=DynamicCache(config=model.config), **kw)
+    assert (got - want).abs().max().item() <= 1e-6
+    with torch.no_grad():
+        cache = model(ids[:, :10], use_cache=True).cache  # a prompt at consecutive ids
+    with pytest.raises(ValueError, match=r"gaps or restarts .* together with a KV cache that already holds keys"):
+        logits(model, ids[:, 10:], position_ids=pos[:, 10:] - 20, cache=cache, **kw)
 
 
 def test_gapped_ids_on_flex_are_refused(monkeypatch):

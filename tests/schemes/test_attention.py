@@ -228,7 +228,8 @@ def test_remove_restores_model_exactly(scheme, params, backend):
     assert torch.equal(logits(model, ids, **kw), before)
     assert model.config._attn_implementation == backend
     assert set(dict(model.named_modules())) == names
-    assert not model.model._forward_pre_hooks and "forward" not in vars(model.model.rotary_emb)
+    assert not model.model._forward_pre_hooks and not model.model._forward_hooks
+    assert "forward" not in vars(model.model.rotary_emb)
     assert not any(hasattr(m, attention.STATE) for m in model.modules())
 
 
