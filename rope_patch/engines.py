@@ -9,11 +9,15 @@ per engine,
                   branch reads ("required": subscripted in the branch's plain statements, so a missing one is a
                   KeyError; "optional": read under a condition, with `.get`, `in`, or a filter over `.items()`)
     common        the keys `get_rope` reads for every type (rope_theta, partial_rotary_factor, ...)
-    models        per model file read (llama, gemma3): the keys its code reads from the config's rope dict, and the
-                  rope types it passes to `get_rope` when it replaces the config's dict by a literal (SGLang's Gemma 3
-                  runs `{"rope_type": "default"}` on every layer whatever config.json says)
+    models        per model file read (llama, gemma3): the keys its code reads from the config's rope dict, the
+                  config attributes it reads with `getattr(config, "x", default)` (SGLang's llama takes
+                  `partial_rotary_factor` from there, not from the rope dict), and the rope types it passes to
+                  `get_rope` when it replaces the config's dict by a literal (SGLang's Gemma 3 runs
+                  `{"rope_type": "default"}` on every layer whatever config.json says)
     context       how the engine derives the context length from config.json (the rope types and keys whose `factor`
-                  it does not multiply in) and the environment variable that lets a longer one through
+                  it does not multiply in), when it lets the tokenizer's model_max_length cap it (vLLM: only for a
+                  pooling runner on a model with absolute positions; SGLang: never), and the environment variable
+                  that lets a longer one through
     flags         the command-line flags `rope-patch export --engine` prints, found in the engine's argument code
     functions     sha256 of each function whose logic rope_patch/serving.py mirrors by hand (override merging, length
                   derivation, the dynamic NTK cache and the LongRoPE switch its notes describe): `--check` names the
@@ -62,11 +66,15 @@ TARGETS: dict[str, dict] = {
             "vllm/model_executor/models/gemma3.py": ["gemma3", "gemma3_text"],
         },
         "context": ("vllm/config/model.py", "_get_and_verify_max_len"),
+        # the caller that decides whether tokenizer_config.json is read (and passed in) at all
+        "tokenizer": ("vllm/config/model.py", "get_and_verify_max_len"),
         "length_keys": ("vllm/transformers_utils/model_arch_config_convertor.py", "possible_keys"),
         "env": ("vllm/config/model.py", "_get_and_verify_max_len", "vllm/envs.py"),
-        "flags": [("vllm/engine/arg_utils.py", ("--hf-overrides", "--max-model-len", "--hf-config-path", "--enable-lora")),
+        "flags": [("vllm/engine/arg_utils.py",
+                   ("--hf-overrides", "--max-model-len", "--hf-config-path", "--enable-lora")),
                   ("vllm/entrypoints/common/cli_args.py", ("--lora-modules",))],
         "mirrored": [("vllm/config/model.py", "_get_and_verify_max_len"),
+                     ("vllm/config/model.py", "ModelConfig.get_and_verify_max_len"),
                      ("vllm/config/model.py", "_apply_dict_overrides"),
                      ("vllm/transformers_utils/config.py", "iter_rope_parameters"),
                      ("vllm/transformers_utils/model_arch_config_convertor.py", "derive_max_model_len_and_key"),
@@ -84,6 +92,7 @@ TARGETS: dict[str, dict] = {
             "sglang/srt/models/gemma3_causal.py": ["gemma3", "gemma3_text"],
         },
         "context": ("sglang/srt/utils/hf_transformers/common.py", "get_context_length"),
+        "tokenizer": ("sglang/srt/configs/model_config.py", "_derive_context_length"),
         "length_keys": ("sglang/srt/utils/hf_transformers/common.py", "CONTEXT_LENGTH_KEYS"),
         "env": ("sglang/srt/configs/model_config.py", "_derive_context_length", "sglang/srt/environ.py"),
         # SGLang builds its flags from dataclass fields: `json_model_override_args` is `--json-model-override-args`
@@ -95,7 +104,13 @@ TARGETS: dict[str, dict] = {
                      ("sglang/srt/configs/model_config.py", "_derive_context_length"),
                      ("sglang/srt/layers/rotary_embedding/rope_variant.py",
                       "DynamicNTKScalingRotaryEmbedding._compute_cos_sin_cache"),
-                     ("sglang/srt/layers/rotary_embedding/rope_variant.py", "Phi3LongRoPEScaledRotaryEmbedding.forward")],
+                     ("sglang/srt/layers/rotary_embedding/rope_variant.py", "Phi3LongRoPEScaledRotaryEmbedding.forward"),
+                     # the YaRN scale its attn_factor multiplies (serving._sglang_attn_factor)
+                     ("sglang/srt/layers/rotary_embedding/yarn.py", "YaRNScalingRotaryEmbedding.__init__"),
+                     ("sglang/srt/layers/rotary_embedding/yarn.py", "yarn_get_mscale"),
+                     ("sglang/srt/layers/rotary_embedding/yarn.py", "yarn_get_mscale_simple"),
+                     # rotary_dim = int(partial_rotary_factor * head_dim), the factor read from the config's top level
+                     ("sglang/srt/models/llama.py", "LlamaAttention.__init__")],
     },
 }
 ENGINES = tuple(TARGETS)
@@ -113,8 +128,10 @@ KIND = schema.Kind(
         "version": schema.Str(nonempty=True), "wheel": schema.Str(nonempty=True), "sha256": schema.Str(nonempty=True),
         "rope_types": schema.Map(_KEYS), "common": _KEYS,
         "models": schema.Map(schema.Obj({"model_types": schema.List(schema.Str()), "reads": schema.List(schema.Str()),
+                                         "config_reads": schema.List(schema.Str()),
                                          "fixed_rope_types": schema.Opt(schema.List(schema.Str()))})),
         "context": schema.Obj({"env": schema.Str(nonempty=True), "length_keys": schema.List(schema.Str(), min_len=1),
+                               "tokenizer_when": schema.Opt(schema.Map(schema.Str())),
                                "factor_exempt_types": schema.List(schema.Str()),
                                "factor_exempt_keys": schema.List(schema.Str()),
                                "factor_exempt_model_types": schema.List(schema.Str())}),
@@ -156,6 +173,14 @@ def keys_read(name: str, rope_type: str, model_type: str | None = None) -> set[s
     model_reads = set().union(*(m["reads"] for m in models))
     return {*eng["common"]["required"], *eng["common"]["optional"], *branch["required"], *branch["optional"],
             "rope_type", *model_reads}
+
+
+def config_reads(name: str, model_type: str | None = None) -> set[str]:
+    """The config attributes the engine's model code for `model_type` reads with getattr (every model file read when
+    the snapshot has none for that type): where a rope key is read from the config's top level, not its rope dict."""
+    eng = engine(name)
+    models = [m for m in eng["models"].values() if model_type in m["model_types"]] or list(eng["models"].values())
+    return set().union(*(m["config_reads"] for m in models))
 
 
 def fixed_rope_types(name: str, model_type: str | None) -> list[str] | None:
@@ -271,6 +296,9 @@ def model_reads(source: str) -> dict:
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and _ROPE_NAME.search(n.id)} | \
             {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _ROPE_NAME.search(n.attr)}
     reads = sorted(_reads([tree], tuple(names)) - {"sliding_attention", "full_attention", "chunked_attention"})
+    # getattr(config, "x", default): attributes read from the config itself (`config`, `hf_config`, `self.config`)
+    attrs = sorted({s for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr"
+                    and len(n.args) >= 2 and _is_config(n.args[0]) for s in _const_strs(n.args[1])})
     # get_rope(..., rope_scaling=X / rope_parameters=X): X bound only to dict literals -> fixed types
     literal_types: set[str] = set()
     passes_config = False
@@ -298,7 +326,42 @@ def model_reads(source: str) -> dict:
                                     literal_types.update(_const_strs(val))
                     else:
                         passes_config = True
-    return {"reads": reads, "fixed_rope_types": None if passes_config or not literal_types else sorted(literal_types)}
+    return {"reads": reads, "config_reads": attrs,
+            "fixed_rope_types": None if passes_config or not literal_types else sorted(literal_types)}
+
+
+def _is_config(node) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name == "config" or name.endswith("_config")
+
+
+def tokenizer_rule(source: str, function: str) -> dict | None:
+    """When `function` reads the tokenizer's config (tokenizer_config.json, whose model_max_length caps the length):
+    {attribute: value} of the `==` tests on the `if` that guards the read (`self.runner_type == "pooling"`,
+    `getattr(hf_config, "position_embedding_type", "") == "absolute"`), {} when it reads it unconditionally, None
+    when it does not read it."""
+    fn = _function(ast.parse(source), function)
+
+    def reads(nodes) -> bool:
+        return any(isinstance(n, ast.Call) and "tokenizer_config" in (getattr(n.func, "id", None) or
+                                                                        getattr(n.func, "attr", ""))
+                   for node in nodes for n in ast.walk(node))
+
+    if not reads(fn.body):
+        return None
+    guards = [n for n in ast.walk(fn) if isinstance(n, ast.If) and reads(n.body) and not reads([n.test])]
+    rule: dict[str, str] = {}
+    for guard in guards:
+        for node in ast.walk(guard.test):
+            if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+                value, left = _const_strs(node.comparators[0]), node.left
+                key = left.attr if isinstance(left, ast.Attribute) else \
+                    _const_strs(left.args[1]) if isinstance(left, ast.Call) and len(left.args) >= 2 and \
+                    getattr(left.func, "id", None) == "getattr" else None
+                key = key[0] if isinstance(key, list) and key else key
+                if isinstance(key, str) and value:
+                    rule[key] = value[0]
+    return rule
 
 
 def context_rule(source: str, function: str, names: tuple[str, ...]) -> dict:
@@ -375,6 +438,8 @@ def extract(wheel: str | Path) -> tuple[str, dict]:
         context = context_rule(read(ctx_file), ctx_fn, ("rope_scaling", "rope_parameters", "rp"))
         keys_file, keys_var = t["length_keys"]
         context["length_keys"] = length_keys(read(keys_file), keys_var)
+        tok_file, tok_fn = t["tokenizer"]
+        context["tokenizer_when"] = tokenizer_rule(read(tok_file), tok_fn)
         env_file, env_fn, env_defs = t["env"]
         context["env"] = allow_env(read(env_file), env_fn)
         if not context["env"] or context["env"] not in read(env_defs):

@@ -50,10 +50,18 @@ def _get_and_verify_max_len(hf_config, rope_parameters):
 
 def _apply_dict_overrides(config, overrides):
     pass
+
+class ModelConfig:
+    def get_and_verify_max_len(self, max_model_len):
+        tokenizer_config = None
+        if self.runner_type == "pooling" and getattr(self.hf_config, "position_embedding_type", "") == "absolute":
+            tokenizer_config = try_get_tokenizer_config(self.tokenizer)
+        return _get_and_verify_max_len(self.hf_config, tokenizer_config, max_model_len)
 '''
 VLLM_FILES = {
     "vllm/model_executor/layers/rotary_embedding/__init__.py": VLLM_ROPE,
-    "vllm/model_executor/models/llama.py": "def build(config):\n    return get_rope(1, 2, rope_parameters=config.rope_parameters)\n",
+    "vllm/model_executor/models/llama.py": "def build(config):\n    d = getattr(config, 'head_dim', None)\n"
+                                           "    return get_rope(1, 2, rope_parameters=config.rope_parameters)\n",
     "vllm/model_executor/models/gemma3.py": "def build(config, lt):\n    p = config.rope_parameters[lt]\n"
                                            "    return get_rope(1, 2, rope_parameters=p)\n",
     "vllm/config/model.py": VLLM_MODEL,
@@ -93,7 +101,9 @@ def get_context_length(config):
 '''
 SGLANG_FILES = {
     "sglang/srt/layers/rotary_embedding/factory.py": SGLANG_ROPE,
-    "sglang/srt/models/llama.py": 'def build(config):\n    rope_parameters = config.rope_parameters\n'
+    "sglang/srt/models/llama.py": 'class LlamaAttention:\n    def __init__(self, config):\n'
+                                  '        self.rotary_dim = int(getattr(config, "partial_rotary_factor", 1) * 16)\n'
+                                  'def build(config):\n    rope_parameters = config.rope_parameters\n'
                                   '    theta = rope_parameters.get("rope_theta", 10000)\n'
                                   '    return get_rope(1, 1, 2, theta, rope_scaling=rope_parameters)\n',
     "sglang/srt/models/gemma3_causal.py": 'class Attn:\n    def __init__(self, config):\n'
@@ -107,6 +117,10 @@ SGLANG_FILES = {
     "sglang/srt/arg_groups/fields/model.py": "class ModelFields:\n    model_path: str = ''\n"
                                              "    json_model_override_args: str = '{}'\n    context_length: int = None\n",
     "sglang/srt/arg_groups/fields/lora.py": "class LoraFields:\n    enable_lora: bool = None\n",
+    "sglang/srt/layers/rotary_embedding/yarn.py":
+        "def yarn_get_mscale_simple(scale=1):\n    return 1.0\n"
+        "def yarn_get_mscale(scale=1, mscale=1):\n    return 1.0\n"
+        "class YaRNScalingRotaryEmbedding:\n    def __init__(self, attn_factor=1):\n        self.mscale = attn_factor\n",
     "sglang/srt/layers/rotary_embedding/rope_variant.py":  # a method named as another class's: Class.method is read
         "class Other:\n    def forward(self):\n        return 0\n"
         "class DynamicNTKScalingRotaryEmbedding:\n    def _compute_cos_sin_cache(self):\n        return 1\n"
@@ -139,10 +153,14 @@ def test_extractor_reads_the_tables_from_fixture_sources(wheels):
         "yarn": {"required": ["factor"], "optional": ["beta_fast", "beta_slow"]},
     }
     assert vllm["common"] == {"required": [], "optional": ["rope_theta", "rope_type"]}
-    assert vllm["models"]["gemma3"] == {"model_types": ["gemma3", "gemma3_text"], "reads": [], "fixed_rope_types": None}
+    assert vllm["models"]["gemma3"] == {"model_types": ["gemma3", "gemma3_text"], "reads": [], "config_reads": [],
+                                        "fixed_rope_types": None}
+    assert vllm["models"]["llama"]["config_reads"] == ["head_dim"]  # getattr(config, ...): the config's own attributes
+    # the tokenizer's length is read only under the guard of the `if` around the read
     assert vllm["context"] == {"factor_exempt_types": ["longrope", "yarn"], "factor_exempt_keys": [],
                                "factor_exempt_model_types": ["gemma3"],
                                "length_keys": ["max_position_embeddings", "seq_length"],
+                               "tokenizer_when": {"runner_type": "pooling", "position_embedding_type": "absolute"},
                                "env": "VLLM_ALLOW_LONG_MAX_MODEL_LEN"}
     # flags found in the argument code; one that is not there (--hf-config-path, --enable-lora) is left out
     assert vllm["flags"] == ["--hf-overrides", "--max-model-len", "--lora-modules"]
@@ -153,6 +171,8 @@ def test_extractor_reads_the_tables_from_fixture_sources(wheels):
                                     "longrope": {"required": ["short_factor"], "optional": ["long_mscale", "short_mscale"]}}
     assert sglang["common"] == {"required": [], "optional": ["rope_type"]}
     assert sglang["models"]["llama"]["reads"] == ["rope_theta"] and sglang["models"]["llama"]["fixed_rope_types"] is None
+    assert sglang["models"]["llama"]["config_reads"] == ["partial_rotary_factor"]
+    assert sglang["context"]["tokenizer_when"] is None  # its length code reads no tokenizer
     assert sglang["models"]["gemma3_causal"]["fixed_rope_types"] == ["default"]  # a literal replaces the config's
     assert sglang["context"]["factor_exempt_keys"] == ["original_max_position_embeddings"]
     assert sglang["context"]["factor_exempt_types"] == ["llama3"]
@@ -184,6 +204,16 @@ def test_extractor_errors_are_one_line(wheels, tmp_path, capsys):
     assert "vllm missing" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("source,rule", [
+    ("def f(self):\n    c = try_get_tokenizer_config(self.tokenizer)\n    return g(c)\n", {}),  # read always
+    ("def f(self):\n    return g(None)\n", None),  # never
+    ("def f(self):\n    c = None\n    if self.runner_type == 'pooling':\n"
+     "        c = try_get_tokenizer_config(self.tokenizer)\n", {"runner_type": "pooling"}),
+])
+def test_tokenizer_rule(source, rule):
+    assert engines.tokenizer_rule(source, "f") == rule
+
+
 def test_the_committed_snapshot():
     """Checked by its schema; the engine versions, wheel files and digests it was made from; the command that
     regenerates it; and the facts the export relies on (each engine's rope types, the allow-longer variable)."""
@@ -197,6 +227,15 @@ def test_the_committed_snapshot():
         assert {"default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional"} <= set(eng["rope_types"])
     assert vllm["context"]["env"] == "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
     assert sglang["context"]["env"] == "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+    # the facts the export's engine forms rest on: vLLM reads the tokenizer's length only for pooling models with
+    # absolute positions; SGLang's yarn reads attn_factor (not attention_factor); its llama reads partial_rotary_factor
+    # from the config's top level
+    assert vllm["context"]["tokenizer_when"] == {"runner_type": "pooling", "position_embedding_type": "absolute"}
+    assert sglang["context"]["tokenizer_when"] is None
+    assert "attn_factor" in sglang["rope_types"]["yarn"]["optional"] and "attention_factor" not in engines.keys_read(
+        "sglang", "yarn", "llama")
+    assert "partial_rotary_factor" in sglang["models"]["llama"]["config_reads"]
+    assert "partial_rotary_factor" not in engines.keys_read("sglang", "proportional", "llama")
     text = data_path(engines.SNAPSHOT).read_text()
     assert not re.search(r"/(home|tmp|work|Users)/", text)  # no machine paths
     assert json.loads(text) == data
