@@ -187,13 +187,25 @@ def _require_native(scheme: Scheme) -> None:
         )
 
 
-def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> Path:
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, tokenizer: Any = None,
+                    **kwargs: Any) -> Path:
     """Save `model` (a patched model, or a peft model: then the adapter) plus `rope_patch.json`.
 
+    Args:
+        model: the patched model (or peft model) to save.
+        save_directory: the folder; created where missing.
+        tokenizer: the model's tokenizer (anything with `save_pretrained`, e.g. a transformers tokenizer or
+            processor), saved into the same folder: a serving engine (`vllm serve DIR`, SGLang) loads it from there
+            and cannot start without one, and `rope-patch export DIR --engine ...` refuses a folder that lacks it.
+        **kwargs: passed to transformers' (or peft's) `save_pretrained`.
+
     Order: everything is computed first (a failure leaves the folder as it was); then the previous manifest is
-    removed, the model, config and learned parameters are written, and the manifest comes last. A crash mid-save
-    therefore leaves no manifest (or a complete save), never one that points at missing or foreign weights."""
+    removed, the model, config, tokenizer and learned parameters are written, and the manifest comes last. A crash
+    mid-save therefore leaves no manifest (or a complete save), never one that points at missing or foreign weights."""
     out = Path(save_directory)
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(f"rope_patch.save_pretrained: tokenizer= takes a tokenizer with a save_pretrained method (a "
+                        f"transformers tokenizer or processor); got {type(tokenizer).__name__}. Nothing was written.")
     base, manifest, tables = _patch_record(model)
 
     out.mkdir(parents=True, exist_ok=True)
@@ -206,6 +218,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
         # to save with rope_patch instead
         type(base).save_pretrained(base, out, state_dict=state, **kwargs)
         _rewrite_config(out / "config.json", saved_config(base))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     _write_patch_files(out, manifest, tables)
     _log_notice(base, out, manifest)
     return out

@@ -406,3 +406,30 @@ def test_plain_save_pretrained_reloads_the_patched_or_the_unpatched_model_never_
     assert rope_patch.current(again) is None
     expected = patched_out if native else unpatched
     assert (logits(again, ids) - expected).abs().max().item() <= 1e-5
+
+
+def test_save_pretrained_saves_the_tokenizer_beside_the_model(tmp_path):
+    """tokenizer= writes the tokenizer into the folder (what a serving engine loads from it); the manifest still comes
+    last, and the reloaded tokenizer encodes as the original."""
+    from helpers.text import char_tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = char_tokenizer()
+    model = tiny_model()
+    rope_patch.apply(model, "yarn", factor=4)
+    rope_patch.save_pretrained(model, tmp_path / "m", tokenizer=tokenizer)
+    files = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "m").iterdir()}
+    assert "tokenizer.json" in files and "tokenizer_config.json" in files
+    assert files[MANIFEST] >= max(files.values())  # written last
+    again = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert again("ab cd").input_ids == tokenizer("ab cd").input_ids
+    rope_patch.save_pretrained(model, tmp_path / "plain")  # without: no tokenizer files
+    assert not any(p.name.startswith("tokenizer") for p in (tmp_path / "plain").iterdir())
+
+
+def test_save_pretrained_refuses_a_tokenizer_without_save_pretrained(tmp_path):
+    model = tiny_model()
+    with pytest.raises(TypeError, match="tokenizer= takes a tokenizer with a save_pretrained method .* got str. "
+                                        "Nothing was written"):
+        rope_patch.save_pretrained(model, tmp_path / "m", tokenizer="gpt2")
+    assert not (tmp_path / "m").exists()
