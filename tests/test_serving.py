@@ -2,12 +2,14 @@
 engine snapshot (rope_patch/data/engines.json), never by a list here: a native scheme's emitted rope_parameters carry a
 rope type of the engine's table and only keys the engine reads for it (and every key it subscripts); the others are
 refused in one line naming the scheme and the engine's rope types. Per-layer-type models (Gemma 3), the recipe's merged
-LoRA checkpoint, adapters, the context length and the allow-longer variable, and where the config.json goes."""
+LoRA checkpoint, adapters, the context length and the allow-longer variable, the tokenizer the engine loads, and where
+the config.json goes."""
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import shlex
 import types
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 from helpers.models import WINDOW, tiny_model
 from helpers.schemes import SCHEMES
+from helpers.text import char_tokenizer
 
 import rope_patch
 from rope_patch import engines, serving
@@ -25,13 +28,19 @@ from rope_patch.registry import get_scheme_class
 
 ENGINES = engines.ENGINES
 # The native schemes an engine still cannot run as patched, because of what its source reads (the snapshot says so;
-# the export's message names the reason). Anything else native must export.
-ENGINE_LIMITS = {("p_rope", "sglang"): "does not read 'partial_rotary_factor'"}
+# the export's message names the reason). Anything else native must export: none today.
+ENGINE_LIMITS: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """One saved tiny llama per scheme row (save_pretrained of the patched model), written on first use."""
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tokenizer):
+    """One saved tiny llama per scheme row (save_pretrained of the patched model, with a tokenizer as an engine needs),
+    written on first use."""
     cache = {}
 
     def get(name, params, arch="llama"):
@@ -40,7 +49,7 @@ def saved(tmp_path_factory):
             model = tiny_model(arch)
             rope_patch.apply(model, name, **params)
             folder = tmp_path_factory.mktemp(f"{arch}-{name}")
-            rope_patch.save_pretrained(model, folder)
+            rope_patch.save_pretrained(model, folder, tokenizer=tokenizer)
             cache[key] = folder
         return cache[key]
 
@@ -69,8 +78,10 @@ def _check_against_snapshot(info: dict, name: str, model_type: str) -> None:
         reads = engines.keys_read(name, rope_type, model_type)
         assert set(entry) <= reads, sorted(set(entry) - reads)
         assert set(snap["rope_types"][rope_type]["required"]) <= set(entry)
+    assert set(info["top_level"]) <= engines.config_reads(name, model_type)  # read by its model code from there
     words = shlex.split(info["command"])
-    assert _overrides(info["command"]) == {"rope_parameters": rope, "max_position_embeddings": info["max_position_embeddings"]}
+    assert _overrides(info["command"]) == {"rope_parameters": rope, "max_position_embeddings": info["max_position_embeddings"],
+                                           **info["top_level"]}
     length_flag = "--max-model-len" if name == "vllm" else "--context-length"
     assert words[words.index(length_flag) + 1] == str(info["context_length"])
     assert all(w in snap["flags"] for w in words if w.startswith("--"))
@@ -103,8 +114,9 @@ def test_every_scheme_on_both_engines(row, engine_name, saved, tmp_path):
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["rope_parameters"] == info["rope_parameters"]
     assert written["max_position_embeddings"] == info["max_position_embeddings"]
-    assert {k: v for k, v in written.items() if k not in ("rope_parameters", "max_position_embeddings")} == \
-        {k: v for k, v in plain.items() if k not in ("rope_parameters", "max_position_embeddings")}
+    assert {k: written[k] for k in info["top_level"]} == info["top_level"]
+    changed = ("rope_parameters", "max_position_embeddings", *info["top_level"])
+    assert {k: v for k, v in written.items() if k not in changed} == {k: v for k, v in plain.items() if k not in changed}
     assert json.loads((folder / "config.json").read_text()) == plain  # the checkpoint's own config.json untouched
 
 
@@ -144,7 +156,7 @@ def test_gemma3_layer_types_keep_their_own_base(saved):
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
-def test_merged_lora_checkpoint_exports(engine_name, tmp_path):
+def test_merged_lora_checkpoint_exports(engine_name, tokenizer, tmp_path):
     """The recipe's --merge: a LoRA trained under the patch, merged into the base and saved with rope_patch.save_pretrained,
     serves with the rope_parameters it was trained with."""
     import peft
@@ -153,7 +165,7 @@ def test_merged_lora_checkpoint_exports(engine_name, tmp_path):
     lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     rope_patch.apply(lora, "yarn", factor=4)
     merged = lora.merge_and_unload()
-    rope_patch.save_pretrained(merged, tmp_path / "merged")
+    rope_patch.save_pretrained(merged, tmp_path / "merged", tokenizer=tokenizer)
     info = serving.export(tmp_path / "merged", engine_name, write=False)
     assert info["rope_parameters"] == rope_patch.native_config(merged)["rope_parameters"]
     assert info["context_length"] == 4 * WINDOW and info["scheme"] == "yarn"
@@ -161,10 +173,11 @@ def test_merged_lora_checkpoint_exports(engine_name, tmp_path):
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
-def test_adapter_serves_on_its_base(engine_name, tmp_path):
+def test_adapter_serves_on_its_base(engine_name, tokenizer, tmp_path):
     import peft
 
     tiny_model().save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")  # the engine loads the base's tokenizer
     from transformers import AutoModelForCausalLM
 
     lora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
@@ -197,6 +210,11 @@ def test_engine_forms_differ_where_the_engine_reads_otherwise(saved):
         info = serving.export(saved(row.name, row.params), name, write=False)
         assert "factor" not in info["rope_parameters"]
         assert ("long factors for every request" if name == "vllm" else "per forward batch") in info["notes"][0]
+    # SGLang: long once a position exceeds L (torch.any(positions > L)); transformers once it holds more than L tokens
+    # (max(position_ids) + 1 > L): at L + 1 tokens, transformers long and SGLang short
+    note = serving.export(saved(row.name, row.params), "sglang", write=False)["notes"][0]
+    assert f"differ at exactly {WINDOW + 1} tokens (transformers: long factors; sglang: short ones, and position " \
+        f"{WINDOW} reads row {WINDOW} of its short-then-long table, the long table's position 0, i.e. no rotation)" in note
 
 
 def test_longrope_attention_factor_becomes_both_mscales(saved):
@@ -217,28 +235,124 @@ def test_a_key_at_its_identity_value_is_left_out_where_it_is_not_read(saved):
     _check_against_snapshot(info, "sglang", "phi3")
 
 
-def test_a_key_the_engine_does_not_read_is_refused(saved):
-    """SGLang's YaRN reads no `attention_factor` (it scales by attn_factor × its own mscale): a patch that sets it
-    would be served as another model."""
-    folder = saved("yarn", {"factor": 4, "attention_factor": 1.5})
-    assert serving.export(folder, "vllm", write=False)["rope_parameters"]["attention_factor"] == 1.5
-    with pytest.raises(ValueError, match="sglang 0.5.23 cannot serve yarn: it does not read 'attention_factor'"):
-        serving.export(folder, "sglang", write=False)
+def test_a_key_the_engine_does_not_read_is_refused():
+    """transformers' `proportional` divides its frequencies by `factor`; neither engine's proportional branch reads a
+    factor: an entry that sets it would be served as another model."""
+    entry = {"rope_type": "proportional", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "factor": 2.0}
+    for name in ENGINES:
+        with pytest.raises(ValueError, match=f"{name} [0-9.]+ cannot serve p_rope: it does not read 'factor' for rope "
+                                             r"type 'proportional' \(it reads "):
+            serving.engine_form(name, entry, WINDOW, WINDOW, "llama", "p_rope")
+    del entry["factor"]
+    assert all(serving.engine_form(name, entry, WINDOW, WINDOW, "llama", "p_rope") for name in ENGINES)
+
+
+# (attention_factor, mscale, mscale_all_dim) -> the attn_factor SGLang needs: its scale is attn_factor × its default,
+# 0.1 ln s + 1 (s = factor), or with both mscale and mscale_all_dim (0.1·m·ln s + 1) / (0.1·m_all·ln s + 1)
+YARN_SCALES = [((1.5, None, None), lambda d, r: 1.5 / d), ((None, None, None), None),
+               ((None, 1.0, 0.5), None), ((1.25, 1.0, 0.5), lambda d, r: 1.25 / r), ((0.8, 0.7, None), lambda d, r: 0.8 / d)]
+
+
+@pytest.mark.parametrize("scales,expected", YARN_SCALES, ids=[str(s) for s, _ in YARN_SCALES])
+def test_sglang_yarn_attn_factor_gives_transformers_scale(scales, expected, saved):
+    """SGLang's YaRN reads `attn_factor`, a multiplier on its own default scale, and no `attention_factor`: the export
+    writes the attn_factor whose product with SGLang's default is transformers' scale (the rotary's
+    attention_scaling), and none where the two defaults agree."""
+    a, m, m_all = scales
+    params = {"factor": 4, **{k: v for k, v in (("attention_factor", a), ("mscale", m), ("mscale_all_dim", m_all))
+                              if v is not None}}
+    folder = saved("yarn", params)
+    info = serving.export(folder, "sglang", write=False)
+    rope = info["rope_parameters"]
+    assert "attention_factor" not in rope and {k: rope[k] for k in ("mscale", "mscale_all_dim") if k in rope} == \
+        {k: v for k, v in (("mscale", m), ("mscale_all_dim", m_all)) if v is not None}
+    default = 0.1 * math.log(4) + 1
+    ratio = (0.1 * (m or 0) * math.log(4) + 1) / (0.1 * (m_all or 0) * math.log(4) + 1)
+    if expected is None:
+        assert "attn_factor" not in rope
+    else:
+        assert rope["attn_factor"] == pytest.approx(expected(default, ratio), rel=1e-12)
+    sglang_default = ratio if m is not None and m_all is not None else default
+    scale = rope_patch.from_pretrained(folder).model.rotary_emb.attention_scaling  # transformers' own computation
+    assert sglang_default * rope.get("attn_factor", 1.0) == pytest.approx(scale, rel=1e-12)
+    _check_against_snapshot(info, "sglang", "llama")
+    vllm = serving.export(folder, "vllm", write=False)["rope_parameters"]  # vLLM reads attention_factor itself
+    assert "attn_factor" not in vllm and vllm.get("attention_factor") == a
+
+
+def test_sglang_yarn_scale_no_attn_factor_can_give_is_refused():
+    """A zero mscale_all_dim (transformers: falsy, its plain default) with 0.1·mscale·ln s + 1 = 0: SGLang takes the
+    ratio, 0, which no attn_factor scales to transformers' scale."""
+    entry = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": WINDOW,
+             "mscale": -10 / math.log(4), "mscale_all_dim": 0.0}
+    with pytest.raises(ValueError, match="no attn_factor gives transformers' scale"):
+        serving.engine_form("sglang", entry, 4 * WINDOW, 4 * WINDOW, "llama", "yarn")
+
+
+def test_sglang_p_rope_sets_the_top_level_partial_rotary_factor(saved, tmp_path):
+    """SGLang's llama takes rotary_dim = int(partial_rotary_factor × head_dim) with the factor read from the config's
+    top level (`getattr(config, "partial_rotary_factor", 1)`), not from rope_parameters: the export sets it there, in
+    the override (which SGLang setattr's onto the loaded config) and in the written config.json. vLLM reads it from
+    rope_parameters."""
+    folder = saved("p_rope", {"partial_rotary_factor": 0.5})
+    info = serving.export(folder, "sglang", out=tmp_path / "out")
+    assert info["top_level"] == {"partial_rotary_factor": 0.5}
+    assert info["rope_parameters"] == {"rope_type": "proportional", "rope_theta": 10000.0}
+    assert _overrides(info["command"])["partial_rotary_factor"] == 0.5
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["partial_rotary_factor"] == 0.5
+    vllm = serving.export(folder, "vllm", write=False)
+    assert vllm["top_level"] == {} and vllm["rope_parameters"]["partial_rotary_factor"] == 0.5
+    assert "partial_rotary_factor" in engines.config_reads("sglang", "llama")  # the snapshot's reading of its llama.py
+
+
+def test_a_top_level_key_must_be_one_value_for_every_layer_type():
+    rope = {"sliding_attention": {"rope_type": "proportional", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25}}
+    with pytest.raises(ValueError, match="reads partial_rotary_factor from the config's top level, one value for every "
+                                         "layer"):
+        serving.engine_form("sglang", rope, WINDOW, WINDOW, "llama", "p_rope")
+
+
+def test_vllm_reads_the_tokenizer_length_only_for_pooling_models_with_absolute_positions(saved, tmp_path):
+    """vLLM's ModelConfig.get_and_verify_max_len reads tokenizer_config.json only for the pooling runner on a config with
+    position_embedding_type "absolute" (the snapshot's tokenizer_when): a causal LM served by `vllm serve` gets the
+    length from config.json alone, so a tokenizer saved with model_max_length L changes nothing and no allow-longer
+    variable is set. SGLang reads no tokenizer length."""
+    import shutil
+
+    assert engines.engine("vllm")["context"]["tokenizer_when"] == {"runner_type": "pooling",
+                                                                   "position_embedding_type": "absolute"}
+    assert engines.engine("sglang")["context"]["tokenizer_when"] is None
+    folder = tmp_path / "m"
+    shutil.copytree(saved("yarn", {"factor": 4}), folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": WINDOW}))
+    for name in ENGINES:
+        info = serving.export(folder, name, write=False)
+        assert info["derived_length"] == 4 * WINDOW and info["env"] == {} and "ALLOW" not in info["command"]
+    config = {"max_position_embeddings": 4 * WINDOW, "position_embedding_type": "absolute"}
+    assert serving.derived_length("vllm", config, tokenizer_max=WINDOW) == 4 * WINDOW  # runner "generate"
+    assert serving.derived_length("vllm", config, tokenizer_max=WINDOW, runner_type="pooling") == WINDOW
+    assert serving.derived_length("vllm", {**config, "position_embedding_type": "rope"}, tokenizer_max=WINDOW,
+                                  runner_type="pooling") == 4 * WINDOW
+    assert serving.derived_length("sglang", config, tokenizer_max=WINDOW, runner_type="pooling") == 4 * WINDOW
 
 
 def test_allow_longer_variable_only_past_the_derived_length(saved, tmp_path):
-    """vLLM caps the derived length by the tokenizer's model_max_length: a tokenizer saved with the pre-training
-    window makes N = 4·L pass it, so the command sets VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. SGLang reads no tokenizer."""
+    """N past what the engine derives from the config it sees: a config.json whose max_position_embeddings is below
+    the window (a model trained past its config) makes both commands set the engine's variable."""
     import shutil
 
     folder = tmp_path / "m"
     shutil.copytree(saved("yarn", {"factor": 4}), folder)
-    assert "VLLM_ALLOW" not in serving.export(folder, "vllm", write=False)["command"]
-    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": WINDOW}))
-    info = serving.export(folder, "vllm", write=False)
-    assert info["derived_length"] == WINDOW and info["env"] == {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
-    assert info["command"].startswith("VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 vllm serve ")
-    assert serving.export(folder, "sglang", write=False)["env"] == {}
+    for name in ENGINES:
+        assert serving.export(folder, name, write=False)["env"] == {}
+    config = json.loads((folder / "config.json").read_text())  # a length key both engines read, below the window
+    (folder / "config.json").write_text(json.dumps({**config, "max_sequence_length": 2 * WINDOW}))
+    for name in ENGINES:
+        info = serving.export(folder, name, write=False)
+        env = engines.engine(name)["context"]["env"]
+        assert info["derived_length"] == 2 * WINDOW and info["context_length"] == 4 * WINDOW
+        assert info["env"] == {env: "1"} and f"{env}=1" in shlex.split(info["command"])
 
 
 def test_derived_length_follows_each_engines_rule():
@@ -453,8 +567,8 @@ def _vllm_get_rope(n: int):
     return lambda entry, mpe: get_rope(16, mpe, True, rope_parameters=entry, dtype=__import__("torch").float32)
 
 
-def _sglang_get_rope(n: int):
-    """SGLang's get_rope over its own rotary classes, read from the wheel and run on CPU."""
+def _sglang_scope(n: int) -> dict:
+    """SGLang's get_rope over its own rotary classes, read from the wheel, in a scope that runs on CPU."""
     import math
     import typing
 
@@ -483,35 +597,64 @@ def _sglang_get_rope(n: int):
     _module_code("sglang", root + "rope_variant.py", scope, keep={
         "DynamicNTKScalingRotaryEmbedding", "Llama3RotaryEmbedding", "Phi3LongRoPEScaledRotaryEmbedding",
         "Gemma4RotaryEmbedding"})
-    get_rope = _module_code("sglang", root + "factory.py", scope, keep={
-        "get_rope", "_get_rope_param", "_get_live_rope_cache_entry", "_bailing_yarn_kwargs"})["get_rope"]
-    return lambda entry, mpe: get_rope(16, 16, mpe, entry["rope_theta"], rope_scaling=entry,
-                                       dtype=__import__("torch").float32)
+    return _module_code("sglang", root + "factory.py", scope, keep={
+        "get_rope", "_get_rope_param", "_get_live_rope_cache_entry", "_bailing_yarn_kwargs"})
 
 
-@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
-@pytest.mark.parametrize("engine_name", ENGINES)
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("row", [r for r in SCHEMES if get_scheme_class(r.name).native], ids=lambda r: r.name)
-def test_engine_rotary_equals_the_patched_model(row, arch, engine_name, saved):
-    """Parity by number: the engine's own rotary classes (read from its wheel, run on CPU) build, from the exported
-    rope_parameters (each layer type's), the cos/sin the patched transformers model computes at the served length N
-    (dynamic NTK: at N, where the engines' static form equals it; LongRoPE: the long factors, which both engines use
-    for a batch reaching N > L). Exports the engine refuses are skipped (test_every_scheme_on_both_engines checks
-    the refusals)."""
+def _sglang_get_rope(n: int):
+    """SGLang's get_rope over its own rotary classes, read from the wheel and run on CPU (the whole head rotated)."""
     import torch
 
-    try:
-        folder = saved(row.name, row.params, arch=arch)
-        info = serving.export(folder, engine_name, write=False)
-    except ValueError as err:
-        pytest.skip(f"not served: {err}")
+    get_rope = _sglang_scope(n)["get_rope"]
+    return lambda entry, mpe: get_rope(16, 16, mpe, entry["rope_theta"], rope_scaling=entry, dtype=torch.float32)
+
+
+def _sglang_llama_rotary(n: int):
+    """The rotary module SGLang's own LlamaAttention (read from the wheel) builds from the config SGLang sees: its
+    rotary_dim = int(partial_rotary_factor × head_dim) with the factor read from the config's top level, its
+    rope_scaling the config's rope_parameters (as LlamaDecoderLayer passes them)."""
+    import typing
+
+    import torch
+
+    none = lambda *a, **k: None  # noqa: E731 - the linear layers and attention kernel: not what is checked
+    scope = {"nn": torch.nn, "torch": torch, "get_rope": _sglang_scope(n)["get_rope"], "add_prefix": lambda a, b: a,
+             "get_parallel": lambda: types.SimpleNamespace(tp_size=1), "QKVParallelLinear": none,
+             "RowParallelLinear": none, "RadixAttention": none,
+             **{k: getattr(typing, k) for k in ("Any", "Dict", "List", "Optional", "Tuple", "Union", "Iterable")}}
+    attention = _module_code("sglang", "sglang/srt/models/llama.py", scope, keep={"LlamaAttention"})["LlamaAttention"]
+
+    def build(config, mpe):
+        rope = config.rope_parameters
+        return attention(config=config, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+                         num_kv_heads=config.num_key_value_heads, rope_theta=rope.get("rope_theta", 10000),
+                         rope_scaling=rope, max_position_embeddings=mpe).rotary_emb
+
+    return build
+
+
+def _sglang_sees(folder: Path, info: dict) -> types.SimpleNamespace:
+    """The config SGLang's get_config makes of DIR's config.json and the printed --json-model-override-args: a
+    rope_parameters override merged one level deep into the config's, every other key set as an attribute."""
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in _overrides(info["command"]).items():
+        config[key] = {**config[key], **value} if key == "rope_parameters" and isinstance(config.get(key), dict) \
+            else value
+    return types.SimpleNamespace(**config)
+
+
+def _assert_engine_rotary_equals_the_patched_model(folder: Path, info: dict, engine_name: str, arch: str) -> None:
+    import torch
+
     n = info["context_length"]
-    get_rope = (_vllm_get_rope if engine_name == "vllm" else _sglang_get_rope)(n)
     model = rope_patch.from_pretrained(folder)
     x = torch.zeros(1, n, model.config.hidden_size)
     for lt, entry in serving._entries(info["rope_parameters"]).items():
-        rotary = get_rope(entry, info["max_position_embeddings"])
+        if engine_name == "sglang" and arch == "llama":  # built as its llama builds it, top-level keys included
+            rotary = _sglang_llama_rotary(n)(_sglang_sees(folder, info), info["max_position_embeddings"])
+        else:
+            rotary = (_vllm_get_rope if engine_name == "vllm" else _sglang_get_rope)(n)(entry,
+                                                                                        info["max_position_embeddings"])
         if hasattr(rotary, "long_short_cos_sin_cache"):  # LongRoPE: the long half, from offset L
             original = entry["original_max_position_embeddings"]
             offset = original if n > original + 1 else 0
@@ -523,3 +666,160 @@ def test_engine_rotary_equals_the_patched_model(row, arch, engine_name, saved):
         assert cache.shape[0] == n
         assert torch.allclose(cache[:, :half], cos[0, :, :half], atol=2e-5), (lt, (cache[:, :half] - cos[0, :, :half]).abs().max())
         assert torch.allclose(cache[:, half:], sin[0, :, :half], atol=2e-5), (lt, (cache[:, half:] - sin[0, :, :half]).abs().max())
+
+
+@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("row", [r for r in SCHEMES if get_scheme_class(r.name).native], ids=lambda r: r.name)
+def test_engine_rotary_equals_the_patched_model(row, arch, engine_name, saved):
+    """Parity by number: the engine's own rotary classes (read from its wheel, run on CPU; SGLang's llama through its
+    own LlamaAttention, which takes partial_rotary_factor from the config's top level) build, from the export, the
+    cos/sin the patched transformers model computes at the served length N (dynamic NTK: at N, where the engines'
+    static form equals it; LongRoPE: the long factors, which both engines use for a batch reaching N > L + 1). Exports
+    the engine refuses are skipped (test_every_scheme_on_both_engines checks the refusals)."""
+    try:
+        folder = saved(row.name, row.params, arch=arch)
+        info = serving.export(folder, engine_name, write=False)
+    except ValueError as err:
+        pytest.skip(f"not served: {err}")
+    _assert_engine_rotary_equals_the_patched_model(folder, info, engine_name, arch)
+
+
+@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("scales", [s for s, _ in YARN_SCALES], ids=str)
+def test_engine_yarn_scale_equals_the_patched_model(scales, engine_name, saved):
+    """YaRN with attention_factor / mscale / mscale_all_dim: vLLM's YaRNScalingRotaryEmbedding reads attention_factor,
+    SGLang's multiplies its own default by the exported attn_factor; both give transformers' cos/sin and scale."""
+    a, m, m_all = scales
+    params = {"factor": 4, **{k: v for k, v in (("attention_factor", a), ("mscale", m), ("mscale_all_dim", m_all))
+                              if v is not None}}
+    folder = saved("yarn", params)
+    _assert_engine_rotary_equals_the_patched_model(folder, serving.export(folder, engine_name, write=False),
+                                                   engine_name, "llama")
+
+
+@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
+def test_sglang_longrope_switches_one_token_after_transformers(saved):
+    """SGLang's own Phi3LongRoPEScaledRotaryEmbedding.forward (long when any position > L) against transformers
+    (long when max(position_ids) + 1 > L), rotating the same query: equal at L and at L + 2 tokens; at exactly L + 1
+    tokens transformers uses the long factors and SGLang the short ones below position L, and for position L row L of
+    its short-then-long table, the long table's position 0 (no rotation, the long scale only), as the note says."""
+    import torch
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    row = next(r for r in SCHEMES if r.name == "longrope")
+    folder = saved(row.name, row.params)
+    info = serving.export(folder, "sglang", write=False)
+    entry, L = info["rope_parameters"], WINDOW
+    assert entry["original_max_position_embeddings"] == L
+    assert f"differ at exactly {L + 1} tokens" in info["notes"][0]
+    rotary = _sglang_get_rope(info["context_length"])(entry, info["max_position_embeddings"])
+    model = rope_patch.from_pretrained(folder)
+    q = torch.randn(L + 2, 16, generator=torch.Generator().manual_seed(0))
+
+    def sglang(t):
+        return rotary.forward(torch.arange(t), q[:t].clone(), q[:t].clone())[0]
+
+    def transformers(t):
+        cos, sin = model.model.rotary_emb(q[None, :t], torch.arange(t)[None])
+        return q[:t] * cos[0] + rotate_half(q[:t]) * sin[0]
+
+    close = lambda a, b: torch.allclose(a, b, atol=2e-5)  # noqa: E731
+    assert close(sglang(L), transformers(L)) and close(sglang(L + 2), transformers(L + 2))
+    at, tf = sglang(L + 1), transformers(L + 1)
+    assert close(tf, transformers(L + 2)[:L + 1])                   # transformers: long at L + 1 tokens
+    assert close(at[:L], transformers(L)) and not close(at, tf)    # SGLang: short below position L
+    assert close(at[L], q[L] * model.model.rotary_emb.attention_scaling)  # position L: the long table's row 0
+
+
+@pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")
+def test_vllm_reads_the_tokenizer_length_by_its_own_code(saved, tmp_path):
+    """vLLM's own ModelConfig.get_and_verify_max_len and _get_and_verify_max_len (read from the wheel) on a folder whose
+    tokenizer says model_max_length L: the generate runner accepts the exported N = 4·L without
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN (and the export sets none); a pooling model with absolute positions is capped at
+    the tokenizer's L, as serving.derived_length says for that runner."""
+    import shutil
+
+    from transformers.configuration_utils import ALLOWED_LAYER_TYPES
+
+    folder = tmp_path / "m"
+    shutil.copytree(saved("yarn", {"factor": 4}), folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": WINDOW}))
+    info = serving.export(folder, "vllm", write=False)
+    assert info["env"] == {} and info["context_length"] == 4 * WINDOW
+    rope = _engine_code("vllm", "vllm/transformers_utils/config.py", ("iter_rope_parameters", "is_rope_parameters_nested"),
+                        {"ALLOWED_LAYER_TYPES": ALLOWED_LAYER_TYPES})
+    convert = _engine_code("vllm", "vllm/transformers_utils/model_arch_config_convertor.py",
+                           ("derive_max_model_len_and_key",), {})["derive_max_model_len_and_key"]
+    read = []
+
+    def tokenizer_config(tokenizer, **_):
+        read.append(tokenizer)
+        return json.loads((Path(tokenizer) / "tokenizer_config.json").read_text())
+
+    def verify(config: dict, runner: str, n: int) -> int:
+        scope = _engine_code("vllm", "vllm/config/model.py", ("get_and_verify_max_len", "_get_and_verify_max_len"), {
+            **rope, "envs": types.SimpleNamespace(VLLM_ALLOW_LONG_MAX_MODEL_LEN=False),
+            "current_platform": types.SimpleNamespace(check_max_model_len=lambda x: x),
+            "try_get_tokenizer_config": tokenizer_config})
+        cfg = types.SimpleNamespace(**config)
+        me = types.SimpleNamespace(
+            runner_type=runner, hf_config=cfg, hf_text_config=cfg, tokenizer=str(folder), trust_remote_code=False,
+            tokenizer_revision=None, disable_sliding_window=False, get_sliding_window=lambda: None,
+            spec_target_max_model_len=None, encoder_config=None,
+            model_arch_config=types.SimpleNamespace(
+                derived_max_model_len_and_key=convert(types.SimpleNamespace(hf_text_config=cfg))))
+        return scope["get_and_verify_max_len"](me, n)
+
+    seen = {**json.loads((folder / "config.json").read_text()), **_overrides(info["command"])}
+    assert verify(seen, "generate", info["context_length"]) == 4 * WINDOW and read == []  # not read at all
+    pooling = {**seen, "position_embedding_type": "absolute"}
+    capped = serving.derived_length("vllm", pooling, tokenizer_max=WINDOW, runner_type="pooling")
+    assert capped == WINDOW and verify(pooling, "pooling", capped) == capped and read == [str(folder)]
+    with pytest.raises(ValueError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        verify(pooling, "pooling", capped + 1)
+    assert verify({**seen, "position_embedding_type": "rope"}, "pooling", 4 * WINDOW) == 4 * WINDOW
+
+
+# ---- the tokenizer the engine loads ---------------------------------------------------------------------------------
+def test_a_folder_without_tokenizer_is_refused_saying_how_to_add_one(tmp_path, tokenizer, capsys):
+    """Both engines load the tokenizer from the folder they serve and cannot start without one: the export refuses in
+    one line that says how to save it there, writes nothing, and passes once it is there."""
+    model = tiny_model()
+    rope_patch.apply(model, "yarn", factor=4)
+    rope_patch.save_pretrained(model, tmp_path / "m")
+    capsys.readouterr()  # transformers' save progress
+    for name in ENGINES:
+        with pytest.raises(serving.MissingTokenizerError) as info:
+            serving.export(tmp_path / "m", name, out=tmp_path / "out")
+        message = str(info.value)
+        assert len(message.splitlines()) == 1 and f"{tmp_path / 'm'} has no tokenizer" in message
+        assert f"rope_patch.save_pretrained(model, {tmp_path / 'm'}, tokenizer=tokenizer)" in message
+        assert not (tmp_path / "out").exists()
+        code, out, err = _run(capsys, tmp_path / "m", "--engine", name)
+        assert code == 2 and out == "" and err.strip().endswith("then export again.")
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    code, out, _ = _run(capsys, tmp_path / "m")  # the plain export prints no command that cannot start
+    assert code == 0 and "vllm serve" not in out and "vLLM: " + f"{tmp_path / 'm'} has no tokenizer" in out
+    rope_patch.save_pretrained(model, tmp_path / "m", tokenizer=tokenizer)
+    for name in ENGINES:
+        assert serving.export(tmp_path / "m", name, write=False)["command"]
+
+
+def test_an_adapter_needs_the_tokenizer_of_its_base(tmp_path, tokenizer):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    lora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                               peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    rope_patch.apply(lora, "linear", factor=2.0)
+    rope_patch.save_pretrained(lora, tmp_path / "adapter", tokenizer=tokenizer)  # in the adapter: not where it loads
+    for name in ENGINES:
+        with pytest.raises(serving.MissingTokenizerError,
+                           match=f"the adapter base {tmp_path / 'base'} has no tokenizer .* tokenizer.save_pretrained"):
+            serving.export(tmp_path / "adapter", name, write=False)
+    tokenizer.save_pretrained(tmp_path / "base")
+    assert serving.export(tmp_path / "adapter", "vllm", write=False)["command"]

@@ -4,14 +4,17 @@
 DIR is what `rope_patch.save_pretrained` (or the fine-tuning recipe) wrote: a full or merged model (config.json)
 or a peft adapter (adapter_config.json), each with rope_patch.json. Prints the `rope_parameters` dict, the
 `max_position_embeddings` that goes with it, and the checked `vllm serve ...` command (`--json`: "vllm", or null
-and "vllm_refused" where vLLM would not run the patch as transformers does); for schemes without a native form (dynamic_yarn, attention schemes) it fails with the reason and what to do instead.
+and "vllm_refused" where vLLM would not run the patch as transformers does, or the folder has no tokenizer for it to
+load); for schemes without a native form (dynamic_yarn, attention schemes) it fails with the reason and what to do
+instead.
 
 With --engine, it prints the engine's command line (its override flag with the native `rope_parameters`, per layer
 type where the model has them, the context length the patch serves, and the engine's allow-longer environment
 variable where that length passes what the engine derives from the config) and writes the engine-ready config.json
 to DIR/serve-ENGINE/ (or --out), never over the checkpoint's own. Where the engine does not run the patch (attention
 schemes, modifiers, stacks with either, keys the engine does not read) it refuses in one line naming the scheme and
-the engine's rope types. What each engine accepts is read from its source: rope_patch/data/engines.json
+the engine's rope types; where the folder the engine loads (DIR, or an adapter's base) has no tokenizer, in one line
+saying how to save one there. What each engine accepts is read from its source: rope_patch/data/engines.json
 (`python -m rope_patch.engines`; rope_patch.serving explains the rules).
 """
 
@@ -53,19 +56,22 @@ def _export(args) -> int:
     from ..persistence import export_info  # torch: only now, after the arguments parsed
 
     info = export_info(args.dir, args.base)  # errors: one line from cli.main
-    from ..serving import export  # the checked command line (context length, engine form); nothing written
+    from ..serving import MissingTokenizerError, export  # the checked command line; nothing written
 
     try:
         info["vllm"], refused = export(args.dir, "vllm", base=args.base, write=False)["command"], None
+    except MissingTokenizerError as err:  # a command that could not start is not printed
+        info["vllm"], refused, untokenized = None, str(err), True
     except ValueError as err:  # (export_info's raw --hf-overrides would serve another model: not shown)
-        info["vllm"], refused = None, str(err)
+        info["vllm"], refused, untokenized = None, str(err), False
     if args.json:
         print(json.dumps({**info, **({"vllm_refused": refused} if refused else {})}, indent=2))
         return 0
     print(f"scheme: {info['scheme'] or 'none (unpatched)'}")
     print(f"rope_parameters: {json.dumps(info['rope_parameters'])}")
     print(f"max_position_embeddings: {info['max_position_embeddings']}")
-    print(f"vLLM: {info['vllm']}" if refused is None else f"vLLM: not served as patched: {refused}")
+    print(f"vLLM: {info['vllm']}" if refused is None else f"vLLM: {refused}" if untokenized else
+          f"vLLM: not served as patched: {refused}")
     print(f"(`rope-patch export {args.dir} --engine vllm|sglang`: the engine's command line, its notes and config.json)")
     return 0
 
