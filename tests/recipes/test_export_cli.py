@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from helpers.models import WINDOW, tiny_model
+from helpers.text import char_tokenizer
 
 import rope_patch
 from rope_patch.cli import main
@@ -19,7 +20,7 @@ def _run(capsys, *argv):
 def test_patched_model(tmp_path, capsys):
     model = tiny_model()
     rope_patch.apply(model, "yarn", factor=4.0)
-    rope_patch.save_pretrained(model, tmp_path)
+    rope_patch.save_pretrained(model, tmp_path, tokenizer=char_tokenizer())  # the engine loads it from the folder
     code, out, _ = _run(capsys, tmp_path, "--json")
     info = json.loads(out)
     assert code == 0 and info["scheme"] == "yarn"
