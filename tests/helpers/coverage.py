@@ -17,6 +17,7 @@ and reports per scheme "exact", or "refused: <the message>" when `apply()` refus
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 import transformers
@@ -208,8 +209,16 @@ NATIVE_REJECTS = ("rejects this RoPE configuration",
 PROPORTIONAL = ("('proportional') gives",
                 "global layers use `proportional` RoPE (full-width frequencies, a quarter non-zero); yarn gives a "
                 "quarter-width set there, which a natively configured model cannot run either")
+
+
+def before(release: str) -> bool:
+    """Whether the installed transformers is older than `release`: a row that holds only there (the release changed
+    the structure the outcome is read from) is kept for the oldest supported release's coverage run (5.19)."""
+    return Version(transformers.__version__) < Version(release)
+
+
 # Falcon computes attention in its own module code up to transformers 5.24; 5.25 moved it onto the attention interface
-OWN_CODE = ("gpt_neox_japanese",) + (("falcon",) if Version(transformers.__version__) < Version("5.25") else ())
+OWN_CODE = ("gpt_neox_japanese",) + (("falcon",) if before("5.25") else ())
 # folder -> {scheme: (phrase, reason)}; every (folder, scheme) not listed must be exact
 REFUSED: dict[str, dict[str, tuple[str, str]]] = {
     "inkling2": dict.fromkeys(SCHEMES, NO_ROTARY),
@@ -229,9 +238,10 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
                                                           "tiny model"),
         "ms_poe": ("without the head order of its prompt", "attention over compressed memory: no call's queries are "
                                                            "its keys, so no prompt orders the heads")},
+    # 5.25 hands the text position ids to every layer, the global NoPE ones too, so sink hides their middle keys
     "cohere_compass": {"sink": ("runs without positions",
                                 "its global layers receive no positions (NoPE), and StreamingLLM must hide their middle "
-                                "keys by the tokens' positions too")},
+                                "keys by the tokens' positions too")} if before("5.25") else {},
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
@@ -251,11 +261,18 @@ def expected(folder: str, scheme: str) -> tuple[str, str] | None:
     return REFUSED.get(folder, {}).get(scheme)
 
 
+def page_version(text: str) -> str:
+    """The transformers version a generated architecture page names (page() writes it in its first paragraph)."""
+    found = re.search(r"^Every model folder of transformers (\S+) ", text, re.M)
+    if found is None:
+        raise ValueError("docs/architectures.md names no transformers version: regenerate it with "
+                         "`cd tests && python -m helpers.coverage`")
+    return found.group(1)
+
+
 def page() -> str:
     """docs/architectures.md: which scheme families each RoPE folder of the installed transformers runs exactly, and
     why the others are refused (from REFUSED, which tests/schemes/test_architectures.py holds to what apply() does)."""
-    import transformers
-
     folders_ = folders()
     exact = {s: sum(expected(f, s) is None for f in folders_) for s in SCHEMES}
     lines = [

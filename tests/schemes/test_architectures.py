@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from helpers import coverage
-from helpers.models import ARCHS, VOCAB, logits, native_twin, tiny_model
+from helpers.models import ARCHS, NEWER_FOLDERS, VOCAB, absent_folders, logits, native_twin, tiny_model
 from helpers.reference_any import forward as reference_forward
 
 import rope_patch
@@ -272,16 +273,26 @@ def test_every_rope_folder(folder):
 
 
 def test_the_coverage_table_names_installed_folders_and_schemes():
-    assert set(coverage.REFUSED) <= set(coverage.folders())
+    """Rows for folders of the installed release, or of a newer one (NEWER_FOLDERS: absent here, skipped); a folder
+    NEWER_FOLDERS dates at or before the installed release is installed (else its row there is stale)."""
+    folders = set(coverage.folders())
+    assert set(coverage.REFUSED) <= folders | absent_folders()
+    assert set(NEWER_FOLDERS) - absent_folders() <= folders
     assert all(set(row) <= set(coverage.SCHEMES) for row in coverage.REFUSED.values())
-    exact = {s: sum(coverage.expected(f, s) is None for f in coverage.folders()) for s in coverage.SCHEMES}
-    assert min(exact.values()) >= 100, exact
+    exact = {s: sum(coverage.expected(f, s) is None for f in folders) for s in coverage.SCHEMES}
+    assert min(exact.values()) >= 0.85 * len(folders), exact
 
 
 def test_the_architecture_page_is_generated_from_the_table():
+    """The page is generated for the newest release, and names it: on it, the page is the table's; on an older
+    release of the supported window (5.19's CI pass) the rows are checked by test_every_rope_folder instead."""
     from helpers.scripts import ROOT
 
     committed = (ROOT / "docs" / "architectures.md").read_text(encoding="utf-8")
+    generated_for = coverage.page_version(committed)
+    if coverage.before(generated_for):
+        pytest.skip(f"docs/architectures.md is generated for transformers {generated_for}, newer than the installed "
+                    f"{transformers.__version__}")
     assert committed == coverage.page(), "docs/architectures.md is stale: run `cd tests && python -m helpers.coverage`"
 
 
