@@ -244,8 +244,8 @@ class LoRAFinetuneRecipe:
                      .to(self.args.device) if sharded else trainer.accelerator.unwrap_model(trainer.model))
             if cfg.output.merge:
                 merged = (final if sharded else copy.deepcopy(final)).merge_and_unload()  # keeps the patch
-                rope_patch.save_pretrained(merged, self.out / "merged")  # the one save rule: native config.json or a warning
-                self.tokenizer.save_pretrained(self.out / "merged")
+                # the one save rule (native config.json or a warning), with the tokenizer a serving engine loads
+                rope_patch.save_pretrained(merged, self.out / "merged", tokenizer=self.tokenizer)
                 summary["merged"] = str(self.out / "merged")
             if cfg.eval is not None:
                 self.results.update(self.evaluate("after", final))

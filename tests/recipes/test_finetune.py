@@ -236,6 +236,9 @@ def test_train_save_reload_and_merge(assets, tmp_path):
     for folder in (tmp_path / "run" / "merged", out):  # `rope-patch export` on the recipe's outputs
         info = export_info(folder)
         assert info["rope_parameters"]["rope_type"] == "yarn" and info["max_position_embeddings"] == merged["max_position_embeddings"]
+    from rope_patch.serving import export
+
+    assert export(tmp_path / "run" / "merged", "vllm", write=False)["command"]  # its tokenizer is there for the engine
 
 
 def test_before_and_after_evaluation(assets, tmp_path):
