@@ -39,7 +39,11 @@ from .common import attention_modules
 # model's own (PhiMoE's short_mscale / long_mscale, which its rotary multiplies cos/sin by and its config requires
 # beside any scaling type; Qwen-VL's mrope_interleaved; Ministral 3's llama_4_scaling_beta). Of transformers' keys,
 # the partial rotary fraction describes the model too.
-_SCHEME_KEYS = frozenset(typing.get_type_hints(RopeParameters)) - {"partial_rotary_factor"}
+# Before 5.21, RopeParameters did not list yarn's mscale / mscale_all_dim / truncate nor mrope_section, which its rope
+# types read all the same: named here so that a patch drops them on every release (DeepSeek's attention scale reads
+# a kept mscale_all_dim under any rope type).
+_SCHEME_KEYS = frozenset(typing.get_type_hints(RopeParameters)).union(
+    {"mscale", "mscale_all_dim", "truncate", "mrope_section"}) - {"partial_rotary_factor"}
 
 
 def _model_keys(rope_parameters: dict) -> dict:
