@@ -204,11 +204,17 @@ class SinCosTable:
         return RopeContext(head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=self.rope_theta,
                            max_position_embeddings=int(window), rope_parameters=params)
 
-    def build(self, inv_freq: torch.Tensor, scaling: float, rows: int, device=None) -> torch.Tensor:
+    def build(self, inv_freq: torch.Tensor, scaling: float, rows: int, device=None,
+              wavelengths: torch.Tensor | None = None) -> torch.Tensor:
         """The table of these frequencies (fp32) for positions 0 … rows − 1, in this layout, times `scaling` (the
-        cos/sin scale a rotary module multiplies its output by): row p as `create_sinusoidal_positions` computes it."""
+        cos/sin scale a rotary module multiplies its output by): row p as `create_sinusoidal_positions` computes it.
+        With `wavelengths` (Resonance RoPE's integer λ̃_i), pair i's position is reduced modulo λ̃_i first, so its
+        rows repeat exactly every λ̃_i (rotary.Resonance)."""
         inv_freq = inv_freq.float().to(device)
-        angles = torch.arange(rows, dtype=torch.int64, device=device).float()[:, None] * inv_freq
+        positions = torch.arange(rows, dtype=torch.int64, device=device).float()[:, None]
+        if wavelengths is not None:
+            positions = torch.fmod(positions, wavelengths.to(device=device, dtype=torch.float32))
+        angles = positions * inv_freq
         sin, cos = torch.sin(angles), torch.cos(angles)
         if scaling != 1.0:
             sin, cos = sin * scaling, cos * scaling
