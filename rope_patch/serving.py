@@ -381,7 +381,7 @@ def _require_tokenizer(name: str, folder: Path, adapter: bool) -> None:
         return
     if has_tokenizer(folder):
         return
-    where = shlex.quote(str(folder))
+    where = repr(str(folder))  # as Python writes the path
     how = f"tokenizer.save_pretrained({where})" if adapter else \
         f"rope_patch.save_pretrained(model, {where}, tokenizer=tokenizer) (or tokenizer.save_pretrained({where}))"
     raise MissingTokenizerError(

@@ -796,7 +796,7 @@ def test_a_folder_without_tokenizer_is_refused_saying_how_to_add_one(tmp_path, t
             serving.export(tmp_path / "m", name, out=tmp_path / "out")
         message = str(info.value)
         assert len(message.splitlines()) == 1 and f"{tmp_path / 'm'} has no tokenizer" in message
-        assert f"rope_patch.save_pretrained(model, {tmp_path / 'm'}, tokenizer=tokenizer)" in message
+        assert f"rope_patch.save_pretrained(model, {str(tmp_path / 'm')!r}, tokenizer=tokenizer)" in message
         assert not (tmp_path / "out").exists()
         code, out, err = _run(capsys, tmp_path / "m", "--engine", name)
         assert code == 2 and out == "" and err.strip().endswith("then export again.")
