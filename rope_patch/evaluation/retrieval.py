@@ -44,12 +44,17 @@ import random
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..api import current
 from ..discovery import find_target
 from .common import at_length
 from .defaults import DEFAULT_DEPTHS
 from .passkey import LEAD_IN, make_passkey_sample, score_passkey
+
+# The KV cache's argument and output field: `cache` from transformers 5.24 (`past_key_values` warns there), before it
+# `past_key_values` (a `cache=` there is swallowed by the forward's **kwargs: every step would run without the cache)
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 MIN_SHARED_PREFIX = 16  # a shorter common prefix is not worth a separate prefill
 
@@ -140,7 +145,7 @@ def prefill_prefix(model, prefix_ids: torch.Tensor, total_length: int, *, fixed_
     of the prompts it will serve plus their new tokens), for `greedy_generate(..., prefix_cache=)`."""
     mask = torch.ones_like(prefix_ids)
     with at_length(model, total_length) if fixed_length else contextlib.nullcontext():
-        return model(input_ids=prefix_ids, attention_mask=mask, use_cache=True, logits_to_keep=1).cache
+        return getattr(model(input_ids=prefix_ids, attention_mask=mask, use_cache=True, logits_to_keep=1), CACHE)
 
 
 def _greedy(model, prompt_ids: torch.Tensor, max_new_tokens: int, prefix_cache=None, prefix_len: int = 0) -> torch.Tensor:
@@ -151,16 +156,16 @@ def _greedy(model, prompt_ids: torch.Tensor, max_new_tokens: int, prefix_cache=N
         cache = copy.deepcopy(prefix_cache)  # the shared prefix's cache stays as it was for the next batch
         if b > 1:
             cache.batch_repeat_interleave(b)
-        out = model(input_ids=prompt_ids[:, prefix_len:], attention_mask=mask, cache=cache, use_cache=True,
+        out = model(input_ids=prompt_ids[:, prefix_len:], attention_mask=mask, **{CACHE: cache}, use_cache=True,
                     logits_to_keep=1)
     else:
         out = model(input_ids=prompt_ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
-    cache = out.cache
+    cache = getattr(out, CACHE)
     tokens = [out.logits[:, -1].argmax(-1)]
     for _ in range(max_new_tokens - 1):
         mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
-        out = model(input_ids=tokens[-1][:, None], attention_mask=mask, cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(input_ids=tokens[-1][:, None], attention_mask=mask, **{CACHE: cache}, use_cache=True)
+        cache = getattr(out, CACHE)
         tokens.append(out.logits[:, -1].argmax(-1))
     return torch.stack(tokens, dim=1)
 

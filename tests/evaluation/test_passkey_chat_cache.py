@@ -134,7 +134,8 @@ def test_prefix_cache_equals_full_prefill(tok, filler, arch, scheme):
             before = [layer.keys.clone() for layer in cache.layers]
             rest = retrieval.copy.deepcopy(cache)
             rest.batch_repeat_interleave(3)
-            split = model(input_ids=ids[:, p:], attention_mask=torch.ones_like(ids), cache=rest, use_cache=True).logits[:, -1]
+            split = model(input_ids=ids[:, p:], attention_mask=torch.ones_like(ids), **{retrieval.CACHE: rest},
+                          use_cache=True).logits[:, -1]
         torch.testing.assert_close(split, full, atol=1e-5, rtol=1e-5)
         a = greedy_generate(model, ids, 6)
         b = greedy_generate(model, ids, 6, prefix_cache=cache, prefix_len=p)
