@@ -15,7 +15,8 @@ log). It is an object of a module-level class, not a closure, so a patched model
    of a module-level class, called as `update(rotary, x, position_ids, layer_type)` before the class forward, that
    installs the frequencies and `attention_scaling` for the current length on the rotary module (as transformers'
    `dynamic_rope_update` does for its own dynamic types, without registering anything global).
-4. The model's own rotary forward (the class's, with `dynamic_rope_update`), then for the position-free
+4. The model's own rotary forward (the class's, with `dynamic_rope_update`; with Resonance RoPE's `Resonance` on the
+   module, on positions reduced modulo each pair's integer wavelength: `class_forward`), then for the position-free
    attention-side schemes (ALiBi, NoPE, T5 bias, ...) and `cache_rotation="consistent"` the identity rotation
    cos = 1, sin = 0 (q·1 + rotate_half(q)·0 = q exactly): attention layers and the KV cache see un-rotated queries
    and keys.
@@ -77,7 +78,7 @@ class PatchedRotaryForward:
                 )
         if self.update is not None:
             self.update(rotary, x, position_ids, args[0] if args else kwargs.get("layer_type"))
-        out = type(rotary).forward(rotary, x, position_ids, *args, **kwargs)
+        out = class_forward(rotary, x, position_ids, *args, **kwargs)
         self.seen = self._buffers_now()
         if self.identity:
             if isinstance(out, tuple):  # broadcast views of one element: the identity costs no (L × d) tensors
@@ -97,6 +98,79 @@ class PatchedRotaryForward:
         return {name: self.rotary._buffers.get(name) for name in self.masters}
 
 
+RESONANCE = "rope_patch_resonance"  # the rotary module's attribute holding its `Resonance` (set through the undo log)
+
+
+class Resonance:
+    """Resonance RoPE's angles (Wang et al. 2024, arXiv:2403.00071; the authors' `compute_freqs`,
+    sheryc/resonance_rope): pair i at position p turns by (p mod λ̃_i)·θ̃_i, where λ̃_i is the integer wavelength and
+    θ̃_i = 2π/λ̃_i the frequency in the rotary module's buffer. The product p·θ̃_i that the class forward computes in
+    float32 is off by up to p·θ̃_i·2⁻²⁴ (6e-5 rad at p = 1024 for θ̃ = 1), so its tables would not repeat; reduced
+    first, every product has a factor below λ̃_i and the angles of a pair repeat bit for bit every λ̃_i positions.
+
+    Called in place of the class forward (`class_forward`), it hands the class forward the reduced angles as its
+    "frequencies" (`_AngleView`) and positions of 1: the class's own code (cat or interleave, partial or 3-D rope,
+    complex output, scale, dtype cast) turns them into its output, 1·a = a exactly. The frequency scheme checks at
+    apply time that the class forward reads angles that way (`dtype`: the precision it multiplies in).
+    Positions are reduced with `fmod` (exact in IEEE arithmetic): [0, λ̃_i) for p ≥ 0, as the authors' tables."""
+
+    def __init__(self, wavelengths: dict, dtype: torch.dtype = torch.float32):
+        # layer type (None: the module's one set) -> float64 λ̃_i, integers; inf for a pair that does not rotate
+        self.wavelengths = wavelengths
+        self.dtype = dtype  # the precision the class forward multiplies positions by frequencies in
+        self._on: dict = {}  # (layer type, device, dtype) -> the wavelengths there (run time only: not copied)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_on": {}}
+
+    @staticmethod
+    def buffer(layer_type) -> str:
+        return f"{layer_type}_inv_freq" if layer_type else "inv_freq"
+
+    def angles(self, inv_freq: torch.Tensor, positions: torch.Tensor, layer_type=None) -> torch.Tensor:
+        """(…, n, pairs) angles (p mod λ̃_i)·θ̃_i of positions (…, n), in `self.dtype`."""
+        key = (layer_type, inv_freq.device, self.dtype)
+        wavelengths = self._on.get(key)
+        if wavelengths is None:
+            wavelengths = self._on[key] = self.wavelengths[layer_type].to(device=inv_freq.device, dtype=self.dtype)
+        reduced = torch.fmod(positions[..., None].to(device=inv_freq.device, dtype=self.dtype), wavelengths)
+        return reduced * inv_freq.to(self.dtype)
+
+    def __call__(self, rotary: nn.Module, x, position_ids, *args, **kwargs):
+        layer_type = args[0] if args else kwargs.get("layer_type")
+        name = self.buffer(layer_type)
+        angles = self.angles(rotary._buffers[name], position_ids, layer_type)
+        return angle_forward(rotary, x, angles, name, position_ids, *args, **kwargs)
+
+
+class _AngleView:
+    """The rotary module as its class forward sees it, with the frequency buffer `name` replaced by a tensor of angles
+    (…, n, pairs): with positions of 1, `position_ids[..., None].float() * inv_freq` gives those angles. A view, not
+    a change to the module: nothing on the model moves during the call."""
+
+    def __init__(self, rotary: nn.Module, name: str, angles: torch.Tensor):
+        object.__setattr__(self, "_rotary", rotary)
+        object.__setattr__(self, name, angles)
+
+    def __getattr__(self, name):
+        return getattr(self._rotary, name)
+
+
+def angle_forward(rotary: nn.Module, x, angles: torch.Tensor, name: str, position_ids, *args, **kwargs):
+    """The rotary class's forward on `angles` (…, n, pairs) in place of position × buffer `name`."""
+    ones = torch.ones_like(position_ids)
+    return type(rotary).forward(_AngleView(rotary, name, angles), x, ones, *args, **kwargs)
+
+
+def class_forward(rotary: nn.Module, x, position_ids, *args, **kwargs):
+    """The rotary module's class forward (what the model computes without a patch), through its `Resonance` where a
+    patch put one on the module (positions reduced modulo each pair's wavelength)."""
+    resonance = vars(rotary).get(RESONANCE)
+    if resonance is None:
+        return type(rotary).forward(rotary, x, position_ids, *args, **kwargs)
+    return resonance(rotary, x, position_ids, *args, **kwargs)
+
+
 class TableGrowth:
     """The `update` of a table rotary (GPT-J, CodeGen: sin/cos rows indexed by position): before a forward reaches a
     position past the table's last row, the table is extended with the rows of the same frequencies and scale, the
@@ -104,10 +178,11 @@ class TableGrowth:
     past them); a patch serves the positions its scheme is for (Self-Extend past the window, YaRN's extended window,
     the positions a re-positioned copy is moved to)."""
 
-    def __init__(self, layout, inv_freq: torch.Tensor, scaling: float):
+    def __init__(self, layout, inv_freq: torch.Tensor, scaling: float, wavelengths: torch.Tensor | None = None):
         self.layout = layout  # discovery.SinCosTable
         self.inv_freq = inv_freq.float()
         self.scaling = scaling
+        self.wavelengths = wavelengths  # Resonance RoPE: rows built from positions modulo these (None: plain)
 
     def __call__(self, rotary: nn.Module, x, position_ids, layer_type=None) -> None:
         table = rotary._buffers[self.layout.buffer]
@@ -115,7 +190,7 @@ class TableGrowth:
         if need <= table.shape[0]:
             return
         rows = max(need, 2 * table.shape[0])  # doubling: a generation step does not rebuild it every token
-        grown = self.layout.build(self.inv_freq, self.scaling, rows, device=table.device)
+        grown = self.layout.build(self.inv_freq, self.scaling, rows, device=table.device, wavelengths=self.wavelengths)
         rotary._buffers[self.layout.buffer] = torch.cat((table, grown[table.shape[0]:].to(table.dtype)))
 
 
@@ -158,16 +233,16 @@ def source(embeddings) -> nn.Module | None:
 
 def embed(embeddings, positions: torch.Tensor):
     """The embeddings that the rotary module which made `embeddings` gives at `positions`, the same way (its class
-    forward: the frequencies it holds now, its attention scaling, its layer type)."""
+    forward: the frequencies it holds now, its attention scaling, its layer type, Resonance RoPE's reduction)."""
     rotary = embeddings.rotary
     patched = vars(rotary).get("forward")
     if isinstance(getattr(patched, "update", None), TableGrowth):  # a table rotary: the moved positions' rows must exist
         patched.update(rotary, embeddings.x, positions)
         patched.seen = patched._buffers_now()  # grown by the patch, not replaced by a cast
-    return type(rotary).forward(rotary, embeddings.x, positions, *embeddings.args, **embeddings.kwargs)
+    return class_forward(rotary, embeddings.x, positions, *embeddings.args, **embeddings.kwargs)
 
 
 def unpatched_forward(rotary: nn.Module, x, position_ids, *args):
-    """The rotary module's own forward (its class's), whatever is installed on the instance: the deferred-RoPE
-    schemes rotate q and k inside attention with it."""
-    return type(rotary).forward(rotary, x, position_ids, *args)
+    """The rotary module's own forward (its class's, with a frequency scheme's Resonance reduction), whatever is
+    installed on the instance: the deferred-RoPE schemes rotate q and k inside attention with it."""
+    return class_forward(rotary, x, position_ids, *args)

@@ -21,13 +21,15 @@ import warnings
 from typing import ClassVar
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 from .. import discovery
 from .. import validation as check
 from ..discovery import PatchSite, RopeContext
 from ..registry import register_scheme
-from ..rotary import PatchedRotaryForward, TableGrowth
+from ..rotary import RESONANCE, PatchedRotaryForward, Resonance, TableGrowth, angle_forward
 from ..undo import UndoLog
 from .base import InstallStep, Scheme, Suggestion, extension_ratio, plain_number
 from .cached import cache_rotation as _cache_rotation
@@ -44,6 +46,11 @@ from .common import attention_modules
 # a kept mscale_all_dim under any rope type).
 _SCHEME_KEYS = frozenset(typing.get_type_hints(RopeParameters)).union(
     {"mscale", "mscale_all_dim", "truncate", "mrope_section"}) - {"partial_rotary_factor"}
+
+
+# transformers before 5.21 keeps longrope's long frequencies under `{layer_type}_long_inv_freq` and, once that attribute
+# exists, fails on the next forward past the window: longrope on a model with RoPE per layer type is refused there
+_OLD_LONGROPE = Version(transformers.__version__) < Version("5.21")
 
 
 def _model_keys(rope_parameters: dict) -> dict:
@@ -69,9 +76,11 @@ class FrequencyScheme(Scheme):
                     f"{self.name}: resonance=True rounds the wavelengths installed at apply time, and {self.name}'s "
                     "frequencies follow the sequence length at run time, where the rounding would be lost. Use it with "
                     "a static scheme (default, linear, ntk, yarn, llama3, p_rope).")
-            # a rounded set is no transformers rope type: saved with rope_patch, refused by the native export
+            # no transformers rope type or engine rounds the wavelengths, nor reduces positions modulo them before the
+            # multiply (an engine computes p·θ in its own precision): saved with rope_patch, refused by the export
             self._set("native", False)
-            self._set("changes", "its wavelengths, rounded to integers by resonance=True")
+            self._set("changes", "its wavelengths, rounded to integers by resonance=True, each position reduced modulo "
+                                 "them before the angle is computed")
 
     def _set(self, key, value):
         object.__setattr__(self, key, value)
@@ -104,7 +113,7 @@ class FrequencyScheme(Scheme):
         not rotate (θ = 0: p_rope) stay at 0. Otherwise unchanged."""
         if not self.resonance:
             return inv_freq
-        return (2 * math.pi / torch.round(2 * math.pi / inv_freq.double())).float()
+        return resonance_wavelengths(inv_freq).reciprocal() * (2 * math.pi)  # θ̃ = 2π/λ̃ as the authors compute it
 
     def rotary_update(self, target: PatchSite, rotary_config) -> LengthUpdate | None:
         """For length-dependent schemes without a transformers rope type: the `update` object the patched rotary
@@ -191,6 +200,12 @@ class FrequencyScheme(Scheme):
         # per layer type; a layer type whose entry is None uses no RoPE (Beam, Cohere Compass) and keeps its None
         public = {lt: params.get(lt) for lt in target.config.rope_parameters} if layered else params[None]
         any_ctx = next(iter(contexts.values()))
+        if layered and _OLD_LONGROPE and any(p["rope_type"] == "longrope" for p in params.values()):
+            raise ValueError(
+                f"{self.name}: transformers {transformers.__version__}'s longrope update fails on a model with RoPE per "
+                f"layer type ({target.model_type}) from the second forward past the original window (UnboundLocalError: "
+                "it caches the long frequencies per layer type, then loses them), on a natively configured model too. "
+                "It needs transformers 5.21 or later: pip install -U 'transformers>=5.21', or use yarn.")
 
         # The rotary module runs with a private copy of the config: transformers' dynamic NTK reads the window
         # where scaling starts from `config.max_position_embeddings`, while the public config must announce the
@@ -213,7 +228,7 @@ class FrequencyScheme(Scheme):
 
         scales = _attention_scales(self, model_site, public) if primary else []
         device = next(iter(target.rotary.buffers())).device
-        buffers, scalings = {}, {}
+        buffers, scalings, wavelengths = {}, {}, {}
         update = self.rotary_update(target, rotary_config)
         # cache_rotation="consistent" (dynamic, dynamic_yarn, longrope): keys cached un-rotated, rotated in attention
         consistent = _prepare_consistent(self.name, model_site) if getattr(self, "cache_rotation", None) else None
@@ -234,6 +249,8 @@ class FrequencyScheme(Scheme):
                     "this scheme cannot be built either. Use a scheme this architecture's config supports.") from None
             buffers[lt] = self.adjust(inv_freq.float(), ctx).to(device)
             scalings[lt] = float(scaling)
+            if self.resonance:
+                wavelengths[lt] = resonance_wavelengths(inv_freq).double().cpu()
             _check_width(self, target, lt, buffers[lt])
         def install(log: UndoLog) -> None:
             rot = target.rotary
@@ -275,6 +292,9 @@ class FrequencyScheme(Scheme):
             else:
                 log.setattr(rot, "forward", PatchedRotaryForward(rot, masters, identity=False, update=update))
             _runs(self, model_site, rot, device, list(contexts) if layered else [None])
+            if wavelengths:  # positions reduced modulo λ̃_i before the multiply, as the authors' code does
+                log.setattr(rot, RESONANCE, Resonance(wavelengths))
+                _check_resonance(self, model_site, rot, list(contexts) if layered else [None])
 
         return install
 
@@ -305,8 +325,10 @@ class FrequencyScheme(Scheme):
         rot = target.rotary
         device = rot._buffers[layout.buffer].device
         rows = max(layout.rows, self.window(ctx) or 0)
-        table = layout.build(inv_freq, scaling, rows, device=device)
-        growth = TableGrowth(layout, inv_freq, scaling)
+        # Resonance: rows of positions modulo the integer wavelengths of the unrounded θ_i, as the authors build them
+        waves = resonance_wavelengths(dataclasses.replace(self, resonance=None).inv_freq(ctx)[0]) if self.resonance else None
+        table = layout.build(inv_freq, scaling, rows, device=device, wavelengths=waves)
+        growth = TableGrowth(layout, inv_freq, scaling, waves)
 
         def install(log: UndoLog) -> None:
             log.set_buffer(rot, layout.buffer, table)
@@ -314,6 +336,15 @@ class FrequencyScheme(Scheme):
                                                              update=growth, sin_first=layout.returns_sin_first))
 
         return install
+
+
+def resonance_wavelengths(inv_freq: torch.Tensor) -> torch.Tensor:
+    """Resonance RoPE's integer wavelengths λ̃_i = round(2π/θ_i) (inf for a pair that does not rotate), in float32 as
+    the authors' `resonance_register` computes them (torch's `2π / θ` is θ⁻¹·2π, two roundings), and so θ̃_i = 2π/λ̃_i
+    (`adjust`): with them the reduced angles are the authors' bit for bit. Correctly rounded float64 arithmetic gives
+    θ̃ one ulp apart in about a third of the pairs and other λ̃ past 2^21, where float32 wavelengths are coarser than a
+    half (head size 128, θ 1e6, YaRN ×32: 26 and 12 of the 64 pairs)."""
+    return torch.round(inv_freq.float().reciprocal() * (2 * math.pi))
 
 
 def _in_tree(config, root) -> bool:
@@ -396,6 +427,55 @@ def _runs(scheme: FrequencyScheme, target: PatchSite, rotary: torch.nn.Module, d
                 "reach attention. Use the scheme without resonance on this architecture.")
 
 
+# Positions where the float32 products p·θ̃_i carry rounding (past every wavelength of the low pairs): the check's probe
+_PROBE = (0, 1, 5, 6, 7, 100, 1000, 4097, 65537)
+
+
+def _check_resonance(scheme: FrequencyScheme, target: PatchSite, rotary: torch.nn.Module, layer_types: list) -> None:
+    """Resonance (rotary.Resonance) hands the class forward its angles in place of the frequency buffer, with positions
+    of 1. Proof that this is how the forward computes, per layer type: given the unreduced products p·θ̃_i as angles it
+    returns its own output bit for bit, and other angles change it. Which precision the products are in is found the
+    same way (float32; float64 where the class multiplies in double, Ergo). Else the reduction cannot be applied
+    there: refused (the undo log takes the patch back)."""
+    params = list(inspect.signature(type(rotary).forward).parameters.values())[1:]
+    names = [p.name for p in params]
+    if (len(params) < 2 or (layer_types != [None] and "layer_type" not in names)
+            or any(p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "layer_type"
+                   for p in params[2:])):
+        _resonance_refused(scheme, target, rotary, f"its forward takes ({', '.join(names)})")
+    resonance = vars(rotary)[RESONANCE]
+    for layer_type in layer_types:
+        kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+        name = resonance.buffer(layer_type)
+        buffer = rotary._buffers.get(name)
+        if buffer is None:
+            _resonance_refused(scheme, target, rotary, f"it has no buffer {name}")
+        ids = torch.tensor([_PROBE], device=buffer.device)
+        x = torch.zeros(1, len(_PROBE), 2, device=buffer.device)
+        with torch.no_grad():
+            own = type(rotary).forward(rotary, x, ids, **kwargs)
+            found = [dtype for dtype in (torch.float32, torch.float64)
+                     if _same(own, angle_forward(rotary, x, ids[..., None].to(dtype) * buffer.to(dtype), name, ids, **kwargs))
+                     and not _same(own, angle_forward(rotary, x, ids[..., None].to(dtype) * buffer.to(dtype) + 0.5, name,
+                                                      ids, **kwargs))]
+        if not found:
+            _resonance_refused(scheme, target, rotary, f"its forward does not turn position × {name} into its output")
+        resonance.dtype = found[0]  # one precision per module: the layer types share the forward's code
+
+
+def _same(a, b) -> bool:
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _resonance_refused(scheme: FrequencyScheme, target: PatchSite, rotary: torch.nn.Module, why: str) -> None:
+    raise ValueError(
+        f"{scheme.name}: resonance=True reduces each position modulo its pair's integer wavelength before the angle is "
+        f"computed (so that the angles repeat exactly, as in the authors' code), which rope_patch does through the "
+        f"rotary module's own forward; {target.model_type}'s {type(rotary).__name__} cannot be driven that way ({why}). "
+        "Use the scheme without resonance on this architecture.")
+
+
 def _ignores_buffers(rotary: torch.nn.Module, x, ids, kwargs: dict) -> bool:
     """Whether the rotary class's own forward gives the same output when its frequency buffers change (PhiMoE
     recomputes them from the config). The class's forward, not the patch's: that one re-installs its masters."""
@@ -420,7 +500,17 @@ def _attention_scales(scheme: FrequencyScheme, target: PatchSite, public: dict) 
     would need the scale to follow the current factor, which lives in the attention layers: refused there."""
     out = []
     for module in attention_modules(target.model):
-        value = discovery.init_scaling(module, public)
+        try:
+            value = discovery.init_scaling(module, public)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
+            # transformers before 5.21: DeepSeek's yarn_apply_mscale reads `factor` under every non-default rope type
+            # (p_rope's `proportional` has none), so a natively configured model fails at init too
+            raise ValueError(
+                f"{scheme.name}: {target.model_type}'s {type(module).__name__} computes its softmax scale at init from "
+                f"rope_parameters, and transformers {transformers.__version__}'s computation fails on the ones this "
+                f"scheme writes ({type(err).__name__}: {err}), so a model configured with them cannot be built either. "
+                "Upgrade transformers (pip install -U 'transformers>=5.21': from 5.21 it reads `factor` only where "
+                "`mscale_all_dim` is set), or use a scheme that sets a factor (linear, yarn).") from None
         if value is None:
             continue
         unscaled = discovery.init_scaling(module, {"rope_type": "default"})
