@@ -104,7 +104,8 @@ TARGETS: dict[str, dict] = {
                      ("sglang/srt/configs/model_config.py", "_derive_context_length"),
                      ("sglang/srt/layers/rotary_embedding/rope_variant.py",
                       "DynamicNTKScalingRotaryEmbedding._compute_cos_sin_cache"),
-                     ("sglang/srt/layers/rotary_embedding/rope_variant.py", "Phi3LongRoPEScaledRotaryEmbedding.forward"),
+                     ("sglang/srt/layers/rotary_embedding/rope_variant.py",
+                      "Phi3LongRoPEScaledRotaryEmbedding.forward"),
                      # the YaRN scale its attn_factor multiplies (serving._sglang_attn_factor)
                      ("sglang/srt/layers/rotary_embedding/yarn.py", "YaRNScalingRotaryEmbedding.__init__"),
                      ("sglang/srt/layers/rotary_embedding/yarn.py", "yarn_get_mscale"),

@@ -364,7 +364,8 @@ def export(directory: str | os.PathLike, name: str, base: str | os.PathLike | No
         alternative = (f"{prefix}vllm serve {shlex.quote(serve_dir)} {_flag(name, '--hf-config-path')} "
                        f"{shlex.quote(str(target))} {_flag(name, LENGTH_FLAG[name])} {n}")
     return {"engine": name, "version": eng["version"], "scheme": info["scheme"], "rope_parameters": form,
-            "max_position_embeddings": mpe, "top_level": top, "context_length": n, "derived_length": derived, "env": env,
+            "max_position_embeddings": mpe, "top_level": top,
+            "context_length": n, "derived_length": derived, "env": env,
             "command": " ".join(parts), "config_path": str(target / "config.json") if write else None,
             "alternative": alternative if write else None, "notes": notes}
 

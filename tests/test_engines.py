@@ -120,7 +120,8 @@ SGLANG_FILES = {
     "sglang/srt/layers/rotary_embedding/yarn.py":
         "def yarn_get_mscale_simple(scale=1):\n    return 1.0\n"
         "def yarn_get_mscale(scale=1, mscale=1):\n    return 1.0\n"
-        "class YaRNScalingRotaryEmbedding:\n    def __init__(self, attn_factor=1):\n        self.mscale = attn_factor\n",
+        "class YaRNScalingRotaryEmbedding:\n    def __init__(self, attn_factor=1):\n"
+        "        self.mscale = attn_factor\n",
     "sglang/srt/layers/rotary_embedding/rope_variant.py":  # a method named as another class's: Class.method is read
         "class Other:\n    def forward(self):\n        return 0\n"
         "class DynamicNTKScalingRotaryEmbedding:\n    def _compute_cos_sin_cache(self):\n        return 1\n"

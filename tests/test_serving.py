@@ -80,8 +80,8 @@ def _check_against_snapshot(info: dict, name: str, model_type: str) -> None:
         assert set(snap["rope_types"][rope_type]["required"]) <= set(entry)
     assert set(info["top_level"]) <= engines.config_reads(name, model_type)  # read by its model code from there
     words = shlex.split(info["command"])
-    assert _overrides(info["command"]) == {"rope_parameters": rope, "max_position_embeddings": info["max_position_embeddings"],
-                                           **info["top_level"]}
+    assert _overrides(info["command"]) == {"rope_parameters": rope, **info["top_level"],
+                                           "max_position_embeddings": info["max_position_embeddings"]}
     length_flag = "--max-model-len" if name == "vllm" else "--context-length"
     assert words[words.index(length_flag) + 1] == str(info["context_length"])
     assert all(w in snap["flags"] for w in words if w.startswith("--"))
@@ -116,7 +116,8 @@ def test_every_scheme_on_both_engines(row, engine_name, saved, tmp_path):
     assert written["max_position_embeddings"] == info["max_position_embeddings"]
     assert {k: written[k] for k in info["top_level"]} == info["top_level"]
     changed = ("rope_parameters", "max_position_embeddings", *info["top_level"])
-    assert {k: v for k, v in written.items() if k not in changed} == {k: v for k, v in plain.items() if k not in changed}
+    assert {k: v for k, v in written.items() if k not in changed} == \
+        {k: v for k, v in plain.items() if k not in changed}
     assert json.loads((folder / "config.json").read_text()) == plain  # the checkpoint's own config.json untouched
 
 
@@ -214,7 +215,8 @@ def test_engine_forms_differ_where_the_engine_reads_otherwise(saved):
     # (max(position_ids) + 1 > L): at L + 1 tokens, transformers long and SGLang short
     note = serving.export(saved(row.name, row.params), "sglang", write=False)["notes"][0]
     assert f"differ at exactly {WINDOW + 1} tokens (transformers: long factors; sglang: short ones, and position " \
-        f"{WINDOW} reads row {WINDOW} of its short-then-long table, the long table's position 0, i.e. no rotation)" in note
+        f"{WINDOW} reads row {WINDOW} of its short-then-long table, the long table's position 0, i.e. no " \
+        "rotation)" in note
 
 
 def test_longrope_attention_factor_becomes_both_mscales(saved):
@@ -250,7 +252,8 @@ def test_a_key_the_engine_does_not_read_is_refused():
 # (attention_factor, mscale, mscale_all_dim) -> the attn_factor SGLang needs: its scale is attn_factor × its default,
 # 0.1 ln s + 1 (s = factor), or with both mscale and mscale_all_dim (0.1·m·ln s + 1) / (0.1·m_all·ln s + 1)
 YARN_SCALES = [((1.5, None, None), lambda d, r: 1.5 / d), ((None, None, None), None),
-               ((None, 1.0, 0.5), None), ((1.25, 1.0, 0.5), lambda d, r: 1.25 / r), ((0.8, 0.7, None), lambda d, r: 0.8 / d)]
+               ((None, 1.0, 0.5), None), ((1.25, 1.0, 0.5), lambda d, r: 1.25 / r),
+               ((0.8, 0.7, None), lambda d, r: 0.8 / d)]
 
 
 @pytest.mark.parametrize("scales,expected", YARN_SCALES, ids=[str(s) for s, _ in YARN_SCALES])
@@ -314,10 +317,10 @@ def test_a_top_level_key_must_be_one_value_for_every_layer_type():
 
 
 def test_vllm_reads_the_tokenizer_length_only_for_pooling_models_with_absolute_positions(saved, tmp_path):
-    """vLLM's ModelConfig.get_and_verify_max_len reads tokenizer_config.json only for the pooling runner on a config with
-    position_embedding_type "absolute" (the snapshot's tokenizer_when): a causal LM served by `vllm serve` gets the
-    length from config.json alone, so a tokenizer saved with model_max_length L changes nothing and no allow-longer
-    variable is set. SGLang reads no tokenizer length."""
+    """vLLM's ModelConfig.get_and_verify_max_len reads tokenizer_config.json only for the pooling runner on a config
+    with position_embedding_type "absolute" (the snapshot's tokenizer_when): a causal LM served by `vllm serve` gets
+    the length from config.json alone, so a tokenizer saved with model_max_length L changes nothing and no
+    allow-longer variable is set. SGLang reads no tokenizer length."""
     import shutil
 
     assert engines.engine("vllm")["context"]["tokenizer_when"] == {"runner_type": "pooling",
@@ -749,7 +752,8 @@ def test_vllm_reads_the_tokenizer_length_by_its_own_code(saved, tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": WINDOW}))
     info = serving.export(folder, "vllm", write=False)
     assert info["env"] == {} and info["context_length"] == 4 * WINDOW
-    rope = _engine_code("vllm", "vllm/transformers_utils/config.py", ("iter_rope_parameters", "is_rope_parameters_nested"),
+    rope = _engine_code("vllm", "vllm/transformers_utils/config.py",
+                        ("iter_rope_parameters", "is_rope_parameters_nested"),
                         {"ALLOWED_LAYER_TYPES": ALLOWED_LAYER_TYPES})
     convert = _engine_code("vllm", "vllm/transformers_utils/model_arch_config_convertor.py",
                            ("derive_max_model_len_and_key",), {})["derive_max_model_len_and_key"]
