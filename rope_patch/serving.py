@@ -4,8 +4,9 @@
     vllm serve merged/ --hf-overrides '{"rope_parameters":{...},"max_position_embeddings":16384}' --max-model-len 16384
 
 What an engine accepts is read from its own source (rope_patch.engines: the committed snapshot, vLLM 0.34.0 and SGLang
-0.5.23 when this was written; vLLM 0.33.0 gives the same tables), never from a hand list: the rope types its `get_rope` dispatches on, the `rope_parameters` keys each
-branch and the model code read, and how it derives the context length from config.json. An export
+0.5.23 when this was written; vLLM 0.33.0 gives the same tables), never from a hand list: the rope types its
+`get_rope` dispatches on, the `rope_parameters` keys each branch and the model code read (and the config attributes
+the model code reads), and how it derives the context length from config.json. An export
 
 - runs only where the whole patch has a native `rope_parameters` form (rope_patch's save rule) and every entry's
   rope type is in the engine's table: attention-side schemes (Self-Extend, ReRoPE, STRING, DCA, ALiBi, ...), the
@@ -40,9 +41,9 @@ which reads row L of its short-then-long cos/sin table, the long table's positio
 in a note.
 
 The config.json: the command line works on DIR as it is (the overrides carry the whole `rope_parameters`), and the
-engine-ready config.json (DIR's own, with the engine's rope_parameters and max_position_embeddings) is written beside
-it, to DIR/serve-<engine>/config.json or `--out`, never over a checkpoint's own config.json: that file is finished
-work (rope_patch's save rule wrote it for transformers), and an engine's form (vLLM's dynamic with N as
+engine-ready config.json (DIR's own, with the engine's rope_parameters, max_position_embeddings and top-level keys) is
+written beside it, to DIR/serve-<engine>/config.json or `--out`, never over a checkpoint's own config.json: that file
+is finished work (rope_patch's save rule wrote it for transformers), and an engine's form (vLLM's dynamic with N as
 max_position_embeddings) would change what transformers loads from it. vLLM takes the folder with `--hf-config-path`.
 """
 
