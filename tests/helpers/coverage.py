@@ -245,6 +245,12 @@ REFUSED: dict[str, dict[str, tuple[str, str]]] = {
     "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                "its sparse indexer reads position ids stored on the cache, which the "
                                                "position copies do not reach (the check's cached decoding fails)")),
+    # before 5.21 Zaya's layers read their convolution state straight off the cache layer (`layers[i].conv_states`),
+    # where the position copies' cache view does not stack it; from 5.21 they ask the cache (`get_conv_state`)
+    **({"zaya": dict.fromkeys(REPOSITIONING, ("apply-time check", "its layers read their convolution state straight "
+                                              "off the cache layer (before transformers 5.21), which the position "
+                                              "copies do not reach (the check's cached decoding fails)"))}
+       if before("5.21") else {}),
     "zamba2": {"ms_poe": ("several depths", "one attention module shared by several depths (a hybrid's shared block): "
                                             "Ms-PoE keeps the prompt's head order per layer, not per depth")},
     **{f: {"dca": ("sparse-attention indexer's choice of keys",
