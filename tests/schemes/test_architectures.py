@@ -14,6 +14,7 @@ from helpers.models import ARCHS, NEWER_FOLDERS, VOCAB, absent_folders, logits, 
 from helpers.reference_any import forward as reference_forward
 
 import rope_patch
+from rope_patch.evaluation.retrieval import CACHE
 
 ADDED = ["gpt_oss", "deepseek_v3", "ministral3", "qwen3_next", "cohere2", "exaone4", "olmo3", "ministral", "seed_oss",
          "ernie4_5", "falcon", "nemotron", "granitemoe", "glm4", "llama4_text"]
@@ -342,7 +343,8 @@ def test_deepseek_v4_cached_decoding_is_recomputation(scheme, params):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :30], use_cache=True)
-        steps = [out.logits] + [model(ids[:, t:t + 1], cache=out.cache, use_cache=True).logits for t in range(30, 44)]
+        cache = getattr(out, CACHE)  # `cache` from transformers 5.24, `past_key_values` before
+        steps = [out.logits] + [model(ids[:, t:t + 1], **{CACHE: cache}, use_cache=True).logits for t in range(30, 44)]
     got = torch.cat(steps, dim=1)
     assert ((got - full).abs().max() / full.abs().max()).item() <= 1e-5
 
