@@ -283,8 +283,9 @@ class PatchingMachine(RuleBasedStateMachine):
 
     def settle(self, *models) -> None:
         """Reset the length state of dynamic NTK (an input shorter than the window) before comparing with a fresh
-        model: transformers keeps the frequencies of the longest input seen."""
-        if self.patch is not None and LENGTH_STATEFUL & set(self.patch["parts"]):
+        model: transformers keeps the frequencies of the longest input seen. Not while a backend switch is pending
+        (the forward would raise BackendChanged; nothing is compared before the re-apply then)."""
+        if self.patch is not None and not self.pending and LENGTH_STATEFUL & set(self.patch["parts"]):
             for m in models:
                 logits(m, PROMPT)
 
@@ -444,7 +445,7 @@ class PatchingMachine(RuleBasedStateMachine):
         """Position ids that are not the slots (attention/protocol.py). A packed row (ids restarting at 0, no mask:
         transformers then masks across the restart) must give its second sequence the logits it gets alone, under any
         patch; PoSE's skipped ids run without a cache (finite logits, and what a fresh model with the same patch
-        gives), and with a cache an attention-side scheme of our own refuses them."""
+        gives), and an attention-side scheme of our own serves them into a fresh cache as without one."""
         COUNTS[f"positions-{shape}"] += 1
         gen = torch.Generator().manual_seed(seed)
         a, b = (torch.randint(3, VOCAB, (1, n), generator=gen) for n in (first, second))
@@ -462,8 +463,11 @@ class PatchingMachine(RuleBasedStateMachine):
         pos = torch.cat([torch.arange(first), torch.arange(first + 5 * WINDOW, first + 5 * WINDOW + second)])[None]
         kw = dict(position_ids=pos, attention_mask=torch.ones_like(ids))
         if shape == "pose-cached" and self.patch is not None and (OWN_FUNCTION - {"logn"}) & set(self.patch["parts"]):
-            with pytest.raises(ValueError, match="gaps or restarts .* KV cache are not supported"):
-                logits(self.model, ids, **kw, use_cache=True)
+            # a first forward into a fresh cache holds only its own keys, whose ids the attention reads
+            diff = (logits(self.model, ids, **kw, use_cache=True) - logits(self.model, ids, **kw, use_cache=False)
+                    ).abs().max().item()
+            tol = 1e-5 if self.dtype == torch.float32 else 2e-2
+            assert diff <= tol, f"{rope_patch.current(self.model)}: PoSE ids into a fresh cache vs without: {diff}"
             return
         out = logits(self.model, ids, **kw, use_cache=shape == "pose-cached")
         assert torch.isfinite(out).all()
