@@ -326,7 +326,9 @@ class FrequencyScheme(Scheme):
         device = rot._buffers[layout.buffer].device
         rows = max(layout.rows, self.window(ctx) or 0)
         # Resonance: rows of positions modulo the integer wavelengths of the unrounded θ_i, as the authors build them
-        waves = resonance_wavelengths(dataclasses.replace(self, resonance=None).inv_freq(ctx)[0]) if self.resonance else None
+        waves = None
+        if self.resonance:
+            waves = resonance_wavelengths(dataclasses.replace(self, resonance=None).inv_freq(ctx)[0])
         table = layout.build(inv_freq, scaling, rows, device=device, wavelengths=waves)
         growth = TableGrowth(layout, inv_freq, scaling, waves)
 
@@ -454,10 +456,10 @@ def _check_resonance(scheme: FrequencyScheme, target: PatchSite, rotary: torch.n
         x = torch.zeros(1, len(_PROBE), 2, device=buffer.device)
         with torch.no_grad():
             own = type(rotary).forward(rotary, x, ids, **kwargs)
-            found = [dtype for dtype in (torch.float32, torch.float64)
-                     if _same(own, angle_forward(rotary, x, ids[..., None].to(dtype) * buffer.to(dtype), name, ids, **kwargs))
-                     and not _same(own, angle_forward(rotary, x, ids[..., None].to(dtype) * buffer.to(dtype) + 0.5, name,
-                                                      ids, **kwargs))]
+            products = {dtype: ids[..., None].to(dtype) * buffer.to(dtype) for dtype in (torch.float32, torch.float64)}
+            found = [dtype for dtype, plain in products.items()
+                     if _same(own, angle_forward(rotary, x, plain, name, ids, **kwargs))
+                     and not _same(own, angle_forward(rotary, x, plain + 0.5, name, ids, **kwargs))]
         if not found:
             _resonance_refused(scheme, target, rotary, f"its forward does not turn position × {name} into its output")
         resonance.dtype = found[0]  # one precision per module: the layer types share the forward's code
@@ -471,9 +473,9 @@ def _same(a, b) -> bool:
 def _resonance_refused(scheme: FrequencyScheme, target: PatchSite, rotary: torch.nn.Module, why: str) -> None:
     raise ValueError(
         f"{scheme.name}: resonance=True reduces each position modulo its pair's integer wavelength before the angle is "
-        f"computed (so that the angles repeat exactly, as in the authors' code), which rope_patch does through the "
-        f"rotary module's own forward; {target.model_type}'s {type(rotary).__name__} cannot be driven that way ({why}). "
-        "Use the scheme without resonance on this architecture.")
+        "computed (so that the angles repeat exactly, as in the authors' code), which rope_patch does through the "
+        f"rotary module's own forward; {target.model_type}'s {type(rotary).__name__} cannot be driven that way "
+        f"({why}). Use the scheme without resonance on this architecture.")
 
 
 def _ignores_buffers(rotary: torch.nn.Module, x, ids, kwargs: dict) -> bool:
