@@ -5,7 +5,9 @@ parameters given explicitly).
 A space maps a parameter to a list of values (grid: every combination, in the order given; random: a uniform
 choice) or, for random search only, to a range (lo, hi): uniform integers when both ends are integers, else uniform
 reals (rounded to 4 significant digits so that specs stay readable). Combinations a scheme refuses (STRING's S ≤ W,
-YaRN's beta_fast ≤ beta_slow, ...) are logged with the scheme's message and rank last.
+YaRN's beta_fast ≤ beta_slow, ...) are logged with the scheme's message and rank last. A value that the scheme refuses
+in every combination (a negative factor, a range ending at one) is no candidate but a mistake: `check_space` refuses
+the space before the first evaluation, naming it and the scheme's reason.
 """
 
 from __future__ import annotations
@@ -45,6 +47,39 @@ def check_space(scheme: str, space: Space, method: str) -> None:
                 raise ValueError(f"the range of {key} must have lo < hi, got {values[0]}..{values[1]}.")
         elif not values:
             raise ValueError(f"no values given for {key}.")
+
+
+def check_candidates(scheme: str, space: Space) -> None:
+    """A space the user gave (`--space`), before the first evaluation: every candidate built with the scheme's own
+    checks (its parameters alone, no model; a range by its two ends, between which the draws fall). A space with no
+    accepted candidate, or a value refused in every combination, raises ValueError naming it and the scheme's
+    reason. (The default spaces, grids around a paper's setting, may hold combinations a small window refuses: those
+    are logged and rank last.)"""
+    cls = get_scheme_class(scheme)
+    ends = {k: list(v) if isinstance(v, tuple) else v for k, v in space.items()}
+    points = grid_points(ends)
+    refused: dict[int, str] = {}
+    for i, point in enumerate(points):
+        try:
+            cls.from_params(**point)
+        except (TypeError, ValueError) as err:
+            refused[i] = str(err)
+    if not refused:
+        return
+    if len(refused) == len(points):
+        raise ValueError(f"--space: {scheme} refuses every candidate, e.g. {_spec(points[0])} "
+                         f"({refused[0]}). Nothing was evaluated.")
+    for key, values in ends.items():
+        for value in values:
+            with_it = [i for i, p in enumerate(points) if p[key] == value]
+            if all(i in refused for i in with_it):
+                what = "the range end" if isinstance(space[key], tuple) else "the candidate"
+                raise ValueError(f"--space {key}={value!r}: {scheme} refuses {what} {key}={value!r} in every "
+                                 f"combination ({refused[with_it[0]]}). Fix or drop that value; nothing was evaluated.")
+
+
+def _spec(point: dict) -> str:
+    return ",".join(f"{k}={v!r}" for k, v in point.items())
 
 
 def grid_points(space: Space) -> list[dict]:

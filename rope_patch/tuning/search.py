@@ -34,7 +34,7 @@ from ..suggest import pretraining_window
 from .evolution import EvolutionSettings, evolve, initial_factors
 from .log import SearchLog, check_resumable
 from .objective import SPLIT_FRACTION, Objective, perplexities, spec_of, split_heldout
-from .scalar import Space, check_space, default_space, grid_points, random_points, scalar_search
+from .scalar import Space, check_candidates, check_space, default_space, grid_points, random_points, scalar_search
 
 # METHODS (`--method`): schema.SEARCH_METHODS, torch-free for the command line.
 
@@ -109,6 +109,7 @@ def check_options(options: TuneOptions) -> tuple[str, str]:
         options.evolution.resolved(2.0)  # population, parents, ... (the largest factor is checked with the scale)
     elif options.space is not None:
         check_space(name, options.space, method)
+        check_candidates(name, options.space)
     if method == "random" and options.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {options.samples}.")
     return name, method

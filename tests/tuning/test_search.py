@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 from helpers.models import WINDOW, tiny_model
@@ -183,14 +184,28 @@ def text_ids():
     return char_tokenizer().encode(filler_text(2000), add_special_tokens=False)
 
 
+@pytest.mark.parametrize(("space", "message"), [
+    ({"factor": [-2.0, 4.0]}, "--space factor=-2.0: yarn refuses the candidate factor=-2.0 in every combination"),
+    ({"factor": [2.0, 4.0], "beta_fast": [1.0], "beta_slow": [2.0]}, "yarn refuses every candidate"),
+])
+def test_a_space_with_a_value_no_candidate_can_use_is_refused_before_any_evaluation(text_ids, tmp_path, space,
+                                                                                    message):
+    """Before: the search skipped each refused candidate, ran the rest and finished as if nothing were wrong."""
+    opts = TuneOptions(scheme="yarn", target=64, space=space, n_tokens=128)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tune(tiny_model("llama"), char_tokenizer(), text_ids, opts, log_path=tmp_path / "s.json")
+    assert not (tmp_path / "s.json").exists()
+
+
 def test_tune_on_a_tiny_model_scalar_and_longrope(text_ids, tmp_path):
     model, tok = tiny_model("llama"), char_tokenizer()
-    opts = TuneOptions(scheme="string", target=64, space={"shift_size": [8, 16], "window_size": [4, 16]}, n_tokens=128)
+    # every value is used by some candidate; the combination S <= W (8, 8) is refused by STRING and logged
+    opts = TuneOptions(scheme="string", target=64, space={"shift_size": [8, 16], "window_size": [4, 8]}, n_tokens=128)
     log = tune(model, tok, text_ids, opts, log_path=tmp_path / "s.json")
     recs = log["evaluations"]
     assert len(recs) == 4 and log["status"] == "done"
     refused = [r for r in recs if r["objective"] is None]  # S <= W: STRING refuses, the log says why
-    assert [r["params"] for r in refused] == [{"shift_size": 8, "window_size": 16}, {"shift_size": 16, "window_size": 16}]
+    assert [r["params"] for r in refused] == [{"shift_size": 8, "window_size": 8}]
     assert all("shift_size" in r["error"] for r in refused)
     assert all(r["perplexity"] > 1 for r in recs if r["objective"] is not None)
     assert log["best"]["spec"].startswith("string:")

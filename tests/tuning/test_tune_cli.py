@@ -42,6 +42,10 @@ BAD = [
     (["--scheme", "yarn", "--space", "factor=2..8"], "use --method random for ranges"),
     (["--scheme", "yarn", "--space", "bogus=1,2"], "yarn has no parameter 'bogus'"),
     (["--scheme", "yarn", "--method", "random", "--space", "factor=8..2"], "lo < hi"),
+    # a value the scheme refuses in every combination: refused before the first evaluation, not skipped in the search
+    (["--scheme", "yarn", "--space", "factor=-2,4"], "--space factor=-2: yarn refuses the candidate factor=-2"),
+    (["--scheme", "yarn", "--method", "random", "--space", "factor=-1..4"], "refuses the range end factor=-1"),
+    (["--scheme", "yarn", "--space", "factor=2,4", "beta_fast=1", "beta_slow=2"], "yarn refuses every candidate"),
     (["--scheme", "longrope", "--population", "1"], "argument --population: must be an integer >= 2"),
     (["--scheme", "longrope", "--population", "4", "--parents", "6"], "--parents must be between 2 and the population"),
     (["--scheme", "longrope", "--budget-minutes", "0"], "argument --budget-minutes: must be a number > 0"),
