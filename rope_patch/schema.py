@@ -388,7 +388,10 @@ COMPARE = Kind(
         "settings": Obj({"lengths": List(Int(ge=1)), "depths": List(Fraction()), "passkey_samples": Opt(Int(ge=0)),
                          "seed": Opt(Int()), "ppl_tokens": Opt(Int(ge=0))},
                         {"passkey_lengths": List(Int(ge=1)), "heldout": Opt(Map()), "machine": Opt(Map()),
-                         "chat_template": Opt(Map()), "budget": Opt(Map()), "counts": Opt(Map())}),
+                         "chat_template": Opt(Map()), "budget": Opt(Map()), "counts": Opt(Map()),
+                         # the perplexity text rule since 2026-12-06 (evaluation/perplexity.py scored_tokens);
+                         # absent: every length read ppl_tokens, windows_at_longest x the run's longest length
+                         "ppl_shared_length": Opt(Int(ge=1))}),
         "schemes": List(Obj({"spec": Str(nonempty=True), "label": Str()}, {"name": Str(), "params": Map()})),
         "records": List(Obj({"scheme": Str(), "length": Int(ge=1), "perplexity": _PPL, "passkey_accuracy":
                              Opt(Fraction())},

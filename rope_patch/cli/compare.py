@@ -11,6 +11,7 @@ from ..evaluation.defaults import (
     DEFAULT_LENGTHS,
     DEFAULT_SCHEMES,
     PASSKEY_SAMPLES,
+    PPL_SHARED_LENGTH,
     SEED,
     WINDOWS_AT_LONGEST,
 )
@@ -45,8 +46,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--passkey-samples", type=positive, default=PASSKEY_SAMPLES, metavar="N",
                    help="passkey prompts per (length, depth) cell, >= 1 (default: %(default)s)")
     p.add_argument("--windows", type=positive, default=WINDOWS_AT_LONGEST, metavar="N",
-                   help="perplexity windows at the longest length; every length reads the same N x longest tokens "
-                   "(default: %(default)s)")
+                   help=f"perplexity windows: every length up to {PPL_SHARED_LENGTH} reads the same first N x "
+                   f"{PPL_SHARED_LENGTH} held-out tokens, a longer length N windows of its own, so a length's figure "
+                   "does not depend on the other --lengths (default: %(default)s)")
     p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
                    help="frame every passkey prompt with the tokenizer's chat template (haystack + question as the "
                    "user turn, the lead-in 'The pass key is' opening the assistant turn; the template's tokens count "

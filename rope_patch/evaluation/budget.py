@@ -16,7 +16,7 @@ were left out, so the run took about twice the estimate. One probe at ≤ 512 to
 had been the earlier cause of a 16k run taking twice the estimate.
 
 `fit_budget` trims in a fixed order until the estimate fits: passkey samples per cell first (down to 1), then the
-perplexity windows at the longest length (down to 1). What it trimmed is said in one line and recorded in the
+perplexity windows (`windows_at_longest`, down to 1). What it trimmed is said in one line and recorded in the
 results (settings.budget).
 """
 
@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .common import token_nll
+from .perplexity import scored_tokens
 from .retrieval import evaluate_passkey, greedy_generate
 
 PROBE_MAX_TOKENS = 512
@@ -135,13 +136,10 @@ def seconds_per_token_at(model, token_ids: Sequence[int], n: int) -> tuple[float
 
 
 def run_seconds(cost: Cost, token_count: int, lengths: Sequence[int], passkey_lengths: Sequence[int], n_depths: int,
-                passkey_samples: int, windows_at_longest: int, new_tokens: int = 7, longest: int | None = None) -> float:
-    """Seconds a run takes for one scheme: its perplexity windows and passkey prompts with their generated tokens
-    (the same counts as `run_tokens`), each at its length's cost."""
-    lengths = sorted(set(lengths))
-    longest = longest or (lengths[-1] if lengths else 0)
-    n = windows_at_longest * longest if lengths else 0
-    ppl = sum((min(n, token_count) // L) * cost.window(L) for L in lengths)
+                passkey_samples: int, windows_at_longest: int, new_tokens: int = 7, n_tokens: int | None = None) -> float:
+    """Seconds a run takes for one scheme: its perplexity windows (`perplexity.scored_tokens` at each length) and
+    passkey prompts with their generated tokens (the same counts as `run_tokens`), each at its length's cost."""
+    ppl = sum(scored_tokens(L, token_count, windows_at_longest, n_tokens) // L * cost.window(L) for L in set(lengths))
     pk = sum((passkey_samples * cost.prompt(L) + cost.answers(L, passkey_samples, new_tokens)) * n_depths
              for L in set(passkey_lengths))
     return ppl + pk
@@ -149,14 +147,10 @@ def run_seconds(cost: Cost, token_count: int, lengths: Sequence[int], passkey_le
 
 def run_tokens(n_schemes: int, token_count: int, lengths: Sequence[int], passkey_lengths: Sequence[int],
                n_depths: int, passkey_samples: int, windows_at_longest: int, new_tokens: int = 7,
-               longest: int | None = None) -> int:
-    """Tokens a run processes: perplexity windows + passkey prompts + generated tokens, over all schemes.
-    `longest`: the run's longest perplexity length, when `lengths` are only the ones left to run (every length reads
-    `windows_at_longest` x the longest)."""
-    lengths = sorted(set(lengths))
-    longest = longest or (lengths[-1] if lengths else 0)
-    n = windows_at_longest * longest if lengths else 0
-    ppl = sum((min(n, token_count) // L) * L for L in lengths)
+               n_tokens: int | None = None) -> int:
+    """Tokens a run processes: perplexity windows (`perplexity.scored_tokens` at each length) + passkey prompts +
+    generated tokens, over all schemes."""
+    ppl = sum(scored_tokens(L, token_count, windows_at_longest, n_tokens) for L in set(lengths))
     pk = sum((L + new_tokens) * n_depths * passkey_samples for L in set(passkey_lengths))
     return n_schemes * (ppl + pk)
 

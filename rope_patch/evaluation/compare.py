@@ -14,7 +14,13 @@ results` redraws the plots from it):
                    "fingerprint": "sha256:..." or null,   # the folder's files (fingerprint.py), what --resume checks
                    "patch": null or {"scheme", "label", "file"}},  # the patch it was loaded with (rope_patch.json)
       "settings": {"lengths": [256, ...], "passkey_lengths": [...], "depths": [0.1, 0.5, 0.9],
-                   "passkey_samples": 4, "seed": 0, "ppl_tokens": 8192, "windows_at_longest": 4,
+                   "passkey_samples": 4, "seed": 0,
+                   "ppl_tokens": null,      # null: each length L reads the first windows_at_longest x max(L,
+                   "ppl_shared_length": 2048,  # ppl_shared_length) held-out tokens (perplexity.scored_tokens); a
+                                            # number N: every length reads the first N (ppl_shared_length null).
+                                            # Before 2026-12-06 (no ppl_shared_length): every length read
+                                            # ppl_tokens = windows_at_longest x the run's longest length
+                   "windows_at_longest": 4,
                    "heldout": {"path", "sha256", "bytes", "tokens"},
                    "chat_template": {"mode": "auto", "used": false},
                    "passkey_prompt": "plain",   # or "chat" (passkey.PROMPT_FORMS; absent before 2026-12-02)
@@ -44,13 +50,17 @@ display. Perplexities are plain floats (inf when exp overflows, written as the J
 
 `rope-patch compare` rewrites compare.json (atomically: a temporary file, then `os.replace`) after every finished
 scheme, so an interrupted or failed run leaves a valid file of the schemes that finished; `--resume` reads it back
-and evaluates only the scheme x length cells that are missing (`run_compare(..., resume=)`).
+and evaluates only the scheme x length cells that are missing (`run_compare(..., resume=)`). A perplexity cell is
+reused only where it read the tokens this run reads at its length (its `n_windows`: the first n_windows x L tokens
+of the same held-out text); a cell of a file written under the earlier rule (windows x the run's longest length at
+every length) that read others is measured again, and a warning says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -66,15 +76,25 @@ from ..specs import parse_scheme_spec, scheme_label
 from ..suggest import pretraining_window
 from .budget import fit_budget, probe_cost, run_seconds
 from .common import read_tokens, versions
-from .defaults import AS_LOADED, DEFAULT_LENGTHS, DEFAULT_SCHEMES, PASSKEY_SAMPLES, SEED, WINDOWS_AT_LONGEST
+from .defaults import (
+    AS_LOADED,
+    DEFAULT_LENGTHS,
+    DEFAULT_SCHEMES,
+    PASSKEY_SAMPLES,
+    PPL_SHARED_LENGTH,
+    SEED,
+    WINDOWS_AT_LONGEST,
+)
 from .loading import loaded_patch
 from .passkey import PROMPT_FORMS, check_haystack, haystack_filler, prompt_form, use_chat_template
-from .perplexity import evaluate_perplexity, fixed_buckets, perplexity_work
+from .perplexity import evaluate_perplexity, fixed_buckets, perplexity_work, scored_tokens
 from .results import FORMAT, json_safe
 from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell, wilson_interval
 
 # DEFAULT_SCHEMES, AS_LOADED (the model as loaded: the baseline row) and DEFAULT_LENGTHS live in .defaults, which
 # imports nothing: the command line shows them before it imports torch. They are imported from here as before.
+
+logger = logging.getLogger("rope_patch")
 
 
 def _shipped_scaling(model) -> str | None:
@@ -152,9 +172,10 @@ def _json_params(params: dict) -> dict:
 # What must be equal for a cell of an earlier run to stand in a new one (the lengths and schemes may differ). The
 # fingerprint (fingerprint.py: the weights, config, tokenizer and saved patch) is compared where both runs have one;
 # results written before it existed are matched on the rest (cli/compare.py says so). A loaded patch (rope_patch.json)
-# shows in the `loaded` row's params, which _reusable compares per scheme.
+# shows in the `loaded` row's params, which _reusable compares per scheme; the tokens a perplexity cell read, its
+# n_windows (with the held-out text, compared here), per cell too: no setting decides them alone.
 _SAME_MODEL = ("path", "model_type", "window", "n_params", "dtype", "fingerprint")
-_SAME_SETTINGS = ("depths", "passkey_samples", "seed", "ppl_tokens", "chat_template_used", "passkey_prompt",
+_SAME_SETTINGS = ("depths", "passkey_samples", "seed", "chat_template_used", "passkey_prompt",
                   "haystack", "shared_haystack", "bucket_size")
 # What a result written before a setting existed ran with.
 _SETTING_DEFAULTS = {"chat_template_used": False, "haystack": "prose", "shared_haystack": False, "bucket_size": None}
@@ -196,17 +217,26 @@ def _model_change(key: str, old, new) -> str:
     return f"model {key} {old!r} -> {new!r}"
 
 
-def _cells_left(previous: dict | None, spec: str, lengths, passkey_lengths) -> tuple[list[int], list[int]]:
+def _cells_left(previous: dict | None, spec: str, lengths, passkey_lengths,
+                windows: dict[int, int]) -> tuple[list[int], list[int]]:
     """(perplexity lengths, passkey lengths) that `spec` has no cell for in `previous`, for the time estimate (before
     the scheme is applied, so matched on the spec alone)."""
-    done = _reusable(previous, spec)
+    done = _reusable(previous, spec, windows=windows)
     return ([L for L in lengths if L not in done["ppl"]], [L for L in passkey_lengths if L not in done["passkey"]])
 
 
-def _reusable(previous: dict | None, spec: str, params: dict | None = None) -> dict:
+def _windows(token_count: int, lengths, windows_at_longest: int, ppl_tokens: int | None) -> dict[int, int]:
+    """The perplexity windows this run reads at each length (`perplexity.scored_tokens`)."""
+    return {L: scored_tokens(L, token_count, windows_at_longest, ppl_tokens) // L for L in lengths}
+
+
+def _reusable(previous: dict | None, spec: str, params: dict | None = None,
+              windows: dict[int, int] | None = None) -> dict:
     """The finished cells of `spec` in `previous`: {"ppl": {L: record}, "passkey": {L: [rows]}, "buckets": {L: rows},
-    "elapsed": s}; empty when the spec was not run or (given `params`) resolved to other parameters."""
-    cells = {"ppl": {}, "passkey": {}, "buckets": {}, "elapsed": 0.0}
+    "elapsed": s, "other_tokens": {L: n_windows}}; empty when the spec was not run or (given `params`) resolved to
+    other parameters. Given `windows` ({L: n}), a perplexity cell counts only where it read n windows at L, the
+    tokens this run reads there; the others are listed in "other_tokens"."""
+    cells = {"ppl": {}, "passkey": {}, "buckets": {}, "elapsed": 0.0, "other_tokens": {}}
     if not previous:
         return cells
     old = next((s for s in previous.get("schemes", []) if s["spec"] == spec), None)
@@ -214,12 +244,15 @@ def _reusable(previous: dict | None, spec: str, params: dict | None = None) -> d
         return cells
     for r in previous.get("records", []):
         if r["scheme"] == spec and r.get("n_windows"):
+            if windows is not None and r["length"] in windows and r["n_windows"] != windows[r["length"]]:
+                cells["other_tokens"][r["length"]] = r["n_windows"]
+                continue
             cells["ppl"][r["length"]] = r
     for r in previous.get("passkey", []):
         if r["scheme"] == spec:
             cells["passkey"].setdefault(r["length"], []).append(r)
     for b in previous.get("buckets", []):
-        if b["scheme"] == spec:
+        if b["scheme"] == spec and b["length"] not in cells["other_tokens"]:  # a length's buckets come from its cell
             cells["buckets"].setdefault(b["length"], []).append(b)
     cells["elapsed"] = float(previous.get("elapsed_s", {}).get(spec, 0.0))
     return cells
@@ -273,9 +306,12 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         held = {"path": None, "tokens": len(token_ids)}
     if bucket_size is not None:
         fixed_buckets(lengths[-1], bucket_size)  # a size outside [1, longest] fails now
-    n_tokens = ppl_tokens if ppl_tokens is not None else windows_at_longest * lengths[-1]
-    if n_tokens > len(token_ids):
-        raise ValueError(f"The held-out text has {len(token_ids)} tokens; {n_tokens} requested for perplexity.")
+    if ppl_tokens is not None and ppl_tokens > len(token_ids):
+        raise ValueError(f"The held-out text has {len(token_ids)} tokens; {ppl_tokens} requested for perplexity.")
+    if ppl_tokens is None and windows_at_longest * lengths[-1] > len(token_ids):
+        raise ValueError(f"The held-out text has {len(token_ids)} tokens; {windows_at_longest} perplexity windows at "
+                         f"length {lengths[-1]} need {windows_at_longest * lengths[-1]}. Pass fewer windows or a "
+                         "longer held-out text.")
     # the window the model was trained on (a shipped-scaling checkpoint's pre-training window, also under a loaded
     # patch): buckets, stars
     window = pretraining_window(model)
@@ -286,11 +322,11 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     plan = None
     if budget_minutes is not None or on_plan is not None:
         cost = probe_cost(model, token_ids, [*lengths, *passkey_lengths])
-        left = [_cells_left(resume, spec, lengths, passkey_lengths) for spec, _ in parsed]
+        planned = _windows(len(token_ids), lengths, windows_at_longest, ppl_tokens)
+        left = [_cells_left(resume, spec, lengths, passkey_lengths, planned) for spec, _ in parsed]
 
         def estimate(samples: int, windows: int) -> float:
-            w = windows if ppl_tokens is None else max(1, n_tokens // lengths[-1])
-            return sum(run_seconds(cost, len(token_ids), ppl, pk, len(depths), samples, w, longest=lengths[-1])
+            return sum(run_seconds(cost, len(token_ids), ppl, pk, len(depths), samples, windows, n_tokens=ppl_tokens)
                        for ppl, pk in left)
 
         plan = fit_budget(estimate, None if budget_minutes is None else 60.0 * budget_minutes, passkey_samples,
@@ -300,11 +336,10 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         plan["probe"] = {"tokens": first[0], "s_per_token": first[1], "a": cost.a, "b": cost.b,
                          "probes": [list(p) for p in cost.probed]}
         passkey_samples, windows_at_longest = plan["passkey_samples"], plan["windows_at_longest"]
-        if ppl_tokens is None:
-            n_tokens = windows_at_longest * lengths[-1]
         if on_plan is not None:
             on_plan(plan)
 
+    windows = _windows(len(token_ids), lengths, windows_at_longest, ppl_tokens)
     result = {
         "format": FORMAT,
         "model": {"spec": model_spec, "name": model_spec or type(model).__name__, "path": model_path,
@@ -313,7 +348,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
                   "fingerprint": model_fingerprint(model_path) if model_path else None, "patch": patch},
         "settings": {"lengths": lengths, "passkey_lengths": passkey_lengths, "depths": [float(d) for d in depths],
-                     "passkey_samples": passkey_samples, "seed": seed, "ppl_tokens": n_tokens,
+                     "passkey_samples": passkey_samples, "seed": seed, "ppl_tokens": ppl_tokens,
+                     "ppl_shared_length": PPL_SHARED_LENGTH if ppl_tokens is None else None,
                      "windows_at_longest": windows_at_longest, "heldout": held,
                      "chat_template": {"mode": str(chat_template) if not isinstance(chat_template, bool)
                                        else ("on" if chat_template else "off"), "used": chat},
@@ -323,7 +359,7 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                      "counts": {"passkey_per_cell": passkey_samples if passkey_lengths else 0,
                                 "passkey_cells": len(passkey_lengths) * len(depths),
                                 "passkey_prompts": len(passkey_lengths) * len(depths) * passkey_samples,
-                                "perplexity_windows": {str(L): min(n_tokens, len(token_ids)) // L for L in lengths}}},
+                                "perplexity_windows": {str(L): n for L, n in windows.items()}}},
         "versions": versions(),
         "schemes": [], "records": [], "passkey": [], "buckets": [], "elapsed_s": {},
         "pending": [spec for spec, _ in parsed],
@@ -350,12 +386,15 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                 name, params = AS_LOADED, _json_params(original_config(model)["rope_parameters"])
             else:
                 name, params = applied.name, _json_params(applied.params())
-            done = _reusable(resume, spec, params)
+            done = _reusable(resume, spec, params, windows)
+            if done["other_tokens"]:
+                _warn_other_tokens(spec, done["other_tokens"], windows)
             todo_ppl = [L for L in lengths if L not in done["ppl"]]
             if lengths[-1] not in todo_ppl and lengths[-1] not in done["buckets"]:
                 todo_ppl.append(lengths[-1])  # the position buckets of the longest length were not kept
             todo_pk = [L for L in passkey_lengths if L not in done["passkey"]]
-            ppl = evaluate_scheme_perplexity(model, token_ids, todo_ppl, n_tokens, window, tick, bucket_size)
+            ppl = evaluate_scheme_perplexity(model, token_ids, todo_ppl, ppl_tokens, window, tick, bucket_size,
+                                             windows_at_longest)
             pk = _passkey(model, tokenizer, token_ids, todo_pk, depths, passkey_samples, seed, tick, haystack,
                           chat_template=chat, shared_haystack=shared_haystack)
         ppl_rows = {**{L: r for L, r in done["ppl"].items() if L in lengths}, **{r["length"]: r for r in ppl["lengths"]}}
@@ -399,6 +438,13 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     return result
 
 
+def _warn_other_tokens(spec: str, earlier: dict[int, int], windows: dict[int, int]) -> None:
+    cells = ", ".join(f"{L} ({n} windows there, {windows[L]} here)" for L, n in sorted(earlier.items()))
+    logger.warning(f"rope_patch: the earlier result's perplexity of {spec} at {cells} read other held-out tokens than "
+                   "this run reads at those lengths (written when every length read windows x the run's longest "
+                   "length); measured again, not mixed in.")
+
+
 def _pooled(length: int, correct: dict, n: dict) -> dict:
     """The pooled passkey count of one length over its depths, with its Wilson 95% interval."""
     if length not in n:
@@ -424,12 +470,14 @@ def _with_earlier(result: dict, resume: dict | None, order: list[str]) -> dict:
     return out
 
 
-def evaluate_scheme_perplexity(model, token_ids, lengths, n_tokens, window, tick, bucket_size=None) -> dict:
-    """Perplexity of the applied scheme at `lengths` (none: nothing to do); buckets of the longest of them."""
+def evaluate_scheme_perplexity(model, token_ids, lengths, n_tokens, window, tick, bucket_size=None,
+                               windows_at_longest: int = WINDOWS_AT_LONGEST) -> dict:
+    """Perplexity of the applied scheme at `lengths` (none: nothing to do); buckets of the longest of them. Each
+    length reads `perplexity.scored_tokens` of its own (`n_tokens`: the first n_tokens at every length)."""
     if not lengths:
         return {"lengths": [], "buckets": []}
     return evaluate_perplexity(model, token_ids, lengths, n_tokens=n_tokens, window=window, progress=tick,
-                               bucket_size=bucket_size)
+                               bucket_size=bucket_size, windows_at_longest=windows_at_longest)
 
 
 def _passkey(model, tokenizer, token_ids, lengths, depths, n_samples, seed, tick, haystack="prose", **kw):
@@ -460,11 +508,13 @@ def resumed_units(resume: dict | None, specs: Sequence[str], token_count: int, l
     if not resume:
         return 0
     passkey_lengths = lengths if passkey_lengths is None else passkey_lengths
-    n = ppl_tokens if ppl_tokens is not None else windows_at_longest * max(lengths)
-    ppl = {(r["scheme"], r["length"]) for r in resume.get("records", []) if r.get("n_windows")}
+    windows = _windows(token_count, set(lengths), windows_at_longest, ppl_tokens)
+    # the cells that read the tokens this run reads at their length (`_reusable`)
+    ppl = {(r["scheme"], r["length"]) for r in resume.get("records", [])
+           if r.get("n_windows") and r["n_windows"] == windows.get(r["length"])}
     pk = {(r["scheme"], r["length"]) for r in resume.get("passkey", [])}
     total = 0
     for spec in specs:
-        total += sum((min(n, token_count) // L) * L for L in set(lengths) if (spec, L) in ppl)
+        total += sum(windows[L] * L for L in set(lengths) if (spec, L) in ppl)
         total += sum(L * len(depths) * passkey_samples for L in set(passkey_lengths) if (spec, L) in pk)
     return total

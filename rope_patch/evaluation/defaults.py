@@ -8,5 +8,9 @@ AS_LOADED = "loaded"
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)  # needle depths of the passkey cells
 PASSKEY_SAMPLES = 4  # passkey prompts per (length, depth) cell
-WINDOWS_AT_LONGEST = 2  # perplexity windows at the longest length; every length reads as many tokens
+WINDOWS_AT_LONGEST = 2  # perplexity windows of PPL_SHARED_LENGTH tokens' worth, or of a longer length itself
+# Every perplexity length up to it reads the same first WINDOWS_AT_LONGEST x PPL_SHARED_LENGTH held-out tokens, a
+# longer length WINDOWS_AT_LONGEST windows of its own: a length's figure never depends on the run's other lengths
+# (the longest of DEFAULT_LENGTHS, so a default run reads what it read when every length read windows x longest)
+PPL_SHARED_LENGTH = 2048
 SEED = 0  # the passkey seed

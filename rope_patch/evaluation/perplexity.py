@@ -3,8 +3,14 @@
 Protocol (the "non-overlapping windows" evaluation of Press et al. 2021 (ALiBi, arXiv:2108.12409) and Chen et al.
 2023 (Position Interpolation, arXiv:2306.15595)): the held-out token stream is cut into consecutive windows of
 exactly `length` tokens; each window is scored on its own, from position 0, with no context carried over; the
-perplexity at `length` is exp(mean NLL) over every predicted token of every window. All lengths read the same
-`n_tokens` first tokens of the stream, so a longer length sees the same text with more context per prediction.
+perplexity at `length` is exp(mean NLL) over every predicted token of every window.
+
+Which tokens (`scored_tokens`): a length L reads the first `windows` x max(L, PPL_SHARED_LENGTH) tokens of the stream
+(all of it, if shorter), or the first `n_tokens` when given. So every length up to 2048 reads the same text, a
+longer one sees the same text with more context per prediction plus more of it, and a length's figure depends on
+its own length only, never on the other lengths of the run. (Before 2026-12-06 every length read `windows` x the
+run's longest length: the same scheme at 512 gave another figure in a run whose longest length was 2048 than in
+one whose longest was 512.)
 
 Perplexity by position bucket inside the longest window shows *where* a scheme breaks down: a vanilla model is
 fine up to its training window and then diverges, a good extension scheme stays flat.
@@ -22,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .common import at_length, token_nll
+from .defaults import PPL_SHARED_LENGTH, WINDOWS_AT_LONGEST
 
 
 def default_buckets(longest: int, window: int | None) -> list[tuple[int, int]]:
@@ -44,6 +51,15 @@ def fixed_buckets(longest: int, size: int) -> list[tuple[int, int]]:
         raise ValueError(f"bucket size must be between 1 and the longest length ({longest}), got {size}: pass "
                          f"--bucket-size N with N <= {longest}, or leave it out for the default buckets.")
     return [(a, min(a + size, longest)) for a in range(0, longest, size)]
+
+
+def scored_tokens(length: int, token_count: int, windows_at_longest: int = WINDOWS_AT_LONGEST,
+                  n_tokens: int | None = None) -> int:
+    """Tokens of the stream read at `length` (whole windows of it): the first `n_tokens`, or by default the first
+    `windows_at_longest` x max(length, PPL_SHARED_LENGTH), of a stream of `token_count` tokens. A function of the
+    length alone (and the settings), not of the run's other lengths: a cell's figure compares across runs."""
+    n = n_tokens if n_tokens is not None else windows_at_longest * max(length, PPL_SHARED_LENGTH)
+    return min(n, token_count) // length * length
 
 
 def windows(token_ids: Sequence[int], length: int, n_tokens: int) -> torch.Tensor:
@@ -79,7 +95,7 @@ def _ppl(nll: torch.Tensor) -> float:
 
 @torch.no_grad()
 def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int], *, n_tokens: int | None = None,
-                        windows_at_longest: int = 2, buckets: Sequence[tuple[int, int]] | None = None,
+                        windows_at_longest: int = WINDOWS_AT_LONGEST, buckets: Sequence[tuple[int, int]] | None = None,
                         window: int | None = None, tokens_per_batch: int = 8192,
                         progress: Callable[[int], None] | None = None, bucket_size: int | None = None) -> dict:
     """Perplexity at each length over the same text, plus by position bucket inside the longest window.
@@ -87,7 +103,8 @@ def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int],
     Args:
         token_ids: the held-out token stream.
         lengths: window lengths in tokens.
-        n_tokens: tokens of the stream to use at every length (default `windows_at_longest` x the longest length).
+        n_tokens: tokens of the stream to read at every length; by default `windows_at_longest` x max(length,
+            PPL_SHARED_LENGTH) at each length (`scored_tokens`).
         buckets: (start, end) position ranges for the bucket table (default `default_buckets(longest, window)`).
         bucket_size: buckets of this many positions instead (`fixed_buckets`). Buckets are slices of the longest
             length's per-token NLL: finer buckets cost no forward pass (one decoder forward per batch of windows).
@@ -100,8 +117,6 @@ def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int],
     """
     lengths = sorted(set(int(x) for x in lengths))
     longest = lengths[-1]
-    if n_tokens is None:
-        n_tokens = windows_at_longest * longest
     if window is None:
         window = getattr(model.config, "max_position_embeddings", None)
     if bucket_size is not None:
@@ -110,7 +125,8 @@ def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int],
         buckets = fixed_buckets(longest, bucket_size)
     rows, longest_nll = [], None
     for length in lengths:
-        nll = window_nll(model, token_ids, length, n_tokens, tokens_per_batch=tokens_per_batch, progress=progress)
+        n = n_tokens if n_tokens is not None else scored_tokens(length, len(token_ids), windows_at_longest)
+        nll = window_nll(model, token_ids, length, n, tokens_per_batch=tokens_per_batch, progress=progress)
         rows.append({"length": length, "n_windows": nll.shape[0], "n_tokens": nll.numel(),
                      "nll": nll.double().mean().item(), "perplexity": _ppl(nll)})
         if length == longest:
@@ -126,8 +142,6 @@ def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int],
 
 
 def perplexity_work(token_count: int, lengths: Sequence[int], n_tokens: int | None = None,
-                    windows_at_longest: int = 2) -> int:
+                    windows_at_longest: int = WINDOWS_AT_LONGEST) -> int:
     """Tokens `evaluate_perplexity` will process (for progress bars)."""
-    lengths = sorted(set(lengths))
-    n = n_tokens if n_tokens is not None else windows_at_longest * lengths[-1]
-    return sum((min(n, token_count) // L) * L for L in lengths)
+    return sum(scored_tokens(L, token_count, windows_at_longest, n_tokens) for L in set(lengths))

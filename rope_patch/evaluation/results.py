@@ -117,13 +117,23 @@ def _cell(result, spec, length):
     return None
 
 
+def _scored_text(result: dict) -> str:
+    """The held-out tokens the perplexity cells read, from their records (n_windows x L: the first tokens of the
+    text), in words: one count for every length, else one per length."""
+    scored = sorted({(r["length"], r["n_windows"] * r["length"]) for r in result["records"] if r.get("n_windows")})
+    counts = {n for _, n in scored}
+    if len(counts) <= 1:
+        return f"the first {counts.pop() if counts else 0} held-out tokens at every length"
+    return "the first " + " / ".join(str(n) for _, n in scored) + " held-out tokens at lengths " + \
+        " / ".join(str(L) for L, _ in scored)
+
+
 def markdown_table(result: dict) -> str:
     """Markdown: perplexity / passkey accuracy per scheme x length, then perplexity by position bucket."""
     lengths = _lengths(result)
     m, s = result["model"], result["settings"]
     lines = [
-        f"Model `{m['name']}` (window {m['window']}){patch_note(m)}; perplexity on {s['ppl_tokens']} held-out tokens "
-        "per length; "
+        f"Model `{m['name']}` (window {m['window']}){patch_note(m)}; perplexity on {_scored_text(result)}; "
         f"passkey: {s['passkey_samples']} samples x depths {', '.join(f'{d:g}' for d in s['depths'])} per length, "
         f"seed {s['seed']}." + (" " + _run_line(s) if _run_line(s) else ""),
         "",

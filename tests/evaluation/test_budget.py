@@ -11,6 +11,7 @@ from torch import nn
 
 from rope_patch.evaluation import budget
 from rope_patch.evaluation.budget import PASSKEY_BATCH, Cost, probe_cost, run_seconds
+from rope_patch.evaluation.defaults import PPL_SHARED_LENGTH
 
 # seconds per token at length n of each computation the fake model "runs" (a + b·n): a forward that computes the
 # logits of the last position (a passkey prompt), and a perplexity window (the output layer and the loss at every
@@ -78,5 +79,5 @@ def test_a_cell_decodes_its_prompts_together(samples):
     lengths, depths, new = [256, 1024], 3, 7
     want = sum(depths * (samples * L * (PREFILL[0] + PREFILL[1] * L) + math.ceil(samples / PASSKEY_BATCH) * (new - 1)
                          * STEP) for L in lengths)
-    want += sum((2 * 1024 // L) * L * (WINDOW[0] + WINDOW[1] * L) for L in lengths)
+    want += sum((2 * PPL_SHARED_LENGTH // L) * L * (WINDOW[0] + WINDOW[1] * L) for L in lengths)  # both <= 2048
     assert run_seconds(cost, 10_000, lengths, lengths, depths, samples, 2, new_tokens=new) == pytest.approx(want)

@@ -52,7 +52,9 @@ def test_result_structure(result, setup):
     assert by[("default", 128)]["passkey_n"] == 4
     assert len(result["passkey"]) == 3 * 2 * 2 and len(result["buckets"]) == 3 * 2
     assert {"torch", "transformers", "rope_patch"} <= set(result["versions"])
-    assert result["settings"]["ppl_tokens"] == 128 and result["settings"]["seed"] == 0
+    assert result["settings"]["ppl_tokens"] is None and result["settings"]["seed"] == 0
+    assert result["settings"]["ppl_shared_length"] == 2048  # each length reads 2 x 2048 tokens (of 16923)
+    assert {r["length"]: r["n_windows"] for r in result["records"] if r["n_windows"]} == {32: 128, 64: 64}
 
 
 def test_schemes_are_paired_and_model_restored(setup, result):
@@ -270,6 +272,38 @@ def test_resume_reuses_cells_and_equals_a_fresh_run(setup, evaluations):
     total = work_units(2, len(ids), [32, 64], [128], [0.5], 1, ppl_tokens=128)
     skipped = resumed_units(first, ["default", "yarn:2"], len(ids), [32, 64], [128], [0.5], 1, ppl_tokens=128)
     assert skipped == 128 + 128 and total - skipped > 0
+
+
+def test_a_cell_is_the_same_whatever_the_other_lengths_of_the_run(setup):
+    """The scored tokens depended on the run's longest length (windows x longest at every length): 512 read 1 window
+    beside 256 and 4 beside 2048. Now each length reads its own (the first windows x max(L, 2048) tokens)."""
+    model, tok, ids = setup
+    kw = dict(passkey_lengths=[], windows_at_longest=1, token_ids=ids)
+    short, long = (run_compare(model, tok, ["default", "yarn:2"], lengths, **kw) for lengths in ([256, 512], [512, 2048]))
+    for spec in ("default", "yarn:2"):
+        a, b = ({r["length"]: r for r in res["records"] if r["scheme"] == spec}[512] for res in (short, long))
+        assert (a["n_windows"], a["n_tokens"]) == (b["n_windows"], b["n_tokens"]) == (4, 4 * 511)
+        assert a["perplexity"] == b["perplexity"]
+
+
+def test_resume_measures_again_a_cell_that_read_other_tokens(setup, evaluations, caplog):
+    """A cell written under the earlier rule (here: 512 read 1 window, windows x a longest of 512) is not mixed into
+    a run that reads 4 windows there: measured again, with a warning; a cell that read the same tokens is reused."""
+    model, tok, ids = setup
+    kw = dict(passkey_lengths=[], windows_at_longest=1, token_ids=ids)
+    first = run_compare(model, tok, ["default"], [256, 512], **kw)
+    earlier = json.loads(json.dumps(first))
+    del earlier["settings"]["ppl_shared_length"]
+    cell = next(r for r in earlier["records"] if r["length"] == 512)
+    cell.update(n_windows=1, n_tokens=511, perplexity=1e6)  # as the earlier rule wrote it
+    evaluations[0].clear()
+    with caplog.at_level("WARNING", logger="rope_patch"):
+        resumed = run_compare(model, tok, ["default"], [256, 512], **kw, resume=earlier)
+    assert evaluations[0] == [("default", "ppl", [512])]  # 256 read the same 2048 tokens: reused
+    assert resumed["records"] == first["records"] and resumed["buckets"] == first["buckets"]
+    assert "perplexity of default at 512 (1 windows there, 4 here) read other held-out tokens" in caplog.text
+    sizes = (len(ids), [256, 512], [], [0.5], 1, 1)
+    assert resumed_units(earlier, ["default"], *sizes) == 2048  # only 256's cell is skipped
 
 
 def test_on_scheme_sees_each_finished_scheme(setup):

@@ -60,7 +60,7 @@ def test_settings_machine_counts_and_intervals(setup):
     m = s["machine"]
     assert m["threads"] >= 1 and m["cpu_count"] >= 1 and len(m["loadavg_start"]) == 3 and len(m["loadavg_end"]) == 3
     assert s["counts"] == {"passkey_per_cell": 3, "passkey_cells": 2, "passkey_prompts": 6,
-                           "perplexity_windows": {"32": 4, "64": 2}}
+                           "perplexity_windows": {"32": 128, "64": 64}}  # 2 x 2048 tokens at each length
     assert [(b["start"], b["end"]) for b in res["buckets"]] == [(0, 16), (16, 32), (32, 48), (48, 64)]
     for p in res["passkey"]:
         assert (p["ci_low"], p["ci_high"]) == wilson_interval(p["correct"], p["n"]) and p["n"] == 3
@@ -136,7 +136,9 @@ def test_fit_budget_without_passkey_trims_windows():
 
 
 def test_run_tokens_counts_windows_prompts_and_answers():
-    assert run_tokens(2, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7) == 2 * ((4 * 32 + 2 * 64) + 107 * 3 * 4)
+    # perplexity: 2 x 2048 tokens at each length up to 2048, 2 windows of its own at a longer one
+    assert run_tokens(2, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7) == 2 * ((4096 + 4096) + 107 * 3 * 4)
+    assert run_tokens(1, 10_000, [32, 4096], [], 3, 4, 2) == 4096 + 8192
 
 
 def test_run_seconds_weighs_each_length_by_its_attention():
@@ -146,20 +148,21 @@ def test_run_seconds_weighs_each_length_by_its_attention():
     assert run_seconds(linear, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7) == pytest.approx(
         1e-3 * run_tokens(1, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7))
     cost = Cost(a=1e-3, b=1e-6)
-    want = 4 * 32 * (1e-3 + 32e-6) + 2 * 64 * (1e-3 + 64e-6) + (100 * (1e-3 + 100e-6) + 7 * (1e-3 + 200e-6)) * 3 * 4
+    want = 4096 * (1e-3 + 32e-6) + 4096 * (1e-3 + 64e-6) + (100 * (1e-3 + 100e-6) + 7 * (1e-3 + 200e-6)) * 3 * 4
     assert run_seconds(cost, 10_000, [32, 64], [100], 3, 4, 2, new_tokens=7) == pytest.approx(want)
 
 
 def test_run_compare_trims_to_the_budget_and_records_it(setup, monkeypatch):
     monkeypatch.setattr(compare_mod, "probe_cost", lambda model, ids, lengths: Cost(a=1e-3))
     plans = []
-    res = _run(setup, passkey_samples=6, windows_at_longest=3, budget_minutes=1.5 / 60, on_plan=plans.append)
+    res = _run(setup, passkey_samples=6, windows_at_longest=3, budget_minutes=13.2 / 60, on_plan=plans.append)
     (plan,) = plans
-    # 1 ms a token: untrimmed 6 samples x 2 depths x 207 + 3x64 windows at 32 and 64 = 2.87 s; 1.5 s fits 2 samples (1.21 s), not 3 (1.63 s)
-    assert plan["estimate_untrimmed_s"] == pytest.approx(1e-3 * (6 * 2 * 207 + 2 * 192))
+    # 1 ms a token: untrimmed 6 samples x 2 depths x 207 + 3 x 2048 tokens at 32 and at 64 = 14.77 s; 13.2 s fits 2
+    # samples (13.12 s), not 3 (13.53 s)
+    assert plan["estimate_untrimmed_s"] == pytest.approx(1e-3 * (6 * 2 * 207 + 2 * 6144))
     assert plan["trimmed"] and plan["passkey_samples"] == 2 and plan["windows_at_longest"] == 3
     assert res["settings"]["passkey_samples"] == 2 and res["settings"]["budget"]["line"] == plan["line"]
-    assert all(p["n"] == 2 for p in res["passkey"]) and res["settings"]["budget"]["minutes"] == 1.5 / 60
+    assert all(p["n"] == 2 for p in res["passkey"]) and res["settings"]["budget"]["minutes"] == 13.2 / 60
     assert "passkey samples per cell 6 -> 2" in markdown_table(res)
 
 

@@ -12,7 +12,13 @@ from helpers.models import VOCAB, WINDOW, tiny_model
 import rope_patch
 from rope_patch.evaluation import common
 from rope_patch.evaluation.common import prepare_rotary, token_nll
-from rope_patch.evaluation.perplexity import default_buckets, evaluate_perplexity, perplexity_work, windows
+from rope_patch.evaluation.perplexity import (
+    default_buckets,
+    evaluate_perplexity,
+    perplexity_work,
+    scored_tokens,
+    windows,
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +58,29 @@ def test_default_buckets():
     assert default_buckets(256, 256) == [(0, 64), (64, 128), (128, 192), (192, 256)]
 
 
+@pytest.mark.parametrize("length,count,windows_at_longest,n_tokens,want", [
+    (256, 100_000, 2, None, 4096),  # every length up to 2048 reads the first 2 x 2048 tokens
+    (2048, 100_000, 2, None, 4096),
+    (300, 100_000, 2, None, 13 * 300),  # whole windows of its length
+    (4096, 100_000, 2, None, 8192),  # a longer one: 2 windows of its own
+    (16384, 100_000, 1, None, 16384),
+    (256, 2000, 2, None, 1792),  # a shorter text: all of it, in whole windows
+    (256, 100_000, 2, 1000, 768),  # n_tokens: the first n at every length
+])
+def test_scored_tokens_depend_on_the_length_alone(length, count, windows_at_longest, n_tokens, want):
+    assert scored_tokens(length, count, windows_at_longest, n_tokens) == want
+
+
 def test_evaluate_perplexity_shapes_and_consistency(model, stream):
     done = []
     res = evaluate_perplexity(model, stream, [32, 64, 128], windows_at_longest=3, progress=done.append)
     rows = {r["length"]: r for r in res["lengths"]}
     assert sorted(rows) == [32, 64, 128]
-    for L, r in rows.items():
-        assert r["n_windows"] == 384 // L and r["n_tokens"] == (384 // L) * (L - 1)
+    for L, r in rows.items():  # 3 x 2048 tokens wanted, the stream's 2000 read
+        assert r["n_windows"] == 2000 // L and r["n_tokens"] == (2000 // L) * (L - 1)
         assert math.isclose(r["perplexity"], math.exp(r["nll"]))
         assert 1 < r["perplexity"] < 10 * VOCAB  # a random model: around the vocab size
-    assert sum(done) == perplexity_work(len(stream), [32, 64, 128], windows_at_longest=3) == 3 * 384
+    assert sum(done) == perplexity_work(len(stream), [32, 64, 128], windows_at_longest=3) == 1984 + 1984 + 1920
     # buckets of the longest window cover its predictions exactly once: their token-weighted NLL is the total
     assert [(b["start"], b["end"]) for b in res["buckets"]] == [(0, 32), (32, 64), (64, 128)]
     tot = sum(b["nll"] * b["n_tokens"] for b in res["buckets"]) / sum(b["n_tokens"] for b in res["buckets"])

@@ -71,7 +71,7 @@ def _reference_ppl(folder, heldout, length=64) -> float:
     """Perplexity of the model as rope_patch.from_pretrained rebuilds it (the saved patch re-applied)."""
     model = rope_patch.from_pretrained(folder).eval()
     ids, _ = read_tokens(char_tokenizer().from_pretrained(folder), heldout)
-    return evaluate_perplexity(model, ids, [length], n_tokens=length)["lengths"][0]["perplexity"]
+    return evaluate_perplexity(model, ids, [length], windows_at_longest=1)["lengths"][0]["perplexity"]
 
 
 @pytest.mark.parametrize("spec", PATCHES)
