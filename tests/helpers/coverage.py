@@ -26,7 +26,7 @@ from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import rope_patch
-from helpers.models import INPUTS, PADDING_INEXACT, VOCAB, rope_folders, tiny_model
+from helpers.models import INPUTS, NEWER_FOLDERS, PADDING_INEXACT, VOCAB, rope_folders, tiny_model
 from helpers.reference_any import forward as reference_forward
 
 L, PAD = 40, 5
@@ -211,55 +211,74 @@ PROPORTIONAL = ("('proportional') gives",
                 "quarter-width set there, which a natively configured model cannot run either")
 
 
-def before(release: str) -> bool:
-    """Whether the installed transformers is older than `release`: a row that holds only there (the release changed
-    the structure the outcome is read from) is kept for the oldest supported release's coverage run (5.19)."""
-    return Version(transformers.__version__) < Version(release)
+INSTALLED = Version(transformers.__version__)
+OLDEST = Version("5.19")  # the oldest supported release (pyproject.toml): CI's second pass runs this coverage on it
 
 
-# Falcon computes attention in its own module code up to transformers 5.24; 5.25 moved it onto the attention interface
-OWN_CODE = ("gpt_neox_japanese",) + (("falcon",) if before("5.25") else ())
-# folder -> {scheme: (phrase, reason)}; every (folder, scheme) not listed must be exact
-REFUSED: dict[str, dict[str, tuple[str, str]]] = {
-    "inkling2": dict.fromkeys(SCHEMES, NO_ROTARY),
-    **{f: {"leaky_rerope": FRACTIONAL, "ms_poe": FRACTIONAL, "dpe": GROUPED} for f in ("codegen", "gptj")},
-    **{f: dict.fromkeys(ALL_ATTENTION, OWN_ATTENTION) for f in OWN_CODE},
-    **{f: {"yarn": NATIVE_REJECTS} for f in ("phi3", "phi4_multimodal")},
-    **{f: {"yarn": PROPORTIONAL} for f in ("gemma4", "gemma4_unified", "lfm3")},
-    "mimo_v2_flash": {"yarn": ("RoPE computation fails on",
-                               "transformers' own yarn computation fails on its config (partial rotary 0.334 read in "
-                               "two ways), so a natively configured model fails too")},
-    "recurrent_gemma": {
-        "yarn": ("records no max_position_embeddings",
-                 "its config records no window for a factor to be relative to; transformers' scaled types need it too")},
-    "deepseek_v4": {
-        # its tiny model's rotary_dim 2 has one frequency for dpe's two groups
-        "dpe": ("2 group sizes for the 1 RoPE frequencies", "one RoPE frequency (rotary_dim 2) for two groups on the "
-                                                          "tiny model"),
-        "ms_poe": ("without the head order of its prompt", "attention over compressed memory: no call's queries are "
-                                                           "its keys, so no prompt orders the heads")},
-    # 5.25 hands the text position ids to every layer, the global NoPE ones too, so sink hides their middle keys
-    "cohere_compass": {"sink": ("runs without positions",
-                                "its global layers receive no positions (NoPE), and StreamingLLM must hide their middle "
-                                "keys by the tokens' positions too")} if before("5.25") else {},
-    "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
-                                               "its sparse indexer reads position ids stored on the cache, which the "
-                                               "position copies do not reach (the check's cached decoding fails)")),
-    # before 5.21 Zaya's layers read their convolution state straight off the cache layer (`layers[i].conv_states`),
-    # where the position copies' cache view does not stack it; from 5.21 they ask the cache (`get_conv_state`)
-    **({"zaya": dict.fromkeys(REPOSITIONING, ("apply-time check", "its layers read their convolution state straight "
-                                              "off the cache layer (before transformers 5.21), which the position "
-                                              "copies do not reach (the check's cached decoding fails)"))}
-       if before("5.21") else {}),
-    "zamba2": {"ms_poe": ("several depths", "one attention module shared by several depths (a hybrid's shared block): "
-                                            "Ms-PoE keeps the prompt's head order per layer, not per depth")},
-    **{f: {"dca": ("sparse-attention indexer's choice of keys",
-                   "a sparse-attention indexer picks the keys at the tokens' positions; DCA moves every copy, so no "
-                   "copy has them"),
-           "ms_poe": ("apply-time check", "a sparse-attention indexer picks the keys at the tokens' positions; Ms-PoE "
-                                          "moves every copy (to 0 and p/r), so no copy has them")}
-       for f in ("axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "hy_v4")},
-}
+def before(release: str, version: Version = INSTALLED) -> bool:
+    """Whether `version` (the installed transformers) is older than `release`: a row that holds only there (the release
+    changed the structure the outcome is read from) is kept for the oldest supported release's coverage run."""
+    return version < Version(release)
+
+
+def own_code(version: Version = INSTALLED) -> tuple[str, ...]:
+    """The folders that compute attention in their own module code on transformers `version` (Falcon up to 5.24: 5.25
+    moved it onto the attention interface)."""
+    return ("gpt_neox_japanese",) + (("falcon",) if before("5.25", version) else ())
+
+
+def refused(version: Version = INSTALLED) -> dict[str, dict[str, tuple[str, str]]]:
+    """folder -> {scheme: (phrase, reason)} on transformers `version`; every (folder, scheme) not listed is exact."""
+    sparse_indexer = "a sparse-attention indexer picks the keys at the tokens' positions"
+    return {
+        "inkling2": dict.fromkeys(SCHEMES, NO_ROTARY),
+        **{f: {"leaky_rerope": FRACTIONAL, "ms_poe": FRACTIONAL, "dpe": GROUPED} for f in ("codegen", "gptj")},
+        **{f: dict.fromkeys(ALL_ATTENTION, OWN_ATTENTION) for f in own_code(version)},
+        **{f: {"yarn": NATIVE_REJECTS} for f in ("phi3", "phi4_multimodal")},
+        **{f: {"yarn": PROPORTIONAL} for f in ("gemma4", "gemma4_unified", "lfm3")},
+        "mimo_v2_flash": {"yarn": ("RoPE computation fails on",
+                                   "transformers' own yarn computation fails on its config (partial rotary 0.334 read "
+                                   "in two ways), so a natively configured model fails too")},
+        "recurrent_gemma": {
+            "yarn": ("records no max_position_embeddings",
+                     "its config records no window for a factor to be relative to; transformers' scaled types need it "
+                     "too")},
+        "deepseek_v4": {
+            # its tiny model's rotary_dim 2 has one frequency for dpe's two groups
+            "dpe": ("2 group sizes for the 1 RoPE frequencies",
+                    "one RoPE frequency (rotary_dim 2) for two groups on the tiny model"),
+            "ms_poe": ("without the head order of its prompt",
+                       "attention over compressed memory: no call's queries are its keys, so no prompt orders the "
+                       "heads")},
+        # 5.25 hands the text position ids to every layer, the global NoPE ones too, so sink hides their middle keys
+        "cohere_compass": {"sink": ("runs without positions",
+                                    "its global layers receive no positions (NoPE), and StreamingLLM must hide their "
+                                    "middle keys by the tokens' positions too")} if before("5.25", version) else {},
+        "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
+                                                   "its sparse indexer reads position ids stored on the cache, which "
+                                                   "the position copies do not reach (the check's cached decoding "
+                                                   "fails)")),
+        # before 5.21 Zaya's layers read their convolution state straight off the cache layer
+        # (`layers[i].conv_states`), where the position copies' cache view does not stack it; from 5.21 they ask the
+        # cache (`get_conv_state`)
+        **({"zaya": dict.fromkeys(REPOSITIONING, ("apply-time check",
+                                                  "its layers read their convolution state straight off the cache "
+                                                  "layer (before transformers 5.21), which the position copies do not "
+                                                  "reach (the check's cached decoding fails)"))}
+           if before("5.21", version) else {}),
+        "zamba2": {"ms_poe": ("several depths", "one attention module shared by several depths (a hybrid's shared "
+                                                "block): Ms-PoE keeps the prompt's head order per layer, not per "
+                                                "depth")},
+        **{f: {"dca": ("sparse-attention indexer's choice of keys",
+                       f"{sparse_indexer}; DCA moves every copy, so no copy has them"),
+               "ms_poe": ("apply-time check", f"{sparse_indexer}; Ms-PoE moves every copy (to 0 and p/r), so no copy "
+                                              "has them")}
+           for f in ("axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "hy_v4")},
+    }
+
+
+OWN_CODE = own_code()
+REFUSED = refused()
 
 
 def expected(folder: str, scheme: str) -> tuple[str, str] | None:
@@ -274,6 +293,45 @@ def page_version(text: str) -> str:
         raise ValueError("docs/architectures.md names no transformers version: regenerate it with "
                          "`cd tests && python -m helpers.coverage`")
     return found.group(1)
+
+
+def _span(releases: list[Version]) -> str:
+    lo, hi = min(releases), max(releases)
+    return f"{lo}" if lo == hi else f"{lo}–{hi}"
+
+
+def older_releases() -> list[str]:
+    """The page's lines on the supported releases older than the installed one (from OLDEST): the folders they lack
+    (NEWER_FOLDERS) and the cells whose expectation differs there (`refused(version)` against REFUSED)."""
+    releases = [Version(f"{OLDEST.major}.{minor}") for minor in range(OLDEST.minor, INSTALLED.minor)]
+    if INSTALLED.major != OLDEST.major or not releases:
+        return []
+    added: dict[str, list[str]] = {}
+    for folder, release in sorted(NEWER_FOLDERS.items(), key=lambda item: Version(item[1])):
+        if not before(release):
+            added.setdefault(release, []).append(folder)
+    changed: dict[tuple, dict] = {}  # (folder, then, now) -> schemes and the releases where `then` holds
+    for version in releases:
+        then_table = refused(version)
+        for folder in folders():
+            for scheme in SCHEMES:
+                then, now = then_table.get(folder, {}).get(scheme), expected(folder, scheme)
+                if then != now:
+                    row = changed.setdefault((folder, then, now), {"schemes": [], "releases": []})
+                    row["schemes"] += [scheme] if scheme not in row["schemes"] else []
+                    row["releases"] += [version] if version not in row["releases"] else []
+    names = {ALL_ATTENTION: "every attention-side scheme", REPOSITIONING: "every re-positioning scheme"}
+    lines = ["", "## Older releases", "",
+             f"rope_patch supports transformers {OLDEST} and newer (`pyproject.toml`), and CI runs this coverage on "
+             f"{OLDEST} too. Before {transformers.__version__} the table differs "
+             "(`helpers.coverage.refused(version)`):",
+             "", "- folders in it from a later release on (new folders; codegen's and gptj's rotary became a module "
+             "in 5.24):", *[f"    - {release}: {', '.join(f)}" for release, f in added.items()]]
+    for (folder, then, _now), row in changed.items():
+        which = names.get(tuple(row["schemes"]), ", ".join(row["schemes"]))
+        span = _span(row["releases"])
+        lines.append(f"- {folder}, {which}: " + (f"✗ on {span}: {then[1]}" if then is not None else f"✓ on {span}"))
+    return lines
 
 
 def page() -> str:
@@ -319,6 +377,7 @@ def page() -> str:
         lines.append(f"| {f} | {' | '.join(cells)} |")
     lines += ["", "Refused because:", ""]
     lines += [f"{n}. {reason}" for reason, n in reasons.items()]
+    lines += older_releases()
     return "\n".join(lines) + "\n"
 
 
