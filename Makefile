@@ -14,11 +14,16 @@ TORCH ?= torch==2.13.0
 .PHONY: demo test test-fast docs bench lint clean
 
 $(STAMP): pyproject.toml
+	@echo "[1/4] creating the virtual environment $(VENV) ..."
 	$(PYTHON) -m venv $(VENV)
+	@echo "[2/4] upgrading pip ..."
 	$(PY) -m pip install -q --upgrade pip
+	@echo "[3/4] installing $(TORCH) (the CPU build; about a minute) ..."
 	$(PY) -m pip install -q "$(TORCH)"
+	@echo "[4/4] installing rope_patch and its dependencies (transformers, peft, lm-eval, the docs and test tools) ..."
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+	@echo "installed: $(VENV) is ready."
 
 demo: $(STAMP)
 	$(VENV)/bin/rope-patch compare --model tiny --schemes default linear:4 ntk:8 dynamic:4 yarn:8 llama3:8 \
