@@ -41,11 +41,11 @@ from .common import attention_modules
 # model's own (PhiMoE's short_mscale / long_mscale, which its rotary multiplies cos/sin by and its config requires
 # beside any scaling type; Qwen-VL's mrope_interleaved; Ministral 3's llama_4_scaling_beta). Of transformers' keys,
 # the partial rotary fraction describes the model too.
-# Before 5.21, RopeParameters did not list yarn's mscale / mscale_all_dim / truncate nor mrope_section, which its rope
-# types read all the same: named here so that a patch drops them on every release (DeepSeek's attention scale reads
-# a kept mscale_all_dim under any rope type).
+# Before 5.21, RopeParameters did not list yarn's mscale / mscale_all_dim / truncate, which its yarn reads all the
+# same: named here so that a patch drops them on every release (DeepSeek's attention scale reads a kept mscale_all_dim
+# under any rope type).
 _SCHEME_KEYS = frozenset(typing.get_type_hints(RopeParameters)).union(
-    {"mscale", "mscale_all_dim", "truncate", "mrope_section"}) - {"partial_rotary_factor"}
+    {"mscale", "mscale_all_dim", "truncate"}) - {"partial_rotary_factor"}
 
 
 # transformers before 5.21 keeps longrope's long frequencies under `{layer_type}_long_inv_freq` and, once that attribute
