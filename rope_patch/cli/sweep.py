@@ -36,7 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--passkey-samples", type=positive, default=d.passkey_samples, metavar="N",
                    help="prompts per (length, depth) cell, >= 1 (default: %(default)s)")
     p.add_argument("--windows", type=positive, default=d.windows, metavar="N",
-                   help="perplexity reads N x the longest length tokens at every length (default: %(default)s)")
+                   help="perplexity reads N x max(L, 2048) tokens at a length L, as compare (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="passkey / niah seed (default: %(default)s)")
     p.add_argument("--heldout", default=d.heldout, help="held-out text (default: rope_patch/data/heldout.txt)")
     p.add_argument("--model-args", nargs="*", default=d.model_args, metavar="KEY=VALUE",

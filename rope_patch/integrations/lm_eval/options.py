@@ -19,7 +19,7 @@ class SweepOptions:
     lengths: list[int] = dataclasses.field(default_factory=lambda: list(compare.DEFAULT_LENGTHS))
     depths: list[float] = dataclasses.field(default_factory=lambda: list(compare.DEFAULT_DEPTHS))
     passkey_samples: int = compare.PASSKEY_SAMPLES
-    windows: int = compare.WINDOWS_AT_LONGEST  # perplexity reads windows x the longest length tokens at every length
+    windows: int = compare.WINDOWS_AT_LONGEST  # perplexity reads windows x max(L, 2048) tokens at a length L
     seed: int = compare.SEED
     heldout: str | None = None  # held-out text (default: the packaged one)
     model_args: list[str] = dataclasses.field(default_factory=list)  # extra KEY=VALUE model_args

@@ -24,8 +24,8 @@ process, or under `--launcher "torchrun --nproc_per_node 2"` / `"accelerate laun
 names (lm-eval's own tasks, `niah_single_1`, ...) run as they are, with `--metadata max_seq_lengths=[lengths]` and
 `max_length` = the longest length + TEXT_HEADROOM for every scheme (unless `--model-args max_length=` says otherwise):
 HFLM cuts longer prompts from the left, and its default, each scheme's own window, would cut vanilla's and not YaRN's.
-Perplexity reads `--windows` x the longest length tokens at every length, as `rope-patch compare` does, so the
-numbers equal compare's.
+Perplexity reads `--windows` x max(L, 2048) tokens at a length L, as `rope-patch compare` does (the tasks' own
+default), so the numbers equal compare's and do not depend on the other `--lengths`.
 
 lm-eval runs offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE = 1 unless the environment sets them): RULER's tasks
 whose haystack is the Hub's essays are refused at plan time unless the dataset is cached (`check_offline_data`).
@@ -160,7 +160,7 @@ def plan(args) -> dict:
     if patch and AS_LOADED not in schemes:
         schemes.insert(0, AS_LOADED)
     metadata = {"tokenizer": path, "depths": [float(d) for d in args.depths], "samples": args.passkey_samples,
-                "seed": args.seed, "ppl_tokens": args.windows * lengths[-1], "max_seq_lengths": lengths}
+                "seed": args.seed, "windows": args.windows, "max_seq_lengths": lengths}
     if args.heldout:
         metadata["heldout"] = str(Path(args.heldout).resolve())
     metadata.update(_kv(args.metadata))
@@ -541,9 +541,7 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
                              f"{old['weights'][:19]}... -> {str(weights)[:19]}...). Use another --out, or delete {out}.")
         if old["fingerprint"] != fp:
             raise ValueError(f"{out} holds a sweep with other settings (model, metadata, model_args, limit, batch "
-                             "size or task folder differ; perplexity reads --windows x the longest length, so a "
-                             "longer --lengths changes it too: fix it with --metadata ppl_tokens=N). Use another "
-                             f"--out, or delete {out}.")
+                             f"size or task folder differ). Use another --out, or delete {out}.")
         why = layout_mismatch(old.get("settings") or {}, settings)
         if why:
             raise ValueError(f"{out} holds a sweep that cannot be resumed: {why}. Use another --out, or delete {out}.")

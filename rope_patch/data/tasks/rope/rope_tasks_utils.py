@@ -13,8 +13,8 @@ Settings (`--metadata key=value ...` or a JSON object; defaults are those of `ro
 | `seed` | compare's (0) | passkey / niah seed (the cell seeds of `rope_patch.evaluation.retrieval.cell_seed`) |
 | `heldout` | rope_patch/data/heldout.txt | the text: filler, haystack, perplexity windows |
 | `haystack` | prose | passkey / niah haystack: `prose` (the held-out text) or `noise` (the passkey paper's repeated lines, `passkey.NOISE`), as `rope-patch compare --haystack` |
-| `ppl_tokens` | `windows` x L | tokens of the text read at length L (`rope-patch compare` reads windows x the *longest* length at every length: pass `ppl_tokens` to match it) |
-| `windows` | compare's `windows_at_longest` | windows at length L when `ppl_tokens` is not given |
+| `ppl_tokens` | `windows` x max(L, 2048) | tokens of the text read at length L, as `rope-patch compare` reads them (`perplexity.scored_tokens`) |
+| `windows` | compare's `windows_at_longest` | perplexity windows (of 2048 tokens' worth, or of L beyond) when `ppl_tokens` is not given |
 | `niah_keys` | 4 | needles per niah prompt (one asked, the others distractors) |
 | `lengths` | - | only read by `rope-patch-lm-eval`, which expands `rope_passkey` / `rope_ppl` / `rope_niah` into these lengths |
 
@@ -162,11 +162,12 @@ def retrieval_results(doc: dict, results: list[str]) -> dict:
 
 # ---- perplexity ----------------------------------------------------------------------------------------------------
 def ppl_dataset(**kw) -> dict:
-    from rope_patch.evaluation.perplexity import windows
+    from rope_patch.evaluation.perplexity import scored_tokens, windows
 
     tokenizer, ids = _setup(kw)
     length = _length(kw)
-    n_tokens = int(kw.get("ppl_tokens") or int(kw.get("windows", compare_defaults()["windows"])) * length)
+    n_tokens = int(kw.get("ppl_tokens") or scored_tokens(length, len(ids), int(kw.get("windows",
+                                                                                     compare_defaults()["windows"]))))
     rows = []
     for k, window in enumerate(windows(ids, length, n_tokens).tolist()):
         rows.append({"text": tokenizer.decode(window, skip_special_tokens=False), "input_ids": window,
