@@ -38,11 +38,13 @@ caches break the contiguity (keys are padded to the maximum length); the schemes
     flash.py         rope_patch_fa2 (ALiBi on flash_attn)                      rotation.py  deferred RoPE (Rotation)
     registration.py  AttnState and the AttentionInterface / AttentionMaskInterface entries
     settings.py      tunables read at call time (block budget, flex compilation, flash devices)
+    windowed.py      rope_patch_windowed: an unpatched model's sliding-window layers over their window only, per query
+                     block (no L×L mask or scores), switched on per instance by `windowed(model)`
 """
 
 from __future__ import annotations
 
-from . import plumbing, settings
+from . import plumbing, settings, windowed
 from .blocked import (
     band_partial,
     blocked_attention,
@@ -62,5 +64,5 @@ __all__ = [
     "BACKENDS", "PLAIN", "Plain", "HEADS", "ROWS", "SEQUENTIAL", "SPLIT", "memory_rotaries", "CacheView", "Identity", "Layout", "NotProven", "Reentry", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",
     "Rotation", "band_partial", "blocked_attention", "causal_block_mask", "dense_attention", "fit_rows",
     "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "flex_available", "flex_call", "floor_div", "mask_rows", "merge",
-    "plumbing", "register", "restrict_block_mask", "settings",
+    "plumbing", "register", "restrict_block_mask", "settings", "windowed",
 ]

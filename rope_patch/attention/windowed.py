@@ -1,0 +1,172 @@
+"""Sliding-window layers that compute only their window: `rope_patch_windowed`, an attention function and a mask
+function registered with transformers under a name of our own, switched on per model instance by `windowed(model)`.
+
+Why. transformers' sdpa path hands a sliding-window layer a (b, 1, L, L) boolean mask with `is_causal=False`: torch
+then computes all L² scores and makes a float copy of the mask (about 4 + 17 GB for Gemma 3 at L = 65,536, where the
+window is 512). Here, on a sliding layer, each block of query rows [r0, r1) meets only the keys its window reaches,
+slots [r0 − window + 1, r1) (in the slots of the layer's keys; with a dynamic cache they end with the queries): one
+sdpa call over a (block, block + window − 1) mask built for that block alone. Full-attention layers run transformers'
+own sdpa function (no mask without padding: `is_causal`); with soft-capped scores (Gemma 2), which sdpa refuses, they
+take the blocks too, causal over all keys.
+
+The mask function returns None for a sliding layer when the mask would be only "causal within the window" (no padding,
+no packed sequences or mask overlays, keys contiguous with the queries): the attention function rebuilds that pattern
+per block from the layer's `sliding_window`. Anything else (padding, a static cache, packing) gets transformers' own
+sdpa mask, which the attention function slices per block (the scores stay per block; the boolean mask is L×L).
+
+A model patched with an attention-side scheme runs its own functions (rope_patch_blocked & co.): `windowed` refuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, fast_all, prepare_padding_mask, sdpa_mask
+
+from . import settings
+
+WINDOWED = "rope_patch_windowed"
+# what `windowed` switches from: the dense implementations whose sliding layers build the L×L mask
+SWITCHABLE = ("sdpa", "eager")
+
+
+def window_of(module, kwargs) -> int | None:
+    """The layer's sliding window: the `sliding_window` the model passes to attention, else the module's attribute;
+    None for a full-attention layer."""
+    window = kwargs.get("sliding_window")
+    return window if window is not None else getattr(module, "sliding_window", None)
+
+
+def block_rows(batch: int, heads: int, q_len: int, window: int) -> int:
+    """Query rows per block: about one window, fewer when batch × heads × rows × (rows + window) would pass the
+    budget of scores per block (settings.BLOCK_ELEMENTS)."""
+    rows = max(16, window)
+    while rows > 16 and batch * heads * rows * (rows + window) > settings.BLOCK_ELEMENTS:
+        rows //= 2
+    return min(q_len, rows)
+
+
+def window_mask(q_slots: torch.Tensor, lo: int, hi: int, window: int) -> torch.Tensor:
+    """(r, hi − lo) bool, True where query slot i may attend key slot j: 0 ≤ i − j < window."""
+    d = q_slots[:, None] - torch.arange(lo, hi, device=q_slots.device)
+    return (d >= 0) & (d < window)
+
+
+def windowed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """transformers attention-function signature: query (b, H, q, d), key/value (b, Hkv, k, d) → (out (b, q, H, d),
+    None). Full-attention layers: transformers' sdpa function. Sliding layers: per query block, only the keys of its
+    window (module docstring)."""
+    window = window_of(module, kwargs)
+    if window is None and softcap is not None:  # sdpa refuses softcap: causal over all keys, in blocks, as below
+        window = key.shape[2]
+    if window is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      softcap=softcap, **kwargs)
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{type(module).__name__} adds attention sinks (s_aux); {WINDOWED} does not run them")
+    b, h, q_len, d = query.shape
+    hkv, k_len = key.shape[1], key.shape[2]
+    if attention_mask is not None and attention_mask.shape[-1] != k_len:
+        raise ValueError(f"attention mask covers {attention_mask.shape[-1]} keys but there are {k_len}")
+    if scaling is None:
+        scaling = d ** -0.5
+    p_drop = dropout if module.training else 0.0
+    offset = k_len - q_len  # query row r sits at key slot offset + r
+    q_slots = torch.arange(offset, k_len, device=query.device)
+    rows = block_rows(b, h, q_len, window)
+    out = query.new_empty(b, h, q_len, value.shape[-1])
+    for r0 in range(0, q_len, rows):
+        r1 = min(q_len, r0 + rows)
+        lo, hi = max(0, offset + r0 - window + 1), offset + r1  # the keys this block's windows reach
+        if attention_mask is None:
+            m = window_mask(q_slots[r0:r1], lo, hi, window)[None, None]  # (1, 1, r, hi − lo)
+        else:  # transformers' mask (padding & co.), window included: its slice for this block
+            m = attention_mask[:, :, r0:r1, lo:hi]
+        q, k, v = query[:, :, r0:r1], key[:, :, lo:hi], value[:, :, lo:hi]
+        if h != hkv:  # GQA: query head h reads kv head h // G (the block's keys only are repeated)
+            k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+        if softcap is None:
+            out[:, :, r0:r1] = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p_drop, scale=scaling)
+            continue
+        # soft-capped scores (Gemma 2), as the model's eager function computes them, for this block only
+        s = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scaling / softcap) * softcap
+        s = s.masked_fill(~m, torch.finfo(s.dtype).min) if m.dtype == torch.bool else s + m
+        p = torch.softmax(s.float(), dim=-1).to(v.dtype)
+        p = F.dropout(p, p=p_drop, training=p_drop > 0)
+        out[:, :, r0:r1] = torch.matmul(p, v)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def windowed_mask(*, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, local_size=None,
+                  allow_is_causal_skip=True, **kwargs):
+    """The mask function of `rope_patch_windowed`: transformers' sdpa mask, except None for a sliding layer whose mask
+    would be only the causal window (the attention function builds it per block)."""
+    common = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                  kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
+                  allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    if local_size is None or not allow_is_causal_skip:  # full attention; or packing / overlays: the pattern is richer
+        return sdpa_mask(**common)
+    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):  # a static cache
+        return sdpa_mask(**common)
+    # keys contiguous in position and ending with the queries (no cache, a dynamic or sliding cache layer)
+    contiguous = kv_length - q_length == q_offset - kv_offset
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is not None:
+        padding = padding[:, kv_offset:kv_offset + kv_length]
+    if contiguous and (padding is None or bool(fast_all(padding))):
+        return None
+    return sdpa_mask(**common)
+
+
+def register() -> None:
+    """Register the function and its mask function under WINDOWED (idempotent; a new key only)."""
+    if transformers.AttentionInterface._global_mapping.get(WINDOWED) is not windowed_attention:
+        transformers.AttentionInterface.register(WINDOWED, windowed_attention)
+    if AttentionMaskInterface._global_mapping.get(WINDOWED) is not windowed_mask:
+        AttentionMaskInterface.register(WINDOWED, windowed_mask)
+
+
+def _attention_modules(model):
+    """The modules that read the model's attention implementation: the ones with a `sliding_window` attribute or
+    a layer type (every decoder attention module of the hybrid families)."""
+    return [m for m in model.modules() if hasattr(m, "sliding_window") and hasattr(m, "config")]
+
+
+def check(model) -> None:
+    """ValueError unless `model` can run WINDOWED: its implementation is sdpa or eager (a patched model, flex or flash
+    already run functions of their own), and every sliding layer its config declares exposes its window."""
+    impl = model.config._attn_implementation
+    if impl == WINDOWED:
+        return
+    if impl not in SWITCHABLE:
+        hint = ("it is patched by rope_patch, whose attention functions serve its layers"
+                if str(impl).startswith("rope_patch") else "only sdpa / eager models are switched")
+        raise ValueError(f"windowed(): the model's attention implementation is {impl!r}, expected one of "
+                         f"{', '.join(SWITCHABLE)} ({hint}). Evaluate it without windowed().")
+    cfg = model.config.get_text_config()
+    window = getattr(cfg, "sliding_window", None)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    declared = sum(t == "sliding_attention" for t in types) if types else (window is not None)
+    exposed = sum(getattr(m, "sliding_window", None) is not None for m in _attention_modules(model))
+    if declared and exposed < declared:
+        raise ValueError(f"windowed(): {type(model).__name__} declares {declared} sliding-window layer(s) (window "
+                         f"{window}) but {exposed} attention module(s) expose a `sliding_window`: their window could "
+                         "not be read. Evaluate it without windowed().")
+
+
+@contextlib.contextmanager
+def windowed(model):
+    """Run `model` (this instance only) with WINDOWED for the duration of the block, then put its attention
+    implementation back, also on error. A model without sliding layers runs exactly as with sdpa."""
+    check(model)
+    previous = model.config._attn_implementation
+    register()
+    model.set_attn_implementation(WINDOWED)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)

@@ -1,0 +1,145 @@
+"""rope_patch_windowed (attention/windowed.py): sliding-window layers computed per query block over their window only.
+Equal to transformers' own path at short lengths (the window smaller than the input), with and without padding and
+with a cache; the model switched back exactly; and, by the shapes it hands torch, no L×L mask or score matrix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.models import tiny_model
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+import rope_patch
+from rope_patch.attention import windowed as w
+
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+HYBRID = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+# (arch, overrides, the reference implementation): Gemma 3 (sdpa), Gemma 2's soft-capped scores (eager: sdpa refuses
+# softcap), Qwen2 with a sliding layer (GQA 2:1)
+CASES = {
+    "gemma3": ("gemma3_text", HYBRID, "sdpa"),
+    "gemma2_softcap": ("gemma2", dict(HYBRID, attn_logit_softcapping=5.0), "eager"),
+    "qwen2": ("qwen2", dict(HYBRID, use_sliding_window=True, max_window_layers=0), "sdpa"),
+}
+
+
+def _model(case):
+    arch, overrides, impl = CASES[case]
+    model = tiny_model(arch, attn_implementation=impl, initializer_range=0.1, **overrides)
+    assert any(getattr(m, "sliding_window", None) == 8 for m in model.modules()), "the case has no sliding layer"
+    return model
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equal_to_the_default_path(case):
+    model = _model(case)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 97, (2, 80))  # 10 windows, several query blocks
+    with torch.no_grad():
+        want = model(ids).logits
+        with w.windowed(model):
+            got = model(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert model.config._attn_implementation == CASES[case][2]
+
+
+def test_left_padding_equal_on_the_real_tokens():
+    model = _model("gemma3")
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (2, 60))
+    mask = torch.ones_like(ids)
+    mask[0, :13] = 0  # row 0 left-padded: its mask is transformers' own, sliced per block
+    ids[0, :13] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, position_ids=pos).logits
+        with w.windowed(model):
+            got = model(ids, attention_mask=mask, position_ids=pos).logits
+    real = mask.bool()
+    assert torch.isfinite(got[real]).all()
+    assert (got[real] - want[real]).abs().max().item() <= 1e-5
+
+
+def test_cached_prefill_then_chunk_and_decoding():
+    """A prompt, then a 20-token chunk and single tokens on its cache: the sliding cache layer keeps window − 1 keys,
+    the queries are the last slots."""
+    model = _model("gemma3")
+    torch.manual_seed(2)
+    ids = torch.randint(3, 97, (1, 64))
+
+    def run():
+        with torch.no_grad():
+            out = model(ids[:, :40], use_cache=True)
+            cache = {CACHE: getattr(out, CACHE)}  # under the installed transformers' name (cache from 5.24)
+            parts = [out.logits, model(ids[:, 40:60], use_cache=True, **cache).logits]
+            for t in range(60, 64):
+                parts.append(model(ids[:, t:t + 1], use_cache=True, **cache).logits)
+        return torch.cat(parts, dim=1)
+
+    want = run()
+    with w.windowed(model):
+        got = run()
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def _probe(model, length):
+    """Shapes of what one forward hands torch's sdpa (masks, keys) and the masks the attention modules receive."""
+    seen = {"sdpa": [], "masks": []}
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen["sdpa"].append((tuple(k.shape), None if attn_mask is None else tuple(attn_mask.shape)))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    def hook(module, args, kwargs):
+        m = kwargs.get("attention_mask")
+        seen["masks"].append((module.sliding_window, None if m is None else tuple(m.shape)))
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(F, "scaled_dot_product_attention", spy)
+    try:
+        with torch.no_grad():
+            model(torch.randint(3, 97, (1, length)), use_cache=False)
+    finally:
+        mp.undo()
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_no_length_squared_mask_or_scores():
+    window, length = 64, 4096
+    model = tiny_model("gemma3_text", attn_implementation="sdpa", **dict(HYBRID, sliding_window=window))
+    # the probe sees the problem on the default path: the sliding layer's (1, 1, L, L) mask
+    default = _probe(model, 256)
+    assert (64, (1, 1, 256, 256)) in default["masks"]
+    with w.windowed(model):
+        seen = _probe(model, length)
+    assert seen["masks"] == [(window, None), (None, None)]  # no mask at all: the window is rebuilt per block
+    rows = w.block_rows(1, 4, length, window)
+    sliding = [(k, m) for k, m in seen["sdpa"] if m is not None]
+    assert len(sliding) == -(-length // rows)  # one call per query block
+    for k_shape, m_shape in sliding:
+        assert k_shape[2] <= rows + window - 1 and m_shape[-1] == k_shape[2] and m_shape[-2] <= rows
+    full = [(k, m) for k, m in seen["sdpa"] if m is None]
+    assert full == [((1, 2, length, 16), None)]  # the global layer: one is_causal call (GQA kept), no mask
+    biggest = max(m[-1] * m[-2] for _, m in sliding)
+    assert biggest * 4 < length * length * 4 / 100  # each block's mask < 1 % of an L×L one
+
+
+def test_refusals_leave_the_model_alone():
+    model = tiny_model("gemma3_text", attn_implementation="sdpa", **HYBRID)
+    rope_patch.apply(model, "alibi")
+    impl = model.config._attn_implementation
+    with pytest.raises(ValueError, match="patched by rope_patch"):
+        with w.windowed(model):
+            pass
+    assert model.config._attn_implementation == impl
+    plain = tiny_model("gemma3_text", attn_implementation="sdpa", **HYBRID)
+    with pytest.raises(RuntimeError, match="inside"):
+        with w.windowed(plain):
+            assert plain.config._attn_implementation == w.WINDOWED
+            raise RuntimeError("inside")
+    assert plain.config._attn_implementation == "sdpa"  # put back on error too
