@@ -18,7 +18,7 @@ from torch import nn
 
 from .discovery import NoRotary, PatchSite, find_target
 from .registry import get_scheme_class
-from .schemes.base import Scheme
+from .schemes.base import UNBOUNDED, Scheme
 from .schemes.stack import Stack
 from .specs import parse_spec
 from .undo import UndoLog
@@ -164,6 +164,7 @@ def _apply(model: M, new: Scheme, *, temporary: bool, check: bool = True) -> M:
         try:
             target.config = state.private_config(target.model)
             install(state)
+            _announce_window(target.model, state)
             state.seal()
         except BaseException:
             state.undo()
@@ -240,14 +241,19 @@ def original_config(model: nn.Module) -> dict:
 
 def context_window(model: nn.Module) -> int:
     """The number of positions the (patched) model is meant to serve: the scheme's extended window (factor × the
-    pre-training window), else `config.max_position_embeddings`. Equal to `model.config.max_position_embeddings`
-    except for `dynamic`, whose config keeps transformers' native form (scaling starts at max_position_embeddings).
+    pre-training window; for an attention-side scheme the length its positions stay inside the window for, the
+    scheme's `served_length`), else `config.max_position_embeddings`. Equal to `model.config.max_position_embeddings`
+    for the schemes with a native form except `dynamic`, whose config keeps transformers' native form (scaling starts
+    at max_position_embeddings); the config of the others keeps the unpatched window, so that a plain save reloads
+    the unpatched model, and `generate` is told the served window instead (no "exceeded the model's predefined
+    maximum length" reminder below it).
 
     Args:
         model: a model (or a wrapper of one), patched or not.
 
     Returns:
-        The context window in tokens (`dynamic_yarn`: factor × L; an attention-side scheme: the model's own).
+        The context window in tokens (`dynamic_yarn`: factor × L; `self_extend`: (L − W)·G + W; `rerope`, `alibi`,
+            `dca`, `sink`, ...: `rope_patch.schemes.base.UNBOUNDED`, transformers' integer for "no limit").
 
     Raises:
         TypeError: the model has no rotary embedding module to read a window from.
@@ -259,6 +265,36 @@ def context_window(model: nn.Module) -> int:
     return int(target.config.max_position_embeddings)
 
 
+class GenerateWindow:
+    """`model._get_stopping_criteria` of a model whose patch serves more than its config announces (an
+    attention-side scheme, `dynamic`, `dynamic_yarn`, a stack): transformers' own criteria (the class's method, called
+    unchanged), with the window of the max-length criterion, the one its "exceeded the model's predefined maximum
+    length" reminder compares with (config.max_position_embeddings), set to the served window, or None (no limit)
+    for an unbounded scheme. The config itself keeps the unpatched window: a plain save must reload the unpatched
+    model. Set on the instance through the undo log (remove() gives the class's method back); an object of a
+    module-level class holding the model, so copies and pickles carry it."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        criteria = type(self.model)._get_stopping_criteria(self.model, *args, **kwargs)
+        window = context_window(self.model)
+        for criterion in criteria:
+            if getattr(criterion, "max_position_embeddings", None) is not None:  # MaxLengthCriteria
+                criterion.max_position_embeddings = (None if window >= UNBOUNDED
+                                                     else max(window, criterion.max_position_embeddings))
+        return criteria
+
+
+def _announce_window(model: nn.Module, state: PatchState) -> None:
+    """Tell `generate` the served window where it exceeds what the model's config announces (`GenerateWindow`)."""
+    announced = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if (state.window is not None and announced is not None and state.window > announced
+            and callable(getattr(type(model), "_get_stopping_criteria", None))):
+        state.setattr(model, "_get_stopping_criteria", GenerateWindow(model))
+
+
 def current(model: nn.Module) -> Scheme | None:
     """The applied scheme (with model-derived defaults filled in), or None.
 
@@ -267,8 +303,8 @@ def current(model: nn.Module) -> Scheme | None:
 
     Returns:
         The `Scheme` applied now, with the defaults it took from the model filled in (`original_max_position_embeddings`,
-        ...); a `Stack` for several schemes; None for an unpatched model. `apply(model, current(model))` re-applies
-        it (after a backend switch, say).
+            ...); a `Stack` for several schemes; None for an unpatched model. `apply(model, current(model))` re-applies
+            it (after a backend switch, say).
     """
     state = patch_state(find_target(model))
     return None if state is None else state.scheme
@@ -315,7 +351,7 @@ def patched(model: M, scheme: SchemeLike = "default", **params: Any) -> Iterator
 
     Yields:
         `model`, patched for the duration of the block. On exit (also on an error) the patch is removed and the one
-        the model carried before, if any, comes back with its learned tables.
+            the model carried before, if any, comes back with its learned tables.
 
     Raises:
         ValueError, TypeError: as `apply`, before the block runs.

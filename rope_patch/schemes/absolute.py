@@ -15,6 +15,7 @@ from .. import validation as check
 from ..discovery import PatchSite
 from ..registry import register_scheme
 from ..undo import UndoLog
+from .base import UNBOUNDED
 from .common import AttentionScheme, cache_arg, decoder, execution_device, sinusoid, table_dtype
 
 MODULE_NAME = "rope_patch_position_embeddings"  # attribute under which learned_absolute attaches its table
@@ -30,6 +31,9 @@ class NoPE(AttentionScheme):
     keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
     name = "nope"
     aliases = ("none", "no_pe", "no_position_encoding")
+
+    def served_length(self, window):
+        return UNBOUNDED  # no position enters the scores
 
 
 def token_positions(kwargs: dict, n: int, device) -> torch.Tensor:
@@ -117,6 +121,9 @@ class Sinusoidal(_Additive):
     def __post_init__(self):
         self._set("rope_theta", check.rope_theta(self.name, self.rope_theta))
 
+    def served_length(self, window):
+        return UNBOUNDED  # computed from the position, no table to run out of
+
     def build(self, target):
         encode = SinusoidalEncoding(self.rope_theta)
         return None, lambda log: self._attach_hook(log, target, encode)
@@ -146,6 +153,9 @@ class LearnedAbsolute(_Additive):
         if self.max_position_embeddings is None:
             return self.replace(max_position_embeddings=target.pretraining_window)
         return self
+
+    def served_length(self, window):
+        return self.max_position_embeddings  # the table's rows: a position past them has no embedding
 
     def build(self, target):
         if hasattr(target.model, MODULE_NAME):

@@ -19,6 +19,7 @@ one class in one module of rope_patch/schemes/ (the package imports every module
     plot_style()        a fixed colour / line style in the figures (None: the colour cycle)
     label_symbols       short parameter names in figure legends (beside the shared ones of rope_patch.analysis)
     distance_bias()     an additive logit bias fixed by the parameters, per head and distance (ALiBi)
+    served_length()     the longest input it serves on a model of window L (`rope_patch.context_window`, generate)
     native, changes     whether transformers' `rope_parameters` express it (export, saves), and what it changes
                         in words when they do not
 """
@@ -39,6 +40,11 @@ if TYPE_CHECKING:
     import torch
 
 InstallStep = Callable[[UndoLog], None]  # what prepare() returns: writes the patch through the undo log
+
+# `served_length` of a scheme that no input length exhausts (ALiBi, ReRoPE, DCA, ...): transformers' own integer for
+# "no limit" (tokenizers' `model_max_length` when a model states none, `VERY_LARGE_INTEGER`), so that
+# `rope_patch.context_window` stays an int and compares with lengths as they are; generate is told None.
+UNBOUNDED = int(1e30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +196,7 @@ class Scheme:
 
         Returns:
             The install step: a function of the undo log that writes the patch (every change through the log, so
-            `remove()` can replay it backwards).
+                `remove()` can replay it backwards).
 
         Raises:
             ValueError: the scheme cannot run on this model or backend (the model is still untouched).
@@ -212,9 +218,20 @@ class Scheme:
         next colour of the cycle."""
         return None
 
-    def served_window(self, target: PatchSite) -> int | None:
-        """The context window this scheme extends the model to (None: unchanged); `target` is unpatched."""
+    def served_length(self, window: int) -> int | None:
+        """The longest input this scheme serves on a model whose rotation serves `window` = L tokens (its
+        max_position_embeddings; in a stack, the frequency part's window): the largest N for which every relative
+        position the scheme rotates with stays below L, so the model meets no distance it was not trained on.
+        `UNBOUNDED` where no length exhausts it (ReRoPE's capped distances, DCA's chunk positions, ALiBi's bias);
+        None: the model's own L (the default: a scheme that moves no position, or one that does not extend, Ms-PoE)."""
         return None
+
+    def served_window(self, target: PatchSite) -> int | None:
+        """The context window this scheme extends the model to (None: unchanged); `target` is unpatched. By default
+        `served_length` of the model's `max_position_embeddings`."""
+        window = getattr(target.config, "max_position_embeddings", None)
+        served = self.served_length(int(window)) if window else None
+        return None if served == window else served
 
     def on_table(self, target: PatchSite) -> Scheme:
         """This scheme as applied to a model that rotates from a sin/cos table (GPT-J, CodeGen: `target.table`), whose

@@ -17,6 +17,7 @@ from .. import attention, discovery
 from .. import validation as check
 from ..discovery import PatchSite
 from ..registry import register_scheme
+from .base import UNBOUNDED
 from .common import AttachModule, AttentionScheme, DeviceTables, attention_modules, execution_device, table_dtype
 
 MODULE_NAME = "rope_patch_relative_bias"  # attribute under which relative_bias attaches its table to the model
@@ -136,6 +137,9 @@ class Alibi(AttentionScheme):
             self.name, "max_bias", self.max_bias, gt=0.0, le=check.ALIBI_MAX_BIAS,
             hint="Slopes are 2^(−max_bias·h/n); the paper and BLOOM use 8. Beyond ~126 the last heads' fp32 slopes "
                  "underflow to 0 (NoPE on those heads)."))
+
+    def served_length(self, window):
+        return UNBOUNDED  # the bias grows linearly with the distance, however far (the paper's "train short, test long")
 
     def build(self, target):
         return AlibiScores(self.max_bias), None
@@ -295,6 +299,9 @@ class RelativeBiasScheme(AttentionScheme):
         # prepare() refuses the model after build() returns
         device = execution_device(modules[0]) if modules else None
         return table.to(device=device, dtype=table_dtype(target.model))
+
+    def served_length(self, window):
+        return UNBOUNDED  # distances ≥ max_distance share the last bucket
 
     def build(self, target):
         if hasattr(target.model, MODULE_NAME):

@@ -55,7 +55,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from .. import attention
 from .. import validation as check
 from ..registry import register_scheme
-from .base import Suggestion
+from .base import UNBOUNDED, Suggestion
 from .common import AttentionScheme
 
 INTRA, SUCC, INTER = 0, 1, 2
@@ -359,6 +359,12 @@ class DualChunk(AttentionScheme):
         q = torch.where(gap == 0, i % c, torch.where(gap == 1, torch.clamp(i % c + c, max=s),
                                                      torch.full_like(i * 1.0, min(2 * c - 1, s))))
         return q - j % c
+
+    def served_length(self, window):
+        # queries sit at most at chunk_size, keys at ≥ 0: every relative position is ≤ chunk_size, whatever the length
+        if self.chunk_size is None:
+            return None
+        return UNBOUNDED if self.chunk_size < window else None
 
     def with_window(self, window: int) -> DualChunk:
         """The authors' defaults for a pre-training window L where a size is not given: ¾·L and L/8."""

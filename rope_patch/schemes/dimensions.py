@@ -55,7 +55,7 @@ from .. import validation as check
 from ..registry import register_scheme
 from ..rotary import embed
 from .base import Suggestion
-from .positions import Affine, TwoRegion, _check_window_size
+from .positions import Affine, TwoRegion, _check_window_size, grouped_reach
 
 PROBE = 0.5  # the probe position: angles 0.5·θ_k < π for every θ_k ≤ 1 (RoPE's fastest pair turns 1 rad a token)
 
@@ -178,6 +178,11 @@ class Dpe(TwoRegion):
 
     def far_positions(self):
         return self._maps(query=True), self._maps(query=False)
+
+    def served_length(self, window):
+        # Self-Extend's bound per group; the group that reaches L first (the smallest size) decides
+        reach = [grouped_reach(s, self.window_size, window) for s in self.group_sizes]
+        return None if None in reach else min(reach)
 
     def group_relative_positions(self, i, j):
         """(groups, …): the relative position group g's pairs rotate with, for true positions i, j (broadcast)."""

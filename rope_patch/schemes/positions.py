@@ -28,7 +28,7 @@ import torch
 from .. import attention
 from .. import validation as check
 from ..registry import register_scheme
-from .base import Suggestion, extension_ratio, plain_number
+from .base import UNBOUNDED, Suggestion, extension_ratio, plain_number
 from .common import AttentionScheme, DeviceTables
 
 Positions = Callable[[torch.Tensor], torch.Tensor]
@@ -291,6 +291,9 @@ class SelfExtend(TwoRegion):
         g, w = self.group_size, self.window_size
         return Affine(g, w - w // g, floor=True), Affine(g, 0, floor=True)
 
+    def served_length(self, window):
+        return grouped_reach(self.group_size, self.window_size, window)
+
 
 @dataclasses.dataclass(frozen=True)
 class LogisticGroups(DeviceTables):
@@ -339,6 +342,15 @@ class LogisticGroups(DeviceTables):
                                                                                 device=d))
         k = torch.searchsorted(starts, t, right=True) - 1  # the size class of token t
         return (groups[k] + torch.div(t - starts[k], sizes[k], rounding_mode="floor") + self.shift).to(p.dtype)
+
+
+def grouped_reach(group_size: int, window_size: int, window: int) -> int | None:
+    """The longest input Self-Extend's grouping (G = `group_size`, W = `window_size`) serves on a window of L: its
+    largest relative position ⌊(N − 1)/G⌋ + W − ⌊W/G⌋ stays ≤ L − 1 up to N = G·(L − W + ⌊W/G⌋), the paper's
+    (L − W)·G + W when G divides W. None when W ≥ L (the neighbour window alone reaches L)."""
+    if window_size >= window:
+        return None
+    return group_size * (window - window_size + window_size // group_size)
 
 
 def _reach(capacity: int, rate: float, n: int, w: int) -> int:
@@ -433,6 +445,18 @@ class SelfExtendLogistic(TwoRegion):
         c, r, w = self.group_size, self.growth_rate, self.window_size
         return LogisticGroups(c, r, w), LogisticGroups(c, r)
 
+    def served_length(self, window):
+        """The largest N whose largest relative position W + f(N − 1 − W) (`_reach`, growing with N) is below L;
+        found by bisection, since f is a table. Groups hold at most C − 1 tokens, so N < (C − 1)·L + W + 2."""
+        c, r, w = self.group_size, self.growth_rate, self.window_size
+        if w >= window:
+            return None
+        low, high = window, (c - 1) * window + w + 2  # reach(low) ≤ L − 1 < reach(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if _reach(c, r, mid, w) <= window - 1 else (low, mid)
+        return low
+
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
@@ -465,6 +489,10 @@ class ReRope(TwoRegion):
 
     def far_positions(self):
         return Affine(0, self.window_size), Affine(0, 0)
+
+    def served_length(self, window):
+        # distances ≥ W all rotate as W: below L whatever the length, once W < L
+        return UNBOUNDED if self.window_size < window else None
 
 
 @register_scheme
@@ -512,6 +540,11 @@ class LeakyReRope(TwoRegion):
     def far_positions(self):
         w, k = self.window_size, self.factor
         return Affine(k, w - w / k), Affine(k, 0)
+
+    def served_length(self, window):
+        # the largest distance N − 1 rotates as W + (N − 1 − W)/k ≤ L − 1  ⇔  N ≤ W + k·(L − 1 − W) + 1
+        w, k = self.window_size, self.factor
+        return math.floor(w + k * (window - 1 - w)) + 1 if w < window else None
 
 
 def _string_size(name: str, key: str, value, what: str) -> int:
@@ -600,3 +633,7 @@ class String(TwoRegion):
 
     def far_positions(self):
         return Shift(self.window_size - self.shift_size), attention.Identity()
+
+    def served_length(self, window):
+        # the largest distance N − 1 rotates as N − 1 − S + W ≤ L − 1  ⇔  N ≤ L + S − W; the near region needs S ≤ L
+        return window + self.shift_size - self.window_size if self.shift_size <= window else None

@@ -61,7 +61,7 @@ from ..attention.protocol import module_state
 from ..discovery import unwrap
 from ..registry import register_scheme
 from ..undo import UndoLog
-from .base import Suggestion
+from .base import UNBOUNDED, Suggestion
 from .common import cache_arg, decoder
 from .positions import TwoRegion, TwoRegionScores, _check_window_size
 
@@ -363,6 +363,11 @@ class Sink(TwoRegion):
 
     def far_positions(self):
         return Clamp(self.sink_size + self.window_size - 1), attention.Identity()
+
+    def served_length(self, window):
+        # the largest relative position is a sink's, S + W − 1, whatever the length: below L once S + W ≤ L (a token
+        # evicted from the window is gone, but generation goes on at fixed cost, which is what the scheme serves)
+        return UNBOUNDED if self.sink_size + self.window_size <= window else None
 
     def layout(self, module):
         # Unlike the other two-region schemes, sink changes layers without positions too (it hides keys): a full

@@ -273,5 +273,12 @@ class Stack(Scheme):
         return i - j if attn is None else attn.relative_position(i, j)
 
     def served_window(self, target: PatchSite) -> int | None:
-        freq = self.frequency
-        return None if freq is None else freq.served_window(target)
+        """The frequency part's window, then the attention part's `served_length` on it (yarn ×4 + Self-Extend groups
+        positions within yarn's 4·L)."""
+        freq, attn = self.frequency, self.attention
+        window = None if freq is None else freq.served_window(target)
+        if attn is None:
+            return window
+        base = window or getattr(target.config, "max_position_embeddings", None)
+        served = attn.served_length(int(base)) if base else None
+        return window if served is None or served == base else served

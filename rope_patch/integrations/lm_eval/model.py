@@ -58,6 +58,7 @@ from ...discovery import unwrap
 from ...evaluation import common, perplexity, retrieval
 from ...persistence import read_manifest
 from ...registry import canonical_name, did_you_mean, get_scheme_class, list_schemes
+from ...schemes.base import UNBOUNDED
 from ...specs import parse_value
 from ...zoo import resolve_model_path
 
@@ -130,14 +131,19 @@ def _check_adapter(adapter) -> Path:
 
 
 def _served_window(model) -> int | None:
-    """The context the patched model serves (rope_patch.api.context_window; dynamic NTK's config keeps L)."""
+    """The context the patched model serves (rope_patch.api.context_window; dynamic NTK's config keeps L). An
+    unbounded scheme (rerope, alibi, ...) keeps the config's window: lm-eval's rolling perplexity windows are
+    max_length long, and one window of a whole document would be a forward of any size."""
     try:
-        return context_window(model)
+        served = context_window(model)
     except TypeError:  # not a RoPE model rope_patch can read: whatever its config announces
-        cfg = getattr(unwrap(model), "config", None)
-        cfg = getattr(cfg, "text_config", None) or cfg
-        value = getattr(cfg, "max_position_embeddings", None)
-        return int(value) if value else None
+        served = UNBOUNDED
+    if served < UNBOUNDED:
+        return served
+    cfg = getattr(unwrap(model), "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    value = getattr(cfg, "max_position_embeddings", None)
+    return int(value) if value else None
 
 
 def validate_model_args(pretrained=None, scheme=None, adapter=None, **kwargs):
