@@ -91,24 +91,26 @@ def _specs(cls) -> dict[str, schema.Spec]:
 class RunArgs(Section):
     """The top-level keys."""
 
-    model: Annotated[str, Str(nonempty=True)] = arg(help="'tiny', 'smollm2', a local model folder, or a hub id")
+    model: Annotated[str, Str(nonempty=True)] = arg(help="'tiny', 'smollm2', 'gemma3', a local model folder, or a hub id")
     output_dir: Annotated[str, Str(nonempty=True)] = arg(help="adapter, merged model, log, checkpoints/checkpoint-N")
     tokenizer: Annotated[str | None, Opt(Str(nonempty=True))] = arg(None, help="default: the model's folder")
     seed: Annotated[int, Int(ge=0)] = arg(0, help="LoRA init, sampling, every collator draw")
 
     def model_path(self) -> str:
-        """`tiny` / `smollm2` / a local folder -> its path; a hub id (`org/name`, not a local path) passes through."""
-        from ..zoo import resolve_model_path
+        """`tiny` / `smollm2` / `gemma3` / a local folder -> its path; a hub id (`org/name`, not a local path) passes
+        through."""
+        from ..zoo import MODELS, resolve_model_path
 
         text = str(self.model)
-        if text in ("tiny", "smollm2") or Path(text).expanduser().exists():
+        if text in MODELS or Path(text).expanduser().exists():
             try:
                 return str(resolve_model_path(text))
             except (FileNotFoundError, ValueError) as err:
                 raise ConfigError(f"`model`: {err}") from None
         if text.count("/") == 1 and not text.startswith((".", "/", "~")):
             return text  # hub id: from_pretrained downloads it where a hub is reachable
-        raise ConfigError(f"`model`: {text!r} is neither 'tiny', 'smollm2', a local model folder nor a hub id 'org/name'.")
+        raise ConfigError(f"`model`: {text!r} is neither {', '.join(map(repr, MODELS))}, a local model folder nor a hub "
+                          "id 'org/name'.")
 
 
 @dataclass

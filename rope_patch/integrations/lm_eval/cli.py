@@ -14,7 +14,7 @@ Three conveniences, each only when it cannot change the meaning of a plain lm-ev
   `rope_passkey_256 rope_passkey_1024` (the group YAMLs list fixed default lengths, and lm-eval cannot size a
   group from `--metadata`);
 - when a `rope_*` task is asked for and no `--include_path` is given, the packaged tasks (rope_patch/data/tasks) are included;
-- with `--model rope_patch` and `pretrained=tiny|smollm2`, `--metadata tokenizer=<its folder>` is added unless
+- with `--model rope_patch` and `pretrained=tiny|smollm2|gemma3`, `--metadata tokenizer=<its folder>` is added unless
   a tokenizer is given, so that tokenizer-sized tasks (RULER) find the tokenizer offline.
 """
 
@@ -25,7 +25,7 @@ import sys
 from lm_eval._cli import HarnessCLI
 from lm_eval.utils import setup_logging
 
-from ...zoo import resolve_model_path
+from ...zoo import MODELS, resolve_model_path
 from .model import validate_model_args  # importing .model registers the `rope_patch` model with lm-eval
 from .tasks import expand_tasks, tasks_dir
 
@@ -45,7 +45,7 @@ def adjust(args) -> None:
     model_args = args.model_args or {}
     if args.model in ("rope_patch", "rope-patch") and isinstance(model_args, dict):
         spec = model_args.get("pretrained", "tiny")
-        if spec in ("tiny", "smollm2") and not (model_args.get("tokenizer") or metadata.get("tokenizer")):
+        if spec in MODELS and not (model_args.get("tokenizer") or metadata.get("tokenizer")):
             try:
                 metadata["tokenizer"] = str(resolve_model_path(spec))
             except (FileNotFoundError, ValueError):
