@@ -58,8 +58,8 @@ def suggest(model: nn.Module, target_length: int) -> list[Suggestion]:
 
     Returns:
         One `Suggestion` per scheme with a rule (its `spec`, `params`, `reason` and whether it serves N `alone`):
-        the frequency schemes first, then the attention-side ones, then those that need a frequency scheme with
-        them. For N ≤ L only STRING.
+            the frequency schemes first, then the attention-side ones, then those that need a frequency scheme with
+            them. For N ≤ L only STRING.
 
     Raises:
         ValueError: a target below 2 tokens or beyond 1024 × L.

@@ -228,7 +228,7 @@ def evaluation_count(log: dict) -> str:
 def _summary(log: dict) -> Table:
     from rich.table import Table
 
-    from ..evaluation.results import patch_note
+    from ..evaluation.results import patch_note, spec_cell
 
     best = log["best"]
     model = log.get("model") or {}
@@ -237,12 +237,12 @@ def _summary(log: dict) -> Table:
     table.caption = f"Model `{model.get('name') or model.get('spec')}` (window {log['settings']['window']}){patch_note(model)}"
     acc = log.get("acceptance")
     if not acc:
-        table.add_column("best spec")
-        table.add_row(best["spec"] if len(best["spec"]) < 200 else best["spec"][:200] + "...")
+        table.add_column("best spec", overflow="fold")  # wrapped between the spec's parts (spec_cell)
+        table.add_row(spec_cell(best["spec"]) if len(best["spec"]) < 200 else best["spec"][:200] + "...")
         return table
-    table.add_column("scheme (acceptance text)")
+    table.add_column("scheme (acceptance text)", overflow="fold")
     for length in acc["lengths"]:
         table.add_column(f"ppl @{length}", justify="right")
     for row in acc["rows"]:
-        table.add_row(row["label"], *(f"{row['perplexity'][str(L)]:.2f}" for L in acc["lengths"]))
+        table.add_row(spec_cell(row["label"]), *(f"{row['perplexity'][str(L)]:.2f}" for L in acc["lengths"]))
     return table

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 from rich.table import Table
@@ -227,18 +228,28 @@ def write_results(result: dict, out_dir: str | Path) -> dict[str, Path]:
     return paths
 
 
+def spec_cell(label: str) -> str:
+    """A scheme label or spec for a rich table cell: a space after each separator (':', ',', '+'), where rich may
+    then wrap it, so that a line ends only between the spec's parts, never inside one such as `window_size=32` (a spec
+    has no spaces: rich folded or cut it anywhere, `self_extend_logistic:gr…`). The spec grammar reads the spaced form
+    as the same scheme, so a cell still copies into `--schemes` or `rope_patch.apply`."""
+    return re.sub(r"\s*([:,])\s*", r"\1 ", re.sub(r"\s*\+\s*", " + ", label)).strip()
+
+
 def rich_table(result: dict):
     """A rich Table: one row per scheme, one column per length, cells "perplexity  accuracy"."""
     lengths = _lengths(result)
     window = result["model"].get("window")
     table = Table(title=f"rope-patch compare - {result['model']['name']} (window {window}){patch_note(result['model'])}: "
                   "perplexity / passkey")
-    table.add_column("scheme")
+    labels = [spec_cell(sch["label"]) for sch in result["schemes"]]
+    # wrapped between a spec's parts; a part wider than what a narrow terminal leaves is folded, never cut off with "…"
+    table.add_column("scheme", overflow="fold")
     for L in lengths:
         table.add_column(f"{L}" + (" *" if window and L > window else ""), justify="right")
     base = {r["length"]: r["perplexity"] for r in result["records"] if r["scheme"] == result["schemes"][0]["spec"]}
     ref = min((v for v in base.values() if v), default=None)
-    for sch in result["schemes"]:
+    for sch, label in zip(result["schemes"], labels, strict=True):
         cells = []
         for L in lengths:
             r = _cell(result, sch["spec"], L)
@@ -251,7 +262,7 @@ def rich_table(result: dict):
                 style = "green" if p <= 1.2 * ref else ("yellow" if p <= 2 * ref else "red")
             ptxt = f"[{style}]{_fmt_ppl(p)}[/]" if style else _fmt_ppl(p)
             cells.append(f"{ptxt}  {_fmt_acc(a)}")
-        table.add_row(sch["label"], *cells)
+        table.add_row(label, *cells)
     table.caption = "* beyond the training window; colour: perplexity relative to the first scheme's best"
     return table
 

@@ -15,7 +15,7 @@ import rope_patch
 from rope_patch import plots
 from rope_patch.cli import main
 from rope_patch.evaluation.compare import parse_schemes, resumed_units, run_compare, work_units
-from rope_patch.evaluation.results import FORMAT, load_results, markdown_table, rich_table, write_results
+from rope_patch.evaluation.results import FORMAT, load_results, markdown_table, rich_table, spec_cell, write_results
 
 SCHEMES = ["default", "yarn:2", "dynamic:factor=2"]
 
@@ -90,7 +90,7 @@ def test_write_results(result, tmp_path):
     console = Console(record=True, width=200)
     console.print(rich_table(back))  # renders from a reloaded file too: every scheme, every length
     shown = console.export_text()
-    assert all(s["label"] in shown for s in back["schemes"]) and all(str(r["length"]) in shown for r in back["records"])
+    assert all(spec_cell(s["label"]) in shown for s in back["schemes"]) and all(str(r["length"]) in shown for r in back["records"])
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="not a rope-patch compare result"):
