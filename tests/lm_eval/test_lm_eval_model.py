@@ -79,6 +79,13 @@ def test_max_length_is_the_patched_window(assets):
     assert lm.model.dtype == torch.float32
 
 
+def test_max_length_of_an_attention_side_scheme(assets):
+    """The length Self-Extend serves, (L − W)·G + W; an unbounded scheme (ReRoPE) keeps the window, since lm-eval's
+    rolling perplexity windows are max_length long."""
+    assert make(assets, scheme="self_extend", group_size=4, window_size=8).max_length == (WINDOW - 8) * 4 + 8
+    assert make(assets, scheme="rerope", window_size=8).max_length == WINDOW
+
+
 def test_string_values_and_lists_are_parsed(assets):
     lm = make(assets, scheme="linear", factor="2")
     assert rope_patch.current(lm.model).params()["factor"] == 2
