@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast docs bench lint clean
+.PHONY: demo test test-fast test-compat docs bench lint clean
 
 $(STAMP): pyproject.toml
 	@echo "[1/4] creating the virtual environment $(VENV) ..."
@@ -44,6 +44,27 @@ FAST_TESTS := tests/test_api.py tests/test_ownership.py tests/test_shipped_scali
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(FAST_TESTS)
 
+# The old end of the supported transformers window, in a venv of its own: SGLang 0.5.23 pins transformers 5.19.0 and
+# vLLM 0.34 takes >=5.16.1,<5.23 (tested beside their versions, without installing either: they pull a CUDA torch).
+# A shorter pass than `make test`: the core guarantees, what older releases refuse, and the architecture coverage.
+# `make test-compat COMPAT_VERSION=5.22.0` runs it on another release (installed into the same venv).
+VENV_COMPAT ?= .venv-compat
+COMPAT_VERSION ?= 5.19.0
+STAMP_COMPAT := $(VENV_COMPAT)/.installed-$(COMPAT_VERSION)
+COMPAT_TESTS := $(FAST_TESTS) tests/schemes/test_older_transformers.py tests/schemes/test_architectures.py
+
+$(STAMP_COMPAT): pyproject.toml
+	$(PYTHON) -m venv $(VENV_COMPAT)
+	$(VENV_COMPAT)/bin/python -m pip install -q --upgrade pip
+	$(VENV_COMPAT)/bin/python -m pip install -q "$(TORCH)"
+	$(VENV_COMPAT)/bin/python -m pip install -q -e ".[dev]" "transformers==$(COMPAT_VERSION)"
+	rm -f $(VENV_COMPAT)/.installed-*
+	touch $(STAMP_COMPAT)
+
+test-compat: $(STAMP_COMPAT)
+	$(VENV_COMPAT)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(VENV_COMPAT)/bin/python -m pytest -q --durations=10 $(COMPAT_TESTS)
+
 bench: $(STAMP)
 	$(PY) bench/overhead.py
 
@@ -51,4 +72,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check rope_patch tests bench recipes eval
 
 clean:
-	rm -rf $(VENV) results site .pytest_cache
+	rm -rf $(VENV) $(VENV_COMPAT) results site .pytest_cache
