@@ -111,12 +111,15 @@ def _repeat(x: torch.Tensor, g: int) -> torch.Tensor:
     return x[:, :, None].expand(b, hkv, g, n, d).reshape(b, hkv * g, n, d)
 
 
-def _mask_block(attention_mask, call: AttentionCall, rows: slice, e: int):
-    """(b|1, 1|Hkv, 1|G, r, e) bool 'may attend' or float additive mask for one block; causal when no mask was built.
-    A mask per query head (Doge's dynamic mask, (b, H, q, k)) is laid out as the scores: kv head, then group."""
+def _mask_block(attention_mask, call: AttentionCall, rows: slice, e: int, lo: int = 0, window: int | None = None):
+    """(b|1, 1|Hkv, 1|G, r, e − lo) bool 'may attend' or float additive mask for one block over key slots [lo, e);
+    causal when no mask was built (within `window` slots when one is given). A mask per query head (Doge's dynamic
+    mask, (b, H, q, k)) is laid out as the scores: kv head, then group."""
     if attention_mask is None:  # causal in slots (the order of the tokens; gapped ids do not change it)
-        return (call.q_slot[rows, None] >= torch.arange(e, device=call.q_slot.device)).view(1, 1, 1, -1, e)
-    m = attention_mask[:, :, rows, :e]
+        d = call.q_slot[rows, None] - torch.arange(lo, e, device=call.q_slot.device)
+        allowed = d >= 0 if window is None else (d >= 0) & (d < window)
+        return allowed.view(1, 1, 1, -1, e - lo)
+    m = attention_mask[:, :, rows, lo:e]
     if m.shape[1] == 1:
         return m.unsqueeze(2)
     return m.view(m.shape[0], call.query.shape[1], call.query.shape[2], *m.shape[2:])
@@ -138,9 +141,12 @@ def with_indices(attention_mask, indices: torch.Tensor, k_len: int, dtype) -> to
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                      *, dense: bool, **kwargs):
+                      *, dense: bool, window: int | None = None, **kwargs):
     """transformers attention-function signature: query (b, H, q, d), key/value (b, Hkv, k, d) →
-    (out (b, q, H, d), weights (b, H, q, k) for the dense variant, else None)."""
+    (out (b, q, H, d), weights (b, H, q, k) for the dense variant, else None).
+
+    `window`: a sliding-window layer whose mask was not built (attention/windowed.py): each query block meets only the
+    key slots its window reaches, on the materialised path."""
     state = getattr(module, STATE, None)
     if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
         return stand_in("eager" if dense else "sdpa", module)(module, query, key, value, attention_mask, dropout=dropout,
@@ -173,13 +179,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     budget = state.block_elements or settings.BLOCK_ELEMENTS
     # The fused path (log-sum-exp merging) serves inference without padding mask, softcap or dropout on CPU;
     # everything else takes the materialised-block path, which autograd can differentiate.
-    fused = (not dense and attention_mask is None and softcap is None and not (dropout and module.training)
+    if window is not None and (attention_mask is not None or call.gapped or call.values or call.memory or dense):
+        raise NotImplementedError(f"{type(module).__name__}: a sliding window without its mask is served for plain "
+                                  "token keys only (no padding mask, gapped ids, values per key set or memory keys)")
+    fused = (window is None and not dense and attention_mask is None and softcap is None
+             and not (dropout and module.training)
             and not torch.is_grad_enabled() and query.device.type == "cpu" and _flash_lse_op() is not None
             and not call.gapped  # gapped ids: regions by id differences, per element (the materialised path)
             and not call.values  # values per key set (copies.SPLIT): the output split by query copy, materialised
             and q_len > settings.DECODE_ROWS)  # a step of decoding: one row of scores per head costs less than kernels
     if dense:
         block = q_len
+    elif window is not None:  # a block meets at most block + window − 1 keys
+        block = max(16, window)
+        while block > 16 and b * h * block * (block + window) > budget:
+            block //= 2
+        block = min(q_len, block)
     elif fused:  # only a narrow band is materialised per block: the scheme picks the block that balances the two
         block = min(q_len, settings.FUSED_BLOCK or state.scores.fused_rows(b * h))
     else:
@@ -200,11 +215,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             continue
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             end = k_len  # a custom additive mask may open any key
-        s = state.scores.logits(call, rows, 0, end)
+        lo = 0 if window is None else max(0, call.first_slot(rows) - window + 1)  # the keys the windows reach
+        s = state.scores.logits(call, rows, lo, end)
         # a block of one row (a decoding step) sees every key before `end`: no causal mask to build and apply
-        m = _mask_block(attention_mask, call, rows, end) if attention_mask is not None or rows.stop - rows.start > 1 \
-            else None
-        same = call.segments(rows, 0, end)
+        m = _mask_block(attention_mask, call, rows, end, lo, window) \
+            if attention_mask is not None or rows.stop - rows.start > 1 or window is not None else None
+        same = call.segments(rows, lo, end)
         if same is not None:  # a packed row that restarts its ids: no key of an earlier segment
             if m is None or m.dtype == torch.bool:
                 m = same if m is None else m & same
@@ -230,7 +246,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1].to(value.dtype)
         if dropout and module.training:
             p = nn.functional.dropout(p, p=dropout, training=True)
-        pv = p.view(b, hkv, -1, end)  # (b, Hkv, G·r, end)
+        pv = p.view(b, hkv, -1, end - lo)  # (b, Hkv, G·r, end − lo)
         if split is not None:
             for copy, key_set, where in state.scores.regions(call, rows, 0, end):
                 share = pv if where is None else (p * where.to(p.dtype)).view(b, hkv, -1, end)
@@ -238,7 +254,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                     b, hkv, h // hkv, -1, d)
             block_out = split[0, :, :, :, rows]
         else:
-            block_out = torch.matmul(pv, value[:, :, :end]).view(b, hkv, h // hkv, -1, d)
+            block_out = torch.matmul(pv, value[:, :, lo:end]).view(b, hkv, h // hkv, -1, d)
         if dense:
             out = block_out  # one block: no copy (and autograd sees no in-place write)
             weights.append(p.reshape(b, h, -1, end))

@@ -14,7 +14,10 @@ no packed sequences or mask overlays, keys contiguous with the queries): the att
 per block from the layer's `sliding_window`. Anything else (padding, a static cache, packing) gets transformers' own
 sdpa mask, which the attention function slices per block (the scores stay per block; the boolean mask is L×L).
 
-A model patched with an attention-side scheme runs its own functions (rope_patch_blocked & co.): `windowed` refuses it.
+A model patched with an attention-side scheme on the blocked path (rope_patch_blocked) is switched to
+`rope_patch_windowed_blocked`: on its sliding layers each query block's scores come from the scheme over the window's
+key slots only (blocked.py, materialised path); the layers the scheme leaves alone run the function above. A model
+patched with a frequency scheme keeps sdpa and is switched like an unpatched one.
 """
 
 from __future__ import annotations
@@ -28,10 +31,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, fast_all, prepare_padding_mask, sdpa_mask
 
 from . import settings
+from .blocked import attention_forward
+from .protocol import STATE
+from .registration import BLOCKED
+from .registration import register as register_blocked
 
 WINDOWED = "rope_patch_windowed"
-# what `windowed` switches from: the dense implementations whose sliding layers build the L×L mask
-SWITCHABLE = ("sdpa", "eager")
+WINDOWED_BLOCKED = "rope_patch_windowed_blocked"  # a model patched on the blocked path (attention-side schemes)
+# what `windowed` switches from, and to: the implementations whose sliding layers get the L×L mask
+SWITCH = {"sdpa": WINDOWED, "eager": WINDOWED, BLOCKED: WINDOWED_BLOCKED}
 
 
 def window_of(module, kwargs) -> int | None:
@@ -101,6 +109,16 @@ def windowed_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
+def windowed_blocked(module, query, key, value, attention_mask, **kwargs):
+    """The blocked function (attention/blocked.py) of a model patched with an attention-side scheme, its sliding
+    layers over their window only: a patched layer runs its scheme's scores on the key slots each query block's window
+    reaches; a layer the scheme leaves alone runs `windowed_attention`."""
+    if getattr(module, STATE, None) is None:
+        return windowed_attention(module, query, key, value, attention_mask, **kwargs)
+    window = window_of(module, kwargs) if attention_mask is None else None  # a built mask holds the window itself
+    return attention_forward(module, query, key, value, attention_mask, dense=False, window=window, **kwargs)
+
+
 def windowed_mask(*, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, local_size=None,
                   allow_is_causal_skip=True, **kwargs):
     """The mask function of `rope_patch_windowed`: transformers' sdpa mask, except None for a sliding layer whose mask
@@ -123,11 +141,13 @@ def windowed_mask(*, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, a
 
 
 def register() -> None:
-    """Register the function and its mask function under WINDOWED (idempotent; a new key only)."""
-    if transformers.AttentionInterface._global_mapping.get(WINDOWED) is not windowed_attention:
-        transformers.AttentionInterface.register(WINDOWED, windowed_attention)
-    if AttentionMaskInterface._global_mapping.get(WINDOWED) is not windowed_mask:
-        AttentionMaskInterface.register(WINDOWED, windowed_mask)
+    """Register the functions and their mask function under WINDOWED / WINDOWED_BLOCKED (idempotent; new keys only)."""
+    register_blocked()
+    for name, fn in ((WINDOWED, windowed_attention), (WINDOWED_BLOCKED, windowed_blocked)):
+        if transformers.AttentionInterface._global_mapping.get(name) is not fn:
+            transformers.AttentionInterface.register(name, fn)
+        if AttentionMaskInterface._global_mapping.get(name) is not windowed_mask:
+            AttentionMaskInterface.register(name, windowed_mask)
 
 
 def _attention_modules(model):
@@ -137,16 +157,17 @@ def _attention_modules(model):
 
 
 def check(model) -> None:
-    """ValueError unless `model` can run WINDOWED: its implementation is sdpa or eager (a patched model, flex or flash
-    already run functions of their own), and every sliding layer its config declares exposes its window."""
+    """ValueError unless `model` can run windowed: its implementation is sdpa or eager (unpatched, or patched with a
+    frequency scheme) or rope_patch's blocked one (an attention-side scheme on sdpa); flex and flash build no L×L
+    mask; and every sliding layer its config declares exposes its window."""
     impl = model.config._attn_implementation
-    if impl == WINDOWED:
+    if impl in SWITCH.values():
         return
-    if impl not in SWITCHABLE:
-        hint = ("it is patched by rope_patch, whose attention functions serve its layers"
-                if str(impl).startswith("rope_patch") else "only sdpa / eager models are switched")
+    if impl not in SWITCH:
+        hint = ("flex and flash already skip what the window hides" if not str(impl).startswith("rope_patch")
+                else "a scheme that wraps the attention function (logn) or runs the dense path")
         raise ValueError(f"windowed(): the model's attention implementation is {impl!r}, expected one of "
-                         f"{', '.join(SWITCHABLE)} ({hint}). Evaluate it without windowed().")
+                         f"{', '.join(SWITCH)} ({hint}). Evaluate it without windowed().")
     cfg = model.config.get_text_config()
     window = getattr(cfg, "sliding_window", None)
     types = list(getattr(cfg, "layer_types", None) or [])
@@ -165,7 +186,7 @@ def windowed(model):
     check(model)
     previous = model.config._attn_implementation
     register()
-    model.set_attn_implementation(WINDOWED)
+    model.set_attn_implementation(SWITCH.get(previous, previous))
     try:
         yield model
     finally:

@@ -131,7 +131,7 @@ def prepare(name: str, target: PatchSite):
             # would change from step to step, and the layer's own cache (the reference) keeps each step's rotation.
             log.setattr(rotary, "forward", PatchedRotaryForward(
                 rotary, masters, identity=True, config=target.config, attn_implementation=impl,
-                allowed=(*attention.BACKENDS.values(), *during_check), scheme=name,
+                allowed=(*attention.BACKENDS.values(), attention.windowed.WINDOWED_BLOCKED, *during_check), scheme=name,
                 update=update if wrap is None else None, tagged=True))
             attention.register()
             state = attention.AttnState(rule, rotaries=(rotary,))

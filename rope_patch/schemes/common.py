@@ -270,7 +270,8 @@ class AttentionScheme(Scheme):
                 during_check = ("eager", attention.plumbing.CAPTURE) if wrap is not None else ()
                 log.setattr(r, "forward", PatchedRotaryForward(
                     r, masters, identity=not moves, config=target.config, attn_implementation=impl,
-                    allowed=(*attention.BACKENDS.values(), *during_check), scheme=self.name, tagged=rule is not None,
+                    allowed=(*attention.BACKENDS.values(), attention.windowed.WINDOWED_BLOCKED, *during_check),
+                    scheme=self.name, tagged=rule is not None,
                     update=_table_growth(r, table), sin_first=table is not None and table.returns_sin_first))
             if rule is None:
                 return

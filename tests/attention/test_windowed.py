@@ -1,6 +1,7 @@
 """rope_patch_windowed (attention/windowed.py): sliding-window layers computed per query block over their window only.
 Equal to transformers' own path at short lengths (the window smaller than the input), with and without padding and
-with a cache; the model switched back exactly; and, by the shapes it hands torch, no L×L mask or score matrix."""
+with a cache; the model switched back exactly; and, by the shapes it hands torch, no L×L mask or score matrix. Patched
+models too: every attention-side scheme equal to its own blocked path, its scores asked for the window's keys only."""
 
 from __future__ import annotations
 
@@ -131,9 +132,9 @@ def test_no_length_squared_mask_or_scores():
 
 def test_refusals_leave_the_model_alone():
     model = tiny_model("gemma3_text", attn_implementation="sdpa", **HYBRID)
-    rope_patch.apply(model, "alibi")
+    rope_patch.apply(model, "logn")  # wraps the attention function: not switched
     impl = model.config._attn_implementation
-    with pytest.raises(ValueError, match="patched by rope_patch"):
+    with pytest.raises(ValueError, match=f"implementation is '{impl}', expected one of sdpa, eager, rope_patch_blocked"):
         with w.windowed(model):
             pass
     assert model.config._attn_implementation == impl
@@ -143,3 +144,84 @@ def test_refusals_leave_the_model_alone():
             assert plain.config._attn_implementation == w.WINDOWED
             raise RuntimeError("inside")
     assert plain.config._attn_implementation == "sdpa"  # put back on error too
+
+
+# Schemes at settings for the tiny model's window (32), past the sliding window (8) and the input (80 tokens)
+PATCHED = {
+    "yarn": {"factor": 4.0},  # a frequency scheme: the model stays on sdpa, switched as an unpatched one
+    "alibi": {},
+    "relative_bias": {"init": "alibi", "num_buckets": 16, "max_distance": 64},
+    "self_extend": {"group_size": 4, "window_size": 16},
+    "self_extend_logistic": {"group_size": 4, "window_size": 16, "growth_rate": 0.01},
+    "rerope": {"window_size": 16},
+    "leaky_rerope": {"window_size": 16, "factor": 16.0},
+    "string": {"shift_size": 20, "window_size": 6},
+    "dca": {"chunk_size": 24, "local_size": 4},
+    "dpe": {"group_sizes": [4] * 8, "window_size": 8},
+    "ms_poe": {},
+    "sink": {"sink_size": 4, "window_size": 28},
+    "nope": {},
+}
+
+
+@pytest.mark.parametrize("scheme", PATCHED)
+def test_patched_equal_to_its_blocked_path(scheme):
+    """A patched model windowed: its scheme's scores over each block's window only, equal to the scheme on its own
+    path (the L×L mask) to 1e-5; the implementation it had afterwards."""
+    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, **HYBRID)
+    rope_patch.apply(model, scheme, **PATCHED[scheme])
+    impl = model.config._attn_implementation
+    torch.manual_seed(4)
+    ids = torch.randint(3, 97, (2, 80))
+    with torch.no_grad():
+        want = model(ids).logits
+        with w.windowed(model):
+            assert model.config._attn_implementation == w.SWITCH[impl]
+            got = model(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert model.config._attn_implementation == impl
+
+
+@pytest.mark.parametrize("scheme", ["rerope", "dca", "sink"])
+def test_patched_scores_span_the_window_only(monkeypatch, scheme):
+    """The scheme's scores are asked for the key slots of each block's window only (the L×L mask's path asks for
+    every key up to the block's last)."""
+    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, **HYBRID)
+    rope_patch.apply(model, scheme, **PATCHED[scheme])
+    spans = []
+    for module in model.modules():
+        state = getattr(module, w.STATE, None)
+        if state is not None and getattr(module, "sliding_window", None):
+            real = state.scores.logits
+
+            def logits(call, rows, start, end, real=real):
+                spans.append((rows.stop - rows.start, end - start))
+                return real(call, rows, start, end)
+
+            monkeypatch.setattr(state.scores, "logits", logits)
+    assert spans == [] and any(getattr(m, w.STATE, None) is not None for m in model.modules())
+    with torch.no_grad(), w.windowed(model):
+        model(torch.randint(3, 97, (1, 80)))
+    if not spans:
+        pytest.skip(f"{scheme} leaves the sliding layers alone (they run windowed_attention)")
+    assert all(keys <= rows + 8 - 1 for rows, keys in spans) and max(k for _, k in spans) < 80
+
+
+@pytest.mark.parametrize("scheme", ["rerope", "alibi"])
+def test_patched_cached_decoding(scheme):
+    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, **HYBRID)
+    rope_patch.apply(model, scheme, **PATCHED[scheme])
+    torch.manual_seed(5)
+    ids = torch.randint(3, 97, (1, 48))
+
+    def run():
+        with torch.no_grad():
+            out = model(ids[:, :40], use_cache=True)
+            cache = {CACHE: getattr(out, CACHE)}
+            parts = [out.logits] + [model(ids[:, t:t + 1], use_cache=True, **cache).logits for t in range(40, 48)]
+        return torch.cat(parts, dim=1)
+
+    want = run()
+    with w.windowed(model):
+        got = run()
+    assert (got - want).abs().max().item() <= 1e-5
