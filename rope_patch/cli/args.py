@@ -96,7 +96,8 @@ def scheme_name(text: str) -> str:
 
 def rope_layout(args) -> dict:
     """The RoPE keyword arguments of rope_patch.analysis / rope_patch.plots from `--head-dim --rope-theta --window
-    --partial-rotary-factor [--seq-len]`, or `--config MODEL` (tiny, smollm2 or a model folder; then "_num_heads" too: the config's head count)."""
+    --partial-rotary-factor [--seq-len]`, or `--config MODEL` (tiny, smollm2, gemma3 or a model folder; then
+    "_num_heads" too: the config's head count)."""
     if args.config is not None:
         if args.window is not None or args.partial_rotary_factor is not None:
             raise ValueError("--config gives the window and rotary layout; drop --window / --partial-rotary-factor.")
@@ -104,8 +105,8 @@ def rope_layout(args) -> dict:
 
         from .. import zoo
 
-        # tiny / smollm2 / a local folder (never the hub: an unknown name is an error, not a download); only its
-        # config.json is read. The lazy transformers module loads its auto classes only now.
+        # tiny / smollm2 / gemma3 / a local folder (never the hub: an unknown name is an error, not a download); only
+        # its config.json is read. The lazy transformers module loads its auto classes only now.
         cfg = transformers.AutoConfig.from_pretrained(zoo.resolve_model_path(args.config))
         rope = {"config": cfg, "_num_heads": getattr(cfg, "num_attention_heads", None)}
     else:

@@ -45,8 +45,8 @@ def add_parser(subparsers) -> None:
                       "the file's)")
     rope.add_argument("--partial-rotary-factor", type=real(maximum=1.0, above=0.0), default=None, help="fraction of the head that rotates")
     rope.add_argument("--config", default=None, metavar="MODEL",
-                      help="read head_dim, rope_theta, window, heads from a model's config.json: tiny, smollm2 or a model "
-                      "folder")
+                      help="read head_dim, rope_theta, window, heads from a model's config.json: tiny, smollm2, gemma3 "
+                      "or a model folder")
     rope.add_argument("--seq-len", type=positive, default=None,
                       help="current length for dynamic NTK / LongRoPE (default: the scheme's extended window)")
     p.add_argument("--max-distance", type=positive, default=None,

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
         "sweep", help="lm-eval tasks x schemes on one model (one lm-eval run per scheme; resumable)",
         description="`rope-patch sweep`: lm-eval tasks x position-encoding schemes on one model, one lm-eval run "
         "per scheme. Writes sweep.json/.md (+ compare-format files and plots) to --out.")
-    p.add_argument("--model", default=d.model, help="tiny, smollm2, or a local model folder (default: tiny)")
+    p.add_argument("--model", default=d.model, help="tiny, smollm2, gemma3, or a local model folder (default: tiny)")
     p.add_argument("--schemes", nargs="+", type=scheme_spec(loaded=True), default=d.schemes, metavar="SPEC",
                    help="scheme specs as in compare: name, name:factor, name:key=value,... (default: %(default)s)")
     p.add_argument("--tasks", nargs="+", default=d.tasks, metavar="TASK",

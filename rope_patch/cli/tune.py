@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
         "evaluation is logged to OUT/search_log.json at once (atomically); --resume continues an interrupted search "
         "and reproduces the log of an uninterrupted one. Writes OUT/search_log.json, OUT/best.json (the best spec, "
         "ready for rope_patch.apply) and OUT/search.png.")
-    p.add_argument("--model", default="tiny", help="tiny, smollm2, or a local model folder (default: tiny)")
+    p.add_argument("--model", default="tiny", help="tiny, smollm2, gemma3, or a local model folder (default: tiny)")
     p.add_argument("--scheme", type=scheme_name, required=True, help="the scheme to tune: longrope (evolutionary search of its long "
                    "factors) or a scalar scheme (self_extend, string, rerope, yarn, dynamic, ...)")
     p.add_argument("--target", type=count(8), required=True, metavar="N", help="target length in tokens")

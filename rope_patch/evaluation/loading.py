@@ -21,7 +21,7 @@ from ..schemes.base import Scheme
 
 
 def load_model(spec: str | os.PathLike = "tiny", dtype="float32", device: str = "cpu"):
-    """(model, tokenizer) of `tiny`, `smollm2` or a local folder, in eval mode; a folder's rope_patch.json is
+    """(model, tokenizer) of `tiny`, `smollm2`, `gemma3` or a local folder, in eval mode; a folder's rope_patch.json is
     honoured (checked before any weights are read: a damaged one raises, naming the file and what to do)."""
     path = zoo.resolve_model_path(spec)
     manifest = read_manifest(path)

@@ -8,7 +8,7 @@
 
 | key | meaning |
 | --- | --- |
-| `pretrained` | `tiny`, `smollm2`, a local model folder, or a folder written by `rope_patch.save_pretrained` (its recorded patch is re-applied) |
+| `pretrained` | `tiny`, `smollm2`, `gemma3`, a local model folder, or a folder written by `rope_patch.save_pretrained` (its recorded patch is re-applied) |
 | `scheme` | a registered scheme name or alias (`rope-patch list`); applied with `rope_patch.apply` after loading |
 | any scheme parameter | `factor`, `original_max_position_embeddings`, `beta_fast`, `group_size`, `window_size`, ... (lists: `short_factor=1/1.5/2`) |
 | `adapter` | a peft adapter folder, or an adapter saved by `rope_patch.save_pretrained` (its recorded patch is re-applied; an explicit `scheme` replaces it) |

@@ -13,7 +13,7 @@ class SweepOptions:
     """What `sweep` reads: the `rope-patch sweep` options under the names of their flags (the CLI passes its
     argparse Namespace, which has the same attributes). Defaults: those of the command, i.e. compare's."""
 
-    model: str = "tiny"  # tiny, smollm2, or a local model folder
+    model: str = "tiny"  # tiny, smollm2, gemma3, or a local model folder
     schemes: list[str] = dataclasses.field(default_factory=lambda: ["default", "yarn:4"])  # scheme specs
     tasks: list[str] = dataclasses.field(default_factory=lambda: ["rope_passkey", "rope_ppl"])
     lengths: list[int] = dataclasses.field(default_factory=lambda: list(compare.DEFAULT_LENGTHS))
