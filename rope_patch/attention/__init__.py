@@ -38,8 +38,8 @@ caches break the contiguity (keys are padded to the maximum length); the schemes
     flash.py         rope_patch_fa2 (ALiBi on flash_attn)                      rotation.py  deferred RoPE (Rotation)
     registration.py  AttnState and the AttentionInterface / AttentionMaskInterface entries
     settings.py      tunables read at call time (block budget, flex compilation, flash devices)
-    windowed.py      rope_patch_windowed: an unpatched model's sliding-window layers over their window only, per query
-                     block (no L×L mask or scores), switched on per instance by `windowed(model)`
+    windowed.py      rope_patch_windowed(_blocked): sliding-window layers over their window only, per query block (no
+                     L×L mask or scores), patched or not, switched on per instance by `windowed(model)`
 """
 
 from __future__ import annotations
