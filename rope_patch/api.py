@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import warnings
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -246,7 +247,7 @@ def context_window(model: nn.Module) -> int:
     for the schemes with a native form except `dynamic`, whose config keeps transformers' native form (scaling starts
     at max_position_embeddings); the config of the others keeps the unpatched window, so that a plain save reloads
     the unpatched model, and `generate` is told the served window instead (no "exceeded the model's predefined
-    maximum length" reminder below it).
+    maximum length" reminder below it; its default length is capped there, not at the config's window).
 
     Args:
         model: a model (or a wrapper of one), patched or not.
@@ -287,12 +288,39 @@ class GenerateWindow:
         return criteria
 
 
+class GenerateLength:
+    """`model._prepare_generated_length` of such a model (see `GenerateWindow`): transformers' own (the class's
+    method, called unchanged), then, where no length was asked for (generate's default of 20 new tokens), the cap it
+    put on that default, config.max_position_embeddings, becomes the served window (none for an unbounded scheme).
+    Without it an input longer than the config's window is refused ("Input length of input_ids is N, but
+    `max_length` is set to L") where a natively extended model (yarn) continues it."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        method = type(self.model)._prepare_generated_length
+        call = inspect.signature(method).bind(self.model, *args, **kwargs).arguments
+        config = call["generation_config"]
+        default = config.max_length
+        out = method(self.model, *args, **kwargs)
+        # transformers caps only this case: has_default_max_length and no max_new_tokens
+        if call.get("has_default_max_length") and config.max_new_tokens is None and default is not None:
+            wanted = default + call["input_ids_length"]
+            window = context_window(self.model)
+            out.max_length = wanted if window >= UNBOUNDED else min(wanted, max(window, out.max_length))
+        return out
+
+
 def _announce_window(model: nn.Module, state: PatchState) -> None:
-    """Tell `generate` the served window where it exceeds what the model's config announces (`GenerateWindow`)."""
+    """Tell `generate` the served window where it exceeds what the model's config announces (`GenerateWindow`,
+    `GenerateLength`)."""
     announced = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if (state.window is not None and announced is not None and state.window > announced
-            and callable(getattr(type(model), "_get_stopping_criteria", None))):
-        state.setattr(model, "_get_stopping_criteria", GenerateWindow(model))
+    if state.window is None or announced is None or state.window <= announced:
+        return
+    for name, cover in (("_get_stopping_criteria", GenerateWindow), ("_prepare_generated_length", GenerateLength)):
+        if callable(getattr(type(model), name, None)):
+            state.setattr(model, name, cover(model))
 
 
 def current(model: nn.Module) -> Scheme | None:

@@ -124,6 +124,19 @@ def test_a_copy_tells_generate_its_own_window(how, reminders):
     rope_patch.remove(original)
     _generate(twin, 2 * L)
     assert reminders == []
-    assert vars(twin)["_get_stopping_criteria"].model is twin
+    assert all(vars(twin)[name].model is twin for name in ("_get_stopping_criteria", "_prepare_generated_length"))
     _generate(original, 2 * L)
     assert len(reminders) == 1
+
+
+@pytest.mark.parametrize("spec", ["self_extend:group_size=4,window_size=8", "rerope:window_size=8", "yarn:4"])
+def test_generate_continues_an_input_past_the_config_window_by_default(model, spec):
+    # no max_new_tokens: transformers caps its default (20 new tokens) at config.max_position_embeddings, which for
+    # an attention-side scheme keeps the unpatched L, and refused the input as longer than max_length
+    ids = torch.arange(3, 3 + L + 8)[None]
+    with rope_patch.patched(model, spec):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+        assert out.shape[1] == min(ids.shape[1] + 20, SERVED.get(spec, 4 * L))
+    assert "_prepare_generated_length" not in vars(model)
+    with pytest.raises(ValueError, match="max_length"):  # removed: transformers' own behaviour again
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
