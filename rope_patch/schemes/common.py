@@ -407,6 +407,8 @@ class CacheGuard:
                 "maximum length, so key slots stop being positions. Use the default DynamicCache (generate's default)."
             )
         if not _holds_keys(cache):
+            if GAPPED in getattr(cache, "__dict__", {}):
+                delattr(cache, GAPPED)  # emptied (reset) since gapped keys were written: their mark goes with them
             return
         if getattr(cache, GAPPED, False):
             raise ValueError(

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 import rope_patch
 from rope_patch.attention import settings
+from rope_patch.evaluation.retrieval import CACHE
 
 N = 80
 POSE = torch.cat([torch.arange(40), torch.arange(300, 340)])[None]  # one skip of 260 ids
@@ -92,12 +93,12 @@ def test_gapped_ids_into_the_default_cache_equal_the_forward_without_one(scheme,
     want = logits(model, ids, **kw, use_cache=False)
     with torch.no_grad():
         out = model(ids, **kw)  # use_cache: the config's True
-    assert out.cache is not None
+    assert getattr(out, CACHE) is not None
     assert (out.logits - want).abs().max().item() <= 1e-6
     step = dict(position_ids=pos[:, -1:] + 1, attention_mask=torch.ones(2, N + 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"cache holds keys written at position ids with gaps or restarts .* run the "
                                          r"whole sequence again in one forward"):
-        logits(model, ids[:, :1], cache=out.cache, use_cache=True, **step)
+        logits(model, ids[:, :1], **{CACHE: getattr(out, CACHE)}, use_cache=True, **step)
 
 
 def test_gapped_ids_into_a_cache_that_holds_keys_are_refused_and_an_empty_one_is_served():
@@ -106,13 +107,28 @@ def test_gapped_ids_into_a_cache_that_holds_keys_are_refused_and_an_empty_one_is
     ids, pos = _ids(), POSE.expand(2, N)
     kw = dict(attention_mask=torch.ones_like(ids), use_cache=True)
     want = logits(model, ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False)
-    got = logits(model, ids, position_ids=pos, cache=DynamicCache(config=model.config), **kw)
+    got = logits(model, ids, position_ids=pos, **{CACHE: DynamicCache(config=model.config)}, **kw)
     assert (got - want).abs().max().item() <= 1e-6
     with torch.no_grad():
-        cache = model(ids[:, :10], use_cache=True).cache  # a prompt at consecutive ids
+        cache = getattr(model(ids[:, :10], use_cache=True), CACHE)  # a prompt at consecutive ids
     with pytest.raises(ValueError, match=r"gaps or restarts .* together with a KV cache that already holds keys"):
-        logits(model, ids[:, 10:], position_ids=pos[:, 10:] - 20, cache=cache, **kw)
+        logits(model, ids[:, 10:], position_ids=pos[:, 10:] - 20, **{CACHE: cache}, **kw)
 
+
+
+def test_a_cache_emptied_after_gapped_ids_is_served_again():
+    """The mark of gapped keys goes with the keys: a cache reset after such a forward is an empty cache again, and a
+    prompt at consecutive ids then decodes on it (it was refused as holding gapped keys)."""
+    model = rope_patch.apply(tiny_model("llama", attn_implementation="sdpa"), "self_extend", group_size=4,
+                             window_size=30)
+    ids, pos = _ids(), POSE.expand(2, N)
+    cache = DynamicCache(config=model.config)
+    logits(model, ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=True, **{CACHE: cache})
+    cache.reset()
+    want = logits(model, ids, use_cache=False)
+    prompt = logits(model, ids[:, :-1], use_cache=True, **{CACHE: cache})
+    step = logits(model, ids[:, -1:], use_cache=True, **{CACHE: cache})
+    assert (torch.cat([prompt, step], dim=1) - want).abs().max().item() <= 1e-5
 
 def test_gapped_ids_on_flex_are_refused(monkeypatch):
     monkeypatch.setattr(settings, "FLEX_COMPILE", False)
