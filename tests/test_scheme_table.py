@@ -54,14 +54,16 @@ def _number(words: str) -> int:
     return total
 
 
-def test_the_readme_counts_the_listed_schemes():
-    """The front door's "Twenty schemes" drifted from `rope-patch list` (24) as schemes were added."""
-    intro = README.read_text(encoding="utf-8").split("\n## ", 1)[0]
+@pytest.mark.parametrize("page", [README, README.parent / "docs" / "index.md"], ids=["README", "docs-index"])
+def test_the_front_pages_count_the_listed_schemes(page):
+    """The front door's "Twenty schemes" drifted from `rope-patch list` (24) as schemes were added (README.md and the
+    documentation's front page, which repeats its introduction)."""
+    intro = page.read_text(encoding="utf-8").split("\n## ", 1)[0]
     said = re.search(r"\b([A-Za-z]+(?:-[a-z]+)?|\d+) schemes\b", intro)
-    assert said, "README.md's introduction no longer says how many schemes there are"
+    assert said, f"{page.name}'s introduction no longer says how many schemes there are"
     listed = rope_patch.list_schemes()
     assert _number(said.group(1)) == len(listed), (
-        f"README.md says {said.group(0)!r}; rope-patch list shows {len(listed)}: {', '.join(listed)}")
+        f"{page.name} says {said.group(0)!r}; rope-patch list shows {len(listed)}: {', '.join(listed)}")
 
 
 def test_every_listed_scheme_has_a_row_in_the_readme_table():
