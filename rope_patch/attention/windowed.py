@@ -191,3 +191,17 @@ def windowed(model):
         yield model
     finally:
         model.set_attn_implementation(previous)
+
+
+def sliding_layers(model) -> int:
+    """How many attention modules of `model` attend within a sliding window (their `sliding_window` is set)."""
+    return sum(getattr(m, "sliding_window", None) is not None for m in _attention_modules(model))
+
+
+def maybe_windowed(model):
+    """`windowed(model)` where it applies (sliding layers, an implementation it switches), else a no-op context: the
+    hook for an evaluation's forwards (perplexity, compare), which then run every model they can windowed and any other
+    as it is."""
+    if sliding_layers(model) and model.config._attn_implementation in (*SWITCH, *SWITCH.values()):
+        return windowed(model)
+    return contextlib.nullcontext(model)

@@ -225,3 +225,19 @@ def test_patched_cached_decoding(scheme):
     with w.windowed(model):
         got = run()
     assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch, overrides, patch, switched", [
+    ("gemma3_text", HYBRID, None, True),
+    ("gemma3_text", HYBRID, "rerope", True),
+    ("gemma3_text", HYBRID, "logn", False),  # wraps the attention function: left as it is
+    ("llama", {}, None, False),  # no sliding layer
+])
+def test_maybe_windowed(arch, overrides, patch, switched):
+    model = tiny_model(arch, attn_implementation="sdpa", **overrides)
+    if patch:
+        rope_patch.apply(model, patch, **PATCHED.get(patch, {}))
+    impl = model.config._attn_implementation
+    with w.maybe_windowed(model):
+        assert (model.config._attn_implementation != impl) == switched
+    assert model.config._attn_implementation == impl
