@@ -136,7 +136,8 @@ def seconds_per_token_at(model, token_ids: Sequence[int], n: int) -> tuple[float
 
 
 def run_seconds(cost: Cost, token_count: int, lengths: Sequence[int], passkey_lengths: Sequence[int], n_depths: int,
-                passkey_samples: int, windows_at_longest: int, new_tokens: int = 7, n_tokens: int | None = None) -> float:
+                passkey_samples: int, windows_at_longest: int, new_tokens: int = 7,
+                n_tokens: int | None = None) -> float:
     """Seconds a run takes for one scheme: its perplexity windows (`perplexity.scored_tokens` at each length) and
     passkey prompts with their generated tokens (the same counts as `run_tokens`), each at its length's cost."""
     ppl = sum(scored_tokens(L, token_count, windows_at_longest, n_tokens) // L * cost.window(L) for L in set(lengths))

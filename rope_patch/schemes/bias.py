@@ -139,7 +139,8 @@ class Alibi(AttentionScheme):
                  "underflow to 0 (NoPE on those heads)."))
 
     def served_length(self, window):
-        return UNBOUNDED  # the bias grows linearly with the distance, however far (the paper's "train short, test long")
+        # the bias grows linearly with the distance, however far (the paper's "train short, test long")
+        return UNBOUNDED
 
     def build(self, target):
         return AlibiScores(self.max_bias), None

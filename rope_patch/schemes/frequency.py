@@ -202,9 +202,10 @@ class FrequencyScheme(Scheme):
         any_ctx = next(iter(contexts.values()))
         if layered and _OLD_LONGROPE and any(p["rope_type"] == "longrope" for p in params.values()):
             raise ValueError(
-                f"{self.name}: transformers {transformers.__version__}'s longrope update fails on a model with RoPE per "
-                f"layer type ({target.model_type}) from the second forward past the original window (UnboundLocalError: "
-                "it caches the long frequencies per layer type, then loses them), on a natively configured model too. "
+                f"{self.name}: transformers {transformers.__version__}'s longrope update fails on a model with RoPE "
+                f"per layer type ({target.model_type}) from the second forward past the original window "
+                "(UnboundLocalError: it caches the long frequencies per layer type, then loses them), on a natively "
+                "configured model too. "
                 "It needs transformers 5.21 or later: pip install -U 'transformers>=5.21', or use yarn.")
 
         # The rotary module runs with a private copy of the config: transformers' dynamic NTK reads the window

@@ -90,7 +90,8 @@ def test_write_results(result, tmp_path):
     console = Console(record=True, width=200)
     console.print(rich_table(back))  # renders from a reloaded file too: every scheme, every length
     shown = console.export_text()
-    assert all(spec_cell(s["label"]) in shown for s in back["schemes"]) and all(str(r["length"]) in shown for r in back["records"])
+    assert all(spec_cell(s["label"]) in shown for s in back["schemes"])
+    assert all(str(r["length"]) in shown for r in back["records"])
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="not a rope-patch compare result"):
@@ -279,7 +280,8 @@ def test_a_cell_is_the_same_whatever_the_other_lengths_of_the_run(setup):
     beside 256 and 4 beside 2048. Now each length reads its own (the first windows x max(L, 2048) tokens)."""
     model, tok, ids = setup
     kw = dict(passkey_lengths=[], windows_at_longest=1, token_ids=ids)
-    short, long = (run_compare(model, tok, ["default", "yarn:2"], lengths, **kw) for lengths in ([256, 512], [512, 2048]))
+    short, long = (run_compare(model, tok, ["default", "yarn:2"], lengths, **kw)
+                   for lengths in ([256, 512], [512, 2048]))
     for spec in ("default", "yarn:2"):
         a, b = ({r["length"]: r for r in res["records"] if r["scheme"] == spec}[512] for res in (short, long))
         assert (a["n_windows"], a["n_tokens"]) == (b["n_windows"], b["n_tokens"]) == (4, 4 * 511)
