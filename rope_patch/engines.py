@@ -106,7 +106,7 @@ TARGETS: dict[str, dict] = {
                       "DynamicNTKScalingRotaryEmbedding._compute_cos_sin_cache"),
                      ("sglang/srt/layers/rotary_embedding/rope_variant.py",
                       "Phi3LongRoPEScaledRotaryEmbedding.forward"),
-                     # the YaRN scale its attn_factor multiplies (serving._sglang_attn_factor)
+                     # the YaRN scale its attn_factor multiplies (serving._attn_factor)
                      ("sglang/srt/layers/rotary_embedding/yarn.py", "YaRNScalingRotaryEmbedding.__init__"),
                      ("sglang/srt/layers/rotary_embedding/yarn.py", "yarn_get_mscale"),
                      ("sglang/srt/layers/rotary_embedding/yarn.py", "yarn_get_mscale_simple"),
