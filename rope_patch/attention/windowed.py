@@ -168,6 +168,10 @@ def check(model) -> None:
                 else "a scheme that wraps the attention function (logn) or runs the dense path")
         raise ValueError(f"windowed(): the model's attention implementation is {impl!r}, expected one of "
                          f"{', '.join(SWITCH)} ({hint}). Evaluate it without windowed().")
+    sinks = [type(m).__name__ for m in _attention_modules(model) if getattr(m, "sinks", None) is not None]
+    if sinks:  # gpt-oss: a learned sink logit per head joins each softmax
+        raise ValueError(f"windowed(): {sinks[0]} adds attention sinks, which the windowed functions do not run. "
+                         "Evaluate it without windowed().")
     cfg = model.config.get_text_config()
     window = getattr(cfg, "sliding_window", None)
     types = list(getattr(cfg, "layer_types", None) or [])
@@ -202,6 +206,10 @@ def maybe_windowed(model):
     """`windowed(model)` where it applies (sliding layers, an implementation it switches), else a no-op context: the
     hook for an evaluation's forwards (perplexity, compare), which then run every model they can windowed and any other
     as it is."""
-    if sliding_layers(model) and model.config._attn_implementation in (*SWITCH, *SWITCH.values()):
-        return windowed(model)
-    return contextlib.nullcontext(model)
+    if not sliding_layers(model):
+        return contextlib.nullcontext(model)
+    try:
+        check(model)
+    except ValueError:
+        return contextlib.nullcontext(model)
+    return windowed(model)

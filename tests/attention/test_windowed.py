@@ -232,12 +232,21 @@ def test_patched_cached_decoding(scheme):
     ("gemma3_text", HYBRID, "rerope", True),
     ("gemma3_text", HYBRID, "logn", False),  # wraps the attention function: left as it is
     ("llama", {}, None, False),  # no sliding layer
+    ("gpt_oss", {}, None, False),  # attention sinks: not run by the windowed functions
 ])
 def test_maybe_windowed(arch, overrides, patch, switched):
-    model = tiny_model(arch, attn_implementation="sdpa", **overrides)
+    model = tiny_model(arch, attn_implementation="eager" if arch == "gpt_oss" else "sdpa", **overrides)
     if patch:
         rope_patch.apply(model, patch, **PATCHED.get(patch, {}))
     impl = model.config._attn_implementation
     with w.maybe_windowed(model):
         assert (model.config._attn_implementation != impl) == switched
     assert model.config._attn_implementation == impl
+
+
+def test_attention_sinks_are_refused():
+    model = tiny_model("gpt_oss", attn_implementation="eager")  # its model refuses sdpa
+    with pytest.raises(ValueError, match="GptOssAttention adds attention sinks"):
+        with w.windowed(model):
+            pass
+    assert model.config._attn_implementation == "eager"
