@@ -14,3 +14,7 @@ WINDOWS_AT_LONGEST = 2  # perplexity windows of PPL_SHARED_LENGTH tokens' worth,
 # (the longest of DEFAULT_LENGTHS, so a default run reads what it read when every length read windows x longest)
 PPL_SHARED_LENGTH = 2048
 SEED = 0  # the passkey seed
+# From this length on, a perplexity window of a model with sliding-window layers runs them over their window only
+# (attention.windowed: no L×L mask, whose float copy alone is 1 GB at 16k and 17 GB at 64k); below it the default
+# path, which is as fast or faster there (a fused scheme kernel, one sdpa call)
+WINDOWED_FROM = 8192

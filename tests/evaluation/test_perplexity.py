@@ -113,3 +113,28 @@ def test_prepare_rotary_sets_the_base_of_the_final_length(model):
     before = model.model.rotary_emb.inv_freq.clone()
     prepare_rotary(model, 3 * WINDOW)  # vanilla: a no-op
     assert torch.equal(model.model.rotary_emb.inv_freq, before)
+
+
+
+@pytest.mark.parametrize("scheme", [None, "yarn:2", "self_extend:group_size=4,window_size=16"])
+def test_long_windows_of_a_hybrid_model_run_its_sliding_layers_windowed(monkeypatch, scheme):
+    """From WINDOWED_FROM on, a hybrid model's perplexity windows run through attention.windowed (no L×L mask): the
+    same NLL as the default path, which shorter windows keep; the model's own implementation back afterwards."""
+    from rope_patch.evaluation import perplexity
+
+    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, num_hidden_layers=2,
+                       layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    if scheme:
+        rope_patch.apply(model, scheme)
+    own = model.config._attn_implementation
+    stream = torch.randint(3, VOCAB, (256,), generator=torch.Generator().manual_seed(3)).tolist()
+    seen = []
+    monkeypatch.setattr(perplexity, "token_nll", lambda m, ids: seen.append(m.config._attn_implementation)
+                        or token_nll(m, ids))
+    default = perplexity.window_nll(model, stream, 64, 128)
+    assert seen == [own]  # shorter than WINDOWED_FROM: the default path
+    monkeypatch.setattr(perplexity, "WINDOWED_FROM", 64)
+    windowed = perplexity.window_nll(model, stream, 64, 128)
+    assert seen[1].startswith("rope_patch_windowed")
+    assert model.config._attn_implementation == own
+    assert (windowed - default).abs().max().item() <= 1e-5
