@@ -2,14 +2,18 @@
 #   make demo   - the main job: long-context comparison of RoPE schemes on the embedded model
 #   make test   - the test suite (what CI runs), with README's and the docs' examples and the strict docs build
 #   make docs   - the documentation site on http://127.0.0.1:8000 (mkdocs serve, live reload)
-# Each creates .venv if missing. torch is installed first, pinned to the CPU build that lies on local disk
-# (torch==2.13.0), so pip never resolves a multi-GB CUDA build.
+# Each creates .venv if missing. torch is installed first, pinned (torch==2.13.0) so that the dependencies never pull
+# another release. Which build that is depends on the index: on this project's machines a CPU build on local disk;
+# from the public index the CUDA build (several GB), unless TORCH_INDEX names PyTorch's CPU index:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 .PHONY: demo test test-fast test-compat docs bench lint clean
 
@@ -18,8 +22,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "[2/4] upgrading pip ..."
 	$(PY) -m pip install -q --upgrade pip
-	@echo "[3/4] installing $(TORCH) (the CPU build; about a minute) ..."
-	$(PY) -m pip install -q "$(TORCH)"
+	@echo "[3/4] installing $(TORCH) $(TORCH_FROM) (about a minute from local disk; a CUDA build from the public index is GBs) ..."
+	$(PY) -m pip install -q "$(TORCH)" $(TORCH_FROM)
 	@echo "[4/4] installing rope_patch and its dependencies (transformers, peft, lm-eval, the docs and test tools) ..."
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
@@ -56,7 +60,7 @@ COMPAT_TESTS := $(FAST_TESTS) tests/schemes/test_older_transformers.py tests/sch
 $(STAMP_COMPAT): pyproject.toml
 	$(PYTHON) -m venv $(VENV_COMPAT)
 	$(VENV_COMPAT)/bin/python -m pip install -q --upgrade pip
-	$(VENV_COMPAT)/bin/python -m pip install -q "$(TORCH)"
+	$(VENV_COMPAT)/bin/python -m pip install -q "$(TORCH)" $(TORCH_FROM)
 	$(VENV_COMPAT)/bin/python -m pip install -q -e ".[dev]" "transformers==$(COMPAT_VERSION)"
 	rm -f $(VENV_COMPAT)/.installed-*
 	touch $(STAMP_COMPAT)
