@@ -301,12 +301,14 @@ class GenerateLength:
     def __call__(self, *args, **kwargs):
         method = type(self.model)._prepare_generated_length
         call = inspect.signature(method).bind(self.model, *args, **kwargs).arguments
-        config = call["generation_config"]
-        default = config.max_length
+        config, length = call.get("generation_config"), call.get("input_ids_length")
+        default = getattr(config, "max_length", None)
         out = method(self.model, *args, **kwargs)
-        # transformers caps only this case: has_default_max_length and no max_new_tokens
-        if call.get("has_default_max_length") and config.max_new_tokens is None and default is not None:
-            wanted = default + call["input_ids_length"]
+        # transformers caps only this case: has_default_max_length and no max_new_tokens (names read as 5.19 to 5.25
+        # have them: a release that renames them gets its own behaviour, not an error)
+        if (call.get("has_default_max_length") and getattr(out, "max_new_tokens", 0) is None
+                and isinstance(default, int) and isinstance(length, int)):
+            wanted = default + length
             window = context_window(self.model)
             out.max_length = wanted if window >= UNBOUNDED else min(wanted, max(window, out.max_length))
         return out
