@@ -254,7 +254,8 @@ class SinkLayer(DynamicLayer):
 class SinkCache(Cache):
     """StreamingLLM's KV cache for a model patched with `sink`: `SinkLayer`s for the full-attention layers (S sinks +
     the last W − 1 keys), transformers' own layers for the others (sliding windows, linear attention). Memory stays
-    at S + W − 1 keys per layer whatever the length. Pass it to `generate` (`cache=`) or to forward calls.
+    at S + W − 1 keys per layer whatever the length. Pass it to `generate` (`cache=`; `past_key_values=` before
+    transformers 5.24) or to forward calls.
 
         cache = SinkCache.for_model(model)       # the sink_size / window_size of the applied scheme
         model.generate(ids, cache=cache, max_new_tokens=4096)
