@@ -202,9 +202,11 @@ def test_compare_checks_every_file_it_will_write_before_the_first_forward(blocke
 
 def test_tune_counts_refused_candidates_and_says_why(folders, tmp_path, capsys):
     argv = ["tune", "--model", str(folders["plain"]), "--heldout", str(folders["root"] / "heldout.txt"),
-            "--scheme", "self_extend", "--target", "64", "--space", "group_size=2", "window_size=-8,8", "--tokens",
+            "--scheme", "string", "--target", "64", "--space", "shift_size=16,24", "window_size=8,16", "--tokens",
             "64", "--no-accept", "--threads", "1", "--out", str(tmp_path / "tune"), "--no-plots"]
+    # S = 16 with W = 16 is refused only together (STRING needs S > W); a value no combination accepts would be
+    # refused before the search (tests/tuning/test_tune_cli.py)
     assert main(argv) == 0
     err = " ".join(capsys.readouterr().err.split())
-    assert "2 candidates: 1 evaluated, 1 refused by the scheme (1x self_extend" in err and "window_size" in err, err
-    assert "2 evaluations" not in err
+    assert "4 candidates: 3 evaluated, 1 refused by the scheme (1x string" in err and "shift_size" in err, err
+    assert "4 evaluations" not in err
