@@ -91,7 +91,8 @@ def _specs(cls) -> dict[str, schema.Spec]:
 class RunArgs(Section):
     """The top-level keys."""
 
-    model: Annotated[str, Str(nonempty=True)] = arg(help="'tiny', 'smollm2', 'gemma3', a local model folder, or a hub id")
+    model: Annotated[str, Str(nonempty=True)] = arg(
+        help="'tiny', 'smollm2', 'gemma3', a local model folder, or a hub id")
     output_dir: Annotated[str, Str(nonempty=True)] = arg(help="adapter, merged model, log, checkpoints/checkpoint-N")
     tokenizer: Annotated[str | None, Opt(Str(nonempty=True))] = arg(None, help="default: the model's folder")
     seed: Annotated[int, Int(ge=0)] = arg(0, help="LoRA init, sampling, every collator draw")
@@ -109,8 +110,8 @@ class RunArgs(Section):
                 raise ConfigError(f"`model`: {err}") from None
         if text.count("/") == 1 and not text.startswith((".", "/", "~")):
             return text  # hub id: from_pretrained downloads it where a hub is reachable
-        raise ConfigError(f"`model`: {text!r} is neither {', '.join(map(repr, MODELS))}, a local model folder nor a hub "
-                          "id 'org/name'.")
+        raise ConfigError(f"`model`: {text!r} is neither {', '.join(map(repr, MODELS))}, a local model folder nor "
+                          "a hub id 'org/name'.")
 
 
 @dataclass
