@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rope_patch.attention.windowed import windowed
 from rope_patch.evaluation.common import read_tokens, token_nll
-from rope_patch.zoo import load_model, resolve_model_path
+from rope_patch.zoo import load_model, model_name, resolve_model_path
 
 HYBRID = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
               head_dim=64, vocab_size=32768, sliding_window=512, max_position_embeddings=32768,
@@ -81,7 +81,8 @@ def build(name: str, length: int):
     tokens, info = read_tokens(tokenizer, max_tokens=length)
     if len(tokens) < length:
         raise SystemExit(f"The held-out text has {len(tokens)} tokens, fewer than --length {length}.")
-    return model, torch.tensor([tokens]), f"{name} ({resolve_model_path(name)})"
+    # the zoo name, or the folder's own name: results carry no machine path
+    return model, torch.tensor([tokens]), model_name(name)
 
 
 def forward(model, ids, path: str) -> torch.Tensor:
