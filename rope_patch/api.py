@@ -71,14 +71,16 @@ def as_scheme(scheme: SchemeLike | list | tuple, **params: Any) -> Scheme:
         TypeError: an unknown parameter, a value of the wrong type, a parameter given twice (in the spec and as a
             keyword), or keywords with a `Scheme` object or a stack.
     """
-    if isinstance(scheme, (list, tuple)) or (isinstance(scheme, str) and "+" in scheme and parse_spec(scheme)[0] == "stack"):
+    if isinstance(scheme, (list, tuple)) or (isinstance(scheme, str) and "+" in scheme
+                                             and parse_spec(scheme)[0] == "stack"):
         if params:
             raise TypeError(f"Pass each part's parameters in its own spec or Scheme when applying several schemes "
                             f"(got keywords {sorted(params)} for {scheme!r}).")
         return Stack.of(parse_spec(scheme)[1]["schemes"] if isinstance(scheme, str) else scheme)
     if isinstance(scheme, Scheme):
         if params:
-            raise TypeError(f"Pass parameters either in the Scheme object or as keywords, not both (got {sorted(params)}).")
+            raise TypeError("Pass parameters either in the Scheme object or as keywords, not both "
+                            f"(got {sorted(params)}).")
         return scheme
     if isinstance(scheme, type) and issubclass(scheme, Scheme):
         return scheme.from_params(**params)
@@ -205,9 +207,9 @@ def _materialised(target: PatchSite) -> None:
     meta = [name for r in target.rotaries for name, b in r.named_buffers() if b.device.type == "meta"]
     if meta:
         raise ValueError(
-            f"rope_patch.apply: {target.model_type}'s rotary module holds no values yet (its {meta[0]!r} is on the meta "
-            "device: the weights are not materialised). Load the model (from_pretrained, also with a device_map), or "
-            "materialise it (to_empty + weight init) before applying a patch.")
+            f"rope_patch.apply: {target.model_type}'s rotary module holds no values yet (its {meta[0]!r} "
+            "is on the meta device: the weights are not materialised). Load the model (from_pretrained, also with a "
+            "device_map), or materialise it (to_empty + weight init) before applying a patch.")
 
 
 def remove(model: M) -> M:
@@ -332,9 +334,9 @@ def current(model: nn.Module) -> Scheme | None:
         model: a model (or a wrapper of one), patched or not.
 
     Returns:
-        The `Scheme` applied now, with the defaults it took from the model filled in (`original_max_position_embeddings`,
-            ...); a `Stack` for several schemes; None for an unpatched model. `apply(model, current(model))` re-applies
-            it (after a backend switch, say).
+        The `Scheme` applied now, with the defaults it took from the model filled in
+            (`original_max_position_embeddings`, ...); a `Stack` for several schemes; None for an unpatched model.
+            `apply(model, current(model))` re-applies it (after a backend switch, say).
     """
     state = patch_state(find_target(model))
     return None if state is None else state.scheme

@@ -279,7 +279,8 @@ def _dispatch_types(test, var: str) -> list[str]:
 def rope_table(source: str, var: str, names: tuple[str, ...]) -> tuple[dict, dict]:
     """({rope_type: {"required", "optional"}}, common keys) of a `get_rope` source."""
     fn = _function(ast.parse(source), "get_rope")
-    branches = [(t, node) for node in ast.walk(fn) if isinstance(node, ast.If) for t in [_dispatch_types(node.test, var)] if t]
+    branches = [(t, node) for node in ast.walk(fn) if isinstance(node, ast.If)
+                for t in [_dispatch_types(node.test, var)] if t]
     table: dict[str, dict] = {}
     bodies = []
     for types, node in branches:

@@ -119,10 +119,11 @@ def fix_length(model, length: int | None) -> LengthFix:
         if varying and length is not None:
             rope_type = rotary.rope_type
             raise ValueError(
-                f"fix_length: this unpatched model's own RoPE (rope_type {rope_type!r}) depends on the sequence length, "
-                "and fix_length records its change in a rope_patch patch's undo log, which an unpatched model does "
-                "not carry. Apply the scheme explicitly first (e.g. rope_patch.apply(model, 'dynamic', factor=...) "
-                "or rope_patch.apply(model, 'longrope', short_factor=..., long_factor=...)), then call fix_length."
+                f"fix_length: this unpatched model's own RoPE (rope_type {rope_type!r}) depends on the "
+                "sequence length, and fix_length records its change in a rope_patch patch's undo log, "
+                "which an unpatched model does not carry. Apply the scheme explicitly first "
+                "(e.g. rope_patch.apply(model, 'dynamic', factor=...) or rope_patch.apply(model, 'longrope', "
+                "short_factor=..., long_factor=...)), then call fix_length."
             )
         return LengthFix(None, False, "the model is not patched and its RoPE does not depend on the sequence length: "
                                       "nothing to fix")
@@ -130,7 +131,8 @@ def fix_length(model, length: int | None) -> LengthFix:
     applied = current(model)
     name = str(applied) if applied.name == "stack" else applied.name
     if length is None:
-        return LengthFix(None, False, f"released the fix at {previous}" if previous is not None else "nothing was fixed",
+        return LengthFix(None, False,
+                         f"released the fix at {previous}" if previous is not None else "nothing was fixed",
                          previous)
     forward = vars(rotary).get("forward")
     update = getattr(forward, "update", None)
@@ -191,7 +193,8 @@ def _frequencies_at(rotary, update, layer_type, rope_type: str, length: int) -> 
     elif "dynamic" in rope_type:
         # growth past the window: the init function with seq_len = max(position_ids) + 1 (a 0-d int64 tensor, as in
         # the forward); at or below it the unscaled start frequencies
-        seq = {"seq_len": torch.tensor(length, dtype=torch.int64, device=device)} if length > rotary.original_max_seq_len else {}
+        seq = ({"seq_len": torch.tensor(length, dtype=torch.int64, device=device)}
+               if length > rotary.original_max_seq_len else {})
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](rotary.config, device, **seq, **kw)
     else:  # longrope: the long set beyond original_max_position_embeddings, else the short one (the start buffer)
         params = rotary.config.rope_parameters[layer_type] if layer_type else rotary.config.rope_parameters

@@ -58,7 +58,8 @@ def native_config(model: nn.Module) -> dict:
         return original_config(model)
     _require_native(scheme)
     cfg = find_target(model).config
-    return {"rope_parameters": copy.deepcopy(cfg.rope_parameters), "max_position_embeddings": cfg.max_position_embeddings}
+    return {"rope_parameters": copy.deepcopy(cfg.rope_parameters),
+            "max_position_embeddings": cfg.max_position_embeddings}
 
 
 def to_rope_parameters(scheme: SchemeLike | None, *, model: nn.Module | None = None, head_dim: int | None = None,
@@ -107,7 +108,8 @@ def export_info(directory: str | os.PathLike, base: str | os.PathLike | None = N
     Raises ValueError when the scheme has no native form, FileNotFoundError when the folder is not a saved model."""
     path = Path(directory)
     if not path.is_dir():
-        raise FileNotFoundError(f"{str(path)!r} is not a directory (expected a folder written by rope_patch.save_pretrained).")
+        raise FileNotFoundError(f"{str(path)!r} is not a directory (expected a folder written by "
+                                "rope_patch.save_pretrained).")
     manifest = read_manifest(path)
     config_path, adapter_path = path / "config.json", path / "adapter_config.json"
     if manifest is None and not config_path.is_file():
@@ -119,9 +121,9 @@ def export_info(directory: str | os.PathLike, base: str | os.PathLike | None = N
         try:
             scheme = as_scheme(scheme_name, **manifest["params"])
         except (ValueError, TypeError) as err:
-            raise type(err)(f"{file}: the recorded scheme {scheme_name!r} with params {_short(manifest['params'], 200)} "
-                            f"cannot be read: {err} If it is a scheme of your own, call rope_patch.register_scheme "
-                            "first.") from None
+            raise type(err)(f"{file}: the recorded scheme {scheme_name!r} with "
+                            f"params {_short(manifest['params'], 200)} cannot be read: {err} If it is a scheme of your "
+                            "own, call rope_patch.register_scheme first.") from None
         try:  # the library's error: why there is no native form and what to use instead
             to_rope_parameters(scheme)
         except ValueError as err:
@@ -235,7 +237,8 @@ def save_patch(model: nn.Module, save_directory: str | os.PathLike) -> Path:
     out = Path(save_directory)
     if not out.is_dir():
         raise FileNotFoundError(f"rope_patch.save_patch: {str(out)!r} is not a directory; save_patch adds the patch's "
-                                "files to a folder that holds a saved model (use rope_patch.save_pretrained otherwise).")
+                                "files to a folder that holds a saved model "
+                                "(use rope_patch.save_pretrained otherwise).")
     base, manifest, tables = _patch_record(model)
     (out / MANIFEST).unlink(missing_ok=True)
     if not manifest["adapter"] and (out / "config.json").is_file():
@@ -318,7 +321,8 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"rope_patch.from_pretrained: {str(path)!r} is not a directory saved by rope_patch.save_pretrained.")
+        raise FileNotFoundError(f"rope_patch.from_pretrained: {str(path)!r} is not a directory saved by "
+                                "rope_patch.save_pretrained.")
     manifest = read_manifest(path)
     if manifest is None and (path / PATCH_WEIGHTS).is_file():
         raise FileNotFoundError(f"{path / MANIFEST} is missing, though {path / PATCH_WEIGHTS} is there: the save was "
@@ -326,18 +330,19 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
                                 f"and loading would silently drop the patch. {_FIX}")
     is_adapter = (path / "adapter_config.json").is_file()
     if manifest is not None and manifest.get("adapter") and not is_adapter:
-        raise FileNotFoundError(f"{path / 'adapter_config.json'} is missing, though {path / MANIFEST} records an adapter: "
-                                f"the save is incomplete or the folder was copied in part. {_FIX}")
+        raise FileNotFoundError(f"{path / 'adapter_config.json'} is missing, though {path / MANIFEST} "
+                                f"records an adapter: the save is incomplete or the folder was copied in part. {_FIX}")
     if not is_adapter and not (path / "config.json").is_file():
         if manifest is not None:
-            raise FileNotFoundError(f"{path / 'config.json'} is missing, though {path / MANIFEST} is there: the save is "
-                                    f"incomplete or the folder was copied in part. {_FIX}")
-        raise FileNotFoundError(f"{path} holds no config.json (nor rope_patch.json or adapter_config.json): not a saved "
-                                "model. Pass a folder written by rope_patch.save_pretrained or by transformers' "
-                                "save_pretrained.")
+            raise FileNotFoundError(f"{path / 'config.json'} is missing, though {path / MANIFEST} is "
+                                    f"there: the save is incomplete or the folder was copied in part. {_FIX}")
+        raise FileNotFoundError(f"{path} holds no config.json (nor rope_patch.json or "
+                                "adapter_config.json): not a saved model. Pass a folder written by "
+                                "rope_patch.save_pretrained or by transformers' save_pretrained.")
     recorded_weights = manifest.get("weights") if manifest else None
     if recorded_weights and recorded_weights["keys"] and not (path / recorded_weights["file"]).is_file():
-        _missing_weights(path / recorded_weights["file"], manifest["scheme"], recorded_weights["keys"])  # before loading
+        # before loading
+        _missing_weights(path / recorded_weights["file"], manifest["scheme"], recorded_weights["keys"])
     model_class = model_class or transformers.AutoModelForCausalLM
     original = manifest["original"] if manifest else None
 
@@ -423,7 +428,8 @@ def load_patch_weights(model, manifest: dict, path: Path) -> None:
 def _patch_tables(base, own: dict) -> dict:
     """{"name.key": tensor} of the patch's learned parameters as the model uses them now (`patch_modules` gives the
     tables in effect, peft's trained `modules_to_save` copies included)."""
-    return {f"{name}.{k}": v.detach().contiguous().cpu() for name, module in own.items() for k, v in module.state_dict().items()}
+    return {f"{name}.{k}": v.detach().contiguous().cpu() for name, module in own.items()
+            for k, v in module.state_dict().items()}
 
 
 def _missing_weights(file: Path, scheme: str, keys) -> None:

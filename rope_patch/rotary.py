@@ -236,7 +236,8 @@ def embed(embeddings, positions: torch.Tensor):
     forward: the frequencies it holds now, its attention scaling, its layer type, Resonance RoPE's reduction)."""
     rotary = embeddings.rotary
     patched = vars(rotary).get("forward")
-    if isinstance(getattr(patched, "update", None), TableGrowth):  # a table rotary: the moved positions' rows must exist
+    # a table rotary: the moved positions' rows must exist
+    if isinstance(getattr(patched, "update", None), TableGrowth):
         patched.update(rotary, embeddings.x, positions)
         patched.seen = patched._buffers_now()  # grown by the patch, not replaced by a cast
     return class_forward(rotary, embeddings.x, positions, *embeddings.args, **embeddings.kwargs)

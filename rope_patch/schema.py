@@ -60,9 +60,11 @@ class _Bad(Exception):
 
 def describe(value: Any, n: int = 80) -> str:
     """`found` as a reader of the JSON file sees it: its JSON type and (short) value."""
-    kind = ("null" if value is None else "a boolean" if isinstance(value, bool) else "an integer" if isinstance(value, int)
+    kind = ("null" if value is None else "a boolean" if isinstance(value, bool)
+            else "an integer" if isinstance(value, int)
             else "a number" if isinstance(value, float) else "a string" if isinstance(value, str)
-            else "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__)
+            else "a list" if isinstance(value, list) else "an object" if isinstance(value, dict)
+            else type(value).__name__)
     if value is None:
         return kind
     text = json.dumps(value, default=str) if isinstance(value, (dict, list, str)) else repr(value)
@@ -331,7 +333,8 @@ def _manifest_version(data, file) -> None:
         newer = f">={writer}" if isinstance(writer, str) and writer != __version__ else ""
         raise FileFormatError(file, "format", f"a format from 1 to {MANIFEST_FORMAT}", describe(fmt),
                               f"Upgrade rope_patch (pip install -U rope_patch{newer}) to load it.",
-                              message=f"{file} has format {fmt}, written by rope_patch {writer or '(version not recorded)'}; "
+                              message=f"{file} has format {fmt}, "
+                                      f"written by rope_patch {writer or '(version not recorded)'}; "
                                       f"this rope_patch {__version__} reads formats 1 to {MANIFEST_FORMAT}. Upgrade "
                                       f"rope_patch (pip install -U rope_patch{newer}) to load it.")
 
@@ -434,7 +437,8 @@ SWEEP_STAMP = Kind(
              name="a sweep's settings stamp"),
 )
 SWEEP_CELL = Kind(
-    "a sweep cell", fix="Delete the file: the next run of the same `rope-patch sweep` command evaluates that cell again.",
+    "a sweep cell", fix="Delete the file: the next run of the same `rope-patch sweep` command evaluates "
+                        "that cell again.",
     spec=Obj({"task": Str(), "metrics": Map()}, {"n_samples": Opt(Int(ge=0)), "by_depth": Map(), "run_elapsed_s":
                                                   Opt(Num(ge=0)), "run_id": Str(), "fingerprint": Str()},
              name="a sweep cell"),

@@ -87,7 +87,8 @@ def build() -> dict:
     from . import registry
 
     # the built-in classes only: a scheme a test or a user registered in this process is not the CLI's
-    builtin = {name: cls for name, cls in registry.registered().items() if cls.__module__.startswith(f"{__package__}.schemes.")}
+    builtin = {name: cls for name, cls in registry.registered().items()
+               if cls.__module__.startswith(f"{__package__}.schemes.")}
     schemes = {name: {"kind": cls.kind, "params": cls.param_names(), "bare": registry.bare_param(name),
                       "listed": cls.listed} for name, cls in sorted(builtin.items())}
     aliases = {alias: name for alias, name in sorted(registry.aliases().items()) if name in builtin}

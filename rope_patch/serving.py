@@ -146,8 +146,8 @@ def engine_form(name: str, rope: dict, window: int, n: int, model_type: str | No
         where = f" (its {lt} layers)" if lt else ""
         rope_type = entry.get("rope_type", "default")
         if rope_type not in eng["rope_types"]:
-            raise ValueError(f"{_label(name)} cannot serve {what}{where}: rope type {rope_type!r} is not among its rope "
-                             f"types ({_types(name)}).")
+            raise ValueError(f"{_label(name)} cannot serve {what}{where}: rope type {rope_type!r} is not "
+                             f"among its rope types ({_types(name)}).")
         if fixed is not None and rope_type not in fixed:
             raise ValueError(f"{_label(name)} cannot serve {what}{where} on {model_type}: its {model_type} model code "
                              f"replaces the config's rope_parameters by rope type {', '.join(fixed)} on every layer "
@@ -310,7 +310,8 @@ def export(directory: str | os.PathLike, name: str, base: str | os.PathLike | No
         try:
             scheme = as_scheme(manifest["scheme"], **manifest["params"])
         except (ValueError, TypeError) as err:
-            raise type(err)(f"{path / MANIFEST}: the recorded scheme {manifest['scheme']!r} cannot be read: {err}") from None
+            raise type(err)(f"{path / MANIFEST}: the recorded scheme {manifest['scheme']!r} cannot be "
+                            f"read: {err}") from None
         why = refusal(scheme, name)
         if why:
             raise ValueError(why)
@@ -355,7 +356,8 @@ def export(directory: str | os.PathLike, name: str, base: str | os.PathLike | No
     parts = [f"{prefix}{serve} {shlex.quote(serve_dir)}"]
     if adapter:
         parts.append(f"{_flag(name, '--enable-lora')} "
-                     f"{_flag(name, '--lora-modules' if name == 'vllm' else '--lora-paths')} adapter={shlex.quote(str(path))}")
+                     f"{_flag(name, '--lora-modules' if name == 'vllm' else '--lora-paths')} "
+                     f"adapter={shlex.quote(str(path))}")
     parts += [f"{_flag(name, OVERRIDE_FLAG[name])} '{overrides}'", f"{_flag(name, LENGTH_FLAG[name])} {n}"]
     target = Path(out) if out is not None else path / f"serve-{name}"
     if write:

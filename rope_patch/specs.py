@@ -104,7 +104,8 @@ def parse_spec(spec: str, *, names: SchemeNames | None = None) -> tuple[str, dic
 
 def _slashed(rest: str) -> str:
     """`short_factor=[1, 1.5],factor=4` -> `short_factor=1/1.5,factor=4`: the bracketed lists of a spec in '/' form."""
-    return re.sub(r"[\[(]([^\])]*)[\])]", lambda m: "/".join(v.strip() for v in m.group(1).split(",") if v.strip()), rest)
+    return re.sub(r"[\[(]([^\])]*)[\])]",
+                  lambda m: "/".join(v.strip() for v in m.group(1).split(",") if v.strip()), rest)
 
 
 def _bare(spec: str, name: str, names: SchemeNames) -> str:

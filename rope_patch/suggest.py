@@ -42,7 +42,8 @@ def pretraining_window(model: nn.Module) -> int:
     if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3): one of them
         params = next(iter(params.values()))
     window = int(original["max_position_embeddings"])
-    shipped = params.get("original_max_position_embeddings") or getattr(target.config, "original_max_position_embeddings", None)
+    shipped = (params.get("original_max_position_embeddings")
+               or getattr(target.config, "original_max_position_embeddings", None))
     return int(shipped) if shipped and int(shipped) < window else window
 
 

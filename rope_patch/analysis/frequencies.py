@@ -122,7 +122,8 @@ def wavelengths(scheme=None, head_dim=None, rope_theta=None, *, max_position_emb
     f = frequencies_at(s, seq_len)
     L = window if window is not None else f.original_window
     if L is None:
-        raise TypeError("wavelengths: pass the original window L (window= or max_position_embeddings=, or model= / config=).")
+        raise TypeError("wavelengths: pass the original window L (window= or max_position_embeddings=, "
+                        "or model= / config=).")
     L = check.integer("analysis", "window", L, ge=1)
     lam, lam0 = _wavelength(f.inv_freq), _wavelength(f.base_inv_freq)
     return Wavelengths(f.scheme, lam, lam0, L, L / lam, L / lam0)

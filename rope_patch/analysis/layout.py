@@ -42,7 +42,8 @@ def _config_context(cfg, layer_type=None) -> tuple[RopeContext, int | None]:
 def make_context(head_dim, rope_theta, window, partial_rotary_factor=1.0, params=None, layer_type=None) -> RopeContext:
     head_dim = check_head_dim(head_dim)
     theta = check.number("analysis", "rope_theta", 10000.0 if rope_theta is None else rope_theta, gt=1.0)
-    prf = check.number("analysis", "partial_rotary_factor", 1.0 if partial_rotary_factor is None else partial_rotary_factor, gt=0.0, le=1.0)
+    prf = check.number("analysis", "partial_rotary_factor",
+                       1.0 if partial_rotary_factor is None else partial_rotary_factor, gt=0.0, le=1.0)
     dim = int(head_dim * prf)  # transformers: dim = int(head_dim * partial_rotary_factor), pairs = arange(0, dim, 2)
     if window is not None:
         window = check.integer("analysis", "max_position_embeddings", window, ge=1)
@@ -84,10 +85,12 @@ def setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_
         raise TypeError("Pass model= or config=, not both.")
     if model is not None:
         if any(v is not None for v in (head_dim, rope_theta, max_position_embeddings, partial_rotary_factor)):
-            raise TypeError("With model= the RoPE numbers come from its config; do not also pass head_dim / rope_theta / max_position_embeddings / partial_rotary_factor.")
+            raise TypeError("With model= the RoPE numbers come from its config; do not also pass head_dim / rope_theta "
+                            "/ max_position_embeddings / partial_rotary_factor.")
         target, applied = _unpatched_view(find_target(model))
         contexts = target.contexts()
-        lt = layer_type if layer_type is not None else ("full_attention" if "full_attention" in contexts else next(iter(contexts)))
+        lt = layer_type if layer_type is not None else ("full_attention" if "full_attention" in contexts
+                                                        else next(iter(contexts)))
         if lt not in contexts:
             raise ValueError(f"layer_type {lt!r}: this model's rotary has {sorted(map(str, contexts))}.")
         ctx = contexts[lt]
@@ -104,7 +107,8 @@ def setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_
         return Setup(resolve_free(spec, ctx), ctx, type(target.rotary), heads)
     if config is not None:
         if any(v is not None for v in (head_dim, rope_theta, max_position_embeddings, partial_rotary_factor)):
-            raise TypeError("With config= the RoPE numbers come from it; do not also pass head_dim / rope_theta / max_position_embeddings / partial_rotary_factor.")
+            raise TypeError("With config= the RoPE numbers come from it; do not also pass head_dim / rope_theta / "
+                            "max_position_embeddings / partial_rotary_factor.")
         ctx, heads = _config_context(config, layer_type)
         num_heads = num_heads if num_heads is not None else heads
     else:
@@ -124,8 +128,8 @@ def _resolve_free(obj: Scheme, ctx: RopeContext) -> Scheme:
         return dataclasses.replace(obj, schemes=tuple(_resolve_free(p, ctx) for p in obj.schemes))
     if isinstance(obj, DualChunk) and None in (obj.chunk_size, obj.local_size):
         if ctx.max_position_embeddings is None:
-            raise TypeError("dca: needs the original training window L for its default sizes: pass max_position_embeddings=L "
-                            "(or chunk_size and local_size, or model= / config=).")
+            raise TypeError("dca: needs the original training window L for its default sizes: "
+                            "pass max_position_embeddings=L (or chunk_size and local_size, or model= / config=).")
         obj = obj.with_window(ctx.max_position_embeddings)
     if "original_max_position_embeddings" in obj.param_names() and obj.original_max_position_embeddings is None:
         if ctx.max_position_embeddings is None:
@@ -137,7 +141,8 @@ def _resolve_free(obj: Scheme, ctx: RopeContext) -> Scheme:
     for key in ("short_factor", "long_factor"):
         factors = getattr(obj, key, None)
         if factors is not None and len(factors) != ctx.rotary_dim // 2:
-            raise ValueError(f"{obj.name}: `{key}` must have rotary_dim/2 = {ctx.rotary_dim // 2} entries, got {len(factors)}.")
+            raise ValueError(f"{obj.name}: `{key}` must have rotary_dim/2 = {ctx.rotary_dim // 2} entries, "
+                             f"got {len(factors)}.")
     return obj
 
 

@@ -131,5 +131,6 @@ def expected_score(scheme=None, head_dim=None, distances=None, *, rope_theta=Non
     if logits:
         scale = 1 / math.sqrt(head)
         mean_bias = bias.mean(dim=0)
-        ones, rand, std, exact = ones * scale + mean_bias, rand * scale + mean_bias, std * scale, exact * scale + mean_bias
+        ones, rand = ones * scale + mean_bias, rand * scale + mean_bias
+        std, exact = std * scale, exact * scale + mean_bias
     return ExpectedScore(f.scheme, d, ones, rand, std, exact, bias, logits)

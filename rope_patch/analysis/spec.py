@@ -54,7 +54,8 @@ class AnalysisSpec:
         """A parameter the analysis needs: the scheme's value, or a TypeError naming it when it is not set."""
         value = getattr(self.scheme, key, None)
         if value is None:
-            raise TypeError(f"{self.name}: missing required parameter `{key}` for the analysis (e.g. {self.name}:{key}=4).")
+            raise TypeError(f"{self.name}: missing required parameter `{key}` for the analysis "
+                            f"(e.g. {self.name}:{key}=4).")
         return value
 
 
@@ -71,7 +72,8 @@ def _fmt(value) -> str:
 def _label(obj: Scheme, params: dict) -> str:
     name = obj.name
     short = {**_SHORT, **obj.label_symbols}
-    shown = [f"{short.get(k, k)}={_fmt(v)}" for k, v in params.items() if v is not None and k != "original_max_position_embeddings"]
+    shown = [f"{short.get(k, k)}={_fmt(v)}" for k, v in params.items()
+             if v is not None and k != "original_max_position_embeddings"]
     return f"{name} ({', '.join(shown)})" if shown else name
 
 

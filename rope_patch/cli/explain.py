@@ -16,11 +16,13 @@ def add_parser(subparsers) -> None:
         "turn inside the pre-training window, how many it keeps or fully interpolates, the longest wavelength, the "
         "cos/sin scale, and the RoFormer decay bound over distances L/16..L (numbers from rope_patch.analysis, "
         "the same that a patched model uses).")
-    p.add_argument("schemes", nargs="+", type=scheme_spec(), metavar="SPEC", help="scheme specs: name, name:value, name:key=value,...")
+    p.add_argument("schemes", nargs="+", type=scheme_spec(), metavar="SPEC",
+                   help="scheme specs: name, name:value, name:key=value,...")
     rope = p.add_argument_group("model RoPE (or --config)")
     rope.add_argument("--head-dim", type=count(2), default=128, help="per-head dimension d (default: %(default)s)")
     rope.add_argument("--rope-theta", type=real(above=1.0), default=10000.0, help="RoPE base b (default: %(default)s)")
-    rope.add_argument("--window", type=positive, default=None, metavar="L", help="pre-training window L (default: 4096)")
+    rope.add_argument("--window", type=positive, default=None, metavar="L",
+                      help="pre-training window L (default: 4096)")
     rope.add_argument("--partial-rotary-factor", type=real(maximum=1.0, above=0.0), default=None,
                       help="fraction of the head that rotates")
     rope.add_argument("--config", default=None, metavar="MODEL",

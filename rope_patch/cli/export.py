@@ -35,10 +35,12 @@ def engine_name(text: str) -> str:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("export", help="print the native rope_parameters and vLLM --hf-overrides of a saved model, "
-                                             "or (--engine) the vLLM / SGLang command line that serves it")
+    p = subparsers.add_parser("export", help="print the native rope_parameters and vLLM --hf-overrides of "
+                                             "a saved model, or (--engine) the vLLM / SGLang command line "
+                                             "that serves it")
     p.add_argument("dir", help="a folder written by rope_patch.save_pretrained (model, merged model or adapter)")
-    p.add_argument("--base", default=None, help="the adapter's base model (default: the path recorded in adapter_config.json)")
+    p.add_argument("--base", default=None, help="the adapter's base model (default: the path recorded in "
+                                                "adapter_config.json)")
     p.add_argument("--engine", type=engine_name, default=None, metavar="|".join(engines.ENGINES),
                    help="print this serving engine's command line and write its config.json (vllm, sglang)")
     p.add_argument("--out", default=None, metavar="FOLDER",
@@ -72,7 +74,8 @@ def _export(args) -> int:
     print(f"max_position_embeddings: {info['max_position_embeddings']}")
     print(f"vLLM: {info['vllm']}" if refused is None else f"vLLM: {refused}" if untokenized else
           f"vLLM: not served as patched: {refused}")
-    print(f"(`rope-patch export {args.dir} --engine vllm|sglang`: the engine's command line, its notes and config.json)")
+    print(f"(`rope-patch export {args.dir} --engine vllm|sglang`: the engine's command line, "
+          "its notes and config.json)")
     return 0
 
 

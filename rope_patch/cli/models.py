@@ -14,7 +14,8 @@ def add_parser(subparsers) -> None:
     lst.set_defaults(func=_list)
     fetch = sub.add_parser("fetch", help="download and convert a model into the cache (smollm2, gemma3)")
     fetch.add_argument("name", choices=FETCHABLE)
-    fetch.add_argument("--cache", default=None, help="cache directory (default $ROPE_PATCH_CACHE or ~/.cache/rope_patch)")
+    fetch.add_argument("--cache", default=None, help="cache directory (default $ROPE_PATCH_CACHE or "
+                                                     "~/.cache/rope_patch)")
     fetch.add_argument("--force", action="store_true", help="download and convert again even if cached")
     fetch.set_defaults(func=_fetch)
 

@@ -24,9 +24,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "plot", help="figures: decay bound, wavelengths, frequencies, angles, distance maps, scores, results",
         description="Draw the position-encoding theory for one or more schemes (numbers from rope_patch.analysis, "
-        "the same that a patched model uses), or redraw a `rope-patch compare` / sweep result file or a `rope-patch tune` "
-        "search log. The original training "
-        "window L is marked on every figure.")
+        "the same that a patched model uses), or redraw a `rope-patch compare` / sweep result file or a "
+        "`rope-patch tune` search log. The original training window L is marked on every figure.")
     p.add_argument("kind", choices=[*ANALYSIS_KINDS, "results"],
                    help="decay: RoFormer long-term-decay bound vs distance; wavelengths: 2π/θ′ per pair and turns "
                    "inside L; frequencies: θ′ per pair and interpolation factor; angles: largest angle per pair at a "
@@ -35,15 +34,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("results_file", nargs="?", default=None, metavar="RESULTS.json",
                    help="for `results`: compare.json (or a JSON/JSONL list of records), or a tune search_log.json")
     p.add_argument("--schemes", nargs="+", type=scheme_spec(), default=None, metavar="SPEC",
-                   help="scheme specs: name, name:value, name:key=value,... (default: default yarn:8 linear:8 ntk:8; for "
-                   "distance: rerope, leaky_rerope, self_extend, alibi)")
+                   help="scheme specs: name, name:value, name:key=value,... (default: default yarn:8 linear:8 ntk:8; "
+                   "for distance: rerope, leaky_rerope, self_extend, alibi)")
     rope = p.add_argument_group("model RoPE (or --config)")
     rope.add_argument("--head-dim", type=count(2), default=128, help="per-head dimension d (default: %(default)s)")
     rope.add_argument("--rope-theta", type=real(above=1.0), default=10000.0, help="RoPE base b (default: %(default)s)")
     rope.add_argument("--window", type=positive, default=None, metavar="L",
                       help="original training window L = max_position_embeddings (default: 4096; for `results`: "
                       "the file's)")
-    rope.add_argument("--partial-rotary-factor", type=real(maximum=1.0, above=0.0), default=None, help="fraction of the head that rotates")
+    rope.add_argument("--partial-rotary-factor", type=real(maximum=1.0, above=0.0), default=None,
+                      help="fraction of the head that rotates")
     rope.add_argument("--config", default=None, metavar="MODEL",
                       help="read head_dim, rope_theta, window, heads from a model's config.json: tiny, smollm2, gemma3 "
                       "or a model folder")
@@ -58,7 +58,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--logits", action="store_true", help="score: a²·q·k/√d plus ALiBi's bias (what softmax sees)")
     p.add_argument("--num-heads", type=positive, default=None, help="heads for ALiBi slopes (default: config's or 8)")
     p.add_argument("--out", default=None, help="output file (default: <kind>.<format>)")
-    p.add_argument("--format", choices=("png", "svg"), default=None, help="figure format (default: from --out, else png)")
+    p.add_argument("--format", choices=("png", "svg"), default=None,
+                   help="figure format (default: from --out, else png)")
     p.add_argument("--dpi", type=count(1, 2400), default=150, help="PNG resolution (default: %(default)s)")
     p.set_defaults(func=run)
 

@@ -30,16 +30,18 @@ def add_parser(subparsers) -> None:
         "and reproduces the log of an uninterrupted one. Writes OUT/search_log.json, OUT/best.json (the best spec, "
         "ready for rope_patch.apply) and OUT/search.png.")
     p.add_argument("--model", default="tiny", help="tiny, smollm2, gemma3, or a local model folder (default: tiny)")
-    p.add_argument("--scheme", type=scheme_name, required=True, help="the scheme to tune: longrope (evolutionary search of its long "
-                   "factors) or a scalar scheme (self_extend, string, rerope, yarn, dynamic, ...)")
+    p.add_argument("--scheme", type=scheme_name, required=True, help="the scheme to tune: longrope (evolutionary "
+                   "search of its long factors) or a scalar scheme (self_extend, string, rerope, yarn, dynamic, ...)")
     p.add_argument("--target", type=count(8), required=True, metavar="N", help="target length in tokens")
     p.add_argument("--method", choices=METHODS, default=None,
                    help="evolution (longrope, the default there), grid (the default otherwise) or random")
     p.add_argument("--space", nargs="+", default=None, metavar="KEY=VALUES",
                    help="scalar search space: KEY=V1,V2,... (values) or KEY=LO..HI (a range, random search only); "
                    "default: a small grid around the scheme's paper recommendation")
-    p.add_argument("--samples", type=positive, default=20, metavar="N", help="random search: points (default: %(default)s)")
-    p.add_argument("--population", type=count(2), default=24, metavar="N", help="evolution: population (default: %(default)s)")
+    p.add_argument("--samples", type=positive, default=20, metavar="N",
+                   help="random search: points (default: %(default)s)")
+    p.add_argument("--population", type=count(2), default=24, metavar="N",
+                   help="evolution: population (default: %(default)s)")
     p.add_argument("--generations", type=count(0), default=10, metavar="N", help="evolution: generations after the "
                    "initial population (default: %(default)s)")
     p.add_argument("--parents", type=count(2), default=None, metavar="N", help="evolution: parents kept per generation "
@@ -50,8 +52,9 @@ def add_parser(subparsers) -> None:
                    "generation (default: the rest of population - parents)")
     p.add_argument("--max-factor", type=real(1.0), default=None, metavar="X", help="evolution: largest rescale factor "
                    "(default: 1.25 x target/window, the paper's search space)")
-    p.add_argument("--init", nargs="+", type=scheme_spec(), default=None, metavar="SPEC", help="evolution: frequency schemes whose "
-                   "factors (θ_i/θ′_i) seed the population (default: linear, ntk and yarn at target/window, the paper's)")
+    p.add_argument("--init", nargs="+", type=scheme_spec(), default=None, metavar="SPEC",
+                   help="evolution: frequency schemes whose factors (θ_i/θ′_i) seed the population (default: linear, "
+                   "ntk and yarn at target/window, the paper's)")
     p.add_argument("--tokens", type=positive, default=None, metavar="N", help="tuning tokens per evaluation "
                    "(default: 4 windows of the target)")
     p.add_argument("--objective", choices=("perplexity", "needle"), default="perplexity", help="what the search "
@@ -71,9 +74,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-evals", type=positive, default=None, metavar="N", help="stop after N evaluations in all")
     p.add_argument("--budget-minutes", type=real(above=0.0), default=None, metavar="M",
                    help="stop once the logged evaluations took M minutes in all (resumed ones count)")
-    p.add_argument("--accept", nargs="*", type=scheme_spec(loaded=True), default=None, metavar="SPEC", help="schemes to measure the best spec "
-                   "against on the acceptance text (default: default, and for longrope linear/ntk/yarn at "
-                   "target/window; give none to measure only the best)")
+    p.add_argument("--accept", nargs="*", type=scheme_spec(loaded=True), default=None, metavar="SPEC",
+                   help="schemes to measure the best spec against on the acceptance text (default: default, and for "
+                   "longrope linear/ntk/yarn at target/window; give none to measure only the best)")
     p.add_argument("--no-accept", action="store_true", help="skip the acceptance evaluation")
     p.add_argument("--accept-tokens", type=positive, default=None, metavar="N",
                    help="acceptance tokens per length (default: 16 windows of the target)")
@@ -146,7 +149,8 @@ def run(args) -> int:
     options = TuneOptions(scheme=args.scheme, target=args.target, method=args.method, space=parse_space(args.space),
                           samples=args.samples, evolution=evolution, n_tokens=args.tokens,
                           passkey_weight=args.passkey_weight, passkey_samples=args.passkey_samples,
-                          objective=args.objective, haystack=args.haystack, chat_template=args.chat_template, seed=args.seed,
+                          objective=args.objective, haystack=args.haystack, chat_template=args.chat_template,
+                          seed=args.seed,
                           max_evals=args.max_evals, budget_minutes=args.budget_minutes, init=args.init)
     for spec in args.accept or []:
         as_scheme(spec)  # a bad acceptance spec fails now, not after the search
@@ -202,7 +206,8 @@ def run(args) -> int:
         paths.append(plots.write_search_figure(log, out))
     args.kept = None
     Console().print(_summary(log))
-    stop = {"max_evals": " (stopped by --max-evals)", "budget": " (stopped by --budget-minutes)"}.get(log["stopped"], "")
+    stop = {"max_evals": " (stopped by --max-evals)",
+            "budget": " (stopped by --budget-minutes)"}.get(log["stopped"], "")
     console.print(f"{evaluation_count(log)}, {sum(r.get('seconds') or 0 for r in log['evaluations']):.0f} s"
                   f"{stop}. Wrote " + ", ".join(str(p) for p in paths))
     return 0
@@ -234,7 +239,8 @@ def _summary(log: dict) -> Table:
     model = log.get("model") or {}
     table = Table(title=f"best {log['settings']['scheme']} at {log['settings']['target']} (tuning text): "
                   f"objective {best['objective']:.3f}")
-    table.caption = f"Model `{model.get('name') or model.get('spec')}` (window {log['settings']['window']}){patch_note(model)}"
+    table.caption = (f"Model `{model.get('name') or model.get('spec')}` (window {log['settings']['window']})"
+                     f"{patch_note(model)}")
     acc = log.get("acceptance")
     if not acc:
         table.add_column("best spec", overflow="fold")  # wrapped between the spec's parts (spec_cell)

@@ -35,7 +35,8 @@ def find_heldout(path: str | Path | None = None) -> Path:
     p = resources.heldout_text()
     if p.is_file():
         return p
-    raise FileNotFoundError(f"The held-out text shipped with rope_patch ({p}) is missing from this install; pass --heldout PATH.")
+    raise FileNotFoundError(f"The held-out text shipped with rope_patch ({p}) is missing from this install; "
+                            "pass --heldout PATH.")
 
 
 def read_tokens(tokenizer, path: str | Path | None = None, max_tokens: int | None = None) -> tuple[list[int], dict]:

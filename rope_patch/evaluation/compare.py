@@ -129,7 +129,8 @@ def parse_schemes(specs: Sequence[str]) -> list[tuple[str, object]]:
         try:
             out.append((spec, parse_scheme_spec(spec)))
         except (ValueError, TypeError) as err:
-            raise type(err)(f"Bad scheme spec {spec!r}: {err} Specs look like `yarn`, `yarn:8` or `yarn:factor=8,beta_fast=16`.") from None
+            raise type(err)(f"Bad scheme spec {spec!r}: {err} Specs look like `yarn`, `yarn:8` or "
+                            "`yarn:factor=8,beta_fast=16`.") from None
     return out
 
 
@@ -284,11 +285,12 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
 
     `chat_template` ("auto" | "on" | "off"; auto: on when the tokenizer has one) frames every passkey prompt with
     the tokenizer's chat template; `haystack` "prose" hides the key in the held-out text, "noise" in the passkey
-    paper's repeated lines (`passkey.NOISE`; perplexity still reads the held-out text); `shared_haystack` gives the prompts of a cell one haystack so that the part before
-    the needle is prefilled once (`retrieval`); `bucket_size` N: perplexity buckets of N positions. With
-    `budget_minutes` or `on_plan`, one timed probe forward estimates the run (`budget`); `budget_minutes` trims
-    passkey samples per cell, then perplexity windows, to fit, and `on_plan(plan)` gets the plan (its "line" says it
-    in one sentence) before the first evaluation. The plan is recorded in settings.budget.
+    paper's repeated lines (`passkey.NOISE`; perplexity still reads the held-out text); `shared_haystack` gives the
+    prompts of a cell one haystack so that the part before the needle is prefilled once (`retrieval`); `bucket_size` N:
+    perplexity buckets of N positions. With `budget_minutes` or `on_plan`, one timed probe forward estimates the run
+    (`budget`); `budget_minutes` trims passkey samples per cell, then perplexity windows, to fit, and `on_plan(plan)`
+    gets the plan (its "line" says it in one sentence) before the first evaluation. The plan is recorded in
+    settings.budget.
     """
     chat = use_chat_template(tokenizer, chat_template)  # ValueError for an unknown mode or "on" without a template
     if budget_minutes is not None and not budget_minutes > 0:
@@ -353,7 +355,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                      "windows_at_longest": windows_at_longest, "heldout": held,
                      "chat_template": {"mode": str(chat_template) if not isinstance(chat_template, bool)
                                        else ("on" if chat_template else "off"), "used": chat},
-                     "passkey_prompt": prompt_form(chat), "haystack": haystack, "shared_haystack": bool(shared_haystack), "bucket_size": bucket_size, "budget": plan,
+                     "passkey_prompt": prompt_form(chat), "haystack": haystack,
+                     "shared_haystack": bool(shared_haystack), "bucket_size": bucket_size, "budget": plan,
                      "machine": {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                                  "loadavg_start": load_start, "loadavg_end": None},
                      "counts": {"passkey_per_cell": passkey_samples if passkey_lengths else 0,
@@ -397,7 +400,8 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                                              windows_at_longest)
             pk = _passkey(model, tokenizer, token_ids, todo_pk, depths, passkey_samples, seed, tick, haystack,
                           chat_template=chat, shared_haystack=shared_haystack)
-        ppl_rows = {**{L: r for L, r in done["ppl"].items() if L in lengths}, **{r["length"]: r for r in ppl["lengths"]}}
+        ppl_rows = {**{L: r for L, r in done["ppl"].items() if L in lengths},
+                    **{r["length"]: r for r in ppl["lengths"]}}
         pk += [r for L in passkey_lengths if L not in todo_pk for r in done["passkey"][L]]
         buckets = ppl["buckets"] if lengths[-1] in todo_ppl else done["buckets"][lengths[-1]]
         result["schemes"].append({"spec": spec, "label": label, "name": name, "params": params})

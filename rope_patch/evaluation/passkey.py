@@ -50,7 +50,8 @@ NEEDLE = " The pass key is {passkey}. Remember it. {passkey} is the pass key."
 NOISE = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 HAYSTACKS = ("prose", "noise")  # the held-out text, or NOISE
 QUESTION = " What is the pass key?"
-LEAD_IN = " The pass key is"  # the answer's opening: the prompt's last words (with a chat template, the assistant's first)
+# the answer's opening: the prompt's last words (with a chat template, the assistant's first)
+LEAD_IN = " The pass key is"
 # How a prompt was laid out, as results record it (`prompt_form`): no template; the template with the lead-in opening
 # the assistant turn (today's); the template with the lead-in closing the user turn (results before 2026-12-02).
 PROMPT_FORMS = ("plain", "chat", "chat-lead-in-in-user-turn")

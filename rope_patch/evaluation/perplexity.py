@@ -68,7 +68,8 @@ def windows(token_ids: Sequence[int], length: int, n_tokens: int) -> torch.Tenso
     """[n_windows, length] consecutive non-overlapping windows from the first `n_tokens` tokens."""
     n = min(n_tokens, len(token_ids)) // length
     if n == 0:
-        raise ValueError(f"Need at least {length} tokens for one window at length {length}, have {min(n_tokens, len(token_ids))}.")
+        raise ValueError(f"Need at least {length} tokens for one window at length {length}, "
+                         f"have {min(n_tokens, len(token_ids))}.")
     return torch.tensor(list(token_ids[: n * length]), dtype=torch.long).view(n, length)
 
 

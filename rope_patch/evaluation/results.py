@@ -240,7 +240,8 @@ def rich_table(result: dict):
     """A rich Table: one row per scheme, one column per length, cells "perplexity  accuracy"."""
     lengths = _lengths(result)
     window = result["model"].get("window")
-    table = Table(title=f"rope-patch compare - {result['model']['name']} (window {window}){patch_note(result['model'])}: "
+    table = Table(title=f"rope-patch compare - {result['model']['name']} "
+                        f"(window {window}){patch_note(result['model'])}: "
                   "perplexity / passkey")
     labels = [spec_cell(sch["label"]) for sch in result["schemes"]]
     # wrapped between a spec's parts; a part wider than what a narrow terminal leaves is folded, never cut off with "…"
@@ -327,9 +328,9 @@ def read_results(source) -> dict:
     Numbers written as strings ("inf", "nan") are read as floats; unknown keys are ignored; records without a
     scheme or length are skipped. The original window comes from model.window | window | max_position_embeddings.
 
-    Returns {"normalised": True, "name", "window", "schemes": [(scheme, label)], "records": [{"scheme", "label", "length",
-    "perplexity", "passkey_accuracy", "passkey_ci_low", "passkey_ci_high"}], "passkey": [{"scheme", "label", "length",
-    "depth", "accuracy", "n", "correct", "ci_low", "ci_high"}] (None where the file does not have them),
+    Returns {"normalised": True, "name", "window", "schemes": [(scheme, label)], "records": [{"scheme", "label",
+    "length", "perplexity", "passkey_accuracy", "passkey_ci_low", "passkey_ci_high"}], "passkey": [{"scheme", "label",
+    "length", "depth", "accuracy", "n", "correct", "ci_low", "ci_high"}] (None where the file does not have them),
     "buckets": [{"scheme", "label", "length", "start", "end", "perplexity"}]}.
     """
     data = source
@@ -337,7 +338,8 @@ def read_results(source) -> dict:
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.exists():
-            raise FileNotFoundError(f"results file {str(path)!r} does not exist (run `rope-patch compare --out DIR` first).")
+            raise FileNotFoundError(f"results file {str(path)!r} does not exist "
+                                    "(run `rope-patch compare --out DIR` first).")
         name, where = path.stem, str(path)
         try:
             data = schema.parse_text(path, schema.COMPARE)
@@ -362,8 +364,10 @@ def read_results(source) -> dict:
     if not isinstance(rows, list):
         raise ValueError(f"{where}: 'records' must be a list of records, found {schema.describe(rows)}.")
     model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
-    window = _num(_first(model, ("window", "max_position_embeddings")) or _first(meta, ("window", "max_position_embeddings", "original_window")))
-    out = {"normalised": True, "name": str(model.get("name") or meta.get("name") or name), "window": int(window) if window else None,
+    window = _num(_first(model, ("window", "max_position_embeddings"))
+                  or _first(meta, ("window", "max_position_embeddings", "original_window")))
+    out = {"normalised": True, "name": str(model.get("name") or meta.get("name") or name),
+           "window": int(window) if window else None,
            "schemes": [], "records": [], "passkey": [], "buckets": []}
     labels: dict[str, str] = {}
     for s in meta.get("schemes", []) or []:
@@ -388,7 +392,8 @@ def read_results(source) -> dict:
         length = int(length)
         acc = _num(_first(row, _ACC_KEYS))
         if row.get("depth") is not None and _num(row.get("depth")) is not None:
-            out["passkey"].append({"scheme": key, "label": label, "length": length, "depth": _num(row["depth"]), "accuracy": acc,
+            out["passkey"].append({"scheme": key, "label": label, "length": length, "depth": _num(row["depth"]),
+                                   "accuracy": acc,
                                    **{k: _num(row.get(k)) for k in ("n", "correct", "ci_low", "ci_high")}})
             if _first(row, _PPL_KEYS) is None:
                 continue
@@ -403,7 +408,8 @@ def read_results(source) -> dict:
             key, label = key_label(p)
             length = _num(_first(p, _LENGTH_KEYS))
             if key is not None and length is not None:
-                out["passkey"].append({"scheme": key, "label": label, "length": int(length), "depth": _num(p.get("depth")),
+                out["passkey"].append({"scheme": key, "label": label, "length": int(length),
+                                       "depth": _num(p.get("depth")),
                                        "accuracy": _num(_first(p, ("accuracy", "passkey_accuracy"))),
                                        **{k: _num(p.get(k)) for k in ("n", "correct", "ci_low", "ci_high")}})
     top = meta.get("buckets")
@@ -416,10 +422,12 @@ def read_results(source) -> dict:
     # passkey cells without a pooled accuracy in the records: pool them per (scheme, length)
     for r in out["records"]:
         if r["passkey_accuracy"] is None:
-            cells = [p["accuracy"] for p in out["passkey"] if p["scheme"] == r["scheme"] and p["length"] == r["length"] and p["accuracy"] is not None]
+            cells = [p["accuracy"] for p in out["passkey"] if p["scheme"] == r["scheme"] and p["length"] == r["length"]
+                     and p["accuracy"] is not None]
             if cells:
                 r["passkey_accuracy"] = sum(cells) / len(cells)
-    seen = {r["scheme"] for r in out["records"]} | {p["scheme"] for p in out["passkey"]} | {b["scheme"] for b in out["buckets"]}
+    seen = ({r["scheme"] for r in out["records"]} | {p["scheme"] for p in out["passkey"]}
+            | {b["scheme"] for b in out["buckets"]})
     order = [k for k in labels if k in seen] + sorted(seen - set(labels))
     out["schemes"] = [(k, labels.get(k, k)) for k in order]
     if not out["schemes"]:
@@ -435,12 +443,14 @@ def _buckets(buckets, key, label, length) -> list[dict]:
             se = _span(span)
             ppl = _num(value.get("perplexity") if isinstance(value, dict) else value)
             if se is not None and ppl is not None:
-                out.append({"scheme": key, "label": label, "length": length, "start": se[0], "end": se[1], "perplexity": ppl})
+                out.append({"scheme": key, "label": label, "length": length, "start": se[0], "end": se[1],
+                            "perplexity": ppl})
     elif isinstance(buckets, list):
         for b in buckets:
             if isinstance(b, dict) and _num(b.get("start")) is not None and _num(b.get("end")) is not None:
                 ppl = _num(_first(b, _PPL_KEYS))
                 if ppl is not None:
-                    out.append({"scheme": key, "label": label, "length": int(_num(b.get("length")) or length or 0) or None,
+                    out.append({"scheme": key, "label": label,
+                                "length": int(_num(b.get("length")) or length or 0) or None,
                                 "start": _num(b["start"]), "end": _num(b["end"]), "perplexity": ppl})
     return out

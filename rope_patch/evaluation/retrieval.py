@@ -26,11 +26,11 @@ once per batch of a cell, its KV cache copied for every prompt (`copy.deepcopy`,
 only the rest of each prompt (needle, the filler after it, question) is run on top of it. Greedy answers equal the
 uncached run (tests/evaluation/test_retrieval.py). With one haystack per cell the samples of a cell are not
 independent draws of the filler (only of the key and the needle's text): on SmolLM2 the samples of a cell then
-succeed or fail together, and the Wilson interval, which assumes independent samples, is too narrow; the default, `shared_haystack=False`, draws
-a filler stretch per sample as before, and then only the common prefix that remains (BOS, the template) is shared:
-below `MIN_SHARED_PREFIX` tokens the prefix is not reused. A model whose own RoPE follows the length without a patch
-(a checkpoint shipping dynamic NTK or LongRoPE, unpatched) is never run in two pieces: transformers would reset its
-frequencies for the shorter prefix forward.
+succeed or fail together, and the Wilson interval, which assumes independent samples, is too narrow; the default,
+`shared_haystack=False`, draws a filler stretch per sample as before, and then only the common prefix that remains (BOS,
+the template) is shared: below `MIN_SHARED_PREFIX` tokens the prefix is not reused. A model whose own RoPE follows the
+length without a patch (a checkpoint shipping dynamic NTK or LongRoPE, unpatched) is never run in two pieces:
+transformers would reset its frequencies for the shorter prefix forward.
 
 Uncertainty: every cell carries `n`, `correct` and the Wilson 95% interval of its accuracy (`wilson_interval`).
 """
@@ -148,7 +148,8 @@ def prefill_prefix(model, prefix_ids: torch.Tensor, total_length: int, *, fixed_
         return getattr(model(input_ids=prefix_ids, attention_mask=mask, use_cache=True, logits_to_keep=1), CACHE)
 
 
-def _greedy(model, prompt_ids: torch.Tensor, max_new_tokens: int, prefix_cache=None, prefix_len: int = 0) -> torch.Tensor:
+def _greedy(model, prompt_ids: torch.Tensor, max_new_tokens: int, prefix_cache=None,
+            prefix_len: int = 0) -> torch.Tensor:
     b, t = prompt_ids.shape
     device = prompt_ids.device
     mask = torch.ones(b, t, dtype=torch.long, device=device)

@@ -20,7 +20,7 @@ A cell found in several runs is taken from the first run listed. Every run liste
     study = load_study("eval/smollm2/tables.json")
     compute(study)                 # {mark: table}
     write_document(study)          # rewrites each table below its mark
-"""
+"""  # noqa: E501 (markdown table rows cannot wrap)
 
 from __future__ import annotations
 

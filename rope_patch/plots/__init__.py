@@ -32,7 +32,8 @@ from .tuning import SEARCH_FIGURE, search, write_search_figure
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["FIGURE_FILES", "KINDS", "SEARCH_FIGURE", "MEMORY_LIMIT", "angles", "decay", "distance", "figure_memory", "frequencies", "make", "passkey",
+__all__ = ["FIGURE_FILES", "KINDS", "SEARCH_FIGURE", "MEMORY_LIMIT", "angles", "decay", "distance", "figure_memory",
+           "frequencies", "make", "passkey",
            "perplexity", "plot_bytes", "results", "save", "score", "search", "tasks", "wavelengths", "write_figures",
            "write_search_figure", "write_tasks_figure"]
 
@@ -45,5 +46,6 @@ def make(kind: str, schemes=None, **kw) -> Figure:
     if kind == "results":
         return results(schemes, window=kw.get("window"))
     if kind not in KINDS:
-        raise ValueError(f"Unknown plot kind {kind!r}.{did_you_mean(kind, [*KINDS, 'results'])} Kinds: {', '.join([*KINDS, 'results'])}.")
+        raise ValueError(f"Unknown plot kind {kind!r}.{did_you_mean(kind, [*KINDS, 'results'])} "
+                         f"Kinds: {', '.join([*KINDS, 'results'])}.")
     return KINDS[kind](schemes, **kw)

@@ -50,7 +50,8 @@ def tasks(source) -> Figure:
         ax.bar_label(bars, labels=[f"{y:.0f}" if percent else f"{y:.3g}" for y in ys], fontsize=7, padding=1)
     names = []
     for task, length in groups:
-        ns = sorted({r["n_samples"] for (t, L, _), r in cell.items() if (t, L) == (task, length) and r.get("n_samples")})
+        ns = sorted({r["n_samples"] for (t, L, _), r in cell.items() if (t, L) == (task, length)
+                     and r.get("n_samples")})
         at = f"\n{length / 1024:g}k" if length else ""
         names.append(f"{task}{at}" + (f"\nn = {'/'.join(map(str, ns))}" if ns else ""))
     ax.set_xticks(range(len(groups)), names, fontsize=8)

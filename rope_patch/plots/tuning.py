@@ -44,8 +44,9 @@ def search(source) -> Figure:
                   + f" at {settings.get('target')} (tuning text)")
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=8)
-    fig.suptitle(f"{'evolutionary' if by_generation else settings.get('method', 'a')} search of {settings.get('scheme')} for "
-                 f"{settings.get('target')} tokens (window {settings.get('window')}): {len(records)} evaluations",
+    fig.suptitle(f"{'evolutionary' if by_generation else settings.get('method', 'a')} search "
+                 f"of {settings.get('scheme')} for {settings.get('target')} tokens "
+                 f"(window {settings.get('window')}): {len(records)} evaluations",
                  fontsize=10)
     return fig
 

@@ -161,7 +161,8 @@ class LearnedAbsolute(_Additive):
         if hasattr(target.model, MODULE_NAME):
             raise ValueError(f"{self.name}: the model already has an attribute {MODULE_NAME!r}.")
         hidden = target.config.hidden_size
-        check.check_table_memory(self.name, "max_position_embeddings", self.max_position_embeddings, hidden, torch.float32)
+        check.check_table_memory(self.name, "max_position_embeddings", self.max_position_embeddings, hidden,
+                                 torch.float32)
         init = sinusoid(torch.arange(self.max_position_embeddings), hidden, 10000.0)
         # where the input embeddings it is added to are made (accelerate's execution device under offloading)
         device = execution_device(target.model.get_input_embeddings())

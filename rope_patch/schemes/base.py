@@ -242,8 +242,8 @@ class Scheme:
         copied = copy.copy(self)
         object.__setattr__(copied, "native", False)
         object.__setattr__(copied, "changes", f"the sin/cos table {target.model_type} rotates from "
-                                              f"({type(target.rotary).__name__}.{target.table.buffer}), which its config "
-                                              "has no rope_parameters to describe")
+                                              f"({type(target.rotary).__name__}.{target.table.buffer}), "
+                                              "which its config has no rope_parameters to describe")
         return copied
 
     def __str__(self) -> str:
@@ -262,8 +262,9 @@ class Scheme:
         config = os.path.join(os.fspath(directory), "config.json")
         how = (f"rope_patch.from_pretrained({os.fspath(directory)!r}) reads the rope_patch.json written beside it and "
                "re-applies the patch" if manifest else
-               "to keep the patch, save with rope_patch.save_pretrained(model, dir) instead, which adds rope_patch.json "
-               "(RopePatchCallback adds it to Trainer checkpoints), and reload with rope_patch.from_pretrained(dir)")
+               "to keep the patch, save with rope_patch.save_pretrained(model, dir) instead, "
+               "which adds rope_patch.json (RopePatchCallback adds it to Trainer checkpoints), and reload with "
+               "rope_patch.from_pretrained(dir)")
         return (f"rope_patch: {config} holds the unpatched RoPE, so transformers alone reloads the unpatched model: "
                 f"{names} {'has' if len(lacking) == 1 else 'have'} no native transformers form"
                 + (f" (a config with {' + '.join(dropped)} alone would be a third model)" if dropped else "")

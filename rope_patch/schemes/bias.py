@@ -162,7 +162,8 @@ def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> to
     up to max_distance, the last bucket beyond."""
     n = distance.clamp(min=0)
     exact = num_buckets // 2
-    large = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact) * (num_buckets - exact)).long()
+    large = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+                     * (num_buckets - exact)).long()
     return torch.where(n < exact, n, large.clamp(max=num_buckets - 1))
 
 
@@ -226,7 +227,8 @@ class RelativeBiasScores(DistanceBias, DeviceTables):
         near = self.near(call, rows, end, start)
         if start == 0:
             return [near]
-        out, lse = attention.flash_partial(call, call.query[:, :, :, rows], call.key[:, :, :start], call.value[:, :, :start])
+        out, lse = attention.flash_partial(call, call.query[:, :, :, rows], call.key[:, :, :start],
+                                           call.value[:, :, :start])
         last = self.table(call)[:, -1].float().view(1, -1, 1)  # (1, H, 1)
         return [(out, lse + last), near]
 

@@ -119,7 +119,8 @@ def prepare(name: str, target: PatchSite):
     impl = helper._check_backend(target, rule)
     modules = attention_modules(target.model)
     if not modules:
-        raise ValueError(f"{name}: cache_rotation='consistent' found no attention modules in {type(target.model).__name__}.")
+        raise ValueError(f"{name}: cache_rotation='consistent' found no attention modules "
+                         f"in {type(target.model).__name__}.")
     model, rotary = target.model, target.rotary
     native = target.config._attn_implementation
 

@@ -22,8 +22,8 @@ is exactly RoPE (at most two chunks, no clipping); s ≥ N alone is not enough.
 
 Realised as deferred RoPE: the model's rotary is the identity (the cache holds un-rotated keys); per call the keys are
 rotated once to j mod c with the model's own rotary forward and `apply_rotary_pos_emb`, queries to their three
-positions per block. Chunks are counted in true positions (`AttentionCall.offset`), so left padding and sliding-window caches
-do not move them.
+positions per block. Chunks are counted in true positions (`AttentionCall.offset`), so left padding and sliding-window
+caches do not move them.
 
 Where the paper, the authors' code and rope_patch differ:
 - Parameterisation. The paper's chunk size s is the modulus, its P_q^Succ = [s, …, s + w − 1, c − 1, …] and
@@ -195,10 +195,12 @@ class DualChunkScores(attention.AttentionRule):
         if call.gapped:
             q_ids = (call.ids[:, -call.query.shape[3]:] if call.q_ids is None else call.q_ids)[:, rows]
             dn = (torch.div(q_ids.clamp(min=0), self.chunk, rounding_mode="floor")[:, :, None]
-                  - torch.div(call.ids[:, None, start:end].clamp(min=0), self.chunk, rounding_mode="floor"))[:, None, None]
+                  - torch.div(call.ids[:, None, start:end].clamp(min=0), self.chunk,
+                              rounding_mode="floor"))[:, None, None]
         else:
             slots = torch.arange(start, end, device=call.key.device)
-            dn = (self._chunk_of(call, call.q_slot[rows])[:, :, None] - self._chunk_of(call, slots)[:, None, :])[:, None, None]
+            dn = (self._chunk_of(call, call.q_slot[rows])[:, :, None]
+                  - self._chunk_of(call, slots)[:, None, :])[:, None, None]
         region = (dn >= 1).long() + (dn >= 2).long()
         return [(r, 0, region == r) for r in (INTRA, SUCC, INTER)]
 
@@ -229,9 +231,11 @@ class DualChunkScores(attention.AttentionRule):
                 parts.append(attention.flash_partial(call, q, k_rot[:, :, lo:a], v[:, :, lo:a]))
             prev = self._first_slot(n - 1, off)
             if n >= 1 and prev < lo:
-                parts.append(attention.flash_partial(call, self._q(call, sub, SUCC), k_rot[:, :, prev:lo], v[:, :, prev:lo]))
+                parts.append(attention.flash_partial(call, self._q(call, sub, SUCC), k_rot[:, :, prev:lo],
+                                                     v[:, :, prev:lo]))
             if n >= 2 and prev > 0:
-                parts.append(attention.flash_partial(call, self._q(call, sub, INTER), k_rot[:, :, :prev], v[:, :, :prev]))
+                parts.append(attention.flash_partial(call, self._q(call, sub, INTER), k_rot[:, :, :prev],
+                                                     v[:, :, :prev]))
             out, lse = _merge_lse(parts)
             outs.append(out)
             lses.append(lse)
@@ -249,7 +253,8 @@ class DualChunkScores(attention.AttentionRule):
         k_rot = call.scratch["k_rot"]
         k_len = call.key.shape[2]
         if max(k_len - 1 + off for off in call.scratch["offsets"]) < self.chunk:
-            return attention.flex_call(call, self._q(call, all_rows, INTRA).flatten(1, 2), k_rot, call.value, block_mask)
+            return attention.flex_call(call, self._q(call, all_rows, INTRA).flatten(1, 2), k_rot, call.value,
+                                       block_mask)
         parts = []
         for region in (INTRA, SUCC, INTER):
             mask = self._region_block_mask(block_mask, call, region)
@@ -346,7 +351,8 @@ class DualChunk(AttentionScheme):
         values = _config_values(config, f" (from {CONFIG_KEY})")
         missing = [k for k in ("chunk_size", "local_size") if k not in values]
         if missing:
-            raise ValueError(f"dca: {CONFIG_KEY} {config!r} lacks {', '.join(missing)}; it needs chunk_size and local_size.")
+            raise ValueError(f"dca: {CONFIG_KEY} {config!r} lacks {', '.join(missing)}; it needs chunk_size "
+                             "and local_size.")
         return cls(chunk_size=values["chunk_size"], local_size=values["local_size"])
 
     def relative_position(self, i, j):
@@ -354,7 +360,8 @@ class DualChunk(AttentionScheme):
         min(i mod c + c, s) (previous chunk) or at min(2c − 1, s) (earlier chunks)."""
         s, c = self.chunk_size, self.chunk_size - self.local_size
         if s is None:
-            raise TypeError("dca: chunk_size and local_size are needed (they default to ¾·L and L/8 of a model's window).")
+            raise TypeError("dca: chunk_size and local_size are needed (they default to ¾·L and L/8 of a "
+                            "model's window).")
         gap = torch.floor(i / c) - torch.floor(j / c)
         q = torch.where(gap == 0, i % c, torch.where(gap == 1, torch.clamp(i % c + c, max=s),
                                                      torch.full_like(i * 1.0, min(2 * c - 1, s))))
@@ -381,8 +388,9 @@ class DualChunk(AttentionScheme):
             window = target.pretraining_window
         chunk = self.chunk_size if self.chunk_size is not None else values.get("chunk_size") or window * 3 // 4
         local = self.local_size if self.local_size is not None else values.get("local_size") or max(1, window // 8)
-        origin = {k: "given" if getattr(self, k) is not None else ("from the model config's " + CONFIG_KEY if k in values
-                                                                     else f"the default for a {window}-token window")
+        origin = {k: "given" if getattr(self, k) is not None
+                  else ("from the model config's " + CONFIG_KEY if k in values
+                        else f"the default for a {window}-token window")
                   for k in ("chunk_size", "local_size")}
         _check_pair(chunk, local, origin)
         return self.replace(chunk_size=chunk, local_size=local)

@@ -106,7 +106,8 @@ class AttentionScheme(Scheme):
 
     # ---- what a scheme defines -------------------------------------------------------------------------------
     def build(self, target: PatchSite) -> tuple[attention.AttentionRule | None, Callable[[UndoLog], None] | None]:
-        """(scores for the attention function or None to keep the model's backend, install step that attaches modules and hooks, or None)."""
+        """(scores for the attention function or None to keep the model's backend, install step that attaches modules
+        and hooks, or None)."""
         return None, None
 
     # ---- shared machinery ------------------------------------------------------------------------------------
@@ -128,7 +129,8 @@ class AttentionScheme(Scheme):
         self._check_attention_function(target, modules)
         fns = {getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None) for m in modules}
         params = inspect.signature(type(target.rotary).forward).parameters
-        if len(fns) != 1 or None in fns or list(params)[:3] != ["self", "x", "position_ids"] or "mrope_section" in params:
+        if (len(fns) != 1 or None in fns or list(params)[:3] != ["self", "x", "position_ids"]
+                or "mrope_section" in params):
             raise ValueError(
                 f"{self.name}: cannot re-apply the RoPE of {target.model_type} inside attention (no module-level "
                 "`apply_rotary_pos_emb(q, k, cos, sin)` / rotary `forward(x, position_ids)`). Supported: llama, "
@@ -184,7 +186,8 @@ class AttentionScheme(Scheme):
     def _check_flex(self, scores: attention.AttentionRule, device: torch.device) -> None:
         if not attention.flex_available():
             raise ValueError(f"{self.name}: attention backend 'flex_attention' needs torch.nn.attention.flex_attention "
-                             f"(torch ≥ 2.5), not found in torch {torch.__version__}. Use model.set_attn_implementation('sdpa').")
+                             f"(torch ≥ 2.5), not found in torch {torch.__version__}. Use "
+                             "model.set_attn_implementation('sdpa').")
         if type(scores).flex is attention.AttentionRule.flex:
             raise ValueError(f"{self.name}: has no flex_attention form (its scores define no `flex`). Use "
                              "model.set_attn_implementation('sdpa') before rope_patch.apply.")
@@ -217,9 +220,9 @@ class AttentionScheme(Scheme):
             )
         if device.type not in attention.settings.FLASH_DEVICES:
             raise ValueError(
-                f"{self.name}: attention backend 'flash_attention_2' runs on {' / '.join(attention.settings.FLASH_DEVICES)} "
-                f"tensors; found the model on {device}. Move it with model.to('cuda') first, or use "
-                "model.set_attn_implementation('sdpa')."
+                f"{self.name}: attention backend 'flash_attention_2' runs "
+                f"on {' / '.join(attention.settings.FLASH_DEVICES)} tensors; found the model on {device}. Move it with "
+                "model.to('cuda') first, or use model.set_attn_implementation('sdpa')."
             )
 
     def prepare(self, target: PatchSite) -> InstallStep:
@@ -232,11 +235,11 @@ class AttentionScheme(Scheme):
             own = [m for m in target.model.modules() if hasattr(m, "layer_idx") and _takes_positions(m)]
             if own:  # layers that take positions, none of which runs attention through transformers' interface
                 raise ValueError(
-                    f"{self.name}: {target.model_type} computes attention in its own module code ({type(own[0]).__name__} "
-                    "does not call transformers' AttentionInterface), so a registered attention function never runs. "
-                    f"This scheme runs its own attention function, so it is not supported on {target.model_type}; the "
-                    "schemes that keep the model's own attention (nope, sinusoidal, learned_absolute) and the frequency "
-                    "schemes are.")
+                    f"{self.name}: {target.model_type} computes attention in its own module code "
+                    f"({type(own[0]).__name__} does not call transformers' AttentionInterface), so a registered "
+                    "attention function never runs. This scheme runs its own attention function, so it is not "
+                    f"supported on {target.model_type}; the schemes that keep the model's own attention (nope, "
+                    "sinusoidal, learned_absolute) and the frequency schemes are.")
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
         model = target.model
         moves = self.repositions()
@@ -308,11 +311,11 @@ class AttentionScheme(Scheme):
             for m in layout.maps if layout is not None else ():
                 if hasattr(m, "embed"):  # DPE: one position per frequency group, the groups read at a fractional probe
                     raise ValueError(
-                        f"{self.name}: places each frequency group of the rotation at positions of its own, reading the "
-                        f"groups from the rotary at a fractional position, and {target.model_type} rotates from a "
-                        f"sin/cos table of integer positions ({type(target.rotary).__name__}.{target.table.buffer}) "
-                        "whose rows are not split by frequency. Use self_extend (one group size for every frequency) "
-                        "on this architecture.")
+                        f"{self.name}: places each frequency group of the rotation at positions of its "
+                        f"own, reading the groups from the rotary at a fractional position, and {target.model_type} "
+                        "rotates from a sin/cos table of integer positions "
+                        f"({type(target.rotary).__name__}.{target.table.buffer}) whose rows are not split by "
+                        "frequency. Use self_extend (one group size for every frequency) on this architecture.")
                 if m(probe).is_floating_point():
                     raise ValueError(
                         f"{self.name}: moves queries or keys to fractional positions, and {target.model_type} rotates "

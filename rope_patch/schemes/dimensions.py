@@ -151,17 +151,20 @@ class Dpe(TwoRegion):
         if s >= w:
             return None
         return Suggestion.of(cls.name, {"group_sizes": [s] * 8, "window_size": w},
-                             f"W = min(1024, L/8) = {w}, every group at the detection baseline s = 2N/L = {s} (Lu et al. "
-                             "2025); detect per-group sizes with rope_patch.tuning.detect_group_sizes")
+                             f"W = min(1024, L/8) = {w}, every group at the detection baseline s = 2N/L "
+                             f"= {s} (Lu et al. 2025); detect per-group sizes with "
+                             "rope_patch.tuning.detect_group_sizes")
 
     def __post_init__(self):
         n = self.name
         if self.group_sizes is None:
             raise TypeError(f"{n}: missing required parameter `group_sizes` (one group size per group of RoPE "
-                            "frequencies, fastest first, e.g. 2/8/2/8/32/32/32/4; see rope_patch.tuning.detect_group_sizes).")
+                            "frequencies, fastest first, e.g. 2/8/2/8/32/32/32/4; "
+                            "see rope_patch.tuning.detect_group_sizes).")
         low, high = check.GROUP_SIZE_RANGE
         sizes = check.number_list(n, "group_sizes", self.group_sizes, ge=low, le=high,
-                                  hint="Each is a group size s ≥ 1 (1 keeps that group's pairs at their true positions).")
+                                  hint="Each is a group size s ≥ 1 (1 keeps that group's pairs at their "
+                                       "true positions).")
         for i, s in enumerate(sizes):
             check.integer(n, f"group_sizes[{i}]", s, ge=low, le=high, hint="Group sizes are whole numbers of tokens.")
         self._set("group_sizes", tuple(int(s) for s in sizes))
@@ -201,7 +204,7 @@ class Dpe(TwoRegion):
                 if n < len(self.group_sizes):
                     raise ValueError(
                         f"{self.name}: {len(self.group_sizes)} group sizes for the {n} RoPE frequencies of "
-                        f"{target.model_type} ({type(rotary).__name__}.{name}): every group needs at least one frequency. "
-                        f"Give at most {n} group size{'s' if n > 1 else ''} (the authors use 8 groups of a 128-dim "
-                        "head's 64).")
+                        f"{target.model_type} ({type(rotary).__name__}.{name}): every group needs at least "
+                        f"one frequency. Give at most {n} group size{'s' if n > 1 else ''} (the authors use 8 "
+                        "groups of a 128-dim head's 64).")
         return resolved

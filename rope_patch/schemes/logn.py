@@ -124,8 +124,9 @@ def _forward(module, query, key, value, attention_mask, *args, **kwargs):
     """transformers' attention-function signature: q ← q·t(p), then the wrapped function."""
     state: QueryTemperature | None = getattr(module, STATE, None)
     if state is None:
-        raise RuntimeError(f"{type(module).__name__} runs rope_patch's logn attention function but carries no logn state: "
-                           "the attention implementation was set by hand. Use rope_patch.apply / rope_patch.remove.")
+        raise RuntimeError(f"{type(module).__name__} runs rope_patch's logn attention function but carries "
+                           "no logn state: the attention implementation was set by hand. Use rope_patch.apply / "
+                           "rope_patch.remove.")
     if state.active:
         attn = getattr(module, attention.STATE, None)
         query = state.scale(query, key, kwargs.get("position_ids"), attn.current if attn is not None else None)
@@ -256,7 +257,8 @@ class LogN(Modifier):
         if self.kind != "llama4":
             return self
         scale = self.attn_scale if self.attn_scale is not None else getattr(config, "attn_scale", None) or ATTN_SCALE
-        floor = self.floor_scale if self.floor_scale is not None else getattr(config, "floor_scale", None) or FLOOR_SCALE
+        floor = (self.floor_scale if self.floor_scale is not None
+                 else getattr(config, "floor_scale", None) or FLOOR_SCALE)
         return dataclasses.replace(self, attn_scale=float(scale), floor_scale=float(floor))
 
     def prepare(self, target: PatchSite, under: AttentionScheme | None = None) -> InstallStep:
@@ -287,7 +289,8 @@ class LogN(Modifier):
                 "nope scheme ('nope+logn:layers=nope').")
         window = target.pretraining_window
         if self.kind == "logn" and window < 2:
-            raise ValueError(f"{n}: kind='logn' divides by log L, and this model's pre-training window is L = {window}.")
+            raise ValueError(f"{n}: kind='logn' divides by log L, and this model's pre-training window "
+                             f"is L = {window}.")
         rotary = target.rotary
 
         def install(log: UndoLog) -> None:

@@ -38,11 +38,11 @@ What rope_patch decided, and why:
     prefill, with or without a cache), from q and k at position 0 (the un-rotated ones on a plain RoPE layer, as
     the authors' code reads them before rotation) of the last query against every real key of its row, per row of
     the batch (the last slot: a real token under left padding, as generate pads; a right-padded row would be ordered
-    by a pad's query); cached calls reuse that order (the cache holds keys rotated with it). Each fresh prompt recomputes
-    it, where the authors' code keeps the first prompt's order until a manual `_reset()`. Consequence: generation
-    without a cache recomputes the order from each longer input, so it is not the cached generation; cached
-    generation equals a full forward with the prompt's order (tests/schemes/test_ms_poe.py). The order is kept per
-    layer on the scheme's attention rule, so one model serves one generation at a time.
+    by a pad's query); cached calls reuse that order (the cache holds keys rotated with it). Each fresh prompt
+    recomputes it, where the authors' code keeps the first prompt's order until a manual `_reset()`. Consequence:
+    generation without a cache recomputes the order from each longer input, so it is not the cached generation; cached
+    generation equals a full forward with the prompt's order (tests/schemes/test_ms_poe.py). The order is kept per layer
+    on the scheme's attention rule, so one model serves one generation at a time.
     Which head takes which ratio follows the code: it sorts the heads by outlier score (most outliers first, ties in
     head order) and indexes its per-ratio tables with that permutation (`cos[head_order]`), so head g takes ratio
     slot order[g]; the paper's wording (the k-th most position-aware head takes r_k) is the inverse permutation.
@@ -158,9 +158,9 @@ class MultiScaleScores(attention.AttentionRule):
         if order is None or order.shape[0] != b:
             raise ValueError(
                 f"ms_poe: a cached call (layer {layer}, batch {b}) without the head order of its prompt "
-                f"({'none computed' if order is None else f'the last prompt had batch {order.shape[0]}'}): the order is "
-                "computed when a call's queries are all its keys (the prompt). Start from the prompt with an empty "
-                "cache (model.generate does).")
+                f"({'none computed' if order is None else f'the last prompt had batch {order.shape[0]}'}): "
+                "the order is computed when a call's queries are all its keys (the prompt). Start from the "
+                "prompt with an empty cache (model.generate does).")
         return order
 
     def chosen_sets(self, layer_idx, rows):
@@ -169,7 +169,8 @@ class MultiScaleScores(attention.AttentionRule):
 
     @staticmethod
     def keys(call) -> torch.Tensor:
-        """(b, Hkv, k, d): each KV head's keys from its ratio's key set, gathered once per call (one copy of the keys)."""
+        """(b, Hkv, k, d): each KV head's keys from its ratio's key set, gathered once per call (one copy of the
+        keys)."""
         if "k" not in call.scratch:
             order, hkv = call.scratch["order"], call.key.shape[1]
             rows = torch.arange(order.shape[0], device=order.device)[:, None]
@@ -184,7 +185,8 @@ class MultiScaleScores(attention.AttentionRule):
         # a decoding step of one row with every key set cached (KV sharing): each KV head's scores read its ratio's
         # set in place, where gathering the chosen heads would copy every cached key at every step
         chosen = self.chosen[call.module.layer_idx]
-        return torch.cat([call.qk(q[:, g:g + 1], call.keys[1 + s][:, g:g + 1, start:end]) for g, s in enumerate(chosen)],
+        return torch.cat([call.qk(q[:, g:g + 1],
+                                  call.keys[1 + s][:, g:g + 1, start:end]) for g, s in enumerate(chosen)],
                          dim=1)
 
     def fused(self, call, rows, end):
@@ -244,11 +246,13 @@ class MsPoE(AttentionScheme):
         self._set("min_ratio", check.number(n, "min_ratio", self.min_ratio, ge=low, le=high, hint=hint))
         self._set("max_ratio", check.number(n, "max_ratio", self.max_ratio, ge=low, le=high, hint=hint))
         if self.max_ratio < self.min_ratio:
-            raise ValueError(f"{n}: parameter `max_ratio` must be at least `min_ratio`, got min_ratio={self.min_ratio}, "
-                             f"max_ratio={self.max_ratio}. The authors use min_ratio=1.2, max_ratio=1.8.")
+            raise ValueError(f"{n}: parameter `max_ratio` must be at least `min_ratio`, "
+                             f"got min_ratio={self.min_ratio}, max_ratio={self.max_ratio}. The authors use "
+                             "min_ratio=1.2, max_ratio=1.8.")
         if self.skip_layers is not None:
             self._set("skip_layers", check.integer(n, "skip_layers", self.skip_layers, ge=0, le=100_000,
-                                                   hint="The first skip_layers layers keep vanilla RoPE (the authors: 2)."))
+                                                   hint="The first skip_layers layers keep vanilla RoPE "
+                                                        "(the authors: 2)."))
 
     def repositions(self):
         return True
@@ -257,9 +261,9 @@ class MsPoE(AttentionScheme):
         layers = {m.layer_idx for m in _modules(target)}
         if any(i < 0 for i in layers):
             raise ValueError(f"{self.name}: {target.model_type} runs one attention module at several depths (layer_idx "
-                             "-1, a shared block): the prompt's head order is kept per layer, and one module cannot keep "
-                             "one per depth for cached decoding. Ms-PoE is not supported on this model; the frequency "
-                             "schemes are.")
+                             "-1, a shared block): the prompt's head order is kept per layer, "
+                             "and one module cannot keep one per depth for cached decoding. Ms-PoE is not supported on "
+                             "this model; the frequency schemes are.")
         count = len(layers)
         if not count:  # no layer attends through transformers' interface: the common checks refuse, with the reason
             return self

@@ -102,8 +102,8 @@ def _check(parts: list[Scheme]) -> None:
     attn = [p for p in parts if isinstance(p, AttentionScheme)]
     if len(freq) > 1:
         raise ValueError(f"Cannot stack {names}: {' and '.join(p.name for p in freq)} are both frequency schemes, and "
-                         "each defines every θ_i (combine a base change with scaling through the scheme's own rope_theta, "
-                         f"e.g. 'yarn:factor=4,rope_theta=500000'). {ALLOWED}")
+                         "each defines every θ_i (combine a base change with scaling through the scheme's "
+                         f"own rope_theta, e.g. 'yarn:factor=4,rope_theta=500000'). {ALLOWED}")
     if len(attn) > 1:
         raise ValueError(f"Cannot stack {names}: {' and '.join(p.name for p in attn)} are both attention-side schemes, "
                          f"and each owns the attention computation. {ALLOWED}")

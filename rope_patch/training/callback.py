@@ -86,8 +86,9 @@ def restore_patch(model: nn.Module, checkpoint: str | os.PathLike | None) -> Sch
     manifest = read_manifest(path)
     if manifest is None:
         raise FileNotFoundError(f"{path / MANIFEST} is missing: the checkpoint was written without RopePatchCallback "
-                                "(or by an older run), so it does not say which patch the model was trained with. Apply "
-                                "the scheme yourself with rope_patch.apply, as in the run that wrote the checkpoint.")
+                                "(or by an older run), so it does not say which patch the model was "
+                                "trained with. Apply the scheme yourself with rope_patch.apply, as in the run that "
+                                "wrote the checkpoint.")
     if current(_unwrap(model)) is None:
         if manifest["scheme"] is not None:
             reapply_manifest(model, manifest, path / MANIFEST)
@@ -197,7 +198,8 @@ class CompleteCheckpointCallback(TrainerCallback):
         PartialState().wait_for_everyone()
         folder = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{state.global_step}"
         if args.should_save and folder.is_dir():
-            write_text_atomic(folder / COMPLETE, json.dumps({"step": state.global_step, "config": self.fingerprint}) + "\n")
+            write_text_atomic(folder / COMPLETE,
+                              json.dumps({"step": state.global_step, "config": self.fingerprint}) + "\n")
 
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -246,7 +248,8 @@ class JsonLogCallback(TrainerCallback):
     `args.disable_tqdm` it also prints the line as text. A resumed run passes the step it resumes from and the
     elapsed seconds of the lines it kept."""
 
-    def __init__(self, path: str | os.PathLike, tokens_per_step: int, *, elapsed_before: float = 0.0, last_step: int = 0):
+    def __init__(self, path: str | os.PathLike, tokens_per_step: int, *, elapsed_before: float = 0.0,
+                 last_step: int = 0):
         self.path, self.tokens_per_step, self.elapsed_before = Path(path), tokens_per_step, elapsed_before
         self.t0 = self.last_time = time.perf_counter()
         self.last_step = last_step

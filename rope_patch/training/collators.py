@@ -30,13 +30,15 @@ from .seeding import as_index, sample_rng
 
 _NO_INDEX = ("the example has no {key!r} field: the collators draw per sample from (seed, index). Give every example "
              "its index in the dataset (rope_patch.training.PackedDataset rows have it; wrap other datasets in "
-             "IndexedDataset) and keep Trainer from dropping the column: TrainingArguments(remove_unused_columns=False).")
+             "IndexedDataset) and keep Trainer from dropping the column: "
+             "TrainingArguments(remove_unused_columns=False).")
 
 
 def sample_index(example: Mapping, key: str = INDEX) -> int:
     """The example's sample index, or a ValueError that says how to provide it."""
     if not isinstance(example, Mapping):
-        raise TypeError(f"expected examples as mappings ({{'input_ids': ..., 'index': i}}), got {type(example).__name__}.")
+        raise TypeError("expected examples as mappings ({'input_ids': ..., 'index': i}), "
+                        f"got {type(example).__name__}.")
     if key not in example:
         raise ValueError(_NO_INDEX.format(key=key) + f" Fields found: {sorted(example)}.")
     return as_index(example[key], key)
@@ -128,16 +130,18 @@ class PasskeyMixer:
     collator: Callable[[Sequence[Mapping]], dict] = field(default_factory=CausalLMCollator)
 
     def __post_init__(self):
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not 0.0 <= self.fraction <= 1.0:
+        if (isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float))
+                or not 0.0 <= self.fraction <= 1.0):
             raise ValueError(f"PasskeyMixer: fraction must be a number in [0, 1], got {self.fraction!r}.")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 16:
-            raise ValueError(f"PasskeyMixer: min_tokens must be an integer >= 16 (room for the needle and the question), "
-                             f"got {self.min_tokens!r}.")
+            raise ValueError("PasskeyMixer: min_tokens must be an integer >= 16 (room for the needle and "
+                             f"the question), got {self.min_tokens!r}.")
         self.filler_ids = (self.filler_ids.tolist() if isinstance(self.filler_ids, torch.Tensor)
                            else [int(t) for t in self.filler_ids])
         # BOS + needle + question with a 5-digit key: the shortest prompt this tokenizer can make.
         shortest = (self.tokenizer.bos_token_id is not None) + sum(
-            len(self.tokenizer.encode(text, add_special_tokens=False)) for text in (NEEDLE.format(passkey=99999), QUESTION + LEAD_IN))
+            len(self.tokenizer.encode(text, add_special_tokens=False))
+            for text in (NEEDLE.format(passkey=99999), QUESTION + LEAD_IN))
         if self.min_tokens < shortest:
             raise ValueError(f"PasskeyMixer: min_tokens={self.min_tokens} cannot hold the needle and the question, "
                              f"which take {shortest} tokens with this tokenizer: set min_tokens >= {shortest}.")
@@ -189,6 +193,7 @@ class WeightedCollator:
         weights = torch.ones(batch["input_ids"].shape, dtype=torch.float32)
         for i, row in enumerate(rows):
             if "passkey" in row:
-                weights[i, row["passkey"]["answer_start"] : row["passkey"]["answer_end"]] = float(self.answer_loss_weight)
+                start, end = row["passkey"]["answer_start"], row["passkey"]["answer_end"]
+                weights[i, start:end] = float(self.answer_loss_weight)
         batch["loss_weights"] = weights
         return batch

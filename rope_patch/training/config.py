@@ -165,8 +165,8 @@ class DataArgs(Section):
         for pattern in self.files:
             matches = sorted(glob.glob(os.path.expanduser(str(pattern))))
             if not matches:
-                raise ConfigError(f"`data.files`: {str(pattern)!r} matches no file (cwd {os.getcwd()}). Fix the path or "
-                                  "run the data preparation step in the config's header.")
+                raise ConfigError(f"`data.files`: {str(pattern)!r} matches no file (cwd {os.getcwd()}). "
+                                  "Fix the path or run the data preparation step in the config's header.")
             for m in matches:
                 if Path(m).suffix not in (".txt", ".jsonl"):
                     raise ConfigError(f"`data.files`: {m!r} is neither .txt nor .jsonl.")
@@ -227,11 +227,13 @@ class TrainArgs(Section):
 
     seq_len: Annotated[int, Int(ge=1)] = arg(help="tokens per row (with PoSE: the short training window)")
     steps: Annotated[int, Int(ge=1)] = arg(help="optimizer steps (TrainingArguments.max_steps)")
-    global_batch_size: Annotated[int, Int(ge=1)] = arg(8, help="rows per optimizer step, over processes and accumulation")
+    global_batch_size: Annotated[int, Int(ge=1)] = arg(8, help="rows per optimizer step, over processes "
+                                                               "and accumulation")
     micro_batch_size: Annotated[int, Int(ge=1)] = arg(1, help="rows per forward pass and process")
     lr: Annotated[float, Num(gt=0)] = arg(2.0e-4, help="peak learning rate")
     warmup_steps: Annotated[int, Int(ge=0)] = arg(0, help="linear warm-up steps")
-    min_lr_ratio: Annotated[float, Fraction()] = arg(0.1, help="cosine decays to lr * min_lr_ratio (cosine_with_min_lr)")
+    min_lr_ratio: Annotated[float, Fraction()] = arg(0.1, help="cosine decays to lr * min_lr_ratio "
+                                                               "(cosine_with_min_lr)")
     weight_decay: Annotated[float, Num(ge=0)] = arg(0.0, help="AdamW weight decay")
     betas: Annotated[list[float], _BETAS] = arg(help="AdamW betas", factory=lambda: [0.9, 0.999])
     grad_clip: Annotated[float | None, Opt(Num(ge=0))] = arg(1.0, help="null: no clipping")
@@ -251,17 +253,21 @@ class TrainArgs(Section):
     def __post_init__(self):
         super().__post_init__()
         if self.warmup_steps >= self.steps:
-            raise ConfigError(f"`train.warmup_steps`={self.warmup_steps} must be smaller than `train.steps`={self.steps}.")
+            raise ConfigError(f"`train.warmup_steps`={self.warmup_steps} must be smaller than "
+                              f"`train.steps`={self.steps}.")
 
 
 # TrainingArguments fields the recipe sets from its own keys (given under `train:` they would be ignored or clash).
 DERIVED = {"output_dir": "output_dir (top level)", "max_steps": "train.steps", "learning_rate": "train.lr",
-           "per_device_train_batch_size": "train.micro_batch_size", "gradient_accumulation_steps": "train.global_batch_size",
+           "per_device_train_batch_size": "train.micro_batch_size",
+           "gradient_accumulation_steps": "train.global_batch_size",
            "warmup_steps": "train.warmup_steps", "lr_scheduler_type": "train.min_lr_ratio (cosine_with_min_lr)",
-           "lr_scheduler_kwargs": "train.min_lr_ratio", "weight_decay": "train.weight_decay", "adam_beta1": "train.betas",
+           "lr_scheduler_kwargs": "train.min_lr_ratio", "weight_decay": "train.weight_decay",
+           "adam_beta1": "train.betas",
            "adam_beta2": "train.betas", "max_grad_norm": "train.grad_clip", "bf16": "train.mixed_precision",
            "fp16": "train.mixed_precision", "logging_steps": "train.log_every", "save_steps": "train.save_every",
-           "save_strategy": "train.save_every", "save_total_limit": "train.keep_checkpoints", "seed": "seed (top level)",
+           "save_strategy": "train.save_every", "save_total_limit": "train.keep_checkpoints",
+           "seed": "seed (top level)",
            "data_seed": "seed (top level)", "remove_unused_columns": "nothing: the collators need the index column",
            "gradient_checkpointing": "train.gradient_checkpointing", "resume_from_checkpoint": "--resume"}
 
@@ -356,10 +362,11 @@ class RecipeConfig:
         if t.global_batch_size % per_step:
             raise ConfigError(
                 f"`train.global_batch_size`={t.global_batch_size} is not divisible by micro_batch_size x processes = "
-                f"{t.micro_batch_size} x {num_processes} = {per_step}: pick a global batch that is a multiple of it, so "
-                "that every process runs the same number of accumulation steps.")
+                f"{t.micro_batch_size} x {num_processes} = {per_step}: pick a global batch that is a "
+                "multiple of it, so that every process runs the same number of accumulation steps.")
         if d.passkey_fraction > 0 and not d.passkey_min_tokens <= t.seq_len - 8:
-            raise ConfigError(f"`data.passkey_min_tokens`={d.passkey_min_tokens} must lie in [16, seq_len - 8 = {t.seq_len - 8}].")
+            raise ConfigError(f"`data.passkey_min_tokens`={d.passkey_min_tokens} must lie in [16, seq_len - 8 "
+                              f"= {t.seq_len - 8}].")
         target = t.seq_len
         if self.pose is not None:
             try:
@@ -405,10 +412,12 @@ class RecipeConfig:
             warmup_steps=t.warmup_steps, lr_scheduler_type="cosine_with_min_lr",
             lr_scheduler_kwargs={"min_lr_rate": t.min_lr_ratio}, weight_decay=t.weight_decay, adam_beta1=t.betas[0],
             adam_beta2=t.betas[1], max_grad_norm=t.grad_clip or 0.0, bf16=t.mixed_precision == "bf16",
-            fp16=t.mixed_precision == "fp16", logging_steps=t.log_every, save_strategy="steps" if t.save_every else "no",
+            fp16=t.mixed_precision == "fp16", logging_steps=t.log_every,
+            save_strategy="steps" if t.save_every else "no",
             save_steps=t.save_every or 500, save_total_limit=t.keep_checkpoints or None, seed=self.run.seed,
             data_seed=self.run.seed, remove_unused_columns=False, dataloader_num_workers=0, report_to=[],
-            disable_tqdm=not sys.stderr.isatty(), use_cpu=not torch.cuda.is_available(), ddp_find_unused_parameters=False,
+            disable_tqdm=not sys.stderr.isatty(), use_cpu=not torch.cuda.is_available(),
+            ddp_find_unused_parameters=False,
             save_only_model=False)
         args.update(t.trainer)
         try:
@@ -429,7 +438,8 @@ def _named(file: str | None):
         raise ConfigError(f"{file}: {err}") from None
 
 
-TOP_LEVEL = {"model", "tokenizer", "output_dir", "seed", "rope_patch", "lora", "data", "pose", "train", "eval", "output"}
+TOP_LEVEL = {"model", "tokenizer", "output_dir", "seed", "rope_patch", "lora", "data", "pose", "train", "eval",
+             "output"}
 
 
 def load_config(source, overrides: dict[str, Any] | None = None) -> RecipeConfig:
@@ -480,7 +490,8 @@ def _parse(raw: dict) -> RecipeConfig:
     if raw.get("rope_patch") is not None:
         block = dict(raw["rope_patch"]) if isinstance(raw["rope_patch"], dict) else raw["rope_patch"]
         if not isinstance(block, dict) or "scheme" not in block:
-            raise ConfigError("`rope_patch` needs a `scheme:` key (e.g. scheme: yarn), or set `rope_patch: null` for no patch.")
+            raise ConfigError("`rope_patch` needs a `scheme:` key (e.g. scheme: yarn), "
+                              "or set `rope_patch: null` for no patch.")
         patch = PatchArgs(block.pop("scheme"), block)
     if "lora" not in raw:
         raise ConfigError("`lora` is required but missing from the config (it is passed to peft.LoraConfig).")

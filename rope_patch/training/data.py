@@ -18,8 +18,9 @@ collators' per-index draws; over packed rows, a second epoch replays every passk
 (the same index, the same draw), which halves what a multi-epoch fine-tune sees of them.
 
 `training_samples` picks one of the two for a run and cuts it to whole global batches (the same samples per step
-for any process count). `token_stream(texts, tokenizer, cache_dir, ...)` tokenises documents once into that stream and caches it on disk
-under a hash of what it is made of (the source files' names and bytes, other source facts, the tokenizer).
+for any process count). `token_stream(texts, tokenizer, cache_dir, ...)` tokenises documents once into that stream and
+caches it on disk under a hash of what it is made of (the source files' names and bytes, other source facts, the
+tokenizer).
 """
 
 from __future__ import annotations
@@ -121,11 +122,11 @@ class PackedDataset(Dataset):
 
 
 class TextWindows(Dataset):
-    """`num_samples` windows of `seq_len` consecutive tokens of `stream` (a 1-d int tensor, e.g. `PackedDataset.stream`),
-    window k starting at an offset drawn uniformly from [0, len(stream) - seq_len] by `sample_rng(seed, k, "window")`.
-    Item k: {"input_ids": LongTensor[seq_len], "index": k}. Set `num_samples` = steps × global batch for one epoch
-    in which every sample index (and so every collator draw) is new; windows overlap and may repeat text, as random
-    crops do."""
+    """`num_samples` windows of `seq_len` consecutive tokens of `stream` (a 1-d int tensor, e.g.
+    `PackedDataset.stream`), window k starting at an offset drawn uniformly from [0, len(stream) - seq_len] by
+    `sample_rng(seed, k, "window")`. Item k: {"input_ids": LongTensor[seq_len], "index": k}. Set `num_samples` = steps ×
+    global batch for one epoch in which every sample index (and so every collator draw) is new; windows overlap and may
+    repeat text, as random crops do."""
 
     def __init__(self, stream: torch.Tensor, seq_len: int, num_samples: int, *, seed: int = 0):
         for name, value in (("seq_len", seq_len), ("num_samples", num_samples)):

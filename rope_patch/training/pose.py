@@ -35,7 +35,8 @@ def validate_pose(train_length: int, target_length: int, n_chunks: int) -> None:
             "PoSE trains short rows for a longer target window; set target_length >= seq_len."
         )
     if n_chunks > train_length:
-        raise ValueError(f"pose.n_chunks={n_chunks} exceeds the {train_length} tokens of a row: use 2 (the paper's default).")
+        raise ValueError(f"pose.n_chunks={n_chunks} exceeds the {train_length} tokens of a row: use 2 "
+                         "(the paper's default).")
 
 
 def pose_position_ids(train_length: int, target_length: int, n_chunks: int, rng: random.Random) -> list[int]:

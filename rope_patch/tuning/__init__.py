@@ -17,6 +17,7 @@ from .scalar import default_space, grid_points, random_points, scalar_search
 from .search import TuneOptions, accept, baselines, longrope_params, planned_evaluations, resolve_options, tune
 
 __all__ = ["FORMAT", "EvolutionSettings", "Objective", "SearchLog", "StopSearch", "TuneOptions", "accept", "baselines",
-           "candidate_sizes", "crossover", "detect_group_sizes", "default_space", "evolve", "grid_points", "initial_factors", "load_best", "load_log", "longrope_params",
+           "candidate_sizes", "crossover", "detect_group_sizes", "default_space", "evolve", "grid_points",
+           "initial_factors", "load_best", "load_log", "longrope_params",
            "monotone", "mutate", "planned_evaluations", "random_points", "resolve_options", "scalar_search",
            "spec_of", "split_heldout", "to_factors", "to_genes", "tune"]

@@ -26,7 +26,8 @@ def candidate_sizes(target: int, window_size: int) -> list[int]:
 
 
 def detect_group_sizes(model: nn.Module, score: Callable[[nn.Module], float], target: int, window_size: int, *,
-                       groups: int = 8, pretraining_window: int | None = None, baseline: int | None = None) -> list[int]:
+                       groups: int = 8, pretraining_window: int | None = None,
+                       baseline: int | None = None) -> list[int]:
     """The authors' detection sweep: for each group g, `score(model)` (higher is better, e.g. passkey or NIAH
     accuracy at `target` tokens) with group g at each of `candidate_sizes(target, window_size)` and the other groups
     at `baseline` (default 2N/L, L = `pretraining_window`, default the model's `max_position_embeddings`). Group g

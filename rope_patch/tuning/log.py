@@ -151,7 +151,8 @@ class SearchLog:
 
     def evaluate(self, params: dict, spec: str, run: Callable[[], dict], **info) -> float:
         """The objective of one candidate: from the replayed log if it holds this evaluation, else `run()`, which
-        returns {"objective", ...} (or {"objective": None, "error": ...}). Raises StopSearch when the budget is spent."""
+        returns {"objective", ...} (or {"objective": None, "error": ...}). Raises StopSearch when the budget is
+        spent."""
         k = len(self.evaluations)
         params = _plain(params)
         if k < len(self.replay):

@@ -67,12 +67,14 @@ class Objective:
                  passkey_weight: float = 0.0, passkey_samples: int = 4, depths: Sequence[float] = DEFAULT_DEPTHS,
                  seed: int = 0, haystack: str = "prose", chat_template: bool = False, needle: bool = False):
         if len(token_ids) < target:
-            raise ValueError(f"the tuning text has {len(token_ids)} tokens, fewer than one window of --target {target}.")
+            raise ValueError(f"the tuning text has {len(token_ids)} tokens, fewer than one window of "
+                             f"--target {target}.")
         if passkey_weight < 0:
             raise ValueError(f"the passkey weight must be >= 0, got {passkey_weight}.")
         self.model, self.tokenizer, self.token_ids = model, tokenizer, list(token_ids)
         self.target, self.n_tokens = target, n_tokens
-        self.passkey_weight, self.passkey_samples, self.depths, self.seed = passkey_weight, passkey_samples, list(depths), seed
+        self.passkey_weight, self.passkey_samples = passkey_weight, passkey_samples
+        self.depths, self.seed = list(depths), seed
         self.needle = needle
         prompts = passkey_weight > 0 or needle
         self.filler = haystack_filler(tokenizer, haystack, self.token_ids, target) if prompts else None
@@ -86,7 +88,8 @@ class Objective:
                 raise ValueError(f"{what} cannot build a prompt at --target {self.target}: {err}.{hint}") from None
         # the needle prompts are the same for every candidate: built once
         self.needles = [sample for depth in self.depths for sample in make_cell(
-            tokenizer, self.filler, target, depth, passkey_samples, seed, chat_template=chat_template)] if needle else []
+            tokenizer, self.filler, target, depth, passkey_samples, seed, chat_template=chat_template)
+        ] if needle else []
 
     def __call__(self, name: str, params: dict) -> dict:
         try:

@@ -62,7 +62,8 @@ class TuneOptions:
     max_evals: int | None = None
     budget_minutes: float | None = None
     split_fraction: float = SPLIT_FRACTION
-    init: Sequence[str] | None = None  # evolution: frequency-scheme specs seeding the population (default PI, NTK, YaRN ×s)
+    # evolution: frequency-scheme specs seeding the population (default PI, NTK, YaRN ×s)
+    init: Sequence[str] | None = None
 
 
 def longrope_params(long_factor: Sequence[float], scale: float, window: int) -> dict:
@@ -222,7 +223,8 @@ def accept(model, token_ids: Sequence[int], log: dict, specs: Sequence[str], *, 
     n_tokens = n_tokens or 16 * settings["target"]
     _, acceptance_ids, split = split_heldout(token_ids, split_fraction)
     if split != log["split"]:
-        raise ValueError("the held-out text is not the one the search used (the split differs); pass the same --heldout.")
+        raise ValueError("the held-out text is not the one the search used (the split differs); "
+                         "pass the same --heldout.")
     key = {"lengths": lengths, "n_tokens": n_tokens, "tokens": split["acceptance_tokens"]}
     old = log.get("acceptance") or {}
     rows = {r["spec"]: r for r in old.get("rows", [])} if all(old.get(k) == v for k, v in key.items()) else {}

@@ -6,14 +6,17 @@ registration and hands over to lm-eval's CLI: every lm-eval flag and subcommand 
     rope-patch-lm-eval --model rope_patch --model_args pretrained=tiny,scheme=yarn,factor=4 \
         --tasks rope_passkey --output_path out/   # rope_* tasks ship with the package
     python -m rope_patch.integrations.lm_eval.cli ...                                   # the same
-    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.integrations.lm_eval.cli ...   # data parallel, CPU
-    accelerate launch -m rope_patch.integrations.lm_eval.cli ...                                      # data parallel, GPUs
+    # data parallel, CPU
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.integrations.lm_eval.cli ...
+    # data parallel, GPUs
+    accelerate launch -m rope_patch.integrations.lm_eval.cli ...
 
 Three conveniences, each only when it cannot change the meaning of a plain lm-eval command line:
 - `--tasks rope_passkey` / `rope_ppl` / `rope_niah` with `--metadata lengths=[256,1024]` run
   `rope_passkey_256 rope_passkey_1024` (the group YAMLs list fixed default lengths, and lm-eval cannot size a
   group from `--metadata`);
-- when a `rope_*` task is asked for and no `--include_path` is given, the packaged tasks (rope_patch/data/tasks) are included;
+- when a `rope_*` task is asked for and no `--include_path` is given, the packaged tasks (rope_patch/data/tasks) are
+  included;
 - with `--model rope_patch` and `pretrained=tiny|smollm2|gemma3`, `--metadata tokenizer=<its folder>` is added unless
   a tokenizer is given, so that tokenizer-sized tasks (RULER) find the tokenizer offline.
 """

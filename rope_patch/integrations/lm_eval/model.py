@@ -19,9 +19,9 @@
 Bad arguments fail before any model is loaded, with the errors of `rope_patch.apply` (unknown scheme or parameter,
 with "Did you mean"; bad values), or a `FileNotFoundError` naming a missing `pretrained` / `adapter` folder.
 
-Exact tokens. The `rope_passkey_*`, `rope_ppl_*` and `rope_niah_*` documents (rope_patch/data/tasks/rope) carry the token ids
-they were built from (`prompt_ids` / `input_ids`). Decoding ids to text and encoding the text again does not give
-the same ids in general (a filler stretch that starts inside a word, a needle spliced at a token boundary), so this
+Exact tokens. The `rope_passkey_*`, `rope_ppl_*` and `rope_niah_*` documents (rope_patch/data/tasks/rope) carry the
+token ids they were built from (`prompt_ids` / `input_ids`). Decoding ids to text and encoding the text again does not
+give the same ids in general (a filler stretch that starts inside a word, a needle spliced at a token boundary), so this
 model evaluates those documents from the ids themselves, with exactly the procedure of `rope-patch compare`
 (`rope_patch.evaluation`): greedy decoding with a KV cache for `max_new_tokens` tokens, the dynamic-RoPE base set
 for the final length, and non-overlapping windows scored from position 0. That makes the numbers equal to
@@ -33,9 +33,9 @@ Prompts longer than `max_length` on the ordinary (text) path are truncated from 
 with a loud warning here instead of a silent cut.
 
 Data parallel: `ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m rope_patch.integrations.lm_eval.cli ...` on CPU,
-`accelerate launch -m rope_patch.integrations.lm_eval.cli ...` on GPUs. HFLM sets rank and world size only when more than one
-GPU is visible; this class takes them from the accelerator in every case.
-"""
+`accelerate launch -m rope_patch.integrations.lm_eval.cli ...` on GPUs. HFLM sets rank and world size only when more
+than one GPU is visible; this class takes them from the accelerator in every case.
+"""  # noqa: E501 (markdown table rows cannot wrap)
 
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ _BANNER = "!" * 100
 
 
 def _hflm_args() -> set[str]:
-    return {n for n, p in inspect.signature(HFLM.__init__).parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD} - {"self"}
+    return {n for n, p in inspect.signature(HFLM.__init__).parameters.items()
+            if p.kind is p.POSITIONAL_OR_KEYWORD} - {"self"}
 
 
 def _all_scheme_params() -> set[str]:

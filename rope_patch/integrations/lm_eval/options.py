@@ -26,7 +26,8 @@ class SweepOptions:
     metadata: list[str] = dataclasses.field(default_factory=list)  # extra KEY=VALUE lm-eval metadata
     limit: float | None = None  # lm-eval --limit
     batch_size: str = "1"
-    chat_template: str = "auto"  # auto | on | off: lm-eval's --apply_chat_template (auto: on when the tokenizer has one)
+    # auto | on | off: lm-eval's --apply_chat_template (auto: on when the tokenizer has one)
+    chat_template: str = "auto"
     include_path: str | None = None  # task folder (default: the packaged rope_patch/data/tasks)
     launcher: str | None = None  # e.g. "torchrun --nproc_per_node 2" or "accelerate launch"
     in_process: bool = False  # run lm-eval in this process (no launcher)

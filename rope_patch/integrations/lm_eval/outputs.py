@@ -124,7 +124,8 @@ def compact_sample(sample: dict) -> dict:
     response = filtered[0] if len(filtered) == 1 else filtered
     raw = (sample.get("resps") or [[None]])[0]
     raw = raw[0] if isinstance(raw, list) and len(raw) == 1 else raw
-    row = {"doc_id": sample["doc_id"], "prompt": str(sample.get("prompt_hash", ""))[:16], "target": sample.get("target"),
+    row = {"doc_id": sample["doc_id"], "prompt": str(sample.get("prompt_hash", ""))[:16],
+           "target": sample.get("target"),
            "response": response}
     if raw != response:
         row["raw"] = raw

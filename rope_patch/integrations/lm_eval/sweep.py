@@ -37,11 +37,12 @@ other task is present (RULER's samples depend on what ran before them in the run
 Output (`<out>/`): per scheme, `schemes/<scheme>/cells/<task>.json` (one finished cell each), `samples.json` (one
 line per sample: prompt hash, target, answer, scores; outputs.py) and lm-eval's own files in `lm_eval/` (regenerable
 and big: the repository ignores them under eval/results); `sweep.json` (format "rope_patch.sweep/1": settings,
-schemes, one row per cell with all of lm-eval's metrics, `elapsed_s`: each scheme's lm-eval runs as recorded in its cells, each run once (`time_spent`), so a resumed
-sweep keeps them, their `total`, and this call's `wall`; `machine`: threads and load of the newest run that made a
-cell), `sweep.md` (scheme x task table of each task's main metric), and, when the suite has `rope_ppl` /
-`rope_passkey` cells, the compare-format files `compare.json/.csv/.md`, `perplexity.png`, `passkey.png` (redraw
-with `rope-patch plot results`). Paths inside the home directory are written `~/...` (files.portable).
+schemes, one row per cell with all of lm-eval's metrics, `elapsed_s`: each scheme's lm-eval runs as recorded in its
+cells, each run once (`time_spent`), so a resumed sweep keeps them, their `total`, and this call's `wall`; `machine`:
+threads and load of the newest run that made a cell), `sweep.md` (scheme x task table of each task's main metric), and,
+when the suite has `rope_ppl` / `rope_passkey` cells, the compare-format files `compare.json/.csv/.md`,
+`perplexity.png`, `passkey.png` (redraw with `rope-patch plot results`). Paths inside the home directory are written
+`~/...` (files.portable).
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def plan(args) -> dict:
         if absent:
             raise ValueError(f"No task YAML for {', '.join(absent)} in {include}: the rope_* tasks exist for lengths "
                              "64, 128, ..., 131072 (powers of two); add others to LADDER in "
-                             "rope_patch/data/tasks/rope/rope_tasks_utils.py and run rope_patch/data/tasks/rope/make_tasks.py.")
+                             "rope_patch/data/tasks/rope/rope_tasks_utils.py and run "
+                             "rope_patch/data/tasks/rope/make_tasks.py.")
     check_task_names([t for t in tasks if not family(t)[0]], include)
     check_offline_data([t for t in tasks if not family(t)[0]], in_process=getattr(args, "in_process", False))
     chat = chat_template_for(model_args.get("tokenizer") or metadata["tokenizer"], args.chat_template)
@@ -449,8 +451,10 @@ def compare_format(result: dict) -> dict | None:
         spec, label = sch["spec"], _label(sch["spec"], s.get("patch"))
         lengths = sorted({r["length"] for r in rows if r["scheme"] == spec})
         for L in lengths:
-            ppl = next((r for r in rows if r["scheme"] == spec and r["family"] == "rope_ppl" and r["length"] == L), None)
-            pk = next((r for r in rows if r["scheme"] == spec and r["family"] == "rope_passkey" and r["length"] == L), None)
+            ppl = next((r for r in rows if r["scheme"] == spec and r["family"] == "rope_ppl"
+                        and r["length"] == L), None)
+            pk = next((r for r in rows if r["scheme"] == spec and r["family"] == "rope_passkey"
+                       and r["length"] == L), None)
             cells = list((pk or {}).get("by_depth", {}).values()) if pk is not None else []
             k, n = sum(c["correct"] for c in cells), sum(c["n"] for c in cells)
             low, high = wilson_interval(k, n) if n else (None, None)
@@ -468,7 +472,8 @@ def compare_format(result: dict) -> dict | None:
                                     "correct": c["correct"], "accuracy": c["accuracy"], "ci_low": low_d,
                                     "ci_high": high_d, "answers": [], "outputs": []})
     return {"format": COMPARE_FORMAT,
-            "model": {"spec": s["model"], "name": s.get("name", s["model"]), "path": s["model_path"], "model_type": None,
+            "model": {"spec": s["model"], "name": s.get("name", s["model"]), "path": s["model_path"],
+                      "model_type": None,
                       "window": _saved_window(s["model_path"]), "n_params": None, "dtype": None,
                       "patch": s.get("patch")},
             "settings": {"lengths": s["lengths"], "passkey_lengths": s["lengths"], "depths": meta.get("depths", []),
@@ -538,7 +543,8 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
         if old.get("weights") and old["weights"] != weights:  # stamps from before fingerprints: matched on the rest
             raise ValueError(f"{out} holds a sweep of other model files: the weights, config, tokenizer or saved patch "
                              f"in {settings['model_path']} changed since its cells were measured (fingerprint "
-                             f"{old['weights'][:19]}... -> {str(weights)[:19]}...). Use another --out, or delete {out}.")
+                             f"{old['weights'][:19]}... -> {str(weights)[:19]}...). Use another --out, "
+                             f"or delete {out}.")
         if old["fingerprint"] != fp:
             raise ValueError(f"{out} holds a sweep with other settings (model, metadata, model_args, limit, batch "
                              f"size or task folder differ). Use another --out, or delete {out}.")

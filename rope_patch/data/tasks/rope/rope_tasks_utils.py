@@ -27,7 +27,7 @@ The answer's lead-in ("The pass key is", "The special magic number for KEY is") 
 `lead_in` field), not part of `text`: lm-eval joins them with a space in a plain prompt, which gives back exactly the
 prompt the ids spell, and with `--apply_chat_template` opens the assistant turn with it, where RULER's tasks put
 theirs and where `rope-patch compare --chat-template on` puts it (`rope_patch.evaluation.passkey`).
-"""
+"""  # noqa: E501 (markdown table rows cannot wrap)
 
 from __future__ import annotations
 
@@ -182,7 +182,8 @@ def ppl_results(doc: dict, results) -> dict:
     text = doc["text"]
     words, n_bytes = len(text.split()), len(text.encode("utf-8"))
     return {"token_perplexity": (loglik, doc["n_predicted"]), "nll": -loglik / doc["n_predicted"],
-            "word_perplexity": (loglik, words), "byte_perplexity": (loglik, n_bytes), "bits_per_byte": (loglik, n_bytes)}
+            "word_perplexity": (loglik, words), "byte_perplexity": (loglik, n_bytes),
+            "bits_per_byte": (loglik, n_bytes)}
 
 
 # ---- multi-key needle in a haystack ---------------------------------------------------------------------------------
