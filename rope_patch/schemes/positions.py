@@ -1,19 +1,10 @@
-"""Schemes that rotate keys with positions other than their own: Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING.
+"""Schemes that attend at other positions beyond a window: Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING.
 
-All five split the (i, j) plane at a window W (for STRING its shift size, which plays that role below): for
-i − j < W the true positions (exact RoPE); beyond it q and k are rotated to other positions f_q(i), f_k(j). That needs the keys un-rotated, so the model's rotary is made
-the identity (the KV cache then holds raw keys) and both rotations happen inside the attention function
-("deferred RoPE"), with the model's own rotary forward (inv_freq, attention_scaling) and `apply_rotary_pos_emb`.
-Models with one RoPE per layer type (Gemma 3: `sliding_attention` / `full_attention`) rotate each layer with its
-own layer type's frequencies. The scheme applies to every layer alike (r(i, j) is a function of the pair, the
-sliding window only hides pairs); on a sliding layer whose window S ≤ W no visible pair is W apart, so that layer
-is exactly vanilla RoPE, and it is run as such (no far rotation). That is the usual case (Gemma 3: S = 512/1024)
-and the intended one: sliding layers never see beyond the distances they were trained on, so they need no
-extension. A window S > W is taken as asked: pairs W ≤ i − j < S use the far positions there too.
-
-Per query block the two logit sets are merged element by element: far logits only for keys j ≤ i − W of some row,
-near logits only for the band j > i₀ − W, so a block costs one pass over the keys plus a (block × (block + W)) band,
-and nothing of size L×L per head is held.
+Each is two regions of distances i − j (attention/geometry.py): below the window W (STRING: its shift size S) the
+true positions, beyond it the query at far_q(i) and the key at far_k(j). The layer computes those copies of its
+queries and keys with its own rotary (attention/copies.py); the regions pick which copy each (query, key) pair reads.
+A sliding layer whose window is at most W never meets a key W back: the scheme is exact RoPE there, and the layer
+runs as it is (Gemma 3's local layers).
 """
 
 from __future__ import annotations
@@ -61,130 +52,6 @@ class Shift:
         return p + self.offset if self.offset else p
 
 
-class TwoRegionScores(attention.AttentionRule):
-    """near (i − j < W): q and k at their true positions.  far: q at far_q(i), k at far_k(j).
-
-    The layer hands over its queries and keys already at those positions, computed by its own code
-    (attention/copies.py): `queries[0]`/`keys[0]` at the true positions, `queries[1]` at far_q, `keys[far_key]` at far_k
-    (STRING's keys stay at j: key set 0). A layer that was not re-positioned (a sliding layer whose window S ≤ W: no
-    visible key is W back, so the scheme is exact RoPE there) hands over one copy, and is run near-only."""
-
-    flex_lse = True  # the flex form merges a near and a far call by log-sum-exp
-
-    def __init__(self, window: int, far_key: int):
-        self.window, self.far_key = window, far_key
-
-    def probe(self, length):
-        return TwoRegionScores(max(2, length // 4), self.far_key)  # near band, mixed and far keys all occur
-
-    def fused_rows(self, heads):
-        # r ≤ W keeps the split below (else the near band is materialised); the one r × r mask is shared by the heads
-        return attention.fit_rows(1, 0, cap=max(64, min(1024, self.window)))
-
-    def begin(self, call):
-        k_len = call.key.shape[2]
-        near_only = len(call.queries) == 1 or (k_len - 1 < self.window and not call.gapped)
-        # The window this call splits at; past every key (near only) when no key can be ≥ W slots back.
-        call.scratch["window"] = k_len + call.query.shape[3] if near_only else self.window
-
-    def _q(self, call, rows, far: bool):
-        return call.queries[1 if far else 0][:, :, :, rows]
-
-    def _k_far(self, call, start, end):
-        return call.keys[self.far_key][:, :, start:end]
-
-    def _k_near(self, call, start, end):
-        return call.key[:, :, start:end]
-
-    def logits(self, call, rows, start, end):
-        w = call.scratch["window"]
-        q_near = self._q(call, rows, far=False)
-        if call.gapped and len(call.queries) > 1:  # regions by the difference of position ids, per element
-            near = call.qk(q_near, self._k_near(call, start, end))
-            far = call.qk(self._q(call, rows, far=True), self._k_far(call, start, end))
-            return torch.where(call.distance(rows, start, end) < self.window, near, far)
-        first = call.first_slot(rows)
-        far_end = max(start, min(end, first + (rows.stop - rows.start) - w))  # keys j < far_end: far for the last row
-        if far_end == start:
-            return call.qk(q_near, self._k_near(call, start, end))
-        near_start = max(start, first - w + 1)  # keys j < near_start are far for every row of the block
-        s = call.qk(self._q(call, rows, far=True), self._k_far(call, start, far_end))
-        if far_end < end:
-            s = torch.cat((s, s.new_empty(*s.shape[:-1], end - far_end)), dim=-1)
-        near = call.qk(q_near, self._k_near(call, near_start, end))
-        is_near = call.distance(rows, near_start, end) < w  # keys j ≥ far_end are always near
-        s[..., near_start - start:] = torch.where(is_near, near, s[..., near_start - start:])
-        return s
-
-    def regions(self, call, rows, start, end):
-        if len(call.queries) == 1:
-            return [(0, 0, None)]
-        near = call.distance(rows, start, end) < (self.window if call.gapped else call.scratch["window"])
-        return [(0, 0, near), (1, self.far_key, ~near)]
-
-    def fused(self, call, rows, end):
-        """Split the keys of a block (first query slot c, r ≤ W rows) by what every row sees; with s = c − W, key j
-        is far for row i iff j − s ≤ i − c:
-            [0, s)              far for all rows       fused kernel, far positions
-            [s, s + r)          a triangle each        far: fused causal kernel; near: fused kernel, its mask
-            [s + r, c)          near for all rows      fused kernel, true positions
-            [c, c + r)          near, diagonal         fused causal kernel
-        (a block wider than W materialises its whole near band instead)."""
-        w, c, r = call.scratch["window"], call.first_slot(rows), rows.stop - rows.start
-        s = c - w
-        parts = []
-        if r > w:
-            near_start = max(0, s + 1)
-            if near_start > 0:
-                parts.append(attention.flash_partial(call, self._q(call, rows, far=True), self._k_far(call, 0, near_start),
-                                                     call.value[:, :, :near_start]))
-            return [*parts, attention.band_partial(call, self.logits(call, rows, near_start, end), rows, near_start, end)]
-        q_near, v = self._q(call, rows, far=False), call.value
-        q_far = self._q(call, rows, far=True) if s + r > 0 else None  # (a layer run near-only has no far copy)
-        if s > 0:
-            parts.append(attention.flash_partial(call, q_far, self._k_far(call, 0, s), v[:, :, :s]))
-        lo, hi = max(s, 0), max(s + r, 0)  # the triangles' keys that exist
-        if hi > lo:
-            if s >= 0:  # the far triangle j − s ≤ i − c is the kernel's own causal mask
-                parts.append(attention.flash_causal_partial(call, q_far, self._k_far(call, s, s + r), v[:, :, s:s + r]))
-            else:  # cut by the first key: its rows below −s see no far key
-                far, dead = self._triangle(call, r, lo - s, far=True)
-                parts.append(attention.flash_partial(call, q_far, self._k_far(call, lo, hi), v[:, :, lo:hi], mask=far,
-                                                     dead=dead))
-            near, dead = self._triangle(call, r, lo - s, far=False)
-            parts.append(attention.flash_partial(call, q_near, self._k_near(call, lo, hi), v[:, :, lo:hi], mask=near,
-                                                 dead=dead))
-        if c > hi:
-            parts.append(attention.flash_partial(call, q_near, self._k_near(call, hi, c), v[:, :, hi:c]))
-        parts.append(attention.flash_causal_partial(call, q_near, self._k_near(call, c, end), v[:, :, c:end]))
-        return parts
-
-    def _triangle(self, call, r: int, cut: int, far: bool):
-        """The additive (1, 1, 1, r, r − cut) mask of the far (j' ≤ i') or near (j' > i') triangle of an r-row block
-        over its keys j' ∈ [cut, r), and its rows that see no key; built once per call (heads share it)."""
-        key = ("two_region_triangle", r, cut, far)
-        if key not in call.scratch:
-            i = torch.arange(r, device=call.query.device)
-            inside = (i[None, cut:] <= i[:, None]) if far else (i[None, cut:] > i[:, None])
-            mask = torch.zeros(inside.shape, dtype=call.query.dtype, device=inside.device).masked_fill(~inside, float("-inf"))
-            call.scratch[key] = mask.view(1, 1, 1, *inside.shape), ~inside.any(-1)
-        return call.scratch[key]
-
-    def flex(self, call, block_mask):
-        """Two flex_attention calls under transformers' BlockMask, split at the window: the near band (true
-        positions, i − j < W) and the far part (far positions, i − j ≥ W), each with only the blocks it touches;
-        their partial softmaxes merge by log-sum-exp (`attention.merge`): exact, and no L×L tensor is held."""
-        q_near = call.queries[0].flatten(1, 2)
-        if call.scratch["window"] != self.window:  # no far region: plain RoPE at true positions, one call, no lse
-            return attention.flex_call(call, q_near, call.key, call.value, block_mask)
-        w = self.window
-        near = attention.restrict_block_mask(block_mask, call, w, near=True)
-        far = attention.restrict_block_mask(block_mask, call, w, near=False)
-        q_far = call.queries[1].flatten(1, 2)
-        return attention.merge([attention.flex_call(call, q_near, call.key, call.value, near, lse=True),
-                                attention.flex_call(call, q_far, call.keys[self.far_key], call.value, far, lse=True)])
-
-
 def _check_window_size(name: str, value) -> int:
     if value is None:
         raise TypeError(f"{name}: missing required parameter `window_size` (the neighbour window W in tokens, e.g. 512).")
@@ -225,14 +92,22 @@ class TwoRegion(AttentionScheme):
         # A sliding layer whose window S ≤ split never sees a key `split` back: the scheme is exact RoPE there, and
         # the layer runs as it is (no copies). A window S > split is taken as asked: the far region applies.
         # A layer with memory (DeepSeek-V4: entries of compressed blocks appended to its window's keys) sees beyond
-        # its window: the far region applies there.
+        # its window: the far region applies there. A scheme that hides keys (sink, LM-Infinite) changes a full layer
+        # that carries its model's `sliding_window` without using it (exaone4's global NoPE layers, `is_sliding` False).
         sliding = getattr(module, "sliding_window", None)
-        if isinstance(sliding, int) and sliding <= self.split() and not attention.memory_rotaries(module):
+        hides = any(r.first is not None for r in self.geometry().regions)
+        if (isinstance(sliding, int) and sliding <= self.split() and not attention.memory_rotaries(module)
+                and not (hides and getattr(module, "is_sliding", None) is False)):
             return None
         return self._layout()[0]
 
+    def geometry(self) -> attention.Geometry:
+        """Near: distances below `split` at the true positions; far: the far query copy against the far keys."""
+        w = self.split()
+        return attention.Geometry((attention.Region(hi=w), attention.Region(query=1, keys=self._layout()[1], lo=w)))
+
     def build(self, target):
-        return TwoRegionScores(self.split(), self._layout()[1]), None
+        return attention.Declared(self.geometry()), None
 
 
 @register_scheme

@@ -63,9 +63,7 @@ from ..registry import register_scheme
 from ..undo import UndoLog
 from .base import UNBOUNDED, Suggestion
 from .common import cache_arg, decoder
-from .positions import TwoRegion, TwoRegionScores, _check_window_size
-
-HIDDEN = torch.finfo(torch.float32).min  # a hidden key's logit: finite, so a row with every key hidden stays finite
+from .positions import TwoRegion, _check_window_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,115 +76,26 @@ class Clamp:
         return p.clamp(max=self.limit)
 
 
-class SinkScores(TwoRegionScores):
-    """Near (i − j < W): true positions. Far: only the sinks, the query at min(i, S + W − 1), the key at its own
-    position (key set 0); other far keys are hidden.
-
-    Which slots hold sinks: with a contiguous cache (none, a DynamicCache, a sliding layer) slot j is at true position
-    j + offset, so the sinks are the slots j < S − offset (left padding: offset = −pads); after a `SinkCache` layer
-    evicted, its first `kept_head` = S slots are the sinks (`copies.Current.kept_head`) and the rest is the window,
-    contiguous up to the queries, so slot distances are the pos_shift distances."""
-
-    def __init__(self, window: int, sink_size: int):
-        super().__init__(window, far_key=0)
-        self.sink_size = sink_size
-
-    def probe(self, length):
-        # every key a sink: nothing is hidden, so on identical copies the rule is the model's attention
-        return SinkScores(max(2, length // 4), length)
+class SinkScores(attention.Declared):
+    """The sink geometry, with the sinks read from the cache: after a `SinkCache` layer evicted, its first
+    `kept_head` = S slots are the sinks (`copies.Current.kept_head`) and the rest is the window, contiguous up to the
+    queries, so slot distances are the pos_shift distances. Otherwise slot j is at position j + offset."""
 
     def begin(self, call):
-        super().begin(call)
         state = module_state(call.module)
-        if state.positionless:
-            # StreamingLLM evicts the middle of every layer's cache, a layer without positions too (exaone4's,
-            # kolibri1's global NoPE layers): which keys are sinks needs the tokens' positions, which do not reach it
-            raise attention.NotProven("runs without positions (a layer with no position encoding), and sink must hide "
-                                      "its middle keys too, which needs the tokens' positions")
-        current = state.current
-        head = getattr(current, "kept_head", None)
-        if head is not None:
-            if call.offset.numel() > 1 and bool((call.offset != call.offset[:1]).any()):
-                raise ValueError(
-                    "sink: a SinkCache that evicted keys met a left-padded batch: its layers evict the same slots of "
-                    "every row, so the rows' sinks are not all kept. Generate unpadded rows one at a time with a "
-                    "SinkCache, or use the default DynamicCache (exact, keeps every key).")
-            limit = torch.full((1, 1), head, dtype=torch.long, device=call.q_slot.device)
-        else:
-            limit = (self.sink_size - call.offset).clamp(min=0)  # (b|1, 1): slots before it hold sinks (or pads)
-        call.scratch["sinks"] = limit
+        head = getattr(state.current, "kept_head", None)
+        if head is not None and call.offset.numel() > 1 and bool((call.offset != call.offset[:1]).any()):
+            raise ValueError(
+                "sink: a SinkCache that evicted keys met a left-padded batch: its layers evict the same slots of "
+                "every row, so the rows' sinks are not all kept. Generate unpadded rows one at a time with a "
+                "SinkCache, or use the default DynamicCache (exact, keeps every key).")
+        super().begin(call)
 
-    def _hidden(self, call, rows, start, end) -> torch.Tensor:
-        """(b|1, 1, 1, r, e) bool: far keys that are not sinks."""
-        if call.gapped:  # PoSE gaps / packed rows: regions and sinks by position ids
-            far = call.distance(rows, start, end) >= self.window
-            return far & (call.ids[:, None, None, None, start:end] >= self.sink_size)
-        far = call.distance(rows, start, end) >= call.scratch["window"]  # (r, e)
-        slots = torch.arange(start, end, device=call.q_slot.device)
-        not_sink = slots[None, :] >= call.scratch["sinks"]  # (b|1, e)
-        return far[None, None, None] & not_sink[:, None, None, None, :]
-
-    def logits(self, call, rows, start, end):
-        s = super().logits(call, rows, start, end)
-        return s.masked_fill(self._hidden(call, rows, start, end), HIDDEN)
-
-    def _flat_limit(self, call) -> int | None:
-        limit = call.scratch["sinks"]
-        return int(limit.reshape(-1)[0]) if bool((limit == limit.reshape(-1)[0]).all()) else None
-
-    def fused(self, call, rows, end):
-        """TwoRegionScores' split with the far part cut to the sinks: keys [0, min(c − W + 1, sinks)) through the fused
-        kernel at the far query, the mixed keys through two masked calls (far only where a sink), the near keys as
-        before."""
-        limit = self._flat_limit(call)
-        if limit is None:  # rows with different sink slots: the materialised path
-            return None
-        w, c, r = call.scratch["window"], call.first_slot(rows), rows.stop - rows.start
-        near_start = max(0, c - w + 1)
-        parts = []
-        sinks = min(near_start, limit)
-        if sinks > 0:
-            parts.append(attention.flash_partial(call, self._q(call, rows, far=True), self._k_far(call, 0, sinks),
-                                                 call.value[:, :, :sinks]))
-        if r > w:
-            return [*parts, attention.band_partial(call, self.logits(call, rows, near_start, end), rows, near_start, end)]
-        mix_end = max(near_start, c + r - w)
-        q_near = self._q(call, rows, far=False)
-        if mix_end > near_start:
-            far_mask, near_mask = self._mixed_masks(call, rows, near_start, mix_end)
-            v = call.value[:, :, near_start:mix_end]
-            parts.append(attention.flash_partial(call, self._q(call, rows, far=True),
-                                                 self._k_far(call, near_start, mix_end), v, mask=far_mask))
-            parts.append(attention.flash_partial(call, q_near, self._k_near(call, near_start, mix_end), v, mask=near_mask))
-        if c > mix_end:
-            parts.append(attention.flash_partial(call, q_near, self._k_near(call, mix_end, c), call.value[:, :, mix_end:c]))
-        parts.append(attention.flash_causal_partial(call, q_near, self._k_near(call, c, end), call.value[:, :, c:end]))
-        return parts
-
-    def _mixed_masks(self, call, rows, start, end):
-        """Additive masks of the mixed keys: far where i − j ≥ W and the key is a sink, near where i − j < W."""
-        is_near = call.distance(rows, start, end) < call.scratch["window"]
-        sink = torch.arange(start, end, device=is_near.device) < self._flat_limit(call)
-        inf = torch.tensor(float("-inf"), dtype=call.query.dtype, device=call.query.device)
-        zero = torch.zeros((), dtype=call.query.dtype, device=call.query.device)
-        shape = (1, *call.query.shape[1:3], *is_near.shape)
-        far = ~is_near & sink[None, :]
-        return tuple(torch.where(m, zero, inf).expand(shape).contiguous() for m in (far, is_near))
-
-    def flex(self, call, block_mask):
-        if call.scratch["window"] != self.window:
-            return super().flex(call, block_mask)
-        limit = call.scratch["sinks"].reshape(-1).expand(call.query.shape[0]).contiguous()
-
-        def sink(b, h, qi, kv):
-            return kv < limit[b]
-
-        w = self.window
-        near = attention.restrict_block_mask(block_mask, call, w, near=True)
-        far = attention.restrict_block_mask(block_mask, call, w, near=False, keep=sink)
-        q_near, q_far = call.queries[0].flatten(1, 2), call.queries[1].flatten(1, 2)
-        return attention.merge([attention.flex_call(call, q_near, call.key, call.value, near, lse=True),
-                                attention.flex_call(call, q_far, call.key, call.value, far, lse=True)])
+    def first_slots(self, call, first):
+        head = getattr(module_state(call.module).current, "kept_head", None)
+        if head is None:
+            return super().first_slots(call, first)
+        return torch.full((1, 1), head, dtype=torch.long, device=call.q_slot.device)
 
 
 class SinkLayer(DynamicLayer):
@@ -370,14 +279,6 @@ class Sink(TwoRegion):
         # evicted from the window is gone, but generation goes on at fixed cost, which is what the scheme serves)
         return UNBOUNDED if self.sink_size + self.window_size <= window else None
 
-    def layout(self, module):
-        # Unlike the other two-region schemes, sink changes layers without positions too (it hides keys): a full
-        # layer that carries its model's `sliding_window` attribute without using it (exaone4's global NoPE layers,
-        # `is_sliding` False) is not left alone.
-        if getattr(module, "is_sliding", None) is False:
-            return self._layout()[0]
-        return super().layout(module)
-
     def relative_position(self, i, j):
         """i − j in the window, min(i, S + W − 1) − j for a sink, NaN for a hidden key."""
         i, j = torch.as_tensor(i, dtype=torch.float64), torch.as_tensor(j, dtype=torch.float64)
@@ -386,5 +287,11 @@ class Sink(TwoRegion):
         hidden = torch.full_like(d, float("nan"))
         return torch.where(d < self.window_size, d, torch.where(j < self.sink_size, sink, hidden))
 
+    def geometry(self):
+        """The window at true positions; beyond it only the first `sink_size` keys, the query at min(i, S + W − 1)."""
+        w = self.window_size
+        return attention.Geometry((attention.Region(hi=w), attention.Region(query=1, lo=w, first=self.sink_size)))
+
     def build(self, target):
-        return SinkScores(self.window_size, self.sink_size), _AttachGuard(target, SinkGuard(self.sink_size, self.window_size))
+        guard = _AttachGuard(target, SinkGuard(self.sink_size, self.window_size))
+        return SinkScores(self.geometry()), guard

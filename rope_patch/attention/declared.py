@@ -1,0 +1,241 @@
+"""`Declared`: the attention rule every backend derives from a scheme's `Geometry` (attention/geometry.py).
+
+Per query block (rows at key slots c … c + r − 1, keys before c + r) a region lo ≤ i − j < hi covers, in slots:
+
+    [c − hi, c − hi + r)    its far edge: key j' of the edge is inside for row i' iff j' > i'
+    [c − hi + r, c − lo)    every row: one fused kernel call without a mask
+    [c − lo, c − lo + r)    its near edge: inside iff j' ≤ i', the fused kernel's own causal mask
+
+cut to the keys that exist (and to the first tokens' keys for `Region.first`). A band narrower than the block has no
+middle: its keys go through one masked call. The materialised path writes each region's scores over the keys it can
+reach into one block of hidden logits; flex_attention runs one call per region, its BlockMask cut to the band. The
+partial softmaxes merge by log-sum-exp (`merge`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from .copies import NotProven
+from .flex import flex_call
+from .geometry import Geometry, Region
+from .kernels import flash_causal_partial, flash_partial
+from .protocol import AttentionCall, AttentionRule, fit_rows, merge, module_state
+from .rules import PLAIN
+
+HIDDEN = torch.finfo(torch.float32).min  # a hidden key's logit: finite, so a row with every key hidden stays finite
+
+
+class Declared(AttentionRule):
+    """The attention of `geometry`, on every backend.
+
+    Args:
+        geometry: the scheme's regions.
+    """
+
+    flex_lse = True  # regions merge by log-sum-exp
+
+    def __init__(self, geometry: Geometry):
+        self.geometry = geometry
+
+    def probe(self, length):
+        return type(self)(self.geometry.probe(length))
+
+    def fused_rows(self, heads):
+        # a block no wider than the narrowest band keeps every band's middle a kernel call without a mask
+        cuts = self.geometry.boundaries()
+        return fit_rows(1, 0, cap=max(64, min(1024, *cuts)) if cuts else 1024)
+
+    # ---- per call --------------------------------------------------------------------------------------------------
+    def begin(self, call):
+        if module_state(call.module).positionless and any(r.first is not None for r in self.geometry.regions):
+            # a layer without positions (exaone4's, kolibri1's global NoPE layers) still hides its middle keys, and
+            # which keys are the first tokens' needs the positions, which do not reach it
+            raise NotProven("runs without positions (a layer with no position encoding), and this scheme hides keys "
+                            "by their positions")
+        regions = self._active(call)
+        call.scratch["regions"] = regions
+        call.scratch["first"] = {r.first: self.first_slots(call, r.first) for r in regions if r.first is not None}
+
+    def _active(self, call) -> tuple[Region, ...]:
+        """The regions this call can reach: a layer handed one copy (one the scheme leaves as it is) runs plain, and
+        without gaps no key is more than k − 1 slots back."""
+        if len(call.queries) == 1:
+            return (Region(),)
+        reach = math.inf if call.gapped else call.key.shape[2] - 1
+        # a band that ends past every key ends nowhere: one region left at copy 0 is then the model's attention
+        return tuple(dataclasses.replace(r, hi=math.inf) if r.hi > reach else r for r in self.geometry.reach(reach))
+
+    def first_slots(self, call: AttentionCall, first: int) -> torch.Tensor:
+        """(b|1, 1): the slots before which keys are among the first `first` tokens (slot j holds position j + offset)."""
+        return (first - call.offset).clamp(min=0)
+
+    def _plain(self, call) -> bool:
+        regions = call.scratch["regions"]
+        return len(regions) == 1 and regions[0].plain
+
+    # ---- materialised ----------------------------------------------------------------------------------------------
+    def _where(self, call, region, rows, start, end):
+        """bool, broadcastable to the scores: the (row, key) pairs of slots [start, end) inside `region`."""
+        d = call.distance(rows, start, end)
+        inside = (d >= region.lo) & (d < region.hi)
+        if region.first is not None:
+            if call.gapped:
+                first = call.ids[:, None, None, None, start:end] < region.first
+            else:
+                slots = torch.arange(start, end, device=d.device)
+                first = (slots < call.scratch["first"][region.first])[:, None, None, None, :]
+            inside = inside & first
+        return inside
+
+    def _span(self, call, region, rows, start, end) -> tuple[int, int]:
+        """The keys of [start, end) some row of the block may meet in `region` (by slots; all of them with gaps)."""
+        if call.gapped:
+            return start, end
+        c, r = call.first_slot(rows), rows.stop - rows.start
+        a = start if region.hi == math.inf else max(start, c - int(region.hi) + 1)
+        z = min(end, c + r - region.lo)
+        if region.first is not None:
+            z = min(z, int(call.scratch["first"][region.first].max()))
+        return a, max(a, z)
+
+    def logits(self, call, rows, start, end):
+        if self._plain(call):
+            return PLAIN.logits(call, rows, start, end)
+        s = None
+        for region in call.scratch["regions"]:
+            a, z = self._span(call, region, rows, start, end)
+            if a == z:
+                continue
+            part = call.qk(call.queries[region.query][:, :, :, rows], call.keys[region.keys][:, :, a:z])
+            if s is None:
+                s = part.new_full((*part.shape[:-1], end - start), HIDDEN)
+            ia, iz = self._inside(call, region, rows, a, z)  # every row inside: no mask to build
+            s[..., ia - start:iz - start] = part[..., ia - a:iz - a]
+            for lo, hi in ((a, ia), (iz, z)):
+                if lo < hi:
+                    s[..., lo - start:hi - start] = torch.where(self._where(call, region, rows, lo, hi),
+                                                                part[..., lo - a:hi - a], s[..., lo - start:hi - start])
+        if s is None:  # no key within reach of any region
+            b, hkv, g = call.query.shape[:3]
+            s = torch.full((b, hkv, g, rows.stop - rows.start, end - start), HIDDEN, device=call.query.device)
+        return s
+
+    def _inside(self, call, region, rows, a, z) -> tuple[int, int]:
+        """The keys of [a, z) inside `region` for every row of the block (an empty range at `a` with gaps)."""
+        if call.gapped:
+            return a, a
+        c, r = call.first_slot(rows), rows.stop - rows.start
+        ia = a if region.hi == math.inf else max(a, c + r - int(region.hi))
+        iz = min(z, c - region.lo + 1)
+        if region.first is not None:
+            iz = min(iz, int(call.scratch["first"][region.first].min()))
+        return (ia, iz) if ia < iz else (a, a)
+
+    def regions(self, call, rows, start, end):
+        if self._plain(call):
+            return [(0, 0, None)]
+        return [(r.query, r.keys, self._where(call, r, rows, start, end)) for r in call.scratch["regions"]]
+
+    # ---- fused -----------------------------------------------------------------------------------------------------
+    def fused(self, call, rows, end):
+        if self._plain(call):
+            return PLAIN.fused(call, rows, end)
+        firsts = call.scratch["first"].values()
+        if any(bool((f != f.reshape(-1)[0]).any()) for f in firsts):  # rows with different first keys: materialise
+            return None
+        parts = []
+        for region in call.scratch["regions"]:
+            parts += self._region_parts(call, region, rows, end)
+        return parts or None
+
+    def _region_parts(self, call, region, rows, end):
+        c, r = call.first_slot(rows), rows.stop - rows.start
+        limit = end if region.first is None else min(end, int(call.scratch["first"][region.first].reshape(-1)[0]))
+        q, k, v = call.queries[region.query][:, :, :, rows], call.keys[region.keys], call.value
+
+        def masked(kind, lo, hi):  # keys [lo, hi) of an edge starting at slot `lo0`
+            lo0 = c - (region.lo if kind == "near" else int(region.hi))
+            a, z = max(lo, 0, lo0), min(hi, limit)
+            if a >= z:
+                return []
+            if kind == "near" and (a, z) == (lo0, lo0 + r):
+                return [flash_causal_partial(call, q, k[:, :, a:z], v[:, :, a:z])]
+            mask, dead = self._triangle(call, r, a - lo0, z - lo0, kind)
+            return [flash_partial(call, q, k[:, :, a:z], v[:, :, a:z], mask=mask, dead=dead)]
+
+        near = c - region.lo
+        if region.hi == math.inf:
+            middle = (0, near)
+        elif region.hi - region.lo < r:  # a narrow band: one masked call over every key it reaches
+            a, z = max(0, c - int(region.hi) + 1), min(limit, c + r - region.lo)
+            if a >= z:
+                return []
+            where = self._where(call, region, rows, a, z).reshape(-1, r, z - a)[0]  # one row's first keys: all's
+            mask = torch.zeros(where.shape, dtype=q.dtype, device=q.device).masked_fill(~where, float("-inf"))
+            return [flash_partial(call, q, k[:, :, a:z], v[:, :, a:z], mask=mask.view(1, 1, 1, r, z - a),
+                                  dead=~where.any(-1))]
+        else:
+            far = c - int(region.hi)
+            middle = (far + r, near)
+        parts = [] if region.hi == math.inf else masked("far", far, far + r)
+        a, z = max(0, middle[0]), min(limit, middle[1])
+        if a < z:
+            parts.append(flash_partial(call, q, k[:, :, a:z], v[:, :, a:z]))
+        return parts + masked("near", near, near + r)
+
+    def _triangle(self, call, r: int, a: int, z: int, kind: str):
+        """The additive (1, 1, 1, r, z − a) mask of an edge's keys j' ∈ [a, z) (near: j' ≤ i'; far: j' > i') and its
+        rows that see no key; built once per call (the heads share it)."""
+        key = ("declared_edge", r, a, z, kind)
+        if key not in call.scratch:
+            i, j = torch.arange(r, device=call.query.device)[:, None], torch.arange(a, z, device=call.query.device)
+            inside = (j <= i) if kind == "near" else (j > i)
+            mask = torch.zeros(inside.shape, dtype=call.query.dtype, device=inside.device)
+            call.scratch[key] = mask.masked_fill(~inside, float("-inf")).view(1, 1, 1, r, z - a), ~inside.any(-1)
+        return call.scratch[key]
+
+    # ---- flex_attention ---------------------------------------------------------------------------------------------
+    def flex(self, call, block_mask):
+        if self._plain(call):
+            return PLAIN.flex(call, block_mask)
+        parts = []
+        for region in call.scratch["regions"]:
+            first = call.scratch["first"].get(region.first)
+            mask = band_block_mask(block_mask, call, region.lo, region.hi, first)
+            q = call.queries[region.query].flatten(1, 2)
+            parts.append(flex_call(call, q, call.keys[region.keys], call.value, mask, lse=True))
+        return merge(parts)
+
+
+def band_block_mask(block_mask, call: AttentionCall, lo: int, hi: float, first: torch.Tensor | None = None):
+    """`block_mask` ∧ lo ≤ i − j < hi (in key slots) [∧ j < first[b], a row's first keys]. The element rule is the
+    mask_mod; the block list keeps the original blocks that hold an element of the band (judged from each block's
+    smallest and largest distance), all partial: a full block may now be cut by the band."""
+    q_len, k_len = call.query.shape[3], call.key.shape[2]
+    dev = call.key.device
+    shift = torch.tensor(k_len - q_len, device=dev)
+    low, high = torch.tensor(lo, device=dev), torch.tensor(min(hi, k_len + q_len), device=dev)
+    limit = None if first is None else first.reshape(-1).expand(call.query.shape[0]).contiguous()
+    base = block_mask.mask_mod
+
+    def mask_mod(b, h, qi, kv):
+        dist = qi + shift - kv
+        inside = base(b, h, qi, kv) & (dist >= low) & (dist < high)
+        return inside if limit is None else inside & (kv < limit[b])
+
+    qb, kb = block_mask.BLOCK_SIZE
+    dense = block_mask.to_dense().bool()  # (B, H, q blocks, kv blocks): partial ∪ full
+    q0 = torch.arange(dense.shape[-2], device=dev)[:, None] * qb + (k_len - q_len)
+    k0 = torch.arange(dense.shape[-1], device=dev)[None, :] * kb
+    dense = dense & (q0 + qb - 1 - k0 >= lo) & (q0 - (k0 + kb - 1) < high)
+    if limit is not None:
+        dense = dense & (k0 < limit.max())
+    num = dense.sum(-1, dtype=torch.int32)
+    order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, k_len))

@@ -1,0 +1,80 @@
+"""What an attention-side scheme declares: which copy of the queries meets which set of keys, where.
+
+A re-positioned layer runs its queries and keys at several position maps (`Layout`, attention/copies.py): query copy t
+at `maps[t]`, key set s at `maps[key_copies[s]]`. A `Geometry` says which (query, key) pairs read which copies: a
+`Region` is a band of distances i − j (in positions), optionally cut to the first tokens' keys. Keys that no region
+covers are hidden. The backends' code (attention/declared.py) derives every path from this declaration: the
+materialised scores, the fused flash path, flex_attention's block masks and the one-row decoding step.
+
+Self-Extend, for instance, is two regions: distances below W at the true positions, the rest at grouped ones:
+
+    Geometry((Region(hi=W), Region(query=1, keys=1, lo=W)))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Where query copy `query` meets key set `keys`.
+
+    Args:
+        query: the query copy (index into the layout's position maps).
+        keys: the key set (index into the layout's `key_copies`).
+        lo: the smallest distance i − j (in positions) of the region.
+        hi: the first distance past the region (`math.inf`: no end).
+        first: only the keys of the first `first` tokens (attention sinks, LM-Infinite's global branch); None: any key.
+    """
+
+    query: int = 0
+    keys: int = 0
+    lo: int = 0
+    hi: float = math.inf
+    first: int | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.lo < self.hi:
+            raise ValueError(f"a region's distances lo ≤ i − j < hi need 0 ≤ lo < hi, got lo={self.lo}, hi={self.hi}")
+
+    @property
+    def plain(self) -> bool:
+        """Whether the region is attention as the model has it: copy 0 against key set 0, every causal key."""
+        return (self.query, self.keys, self.lo, self.hi, self.first) == (0, 0, 0, math.inf, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """A scheme's attention, declared: its regions, which must not overlap (a key two regions cover would be counted
+    twice in the softmax).
+
+    Args:
+        regions: the `Region`s; a key no region covers is hidden.
+    """
+
+    regions: tuple[Region, ...]
+
+    def __post_init__(self):
+        bands = sorted((r.lo, r.hi) for r in self.regions)
+        if any(a_hi > b_lo for (_, a_hi), (b_lo, _) in zip(bands, bands[1:], strict=False)):
+            raise ValueError(f"overlapping regions: {self.regions}")
+
+    def reach(self, distance: int) -> tuple[Region, ...]:
+        """The regions a key at most `distance` back can fall in (those starting within it)."""
+        return tuple(r for r in self.regions if r.lo <= distance)
+
+    def boundaries(self) -> list[int]:
+        """The finite distances where one region ends or another starts, in order."""
+        return sorted({b for r in self.regions for b in (r.lo, r.hi) if 0 < b < math.inf})
+
+    def probe(self, length: int) -> Geometry:
+        """The same regions with their boundaries spread over a `length`-token input (so every region and its edges
+        occur) and every key a first one: on identical position copies this is the model's own attention, which is
+        what the apply-time check (attention/plumbing.py) compares against."""
+        cuts = self.boundaries()
+        spread = {b: max(2, (k + 1) * length // (len(cuts) + 1)) for k, b in enumerate(cuts)}
+        return Geometry(tuple(dataclasses.replace(r, lo=spread.get(r.lo, r.lo), hi=spread.get(r.hi, r.hi),
+                                                  first=None if r.first is None else length)
+                              for r in self.regions))
