@@ -36,7 +36,8 @@ def inv_freq(cfg, d, layer_type=None):
 def logistic_groups(n: int, capacity: int, rate: float) -> list[int]:
     """SELF (Dang et al. 2025, arXiv:2505.17296): the group of each of n tokens when group x holds ⌊g(x)⌋ consecutive
     tokens, g(x) = C / (1 + (C − 1)·e^(−r·x)) (1 at x = 0, below C for every x: at most C − 1), the tokens counted from
-    1 as the authors' kernel counts them (token 0 joins token 1 in group 0). Written by walking the groups one by one."""
+    1 as the authors' kernel counts them (token 0 joins token 1 in group 0). Written by walking the groups one by
+    one."""
     counted, x = [], 0
     while len(counted) < n:
         size = min(math.floor(capacity / (1 + (capacity - 1) * math.exp(-rate * x))), capacity - 1)
@@ -50,6 +51,8 @@ def relative(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Te
     d = (i - j).float()
     if scheme == "rope":
         return d
+    if scheme == "lm_infinite":  # Han et al. 2024 (LM-Infinite): d in the local branch, D for the global one
+        return torch.where(d < p["local_size"], d, torch.full_like(d, p.get("max_distance", p["local_size"])))
     w = p["window_size"]
     if scheme == "string":  # An et al. 2024 (STRING) §4: d for d < S, d − S + W for d ≥ S
         shift = p["shift_size"]
@@ -83,6 +86,10 @@ def pair_positions(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> tu
         # window, keys in place; pairs that are neither near nor a sink are hidden (`sink_hidden`)
         far = d >= p["window_size"]
         return torch.where(far, i.clamp(max=p.get("sink_size", 4) + p["window_size"] - 1), i), j
+    if scheme == "lm_infinite":  # Han et al. 2024 (LM-Infinite): beyond the local branch q at D, k un-rotated
+        far = d >= p["local_size"]
+        q_far = torch.full_like(i, p.get("max_distance", p["local_size"]))
+        return torch.where(far, q_far, i), torch.where(far, torch.zeros_like(j), j)
     w = p["window_size"]
     if scheme == "string":  # An et al. 2024 (STRING): the query moved to i − S + W for d ≥ S, keys in place
         far = d >= p["shift_size"]
@@ -104,8 +111,19 @@ def pair_positions(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> tu
     raise KeyError(scheme)
 
 
+def hidden(scheme: str, p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
+    """The pairs (i, j) of true positions a scheme hides (None: none): StreamingLLM's evicted keys, LM-Infinite's
+    middle ones (beyond the local branch and not among the first `global_size` tokens)."""
+    if scheme == "sink":
+        return sink_hidden(p, i, j)
+    if scheme == "lm_infinite":
+        return (i - j >= p["local_size"]) & (j >= p.get("global_size", 100))
+    return None
+
+
 def sink_hidden(p: dict, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    """StreamingLLM: the pairs (i, j) of true positions that are neither in the window (i − j < W) nor a sink (j < S)."""
+    """StreamingLLM: the pairs (i, j) of true positions that are neither in the window (i − j < W) nor a sink
+    (j < S)."""
     return (i - j >= p["window_size"]) & (j >= p.get("sink_size", 4))
 
 
@@ -122,7 +140,8 @@ def t5_bucket(n: int, num_buckets: int, max_distance: int) -> int:
     exact = num_buckets // 2
     if n < exact:
         return n
-    return min(num_buckets - 1, exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact)))
+    return min(num_buckets - 1,
+               exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact)))
 
 
 def sinusoid_table(n: int, dim: int, theta: float = 10000.0) -> torch.Tensor:
@@ -140,7 +159,8 @@ def scores(scheme, p, model, layer_idx, q, k, pos, scale=None, layer_type=None):
     b, h, n, d = q.shape
     scale = d**-0.5 if scale is None else scale
     i, j = pos[:, :, None], pos[:, None, :]
-    if scheme in ("rope", "rerope", "leaky_rerope", "self_extend", "self_extend_logistic", "string", "dpe"):
+    if scheme in ("rope", "rerope", "leaky_rerope", "self_extend", "self_extend_logistic", "string", "dpe",
+                  "lm_infinite"):
         freq = inv_freq(model.config, d, layer_type)
         if scheme == "dpe":  # pair k in group ⌊k·G/(d/2)⌋ (fastest first) is Self-Extend with that group's size
             sizes = p["group_sizes"]
@@ -153,7 +173,9 @@ def scores(scheme, p, model, layer_idx, q, k, pos, scale=None, layer_type=None):
         cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
         qi = q[:, :, :, None, :]  # (b, H, L, 1, d): q_i rotated by r(i, j) for every j
         q_rot = qi * cos[:, None] + rotate_half(qi) * sin[:, None]
-        return (q_rot * k[:, :, None, :, :]).sum(-1) * scale
+        s = (q_rot * k[:, :, None, :, :]).sum(-1) * scale
+        gone = hidden(scheme, p, i, j)
+        return s if gone is None else s.masked_fill(gone[:, None], float("-inf"))
     s = q @ k.transpose(-1, -2) * scale
     if scheme in ("nope", "sinusoidal", "learned_absolute"):
         return s

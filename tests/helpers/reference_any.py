@@ -5,8 +5,8 @@ everything around attention (q/k norms before or after RoPE, partial / interleav
 NoPE layers, gated attention, sinks, per-position temperatures), so here the model's own code runs everything, and
 only the positions are the reference's:
 
-- The schemes that move positions (self_extend, self_extend_logistic, rerope, leaky_rerope, string, dca; "rope" = the identity, the
-  reference's sanity check): every pair (i, j) gets the query and key positions the paper gives it
+- The schemes that move positions (self_extend, self_extend_logistic, rerope, leaky_rerope, string, dca; "rope" = the
+  identity, the reference's sanity check): every pair (i, j) gets the query and key positions the paper gives it
   (`helpers.reference.pair_positions`, `helpers.reference_dca.pair_positions`, from the tokens' true positions). Each
   attention layer is then run by its own class forward several times with position embeddings made by its own rotary
   module at a whole array of positions (one position per token: every (token, position) that some pair needs), with a
@@ -35,11 +35,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from helpers.reference import alibi_slopes, pair_positions, sink_hidden, sinusoid_table, t5_bucket, true_positions
+from helpers.reference import alibi_slopes, hidden, pair_positions, sinusoid_table, t5_bucket, true_positions
 from helpers.reference_dca import pair_positions as dca_pair_positions
 
 NAME = "rope_patch_tests_reference"
-POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe", "ms_poe", "sink")  # pairs at the papers' positions
+# pairs at the papers' positions
+POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe",
+              "ms_poe", "sink")
 BIAS = ("alibi", "relative_bias")
 OWN_ATTENTION = (*BIAS, *POSITIONAL)
 
@@ -156,7 +158,8 @@ def _identity(module, args, kwargs, out):
     call = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
     call["position_ids"] = torch.zeros_like(call["position_ids"])
     at_zero = type(module).forward(**call)
-    return tuple(torch.ones_like(o) if bool(z.ne(0).any()) else torch.zeros_like(o) for o, z in zip(out, at_zero, strict=True))
+    return tuple(torch.ones_like(o) if bool(z.ne(0).any()) else torch.zeros_like(o)
+                 for o, z in zip(out, at_zero, strict=True))
 
 
 def _record(module, args, kwargs, out):
@@ -422,8 +425,9 @@ class _Layer:
             k_pair = k_all[k_index, bi, :, jj].permute(0, 3, 1, 2, 4)
             scaling = info["scaling"] if info["scaling"] is not None else q_all.shape[-1] ** -0.5
             s = _softcapped((q_pair.float() * k_pair.float()).sum(-1) * scaling, info["softcap"])
-            if run.scheme == "sink":  # StreamingLLM: keys neither in the window nor sinks are evicted
-                s = s.masked_fill(sink_hidden(run.params, pos[:, None, :, None], key_pos[:, None, None, :]), float("-inf"))
+            gone = hidden(run.scheme, run.params, pos[:, None, :, None], key_pos[:, None, None, :])
+            if gone is not None:  # StreamingLLM's evicted keys, LM-Infinite's middle ones
+                s = s.masked_fill(gone, float("-inf"))
             if info["indices"] is not None:  # the keys the indexer did not choose are masked (its model's eager path)
                 keep = torch.zeros(b, n, s.shape[-1], dtype=torch.bool).scatter(-1, info["indices"].long(), True)
                 s = s.masked_fill(~keep[:, None], float("-inf"))
@@ -433,7 +437,8 @@ class _Layer:
                 continue
             p = _probabilities(s, info["mask"], info["sinks"])
             v_all = torch.stack([_expand_kv(v[c], h) for v in vs])
-            v_pair = v_all[k_index, bi, :, jj].permute(0, 3, 1, 2, 4)  # (b, H, n, nk, dv): v_j at pair (i, j)'s position
+            # (b, H, n, nk, dv): v_j at pair (i, j)'s position
+            v_pair = v_all[k_index, bi, :, jj].permute(0, 3, 1, 2, 4)
             for t in range(len(q_arrays)):
                 part = p * (q_index == t)[:, None].to(p.dtype)
                 out = torch.einsum("bhij,bhijd->bhid", part.to(v_pair.dtype), v_pair)

@@ -57,6 +57,7 @@ SCHEMES = [
     Row("dpe", "attention", {"group_sizes": [3, 1, 4, 8], "window_size": 16}, suggest="own"),
     Row("ms_poe", "attention", {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 1}),  # 2-layer models: skip one
     Row("sink", "attention", {"window_size": 16, "sink_size": 4}, suggest="own"),
+    Row("lm_infinite", "attention", {"local_size": 16, "global_size": 4, "max_distance": 12}, suggest="own"),
     Row("logn", "modifier", {}),
 ]
 BY_NAME = {row.name: row for row in SCHEMES}

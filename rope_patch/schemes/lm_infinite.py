@@ -1,0 +1,86 @@
+"""LM-Infinite: a Λ-shaped attention with a distance limit, declared as two regions (attention/geometry.py).
+
+Han, Wang, Peng, Ji & Wang 2024, "LM-Infinite: Zero-Shot Extreme Length Generalization for Large Language Models"
+(NAACL 2024, arXiv:2308.16137); reference code Glaciohound/LM-Infinite, read at a0ce64c (`models/llama.py`'s
+`use_lambda_mask` path, `models/lambda_attention.py`). The authors' `top_k_attention` variant (the last query row of
+some layers also reads its top-k middle keys) is a data-dependent choice per step, not a geometry: not provided.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import attention
+from .. import validation as check
+from ..registry import register_scheme
+from .base import UNBOUNDED, Suggestion
+from .positions import Affine, TwoRegion
+
+
+@register_scheme
+@dataclasses.dataclass(frozen=True)
+class LmInfinite(TwoRegion):
+    """LM-Infinite (Han et al. 2024, arXiv:2308.16137): each query reads its last `local_size` tokens at their true
+    distances (the local branch) and the first `global_size` tokens at distance `max_distance` (the global branch:
+    the query rotated at D, the key not rotated); every other key is hidden. D defaults to `local_size`, the
+    authors' setting (local branch = distance limit = the pretraining window)."""
+
+    name = "lm_infinite"
+    aliases = ("lminfinite", "lambda_attention", "lm_inf")
+    bare_param = "local_size"
+    label_symbols = {"global_size": "G", "local_size": "W", "max_distance": "D"}
+    local_size: int | None = None
+    global_size: int = 100
+    max_distance: int | None = None
+
+    @classmethod
+    def search_space(cls, window, target):
+        return {"local_size": [window // 2, window], "global_size": [10, 100]}
+
+    @classmethod
+    def suggestion(cls, n, window):
+        """The authors' setting: local branch = the pretraining window L, 10 global tokens (their setting past 32k);
+        the limit D = L − 1, one below theirs (L), so every distance is one the model was trained on."""
+        if n <= window or window < 2:
+            return None
+        return Suggestion.of(cls.name, {"local_size": window, "global_size": 10, "max_distance": window - 1},
+                             f"local branch W = L = {window}, 10 global tokens, distance limit D = L − 1 = {window - 1} "
+                             "(Han et al. 2024)")
+
+    def __post_init__(self):
+        n, (low, high) = self.name, check.WINDOW_RANGE
+        if self.local_size is None:
+            raise TypeError(f"{n}: missing required parameter `local_size` (the local branch in tokens, usually the "
+                            "pretraining window, e.g. 4096).")
+        self._set("local_size", check.integer(n, "local_size", self.local_size, ge=max(2, low), le=high,
+                                              hint="The local branch counts tokens; the authors use the pretraining "
+                                                   "window."))
+        self._set("global_size", check.integer(n, "global_size", self.global_size, ge=0, le=high,
+                                               hint="The number of first tokens every query reads (10–100)."))
+        limit = self.local_size if self.max_distance is None else self.max_distance
+        self._set("max_distance", check.integer(n, "max_distance", limit, ge=1, le=self.local_size,
+                                                hint="The global branch's distance D ≤ local_size (the authors' "
+                                                     "code rotates a larger D per call, not per query)."))
+
+    def split(self):
+        return self.local_size
+
+    def far_positions(self):
+        return Affine(0, self.max_distance), Affine(0, 0)
+
+    def geometry(self):
+        near, far = super().geometry().regions
+        return attention.Geometry((near, dataclasses.replace(far, first=self.global_size)))
+
+    def relative_position(self, i, j):
+        """i − j in the local branch, D for a global token beyond it, NaN for a hidden key."""
+        i, j = torch.as_tensor(i, dtype=torch.float64), torch.as_tensor(j, dtype=torch.float64)
+        d = i - j
+        far = torch.where(j < self.global_size, torch.full_like(d, self.max_distance), torch.full_like(d, torch.nan))
+        return torch.where(d < self.local_size, d, far)
+
+    def served_length(self, window):
+        # the largest relative position is max(W − 1, D) whatever the length
+        return UNBOUNDED if max(self.local_size - 1, self.max_distance) <= window - 1 else None
