@@ -45,20 +45,15 @@ caches break the contiguity (keys are padded to the maximum length); the schemes
 from __future__ import annotations
 
 from . import plumbing, settings, windowed
-from .blocked import (
-    band_partial,
-    blocked_attention,
-    dense_attention,
-    flash_causal_partial,
-    flash_distance_partial,
-    flash_partial,
-)
+from .blocked import blocked_attention, dense_attention
 from .copies import HEADS, ROWS, SEQUENTIAL, SPLIT, CacheView, Identity, Layout, NotProven, Reentry, memory_rotaries
 from .flash import flash_module
 from .flex import causal_block_mask, flex_available, flex_call, mask_rows, restrict_block_mask
-from .protocol import PLAIN, STATE, AttentionCall, AttentionRule, Partial, Plain, fit_rows, merge
+from .kernels import band_partial, flash_causal_partial, flash_distance_partial, flash_partial
+from .protocol import STATE, AttentionCall, AttentionRule, Partial, fit_rows, merge
 from .registration import BACKENDS, BLOCKED, DENSE, FA2, FLEX, AttnState, register
 from .rotation import Rotation, floor_div
+from .rules import PLAIN, Plain
 
 __all__ = [
     "BACKENDS", "PLAIN", "Plain", "HEADS", "ROWS", "SEQUENTIAL", "SPLIT", "memory_rotaries", "CacheView", "Identity", "Layout", "NotProven", "Reentry", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",

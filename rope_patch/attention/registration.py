@@ -19,7 +19,7 @@ from transformers.masking_utils import (
 
 from .blocked import blocked_attention, dense_attention
 from .flash import fa2_forward
-from .flex import flex_forward
+from .flex_backend import flex_forward
 from .protocol import AttentionRule
 
 DENSE = "rope_patch_dense"
