@@ -56,6 +56,8 @@ def test_rules_hold(models, window, n):
                 assert f"= {fast:g}" in got[name].reason
         assert got["dca"].params == {"chunk_size": window * 3 // 4, "local_size": window // 8}
         assert got["rerope"].params == {"window_size": window // 2}
+        # Han et al. 2024: the local branch is the window, 10 global tokens, every distance one the model was trained on
+        assert got["lm_infinite"].params == {"local_size": window, "global_size": 10, "max_distance": window - 1}
         leaky = got["leaky_rerope"].params
         w, k = leaky["window_size"], leaky["factor"]
         assert w == window // 4 and w + (n - 1 - w) / k <= window - 1 < w + (n - 1 - w) / max(1.0, k - 0.01) + 1e-9
@@ -64,7 +66,8 @@ def test_rules_hold(models, window, n):
         if window <= 256:  # the stack the reason shows applies as written
             with rope_patch.patched(models[window], eval(stack)):
                 pass
-        assert str(n - 1 - got["string"].params["shift_size"] + got["string"].params["window_size"]) in got["string"].reason
+        assert str(n - 1 - got["string"].params["shift_size"]
+                   + got["string"].params["window_size"]) in got["string"].reason
     if "self_extend" in got:
         g, w = got["self_extend"].params["group_size"], got["self_extend"].params["window_size"]
         budget = Fraction(2 * window, 3)
@@ -131,7 +134,8 @@ def test_compare_scheme_lists():
     assert listed[0] == "default" and "yarn:factor=4,beta_fast=2" in listed
     assert not any(s.startswith("string") for s in listed)
     filled = specs_for_target(model, 1024, ["default", "yarn", "yarn:8", "self_extend", "alibi", "loaded"])
-    assert filled == ["default", "yarn:factor=4,beta_fast=2", "yarn:8", "self_extend:group_size=9,window_size=64", "alibi", "loaded"]
+    assert filled == ["default", "yarn:factor=4,beta_fast=2", "yarn:8", "self_extend:group_size=9,window_size=64",
+                      "alibi", "loaded"]
 
 
 @pytest.mark.parametrize("n,error,match", [(1, ValueError, "target_length"), (True, TypeError, "target_length"),
