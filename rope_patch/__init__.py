@@ -26,25 +26,39 @@ _EXPORTS = {
     "to_rope_parameters": "persistence",
     "list_schemes": "registry", "register_scheme": "registry",
     "Scheme": "schemes.base", "FrequencyScheme": "schemes.frequency", "Stack": "schemes.stack",
+    "AttentionScheme": "schemes.common", "TwoRegion": "schemes.positions",
+    "AttentionRule": "attention.protocol", "Declared": "attention.declared", "Geometry": "attention.geometry",
+    "Region": "attention.geometry",
     "Suggestion": "suggest", "suggest": "suggest",
 }
 
 if TYPE_CHECKING:
     from .api import apply, as_scheme, context_window, current, patched, remove
+    from .attention.declared import Declared
+    from .attention.geometry import Geometry, Region
+    from .attention.protocol import AttentionRule
     from .lengths import LengthFix, fix_length, fixed_length
     from .persistence import from_pretrained, native_config, save_pretrained, to_rope_parameters
     from .registry import list_schemes, register_scheme
     from .schemes.base import Scheme
+    from .schemes.common import AttentionScheme
     from .schemes.frequency import FrequencyScheme
+    from .schemes.positions import TwoRegion
     from .schemes.stack import Stack
     from .suggest import Suggestion, suggest
 
 __all__ = [
+    "AttentionRule",
+    "AttentionScheme",
+    "Declared",
     "FrequencyScheme",
+    "Geometry",
     "LengthFix",
+    "Region",
     "Scheme",
     "Stack",
     "Suggestion",
+    "TwoRegion",
     "apply",
     "as_scheme",
     "context_window",

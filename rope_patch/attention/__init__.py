@@ -47,8 +47,10 @@ from __future__ import annotations
 from . import plumbing, settings, windowed
 from .blocked import blocked_attention, dense_attention
 from .copies import HEADS, ROWS, SEQUENTIAL, SPLIT, CacheView, Identity, Layout, NotProven, Reentry, memory_rotaries
+from .declared import Declared, band_block_mask
 from .flash import flash_module
 from .flex import causal_block_mask, flex_available, flex_call, mask_rows, restrict_block_mask
+from .geometry import Geometry, Region
 from .kernels import band_partial, flash_causal_partial, flash_distance_partial, flash_partial
 from .protocol import STATE, AttentionCall, AttentionRule, Partial, fit_rows, merge
 from .registration import BACKENDS, BLOCKED, DENSE, FA2, FLEX, AttnState, register
@@ -56,6 +58,7 @@ from .rotation import Rotation, floor_div
 from .rules import PLAIN, Plain
 
 __all__ = [
+    "Declared", "Geometry", "Region", "band_block_mask",
     "BACKENDS", "PLAIN", "Plain", "HEADS", "ROWS", "SEQUENTIAL", "SPLIT", "memory_rotaries", "CacheView", "Identity", "Layout", "NotProven", "Reentry", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",
     "Rotation", "band_partial", "blocked_attention", "causal_block_mask", "dense_attention", "fit_rows",
     "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "flex_available", "flex_call", "floor_div", "mask_rows", "merge",

@@ -98,6 +98,11 @@ def cache_arg(kwargs: dict):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionScheme(Scheme):
+    """A scheme that changes attention itself: it re-positions queries and keys (`layout`: the position copies a layer
+    runs), hides keys or adds a bias, through a rule that rope_patch's attention functions run (`build`). Most
+    re-positioning schemes declare their rule as a `Geometry` (`TwoRegion.geometry`) and build `Declared(geometry)`;
+    [Add a scheme](../guides/add-a-scheme.md) walks through one."""
+
     kind: ClassVar[str] = "attention"
     changes: ClassVar[str] = "attention"
 
@@ -106,15 +111,28 @@ class AttentionScheme(Scheme):
 
     # ---- what a scheme defines -------------------------------------------------------------------------------
     def build(self, target: PatchSite) -> tuple[attention.AttentionRule | None, Callable[[UndoLog], None] | None]:
-        """(scores for the attention function or None to keep the model's backend, install step that attaches modules
-        and hooks, or None)."""
+        """What the scheme installs on one model.
+
+        Args:
+            target: the model's patch site (its config, rotary modules and attention layers).
+
+        Returns:
+            (rule, install): the `AttentionRule` the attention functions run (None: the model's own backend is kept),
+                and a step that attaches modules or hooks through the undo log (None: nothing to attach).
+        """
         return None, None
 
     # ---- shared machinery ------------------------------------------------------------------------------------
     def layout(self, module: nn.Module) -> attention.Layout | None:
-        """The position copies this scheme runs `module` at (attention/copies.py), or None: the layer runs once, at the
-        positions its rotary gives (the position-free schemes, whose rotary is the identity; a layer the scheme leaves
-        as it is)."""
+        """The position copies this scheme runs one attention layer at.
+
+        Args:
+            module: an attention layer of the model.
+
+        Returns:
+            The `Layout` (attention/copies.py: each copy's position map, which copies give keys), or None: the layer
+                runs once, at the positions its rotary gives (a position-free scheme, or a layer left as it is).
+        """
         return None
 
     def repositions(self) -> bool:

@@ -61,13 +61,24 @@ def _check_window_size(name: str, value) -> int:
 
 
 class TwoRegion(AttentionScheme):
-    """A scheme of two regions: true positions for i − j < split, q at far_q(i) and k at far_k(j) beyond."""
+    """A scheme of two regions: true positions for i − j < split, q at far_q(i) and k at far_k(j) beyond. A subclass
+    says where (`far_positions`, `split`); its layout, geometry and rule follow."""
 
     def far_positions(self) -> tuple[Positions, Positions]:
+        """Where the far region puts its queries and keys.
+
+        Returns:
+            (far_q, far_k): maps from true positions (a tensor) to the query's and the key's positions beyond the
+                split; `attention.Identity()` for keys that stay at their own positions.
+        """
         raise NotImplementedError
 
     def split(self) -> int:
-        """Where the far region starts: i − j ≥ split."""
+        """Where the far region starts.
+
+        Returns:
+            The distance i − j (in positions) from which pairs use the far positions (default: `window_size`).
+        """
         return self.window_size
 
     def relative_position(self, i, j):
@@ -102,7 +113,12 @@ class TwoRegion(AttentionScheme):
         return self._layout()[0]
 
     def geometry(self) -> attention.Geometry:
-        """Near: distances below `split` at the true positions; far: the far query copy against the far keys."""
+        """The scheme's attention, declared.
+
+        Returns:
+            Two regions: distances below `split` at the true positions (copy 0), the rest with the far query copy
+                against the far keys.
+        """
         w = self.split()
         return attention.Geometry((attention.Region(hi=w), attention.Region(query=1, keys=self._layout()[1], lo=w)))
 
