@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .registry import list_schemes
-
 
 @dataclass(frozen=True)
 class RopeContext:
@@ -356,8 +354,8 @@ def find_target(model) -> PatchSite:
             f"{type(base).__name__} (model_type={model_type!r}) has no rotary position embedding module: "
             "rope_patch patches the RoPE of LLaMA-family models (llama, mistral, qwen2/3, gemma, phi3, olmo2, "
             "granite, ...), which keep one `*RotaryEmbedding` module with an `inv_freq` buffer (or a table of sin/cos "
-            "rows at integer positions, as GPT-J and CodeGen). Models with "
-            f"absolute or learned position embeddings (gpt2, bert, ...) are not supported. Schemes: {', '.join(list_schemes())}."
+            "rows at integer positions, as GPT-J and CodeGen). Models with absolute or learned position embeddings "
+            "(gpt2, bert, ...) are not supported; rope_patch.list_schemes() names the schemes."
         )
     # the primary rotary: one built from the model's config itself, else the first (the state of a patch lives there)
     primary = next((m for m in rotaries if vars(m).get("config") is base.config), rotaries[0])
