@@ -149,8 +149,10 @@ def test_yarn_follows_the_papers_rule_at_the_ramp_ends():
     kept, interpolated = w.base_ratio > 32, w.base_ratio < 1
     assert kept.sum() > 10 and interpolated.sum() > 10
     torch.testing.assert_close(f.inv_freq[kept], f.base_inv_freq[kept], rtol=0, atol=0)
-    torch.testing.assert_close(f.inv_freq[interpolated].double(), f.base_inv_freq[interpolated].double() / 8, rtol=1e-6, atol=0)
-    assert f.interpolation[kept].eq(1).all() and torch.allclose(f.interpolation[interpolated], torch.tensor(8.0, dtype=torch.float64))
+    torch.testing.assert_close(f.inv_freq[interpolated].double(), f.base_inv_freq[interpolated].double() / 8,
+                               rtol=1e-6, atol=0)
+    assert f.interpolation[kept].eq(1).all()
+    assert torch.allclose(f.interpolation[interpolated], torch.tensor(8.0, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("spec,rotates", [("alibi", False), ("nope", False), ("sinusoidal", False),
@@ -201,7 +203,8 @@ def test_frequencies_equal_the_patched_models_buffers(models, arch):
         assert applied.name == scheme.name and applied.original_window == WINDOW
 
 
-@pytest.mark.parametrize("spec", ["dynamic:4", "longrope:factor=4,short_factor=1/1/1/1/1/1/1/1,long_factor=1/1/2/2/3/4/8/16"])
+@pytest.mark.parametrize("spec",
+                         ["dynamic:4", "longrope:factor=4,short_factor=1/1/1/1/1/1/1/1,long_factor=1/1/2/2/3/4/8/16"])
 def test_length_dependent_frequencies_equal_the_models_after_a_long_forward(models, spec, ids):
     model = models["llama"]
     rot = model.model.rotary_emb
@@ -290,7 +293,8 @@ def test_vanilla_decay_matches_the_roformer_figure():
 
 
 DECAY_CASES = [("default", 64, lambda: ref_default(64, 1e4)), ("linear:8", 64, lambda: ref_linear(64, 1e4, 8)),
-               ("yarn:8", 128, lambda: ref_yarn(128, 1e4, 8, 4096)), ("p_rope:0.5", 32, lambda: ref_prope(32, 1e4, 0.5)),
+               ("yarn:8", 128, lambda: ref_yarn(128, 1e4, 8, 4096)),
+               ("p_rope:0.5", 32, lambda: ref_prope(32, 1e4, 0.5)),
                ("ntk:4", 16, lambda: ref_ntk(16, 1e4, 4))]
 
 
@@ -327,7 +331,8 @@ def test_rerope_and_leaky_rerope_distances_match_loops():
     assert A.rerope_distance(d, 512).tolist() == [min(x, 512) for x in d]
     assert torch.allclose(A.leaky_rerope_distance(d, 512, 16.0),
                           torch.tensor([x if x < 512 else 512 + (x - 512) / 16 for x in d], dtype=torch.float64))
-    assert torch.equal(A.effective_distance("leaky_rerope:window_size=512,factor=16", d), A.leaky_rerope_distance(d, 512, 16))
+    assert torch.equal(A.effective_distance("leaky_rerope:window_size=512,factor=16", d),
+                       A.leaky_rerope_distance(d, 512, 16))
     assert torch.equal(A.effective_distance("yarn:8", d), torch.tensor(d, dtype=torch.float64))
 
 
@@ -348,15 +353,19 @@ def test_alibi_slopes_match_press_reference_and_the_scheme():
     from rope_patch.schemes.bias import alibi_slopes as scheme_slopes
 
     for n in range(1, 41):
-        torch.testing.assert_close(A.alibi_slopes(n), torch.tensor(press_slopes(n), dtype=torch.float64), rtol=1e-12, atol=0)
+        torch.testing.assert_close(A.alibi_slopes(n), torch.tensor(press_slopes(n), dtype=torch.float64),
+                                   rtol=1e-12, atol=0)
     for n, mb in [(8, 8.0), (12, 8.0), (9, 4.0), (32, 16.0)]:
-        torch.testing.assert_close(A.alibi_slopes(n, mb), torch.tensor(scheme_slopes(n, mb), dtype=torch.float64), rtol=1e-12, atol=0)
+        torch.testing.assert_close(A.alibi_slopes(n, mb), torch.tensor(scheme_slopes(n, mb), dtype=torch.float64),
+                                   rtol=1e-12, atol=0)
 
 
 def test_attention_bias():
     d = [0, 1, 10, 100]
     b = A.attention_bias("alibi", d, num_heads=8)
-    assert b.shape == (8, 4) and torch.allclose(b, -torch.tensor(press_slopes(8), dtype=torch.float64)[:, None] * torch.tensor(d, dtype=torch.float64))
+    assert b.shape == (8, 4)
+    assert torch.allclose(b, -torch.tensor(press_slopes(8), dtype=torch.float64)[:, None]
+                          * torch.tensor(d, dtype=torch.float64))
     assert A.attention_bias("nope", d).abs().sum() == 0 and A.attention_bias("yarn:4", d, num_heads=4).shape == (4, 4)
 
 
@@ -457,7 +466,8 @@ def test_distances_come_from_the_schemes_and_match_their_formulas():
     got = A.dca_distance(d, 96, 16, query_position=i).tolist()
     assert got == [_dca_reference(i, i - x, 96, 16) for x in d]
     assert max(got) <= 96 and min(got) >= 0
-    assert A.leaky_rerope_distance([1000], 512, 16).item() == A.effective_distance("leaky_rerope:window_size=512,factor=16", [1000]).item()
+    assert (A.leaky_rerope_distance([1000], 512, 16).item()
+            == A.effective_distance("leaky_rerope:window_size=512,factor=16", [1000]).item())
     with pytest.raises(TypeError, match="unknown parameter 'group_sise'. Did you mean 'group_size'"):
         A.as_spec("self_extend:window_size=5,group_sise=3")
     with pytest.raises(TypeError, match="missing required parameter `window_size`"):

@@ -35,7 +35,8 @@ def _state(model):
 
 
 def _same_state(a, b):
-    assert a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) and a[0][k].dtype == b[0][k].dtype for k in a[0])
+    assert a[0].keys() == b[0].keys()
+    assert all(torch.equal(a[0][k], b[0][k]) and a[0][k].dtype == b[0][k].dtype for k in a[0])
     assert a[1] == b[1] and a[2] == b[2] and a[3] == b[3]
 
 
@@ -134,7 +135,8 @@ def test_bare_decoder_and_causal_lm_share_the_patch(ids):
 def test_peft_model_is_unwrapped(ids):
     import peft
     model = tiny_model()
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora = peft.get_peft_model(model,
+                               peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     before = logits(lora, ids)
     rope_patch.apply(lora, "yarn", factor=4)
     assert rope_patch.current(model).name == "yarn"
@@ -165,7 +167,8 @@ def test_list_schemes_in_a_fresh_process_lists_the_built_in_schemes():
 def test_list_schemes_and_register_custom_scheme(ids):
     import dataclasses
 
-    assert {"default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "p_rope"} <= set(rope_patch.list_schemes())
+    shipped = {"default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "p_rope"}
+    assert shipped <= set(rope_patch.list_schemes())
 
     @dataclasses.dataclass(frozen=True)
     class HalfTheta(rope_patch.FrequencyScheme):
@@ -196,7 +199,8 @@ def test_a_composite_model_points_at_its_language_model():
     the model untouched), and the language model takes the patch and gives it back bit-exactly."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    cfg = Gemma3Config(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    cfg = Gemma3Config(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4,
                                         num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=64,
                                         sliding_window=8),
                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -68,7 +68,8 @@ BAD_ARGS = [
     (["sweep", "--lengths", "-1"], "rope-patch sweep: error: argument --lengths: must be an integer >= 8"),
     (["sweep", "--passkey-samples", "0"], "argument --passkey-samples: must be an integer >= 1"),
     (["sweep", "--limit", "0"], "argument --limit: must be a number > 0"),
-    (["plot", "decay", "--max-distance", "0"], "rope-patch plot: error: argument --max-distance: must be an integer >= 1"),
+    (["plot", "decay", "--max-distance", "0"], "rope-patch plot: error: argument --max-distance: "
+                                               "must be an integer >= 1"),
     (["plot", "decay", "--head-dim", "1"], "argument --head-dim: must be an integer >= 2"),
     (["plot", "decay", "--rope-theta", "1"], "argument --rope-theta: must be a number > 1"),
     (["plot", "decay", "--partial-rotary-factor", "1.5"], "argument --partial-rotary-factor: must be a number <= 1"),
@@ -213,11 +214,12 @@ SCHEME_ERRORS = [
     (["compare", "--model", "tiny", "--lengths", "1k"], "argument --lengths: expected a number, got '1k'"),
     (["compare", "--schemes", "default", "yran:8"], "argument --schemes: Unknown position-encoding scheme 'yran'. "
      "Did you mean 'yarn'?"),
-    (["sweep", "--schemes", "yarn:fctor=2"], "argument --schemes: yarn: unknown parameter 'fctor'. Did you mean 'factor'?"),
+    (["sweep", "--schemes", "yarn:fctor=2"], "argument --schemes: yarn: unknown parameter 'fctor'. "
+     "Did you mean 'factor'?"),
     (["plot", "decay", "--schemes", "self_extend:4+yran"], "Did you mean 'yarn'?"),
     (["explain", "nope:3"], "nope takes no positional value"),
-    (["tune", "--scheme", "longrop", "--target", "64"], "argument --scheme: Unknown position-encoding scheme 'longrop'. "
-     "Did you mean 'longrope'?"),
+    (["tune", "--scheme", "longrop", "--target", "64"],
+     "argument --scheme: Unknown position-encoding scheme 'longrop'. Did you mean 'longrope'?"),
     (["tune", "--scheme", "yarn", "--target", "64", "--accept", "loaded", "ymr"], "argument --accept: Unknown"),
     (["tune", "--scheme", "longrope", "--target", "64", "--init", "yarn:beta=2"], "unknown parameter 'beta'"),
     (["tune", "--scheme", "yarn", "--target", "64", "--method", "evolve"], "argument --method: invalid choice"),

@@ -187,7 +187,8 @@ def test_three_parts_yarn_self_extend_logn():
 
 
 # ---- cached decoding --------------------------------------------------------------------------------------------
-STACKS = ["yarn:4+self_extend:group_size=4,window_size=16", "yarn:4+logn", "logn:kind=llama4,attn_scale=0.5,floor_scale=4",
+STACKS = ["yarn:4+self_extend:group_size=4,window_size=16", "yarn:4+logn",
+          "logn:kind=llama4,attn_scale=0.5,floor_scale=4",
           "linear:2+rerope:window_size=16+logn", "alibi+logn", "dca:chunk_size=24,local_size=4+logn",
           "yarn:2+sink:window_size=16,sink_size=4"]
 
@@ -200,7 +201,8 @@ def test_cached_decoding_equals_recomputation(spec, backend):
     rope_patch.apply(model, spec)
     ids, kw = batch(True, n=40)
     kw.pop("position_ids")
-    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+               return_dict_in_generate=True, **kw)
     with torch.no_grad():
         cached, full = (model.generate(ids, use_cache=c, **gen) for c in (True, False))
     assert torch.equal(cached.sequences, full.sequences)
@@ -343,7 +345,8 @@ def test_to_rope_parameters_refuses_a_stack_and_names_the_non_native_part():
     rope_patch.apply(model, "yarn:4+logn")
     for call in (lambda: rope_patch.to_rope_parameters(None, model=model), lambda: rope_patch.native_config(model),
                  lambda: rope_patch.to_rope_parameters("yarn:4+logn")):
-        with pytest.raises(ValueError, match=r"yarn \+ logn has no native.*logn is not expressible.*to_rope_parameters\('yarn'"):
+        with pytest.raises(ValueError, match=r"yarn \+ logn has no native.*logn is not "
+                                             r"expressible.*to_rope_parameters\('yarn'"):
             call()
 
 

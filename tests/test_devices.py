@@ -38,6 +38,7 @@ def test_an_offloaded_model_gets_the_patch_of_a_loaded_one(scheme, params):
 def test_a_model_without_weights_is_refused_and_left_alone(scheme, params):
     with torch.device("meta"):
         model = tiny_model("llama")
-    with pytest.raises(ValueError, match=r"holds no values yet .* on the meta device: the weights are not materialised"):
+    with pytest.raises(ValueError, match=r"holds no values yet .* on the meta device: the weights are "
+                                         r"not materialised"):
         rope_patch.apply(model, scheme, **params)
     assert rope_patch.current(model) is None and "forward" not in vars(model.model.rotary_emb)

@@ -66,7 +66,8 @@ VLLM_FILES = {
                                            "    return get_rope(1, 2, rope_parameters=p)\n",
     "vllm/config/model.py": VLLM_MODEL,
     "vllm/envs.py": "VLLM_ALLOW_LONG_MAX_MODEL_LEN: bool = False\n",
-    "vllm/engine/arg_utils.py": 'def add(g):\n    g.add_argument("--hf-overrides")\n    g.add_argument("--max-model-len")\n',
+    "vllm/engine/arg_utils.py": 'def add(g):\n    g.add_argument("--hf-overrides")\n'
+                                '    g.add_argument("--max-model-len")\n',
     "vllm/entrypoints/common/cli_args.py": 'def add(g):\n    g.add_argument("--lora-modules")\n',
     "vllm/transformers_utils/config.py": "def iter_rope_parameters(config):\n    yield config\n",
     "vllm/transformers_utils/model_arch_config_convertor.py":
@@ -108,14 +109,17 @@ SGLANG_FILES = {
                                   '    return get_rope(1, 1, 2, theta, rope_scaling=rope_parameters)\n',
     "sglang/srt/models/gemma3_causal.py": 'class Attn:\n    def __init__(self, config):\n'
                                           '        self.rope_scaling = {"rope_type": "default"}\n'
-                                          '        self.rotary_emb = get_rope(1, 1, 2, 3, rope_scaling=self.rope_scaling)\n',
+                                          '        self.rotary_emb = get_rope(1, 1, 2, 3, rope_scaling='
+                                          'self.rope_scaling)\n',
     "sglang/srt/utils/hf_transformers/common.py": SGLANG_COMMON,
     "sglang/srt/utils/hf_transformers/config.py": "def get_config(model, model_override_args=None):\n    pass\n",
     "sglang/srt/configs/model_config.py": "def _derive_context_length(self, n):\n"
-                                          "    if envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN.get():\n        pass\n",
+                                          "    if envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN.get():\n"
+                                          "        pass\n",
     "sglang/srt/environ.py": "class Envs:\n    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN = EnvBool(False)\n",
     "sglang/srt/arg_groups/fields/model.py": "class ModelFields:\n    model_path: str = ''\n"
-                                             "    json_model_override_args: str = '{}'\n    context_length: int = None\n",
+                                             "    json_model_override_args: str = '{}'\n"
+                                             "    context_length: int = None\n",
     "sglang/srt/arg_groups/fields/lora.py": "class LoraFields:\n    enable_lora: bool = None\n",
     "sglang/srt/layers/rotary_embedding/yarn.py":
         "def yarn_get_mscale_simple(scale=1):\n    return 1.0\n"
@@ -169,9 +173,11 @@ def test_extractor_reads_the_tables_from_fixture_sources(wheels):
 
     name, sglang = engines.extract(wheels[1])
     assert sglang["rope_types"] == {"linear": {"required": [], "optional": ["factor"]},
-                                    "longrope": {"required": ["short_factor"], "optional": ["long_mscale", "short_mscale"]}}
+                                    "longrope": {"required": ["short_factor"],
+                                                 "optional": ["long_mscale", "short_mscale"]}}
     assert sglang["common"] == {"required": [], "optional": ["rope_type"]}
-    assert sglang["models"]["llama"]["reads"] == ["rope_theta"] and sglang["models"]["llama"]["fixed_rope_types"] is None
+    assert sglang["models"]["llama"]["reads"] == ["rope_theta"]
+    assert sglang["models"]["llama"]["fixed_rope_types"] is None
     assert sglang["models"]["llama"]["config_reads"] == ["partial_rotary_factor"]
     assert sglang["context"]["tokenizer_when"] is None  # its length code reads no tokenizer
     assert sglang["models"]["gemma3_causal"]["fixed_rope_types"] == ["default"]  # a literal replaces the config's
@@ -191,7 +197,8 @@ def test_refresh_and_check_round_trip(wheels, tmp_path, capsys):
     edited = VLLM_MODEL.replace("def _apply_dict_overrides(config, overrides):\n    pass",
                                 "def _apply_dict_overrides(config, overrides):\n    return config")
     changed = _wheel(tmp_path / "new", wheels[0].name, {**VLLM_FILES, "vllm/config/model.py": edited})
-    assert engines.main(["--check", str(changed), str(wheels[1]), "--snapshot", str(out)]) == 1  # a mirrored rule changed
+    # a mirrored rule changed
+    assert engines.main(["--check", str(changed), str(wheels[1]), "--snapshot", str(out)]) == 1
     assert "_apply_dict_overrides changed: review" in capsys.readouterr().out
 
 
@@ -223,7 +230,8 @@ def test_the_committed_snapshot():
     vllm, sglang = data["engines"]["vllm"], data["engines"]["sglang"]
     assert (vllm["version"], sglang["version"]) == ("0.34.0", "0.5.23")
     for eng in (vllm, sglang):
-        assert eng["wheel"].startswith(f"{eng['wheel'].split('-')[0]}-{eng['version']}-") and eng["wheel"].endswith(".whl")
+        assert eng["wheel"].startswith(f"{eng['wheel'].split('-')[0]}-{eng['version']}-")
+        assert eng["wheel"].endswith(".whl")
         assert re.fullmatch(r"[0-9a-f]{64}", eng["sha256"])
         assert {"default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional"} <= set(eng["rope_types"])
     assert vllm["context"]["env"] == "VLLM_ALLOW_LONG_MAX_MODEL_LEN"

@@ -30,7 +30,8 @@ BAD = [
     ("yarn", dict(factor=4, truncate="yes"), TypeError, "True or False"),
     ("llama3", dict(factor=8, low_freq_factor=4, high_freq_factor=1), ValueError, "low_freq_factor` must be <"),
     ("longrope", dict(factor=4, long_factor=[1.0] * 8), TypeError, "missing required parameter `short_factor`"),
-    ("longrope", dict(factor=4, short_factor=[1.0] * 3, long_factor=[1.0] * 8), ValueError, "must have rotary_dim/2 = 8"),
+    ("longrope", dict(factor=4, short_factor=[1.0] * 3, long_factor=[1.0] * 8), ValueError,
+     "must have rotary_dim/2 = 8"),
     ("longrope", dict(factor=4, short_factor="1,2", long_factor=[1.0] * 8), TypeError, "list of numbers"),
     ("longrope", dict(factor=4, short_factor=[1.0] * 8, long_factor=[0.0] * 8), ValueError, "long_factor\\[0\\]"),
     ("p_rope", dict(partial_rotary_factor=1.5), ValueError, r"in \[0, 1\]"),
@@ -257,7 +258,8 @@ def test_boundary_values_apply(pristine, scheme, params):
     ("learned_absolute", dict(max_position_embeddings=1 << 22)),  # a 4M-row table: too much to allocate in a test
     ("learned_absolute", dict(max_position_embeddings=1)),
     *[(s, dict(factor=2, original_max_position_embeddings=1 << 24)) for s in ("dynamic", "yarn", "llama3")],
-    ("longrope", dict(factor=2, short_factor=[1.0] * PAIRS, long_factor=[1.0] * PAIRS, original_max_position_embeddings=1 << 24)),
+    ("longrope",
+     dict(factor=2, short_factor=[1.0] * PAIRS, long_factor=[1.0] * PAIRS, original_max_position_embeddings=1 << 24)),
 ])
 def test_upper_bounds_that_the_tiny_model_cannot_take_validate(scheme, params):
     """The range check accepts them (the tiny model's window of 32 caps original_max_position_embeddings at apply)."""
@@ -318,7 +320,8 @@ def _memory(monkeypatch, total):
 
 def test_check_table_memory(monkeypatch):
     _memory(monkeypatch, 64 * 2**30)
-    assert check.check_table_memory("learned_absolute", "max_position_embeddings", 1 << 20, 4096, torch.bfloat16) == 8 * 2**30
+    assert check.check_table_memory("learned_absolute", "max_position_embeddings", 1 << 20, 4096,
+                                    torch.bfloat16) == 8 * 2**30
     with pytest.raises(ValueError) as err:  # 4M × 4096 × 4 bytes = 64 GiB > half of 64 GiB
         check.check_table_memory("learned_absolute", "max_position_embeddings", 1 << 22, 4096, torch.float32)
     message = str(err.value)

@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM
 
 import rope_patch
 
-NATIVE = [("default", dict(rope_theta=40_000)), ("ntk", dict(factor=4)), ("linear", dict(factor=4)), ("dynamic", dict(factor=4)),
-          ("yarn", dict(factor=4)), ("llama3", dict(factor=8)), ("longrope", dict(factor=4, short_factor=[1.0] * 8, long_factor=[3.0] * 8))]
+NATIVE = [("default", dict(rope_theta=40_000)), ("ntk", dict(factor=4)), ("linear", dict(factor=4)),
+          ("dynamic", dict(factor=4)), ("yarn", dict(factor=4)), ("llama3", dict(factor=8)),
+          ("longrope", dict(factor=4, short_factor=[1.0] * 8, long_factor=[3.0] * 8))]
 
 
 @pytest.fixture
@@ -32,7 +33,8 @@ def test_native_schemes_reload_without_rope_patch(scheme, params, ids, tmp_path)
     assert rope_patch.current(again) == rope_patch.current(model)
     manifest = json.loads((tmp_path / "rope_patch.json").read_text())
     assert manifest["scheme"] == rope_patch.current(model).name and manifest["native"]
-    assert manifest["original"] == {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "max_position_embeddings": WINDOW}
+    assert manifest["original"] == {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+                                    "max_position_embeddings": WINDOW}
 
 
 def test_non_native_scheme_keeps_plain_config_and_reloads_through_rope_patch(ids, tmp_path):
@@ -53,7 +55,8 @@ def test_adapter_round_trip(ids, tmp_path):
     base = tiny_model()
     base.save_pretrained(tmp_path / "base")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager").eval()
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora = peft.get_peft_model(model,
+                               peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     rope_patch.apply(lora, "yarn", factor=4)
     rope_patch.save_pretrained(lora, tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
@@ -72,11 +75,14 @@ def test_to_rope_parameters_and_vllm_overrides():
     with pytest.raises(ValueError, match="head_dim"):
         rope_patch.to_rope_parameters("ntk:8")
     model = tiny_model()
-    assert rope_patch.to_rope_parameters("linear:2", model=model) == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
-    assert json.loads(vllm_overrides(got, 16384).split("'")[1]) == {"rope_parameters": got, "max_position_embeddings": 16384}
+    assert rope_patch.to_rope_parameters("linear:2", model=model) == {"rope_type": "linear", "rope_theta": 10000.0,
+                                                                      "factor": 2.0}
+    assert json.loads(vllm_overrides(got, 16384).split("'")[1]) == {"rope_parameters": got,
+                                                                    "max_position_embeddings": 16384}
 
 
-@pytest.mark.parametrize("kwargs,lacking", [(dict(head_dim=16), "pass rope_theta="), (dict(rope_theta=1e4), "pass head_dim="),
+@pytest.mark.parametrize("kwargs,lacking",
+                         [(dict(head_dim=16), "pass rope_theta="), (dict(rope_theta=1e4), "pass head_dim="),
                                            ({}, "pass head_dim= and rope_theta=")])
 def test_ntk_export_needs_head_dim_and_rope_theta(kwargs, lacking):
     """ntk's native form is a new rope_theta: without the model's theta the result would be a bare

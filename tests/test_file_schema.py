@@ -37,7 +37,8 @@ COMPARE = {
     "records": [{"scheme": s, "label": s, "name": s, "length": L, "perplexity": p, "nll": 1.0, "n_windows": 2,
                  "n_tokens": 128, "passkey_accuracy": None, "passkey_n": 0, "passkey_correct": None,
                  "passkey_ci_low": None, "passkey_ci_high": None}
-                for s, L, p in (("default", 32, 9.0), ("default", 64, "inf"), ("yarn:2", 32, 9.5), ("yarn:2", 64, 9.9))],
+                for s, L, p in (("default", 32, 9.0), ("default", 64, "inf"), ("yarn:2", 32, 9.5),
+                                ("yarn:2", 64, 9.9))],
     "passkey": [{"scheme": "yarn:2", "label": "yarn×2", "length": 64, "depth": 0.5, "n": 2, "correct": 1,
                  "accuracy": 0.5, "ci_low": 0.1, "ci_high": 0.9}],
     "buckets": [{"scheme": "default", "label": "default", "length": 64, "start": 0, "end": 32, "perplexity": 9.0}],
@@ -344,8 +345,9 @@ def test_schema_is_the_one_reader():
         "rope_patch/persistence.py": "transformers' config.json and peft's adapter_config.json",
         "rope_patch/serving.py": "transformers' config.json, tokenizer_config.json and peft's adapter_config.json",
         "rope_patch/schema.py": "the one reader",
-        "rope_patch/scheme_names.py": "the committed name table (package data generated from the scheme classes and "
-                                      "checked equal to them by tests/test_scheme_names.py), read before the CLI parses",
+        "rope_patch/scheme_names.py": "the committed name table (package data generated from the scheme classes "
+                                      "and checked equal to them by tests/test_scheme_names.py), read before the "
+                                      "CLI parses",
     }
     found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "rope_patch").rglob("*.py")
                    if ("json.loads(" in p.read_text() or "yaml.safe_load(" in p.read_text()) and "data" not in p.parts)

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "rope_patch"
 
-# Lowest first. A module may import its own layer and the ones below (the Development page's tree, docs/development.md, draws this).
+# Lowest first. A module may import its own layer and the ones below (the Development page's tree, docs/development.md,
+# draws this).
 LAYERS = [
     ("foundation", ["_version", "files", "resources", "registry", "scheme_names", "undo", "rotary", "validation",
                     "discovery", "specs", "zoo", "schema", "fingerprint", "engines"]),

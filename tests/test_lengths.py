@@ -13,7 +13,8 @@ import rope_patch
 L = WINDOW
 N = 3 * L
 PAIRS = 8  # tiny llama: head_dim 16
-LONGROPE = dict(short_factor=[1.0 + i / 8 for i in range(PAIRS)], long_factor=[1.0 + i for i in range(PAIRS)], factor=4.0)
+LONGROPE = dict(short_factor=[1.0 + i / 8 for i in range(PAIRS)], long_factor=[1.0 + i for i in range(PAIRS)],
+                factor=4.0)
 LENGTH_DEPENDENT = [
     ("dynamic", dict(factor=4.0)),
     ("dynamic_yarn", dict(factor=4.0)),

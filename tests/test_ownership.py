@@ -59,7 +59,8 @@ def test_patch_leaves_shared_config_and_bystander_untouched(scheme, params, ids,
     assert a.config is cfg and a.model.rotary_emb.config is cfg and a.model.layers[0].self_attn.config is cfg
     saved_by_b = ("architectures", "dtype")  # b.save_pretrained wrote these into the shared config itself
     assert torch.equal(logits(a, ids), before_b)
-    assert {k: v for k, v in cfg.to_dict().items() if k not in saved_by_b} == {k: v for k, v in before_cfg.items() if k not in saved_by_b}
+    assert ({k: v for k, v in cfg.to_dict().items() if k not in saved_by_b}
+            == {k: v for k, v in before_cfg.items() if k not in saved_by_b})
 
 
 def test_two_models_from_one_config_carry_different_schemes(ids):
@@ -81,7 +82,8 @@ def test_user_edits_of_the_config_while_patched_survive_remove():
     a.config.my_note = "kept"
     rope_patch.remove(a)
     assert a.config is cfg and cfg.use_cache is False and cfg.my_note == "kept"
-    assert cfg.rope_parameters["rope_type"] == "default" and cfg.max_position_embeddings == WINDOW  # patch's own fields revert
+    # patch's own fields revert
+    assert cfg.rope_parameters["rope_type"] == "default" and cfg.max_position_embeddings == WINDOW
 
 
 # ---- 2./3. copies and pickles ---------------------------------------------------------------------------------------
@@ -240,7 +242,8 @@ def test_learned_absolute_does_not_consume_the_global_rng():
     assert torch.equal(after, torch.rand(3))
 
 
-@pytest.mark.parametrize("scheme,params", [("relative_bias", {}), ("learned_absolute", dict(max_position_embeddings=128))],
+@pytest.mark.parametrize("scheme,params",
+                         [("relative_bias", {}), ("learned_absolute", dict(max_position_embeddings=128))],
                          ids=["relative_bias", "learned_absolute"])
 def test_reapplying_a_learned_scheme_keeps_its_trained_table_and_another_scheme_warns(scheme, params, ids):
     model = tiny_model(attn_implementation="eager")

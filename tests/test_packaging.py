@@ -61,7 +61,8 @@ def test_wheel_carries_the_data_the_commands_need(installed):
 @pytest.mark.slow
 def test_installed_package_is_the_wheel_not_the_checkout(installed):
     py, _, work, _ = installed
-    out = run([str(py), "-c", "import rope_patch, json; print(json.dumps([rope_patch.__file__, rope_patch.__version__]))"], cwd=work)
+    out = run([str(py), "-c", "import rope_patch, json; print(json.dumps([rope_patch.__file__, "
+                              "rope_patch.__version__]))"], cwd=work)
     path, version = json.loads(out)
     assert str(REPO) not in path and "site-packages" in path
     assert version == rope_patch.__version__

@@ -21,7 +21,8 @@ from rope_patch.files import sha256_file
 from rope_patch.persistence import FORMAT, MANIFEST, PATCH_WEIGHTS, SINGLE_FORMAT, read_manifest
 
 RESAVE = r"re-save (it|the model) with rope_patch\.save_pretrained"  # the "what to do" of a damaged save
-LEARNED = {"relative_bias": "rope_patch_relative_bias.weight", "learned_absolute": "rope_patch_position_embeddings.weight"}
+LEARNED = {"relative_bias": "rope_patch_relative_bias.weight",
+           "learned_absolute": "rope_patch_position_embeddings.weight"}
 
 
 def patched_model(scheme: str):
@@ -97,7 +98,8 @@ def test_unreadable_manifest(case, copy_of):
     file.write_text(TEXT_CASES[case](file.read_text()))
     msg = assert_raises(ValueError, lambda: rope_patch.from_pretrained(folder), file)
     if case in ("corrupt", "truncated"):
-        assert re.search(r"not valid JSON \(.* at line \d+, column \d+, char \d+\)", msg) and "corrupt or truncated" in msg
+        assert re.search(r"not valid JSON \(.* at line \d+, column \d+, char \d+\)", msg)
+        assert "corrupt or truncated" in msg
     if case == "empty":
         assert "is empty (0 bytes)" in msg
 
@@ -144,10 +146,12 @@ WRONG_TYPES = [
     ("format", True, "'format' must be a positive integer"),
     ("original", [], "'original' must be a JSON object"),
     ("original", {"max_position_embeddings": 32}, "'original' lacks the required key 'rope_parameters'"),
-    ("original", {"rope_parameters": {}, "max_position_embeddings": "32"}, "'original.max_position_embeddings' must be an integer"),
+    ("original", {"rope_parameters": {}, "max_position_embeddings": "32"},
+     "'original.max_position_embeddings' must be an integer"),
     ("native", "yes", "'native' must be true or false"),
     ("weights", {"file": "../elsewhere.safetensors", "keys": []}, "'weights' must be null or"),
-    ("weights", {"file": PATCH_WEIGHTS, "keys": "rope_patch_relative_bias.weight"}, "'weights.keys' must be a list of strings"),
+    ("weights", {"file": PATCH_WEIGHTS, "keys": "rope_patch_relative_bias.weight"},
+     "'weights.keys' must be a list of strings"),
 ]
 
 
@@ -392,7 +396,8 @@ PLAIN = [
 
 
 @pytest.mark.parametrize("scheme,params,native", PLAIN, ids=[s for s, *_ in PLAIN])
-def test_plain_save_pretrained_reloads_the_patched_or_the_unpatched_model_never_a_third(scheme, params, native, tmp_path):
+def test_plain_save_pretrained_reloads_the_patched_or_the_unpatched_model_never_a_third(scheme, params, native,
+                                                                                        tmp_path):
     """`model.save_pretrained` (transformers', not rope_patch's) of a patched model, reloaded without rope_patch:
     the patched model where transformers can express the scheme, else the unpatched one (dynamic NTK used to reload
     with its window moved to s·L: a model that was neither)."""

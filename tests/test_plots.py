@@ -30,8 +30,9 @@ KINDS = {
     "wavelengths": (SCHEMES, {}, [("linear", "log"), ("linear", "log")]),
     "decay": (SCHEMES, {"max_distance": 2048}, [("log", "linear")]),
     "angles": (SCHEMES, {"length": 1024}, [("linear", "log")]),
-    "distance": (["default", "rerope:64", "leaky_rerope:window_size=64,factor=8", "self_extend:group_size=4,window_size=64",
-                  "alibi", "nope"], {"max_distance": 1024, "num_heads": 8}, [("linear", "linear"), ("linear", "symlog")]),
+    "distance": (["default", "rerope:64", "leaky_rerope:window_size=64,factor=8",
+                  "self_extend:group_size=4,window_size=64", "alibi", "nope"], {"max_distance": 1024, "num_heads": 8},
+                 [("linear", "linear"), ("linear", "symlog")]),
     "score": (["default", "yarn:4", "alibi", "rerope:64"], {"max_distance": 1024, "num_samples": 16},
               [("log", "linear"), ("log", "linear")]),
 }
@@ -218,7 +219,8 @@ def _row(scheme, task, length, value, family=None):
 
 
 RULER_SWEEP = {"format": "rope_patch.sweep/1",
-               "settings": {"name": "tiny", "model": "tiny", "tasks": ["niah_single_1", "ruler_vt"], "lengths": [4096, 8192]},
+               "settings": {"name": "tiny", "model": "tiny", "tasks": ["niah_single_1", "ruler_vt"],
+                            "lengths": [4096, 8192]},
                "schemes": [{"spec": "default"}, {"spec": "dca:chunk_size=64,local_size=16"}],
                "rows": [_row("default", "niah_single_1", 4096, 1.0), _row("default", "ruler_vt", 4096, 0.16),
                         _row("dca:chunk_size=64,local_size=16", "niah_single_1", 4096, 0.4),

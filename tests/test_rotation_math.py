@@ -32,7 +32,8 @@ def _rotate(x, position, base=10000.0, interleaved=False):
 def test_textbook_example_interleaved_pairs():
     # RoFormer's pairs (x0, x1), (x2, x3) at position 1: angles 1 and 1e-2. (A widely shared write-up prints
     # −0.5100, 1.4900 for the second pair: an arithmetic slip; the correct values are below.)
-    torch.testing.assert_close(_rotate(X, 1, interleaved=True), torch.tensor([0.11957, 1.11162, -0.51497, 1.49493]), atol=5e-5, rtol=0)
+    torch.testing.assert_close(_rotate(X, 1, interleaved=True), torch.tensor([0.11957, 1.11162, -0.51497, 1.49493]),
+                               atol=5e-5, rtol=0)
 
 
 def test_textbook_example_half_split_pairs():
@@ -53,16 +54,19 @@ def test_transformers_rotation_matches_the_straightforward_one(interleaved):
         torch.testing.assert_close(got[0, 0, m], _rotate(x[0, 0, m], m, interleaved=interleaved), atol=1e-5, rtol=1e-5)
 
 
-SCHEMES = [("default", {}), ("linear", dict(factor=4)), ("yarn", dict(factor=8)), ("llama3", dict(factor=8)), ("p_rope", dict(partial_rotary_factor=0.5))]
+SCHEMES = [("default", {}), ("linear", dict(factor=4)), ("yarn", dict(factor=8)), ("llama3", dict(factor=8)),
+           ("p_rope", dict(partial_rotary_factor=0.5))]
 
 
 @settings(max_examples=30, deadline=None)
-@given(m=st.integers(0, 500), n=st.integers(0, 500), shift=st.integers(0, 2000), which=st.integers(0, len(SCHEMES) - 1), seed=st.integers(0, 1000))
+@given(m=st.integers(0, 500), n=st.integers(0, 500), shift=st.integers(0, 2000), which=st.integers(0, len(SCHEMES) - 1),
+       seed=st.integers(0, 1000))
 def test_score_depends_only_on_relative_position_and_rotation_preserves_norm(m, n, shift, which, seed):
     model = _MODELS[which]
     rot = model.model.rotary_emb
     g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64), torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64)
+    q = torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64)
 
     def rotated(x, pos):
         cos, sin = rot(x, torch.tensor([[pos]]))

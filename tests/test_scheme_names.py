@@ -33,7 +33,8 @@ def test_the_table_answers_as_the_registry():
     assert scheme_names.canonical_name(" Self-Extend ") == "self_extend"
 
 
-GOOD = ["rope", "yarn:8", "pi:4", "yarn:factor=8,beta_fast=16", "longrope:factor=4,short_factor=1/2,long_factor=2/4", "yarn:4+logn",
+GOOD = ["rope", "yarn:8", "pi:4", "yarn:factor=8,beta_fast=16", "longrope:factor=4,short_factor=1/2,long_factor=2/4",
+        "yarn:4+logn",
         "default:1e+6", "self_extend:group_size=4,window_size=64+yarn:2", "nope", "logn:llama4"]
 BAD = ["yran:8", "yarn:fctor=2", "nope:3", "yarn:8,8", "self_extend:4+yran", "alibi:max_bas=8",
        "longrope:short_factor=[1,2]", ":8", "yarn:=3", "+logn", "Self-Extnd:2"]

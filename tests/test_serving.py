@@ -125,7 +125,8 @@ def test_stacks_and_modifiers_are_refused_naming_the_part(saved):
     folder = saved("stack", {"schemes": [{"scheme": "yarn", "params": {"factor": 4}},
                                           {"scheme": "self_extend", "params": {"group_size": 4, "window_size": 16}}]})
     for name in ENGINES:
-        with pytest.raises(ValueError, match=r"cannot serve self_extend \(changes attention\) in stack yarn \+ self_extend"):
+        with pytest.raises(ValueError, match=r"cannot serve self_extend \(changes attention\) in stack yarn "
+                                             r"\+ self_extend"):
             serving.export(folder, name, write=False)
 
 
@@ -140,8 +141,8 @@ def test_per_layer_type_models(scheme, params, engine_name, saved, tmp_path):
     model_type = json.loads((folder / "config.json").read_text())["model_type"]
     fixed = engines.fixed_rope_types(engine_name, model_type)
     if fixed is not None and scheme not in fixed:
-        with pytest.raises(ValueError, match=f"its {model_type} model code replaces the config's rope_parameters by rope "
-                                             "type default"):
+        with pytest.raises(ValueError, match=f"its {model_type} model code replaces the config's "
+                                             "rope_parameters by rope type default"):
             serving.export(folder, engine_name, write=False)
         return
     info = serving.export(folder, engine_name, out=tmp_path / "out")
@@ -158,12 +159,13 @@ def test_gemma3_layer_types_keep_their_own_base(saved):
 
 @pytest.mark.parametrize("engine_name", ENGINES)
 def test_merged_lora_checkpoint_exports(engine_name, tokenizer, tmp_path):
-    """The recipe's --merge: a LoRA trained under the patch, merged into the base and saved with rope_patch.save_pretrained,
-    serves with the rope_parameters it was trained with."""
+    """The recipe's --merge: a LoRA trained under the patch, merged into the base and saved with
+    rope_patch.save_pretrained, serves with the rope_parameters it was trained with."""
     import peft
 
     model = tiny_model()
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora = peft.get_peft_model(model,
+                               peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     rope_patch.apply(lora, "yarn", factor=4)
     merged = lora.merge_and_unload()
     rope_patch.save_pretrained(merged, tmp_path / "merged", tokenizer=tokenizer)
@@ -368,7 +370,8 @@ def test_derived_length_follows_each_engines_rule():
     assert serving.derived_length("vllm", {"max_position_embeddings": 64, "seq_length": 48}) == 48  # the smallest key
     assert serving.derived_length("sglang", {"max_position_embeddings": 128, "rope_parameters": yarn}) == 128
     assert serving.derived_length("sglang", {"max_position_embeddings": 64, "rope_parameters": linear}) == 128
-    assert serving.derived_length("sglang", {"max_position_embeddings": 64, "max_sequence_length": 96}) == 96  # the first
+    # the first
+    assert serving.derived_length("sglang", {"max_position_embeddings": 64, "max_sequence_length": 96}) == 96
 
 
 # ---- the command line -----------------------------------------------------------------------------------------
@@ -444,12 +447,14 @@ def _engine_code(name: str, path: str, functions: tuple[str, ...], namespace: di
         for node in ast.walk(fn):  # annotated locals: plain assignments
             if isinstance(node, ast.AnnAssign):
                 node.annotation = ast.Constant(None)
-    rotary = {n.id: type(n.id, (_Made,), {}) for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id.endswith("RotaryEmbedding")}
-    quiet = types.SimpleNamespace(warning=lambda *a, **k: None, warning_once=lambda *a, **k: None, info=lambda *a, **k: None,
-                                  debug=lambda *a, **k: None)
+    rotary = {n.id: type(n.id, (_Made,), {}) for n in ast.walk(tree)
+              if isinstance(n, ast.Name) and n.id.endswith("RotaryEmbedding")}
+    quiet = types.SimpleNamespace(warning=lambda *a, **k: None, warning_once=lambda *a, **k: None,
+                                  info=lambda *a, **k: None, debug=lambda *a, **k: None)
     torch_stub = types.SimpleNamespace(get_default_dtype=lambda: "float32", dtype=object,
                                        get_default_device=lambda: types.SimpleNamespace(type="cpu"))
-    scope = {"Any": object, "torch": torch_stub, "logger": quiet, "_ROPE_DICT": {}, "_use_aiter": False, "_is_hip": False,
+    scope = {"Any": object, "torch": torch_stub, "logger": quiet, "_ROPE_DICT": {}, "_use_aiter": False,
+             "_is_hip": False,
              **rotary, **namespace}
     exec(compile(ast.Module(body=nodes, type_ignores=[]), path, "exec"), scope)  # noqa: S102 - the engine's source
     return scope
@@ -466,7 +471,8 @@ def test_the_engines_own_code_takes_the_export(arch, saved, tmp_path):
     from transformers.configuration_utils import ALLOWED_LAYER_TYPES
 
     vllm_rope = _engine_code("vllm", engines.TARGETS["vllm"]["get_rope"], ("get_rope",), {})["get_rope"]
-    vllm_len = _engine_code("vllm", "vllm/transformers_utils/config.py", ("iter_rope_parameters", "is_rope_parameters_nested"),
+    vllm_len = _engine_code("vllm", "vllm/transformers_utils/config.py",
+                            ("iter_rope_parameters", "is_rope_parameters_nested"),
                             {"ALLOWED_LAYER_TYPES": ALLOWED_LAYER_TYPES})
     convert = _engine_code("vllm", "vllm/transformers_utils/model_arch_config_convertor.py",
                            ("derive_max_model_len_and_key",), {})["derive_max_model_len_and_key"]
@@ -497,7 +503,8 @@ def test_the_engines_own_code_takes_the_export(arch, saved, tmp_path):
                 # a scaled rope type builds the engine's class for it, not plain RoPE
                 assert (type(made).__name__ == "RotaryEmbedding") == (entry["rope_type"] == "default"), type(made)
             if name == "vllm":
-                arch_cfg = types.SimpleNamespace(derived_max_model_len_and_key=convert(types.SimpleNamespace(hf_text_config=cfg)))
+                arch_cfg = types.SimpleNamespace(
+                    derived_max_model_len_and_key=convert(types.SimpleNamespace(hf_text_config=cfg)))
 
                 def verify(n, allow, cfg=cfg, arch_cfg=arch_cfg):
                     scope = _engine_code("vllm", "vllm/config/model.py", ("_get_and_verify_max_len",), {
@@ -511,7 +518,8 @@ def test_the_engines_own_code_takes_the_export(arch, saved, tmp_path):
                     verify(derived + 1, False)
                 assert verify(info["context_length"], bool(info["env"])) == info["context_length"]
             else:
-                merged = {**json.loads((folder / "config.json").read_text())["rope_parameters"], **info["rope_parameters"]}
+                merged = {**json.loads((folder / "config.json").read_text())["rope_parameters"],
+                          **info["rope_parameters"]}
                 assert sglang_len(types.SimpleNamespace(**{**seen, "rope_scaling": merged})) == info["derived_length"]
                 assert info["context_length"] <= info["derived_length"] or info["env"]
             checked += 1
@@ -533,7 +541,8 @@ def _module_code(name: str, path: str, scope: dict, functions_only: bool = False
                                    ("staticmethod", "classmethod", "property")]
         if isinstance(node, ast.FunctionDef):
             node.returns = None
-            for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg):
+            for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg,
+                      node.args.kwarg):
                 if a is not None:
                     a.annotation = None
     exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), scope)  # noqa: S102 - the engine's source
@@ -560,7 +569,8 @@ def _vllm_get_rope(n: int):
     scope = {"torch": torch, "nn": torch.nn, "math": math, "CustomOp": CustomOp, "Any": object, "logger": quiet,
              "init_logger": lambda _n: quiet, "ApplyRotaryEmb": lambda **k: None, "_ROPE_DICT": {},
              "rocm_aiter_ops": types.SimpleNamespace(is_triton_rotary_embed_enabled=lambda: False),
-             "get_current_vllm_config": lambda: types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=n))}
+             "get_current_vllm_config":
+                 lambda: types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=n))}
     root = "vllm/model_executor/layers/rotary_embedding/"
     _module_code("vllm", root + "common.py", scope, functions_only=True)
     for file in ("base", "linear_scaling_rope", "ntk_scaling_rope", "dynamic_ntk_scaling_rope", "yarn_scaling_rope",
@@ -667,8 +677,10 @@ def _assert_engine_rotary_equals_the_patched_model(folder: Path, info: dict, eng
         half = cache.shape[-1] // 2
         cos, sin = model.model.rotary_emb(x, torch.arange(n)[None], *([lt] if lt else []))
         assert cache.shape[0] == n
-        assert torch.allclose(cache[:, :half], cos[0, :, :half], atol=2e-5), (lt, (cache[:, :half] - cos[0, :, :half]).abs().max())
-        assert torch.allclose(cache[:, half:], sin[0, :, :half], atol=2e-5), (lt, (cache[:, half:] - sin[0, :, :half]).abs().max())
+        assert torch.allclose(cache[:, :half], cos[0, :, :half], atol=2e-5), (
+            lt, (cache[:, :half] - cos[0, :, :half]).abs().max())
+        assert torch.allclose(cache[:, half:], sin[0, :, :half], atol=2e-5), (
+            lt, (cache[:, half:] - sin[0, :, :half]).abs().max())
 
 
 @pytest.mark.skipif(not WHEELS, reason="ROPE_PATCH_ENGINE_WHEELS=DIR holds the engine wheels")

@@ -19,8 +19,10 @@ SHIPS = {
         "low_freq_factor": 1.0, "high_freq_factor": 4.0})),
     "gpt-oss/qwen yarn": ("qwen2", dict(max_position_embeddings=SHIPPED, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": L})),
-    "phi3 longrope": ("phi3", dict(max_position_embeddings=SHIPPED, original_max_position_embeddings=L, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [1.0, 1.5, 2, 2.5, 3, 3.5, 4, 4]})),
+    "phi3 longrope": ("phi3",
+                      dict(max_position_embeddings=SHIPPED, original_max_position_embeddings=L, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+        "long_factor": [1.0, 1.5, 2, 2.5, 3, 3.5, 4, 4]})),
 }
 
 
@@ -83,7 +85,8 @@ def test_attention_schemes_rotate_with_the_shipped_frequencies(name, scheme, par
 def test_an_original_window_above_the_models_window_is_refused(ids):
     model = shipped("llama3.1")
     before = logits(model, ids)
-    with pytest.raises(ValueError, match=r"original_max_position_embeddings.*<= the model's max_position_embeddings = 128"):
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings.*<= the model's "
+                                         r"max_position_embeddings = 128"):
         rope_patch.apply(model, "yarn", factor=2, original_max_position_embeddings=4096)
     assert torch.equal(logits(model, ids), before) and rope_patch.current(model) is None
 

@@ -17,8 +17,9 @@ What "exact" means after casts (`exact()`): frequency schemes compute fp32 frequ
 them fp32 through casts; the deferred-RoPE schemes (self_extend, rerope, ...) rotate with the model's own frequency
 buffers as they were at apply time, so after `.to(bf16)` before apply they rotate with bf16-rounded frequencies, as
 the unpatched cast model does (with a frequency scheme under them, they rotate with its fp32 frequencies); logn
-alone leaves the rotary module as it is, so its buffers round with every cast; an unpatched cast model keeps its rounded buffers (plain transformers: a fresh load
-computes them anew). Only exact states are compared with fresh models / reloads.
+alone leaves the rotary module as it is, so its buffers round with every cast; an unpatched cast model keeps its rounded
+buffers (plain transformers: a fresh load computes them anew). Only exact states are compared with fresh models /
+reloads.
 
 Bounded in CI (`derandomize=True`, no shrinking, under a minute on 2 cores); `ROPE_PATCH_STATEFUL_LONG=1` runs 10x
 the examples, randomised, and shrinks a failure to a minimal sequence. `test_stateful_counts` prints how many
@@ -88,18 +89,23 @@ NEWER = {  # schemes added after this file was written
         {"window_size": st.just(w), "shift_size": st.sampled_from([s for s in (8, 16, 24) if s > w])})),
     "dca": st.sampled_from([16, 24]).flatmap(lambda c: st.fixed_dictionaries(
         {"chunk_size": st.just(c), "local_size": st.sampled_from([4, 8])})),
-    "self_extend_logistic": st.fixed_dictionaries({"group_size": st.sampled_from([3, 6]), "window_size": st.sampled_from([8, 16]),
+    "self_extend_logistic": st.fixed_dictionaries({"group_size": st.sampled_from([3, 6]),
+                                                   "window_size": st.sampled_from([8, 16]),
                                                    "growth_rate": st.sampled_from([0.02, 0.5])}),
     "dpe": st.fixed_dictionaries({"group_sizes": st.lists(st.sampled_from([1, 2, 3, 4]), min_size=4, max_size=4),
                                   "window_size": st.sampled_from([8, 16])}),
-    "ms_poe": st.fixed_dictionaries({"min_ratio": st.sampled_from([1.0, 1.2]), "max_ratio": st.sampled_from([1.8, 2.5])}),
-    "sink": st.fixed_dictionaries({"window_size": st.sampled_from([4, 8, 16]), "sink_size": st.sampled_from([0, 1, 4])}),
+    "ms_poe": st.fixed_dictionaries({"min_ratio": st.sampled_from([1.0, 1.2]),
+                                     "max_ratio": st.sampled_from([1.8, 2.5])}),
+    "sink": st.fixed_dictionaries({"window_size": st.sampled_from([4, 8, 16]),
+                                   "sink_size": st.sampled_from([0, 1, 4])}),
 }
 SCHEMES.update(NEWER)
-SCHEMES["logn"] = st.just({}) | st.fixed_dictionaries({"kind": st.just("llama4"), "attn_scale": st.sampled_from([0.1, 0.5]),
+SCHEMES["logn"] = st.just({}) | st.fixed_dictionaries({"kind": st.just("llama4"),
+                                                       "attn_scale": st.sampled_from([0.1, 0.5]),
                                                        "floor_scale": st.sampled_from([4, 8])})
 # attention schemes that run through their own attention function: a backend switch makes the next forward raise
-OWN_FUNCTION = {"alibi", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "relative_bias", "string", "dca", "logn", "dpe", "ms_poe", "sink"}
+OWN_FUNCTION = {"alibi", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "relative_bias", "string",
+                "dca", "logn", "dpe", "ms_poe", "sink"}
 # they rotate q/k inside attention with the model's frequency buffers as they were at apply time
 ROTATING = {"self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe", "ms_poe", "sink"}
 # transformers' dynamic NTK keeps the frequencies of the longest input seen (until an input shorter than the window)
@@ -341,7 +347,8 @@ class PatchingMachine(RuleBasedStateMachine):
         ref = self.fresh_patched()
         self.settle(self.model)
         same(self.forward(model=ref), self.forward(),
-             f"current() = {rope_patch.current(self.model)} applied to a fresh model vs the model, dtypes {self.dtypes}")
+             f"current() = {rope_patch.current(self.model)} applied to a fresh model vs the model, "
+             f"dtypes {self.dtypes}")
 
     # ---- rules ---------------------------------------------------------------------------------------------------
     @rule(data=st.data(), spec=SPEC)
@@ -386,7 +393,8 @@ class PatchingMachine(RuleBasedStateMachine):
         assert rope_patch.current(self.model) == scheme
         self.applied()
         after = self.forward()
-        same_frequencies = not rotates_model_buffers(parts(scheme)) or _rounding(was["dtypes"]) == _rounding(self.dtypes)
+        same_frequencies = (not rotates_model_buffers(parts(scheme))
+                            or _rounding(was["dtypes"]) == _rounding(self.dtypes))
         if before is not None and same_frequencies:
             same(after, before, f"re-applied {scheme} vs before; dtypes at apply {was['dtypes']}, now {self.dtypes}")
 
@@ -727,7 +735,8 @@ TestStatefulPatching.settings = settings(
 def test_cast_and_back_keeps_the_patch_frequencies_fp32(scheme, params):
     """Found by the machine above (shrunk: apply_scheme(rerope, window_size=4); cast_model('bf16-and-back')):
     `model.to(torch.bfloat16).float()` with no forward in between left bf16-rounded frequencies in the patch's
-    float32 buffers, while the patch restored its fp32 masters only on a dtype mismatch (fixed in 4e07a7d). docs/guarantees.md:
+    float32 buffers, while the patch restored its fp32 masters only on a dtype mismatch (fixed in 4e07a7d).
+    docs/guarantees.md:
     "While patched, the frequencies stay fp32 ... also after model.to(torch.bfloat16)"."""
     model, ref = _build(_config()), _build(_config())
     rope_patch.apply(model, scheme, **params)

@@ -143,7 +143,8 @@ def test_the_table_grows_with_the_scheme_frequencies_past_its_window():
     assert (got - logits(want, ids)).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("spec", ["dynamic:4", "dynamic_yarn:4", "longrope:factor=4,short_factor=1/1/1/1,long_factor=4/4/4/4"])
+@pytest.mark.parametrize("spec",
+                         ["dynamic:4", "dynamic_yarn:4", "longrope:factor=4,short_factor=1/1/1/1,long_factor=4/4/4/4"])
 def test_length_dependent_schemes_are_refused_and_the_model_is_untouched(spec):
     model = tiny_model("gptj")
     ids = batch(40)
@@ -154,7 +155,8 @@ def test_length_dependent_schemes_are_refused_and_the_model_is_untouched(spec):
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
-@pytest.mark.parametrize("scheme,params", [("yarn", {"factor": 4.0}), ("self_extend", {"group_size": 4, "window_size": 16})])
+@pytest.mark.parametrize("scheme,params",
+                         [("yarn", {"factor": 4.0}), ("self_extend", {"group_size": 4, "window_size": 16})])
 def test_copies_are_independent(scheme, params, how):
     model = tiny_model("gptj", attn_implementation="sdpa")
     ids = batch(160)

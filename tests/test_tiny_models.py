@@ -57,7 +57,8 @@ SHIFT_VARIANT = {
     "ministral3": "Llama 4 attention temperature: queries scaled by 1 + β·log(1 + ⌊pos / original_max⌋)",
     "beam": "global NoPE layers scale queries by exp(0.1·log1p((pos + 1) / 2048))",
     "inkling2": "queries and relative-bias states scaled by 1 + α·log(max((pos + 1) / log_scaling_n_floor, 1))",
-    "deepseek_v4": "compressed-key blocks and their causal visibility ((pos + 1) // compress_rate) by absolute position",
+    "deepseek_v4": "compressed-key blocks and their causal visibility ((pos + 1) // compress_rate) "
+                   "by absolute position",
     "recurrent_gemma": "the RG-LRU resets its state (and input normalisation) where position_ids == 0",
 }
 # folder -> why its tiny model lacks a kind of layer its default config has
@@ -153,7 +154,8 @@ def test_uniform_shift_changes_only_the_models_that_read_absolute_positions(fold
     model = _model(folder)
     ids, kw, real = _batch()
     out, n = _forward(folder, model, ids, **kw)
-    shifted, _ = _forward(folder, model, ids, attention_mask=kw["attention_mask"], position_ids=kw["position_ids"] + SHIFT)
+    shifted, _ = _forward(folder, model, ids, attention_mask=kw["attention_mask"],
+                          position_ids=kw["position_ids"] + SHIFT)
     change = _relative(shifted, out, real[:, -n:])
     if folder in SHIFT_VARIANT:
         assert change > MOVED, f"{folder} is relative now: drop it from SHIFT_VARIANT"

@@ -53,7 +53,8 @@ def test_schemes_in_one_process_stay_compiled_and_exact(compiled):
             ids = token_batch(n, 0, 0)[0]
             got = logits(model, ids)
             assert (got - reference_forward(model, ids, scheme, params, None)).abs().max().item() <= 1e-5, (scheme, n)
-    assert 0 < flex.compiled_variants() <= len(SCHEMES) + 1  # one or two per scheme (one call kind, or the near and far calls)
+    # one or two per scheme (one call kind, or the near and far calls)
+    assert 0 < flex.compiled_variants() <= len(SCHEMES) + 1
 
 
 def test_a_call_past_the_limit_raises_instead_of_running_uncompiled(compiled, monkeypatch):

@@ -1,4 +1,5 @@
-"""The apply-time plumbing check (rope_patch/attention/plumbing.py): what it catches, what it costs, how it is skipped."""
+"""The apply-time plumbing check (rope_patch/attention/plumbing.py): what it catches, what it costs, how it is
+skipped."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def test_a_model_whose_layers_run_other_copies_is_checked_again(monkeypatch):
     params = {"min_ratio": 1.2, "max_ratio": 1.8}
     rope_patch.apply(tiny_model("gemma3n", attn_implementation="sdpa"), "ms_poe", **params, skip_layers=0)
     model = tiny_model("gemma3n", attn_implementation="sdpa")
-    with pytest.raises(ValueError, match=r"layer 2\): it reads keys another layer stored .*patch both layers or neither"):
+    with pytest.raises(ValueError, match=r"layer 2\): it reads keys another layer stored .*patch both "
+                                         r"layers or neither"):
         rope_patch.apply(model, "ms_poe", **params, skip_layers=1)
     assert rope_patch.current(model) is None
 

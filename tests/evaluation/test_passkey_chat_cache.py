@@ -1,4 +1,5 @@
-"""Passkey prompts with a chat template, shared-haystack cells whose common prefix is prefilled once, Wilson intervals."""
+"""Passkey prompts with a chat template, shared-haystack cells whose common prefix is prefilled once, Wilson
+intervals."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def test_chat_template_modes(tok, chat_tok, mode, has, expected):
     assert use_chat_template(chat_tok if has else tok, mode) is expected
 
 
-@pytest.mark.parametrize("mode,has,match", [("on", False, "has no chat template"), ("yes", True, "one of auto, on, off")])
+@pytest.mark.parametrize("mode,has,match",
+                         [("on", False, "has no chat template"), ("yes", True, "one of auto, on, off")])
 def test_chat_template_mode_errors(tok, chat_tok, mode, has, match):
     with pytest.raises(ValueError, match=match):
         use_chat_template(chat_tok if has else tok, mode)
@@ -175,7 +177,8 @@ def test_evaluate_passkey_chat_prompts_and_budget(model, chat_tok, filler, monke
     (92, 100, 0.8500, 0.9589),
 ])
 def test_wilson_interval_reference_values(k, n, low, high):
-    """Reference values of the closed form (0/10: upper 0.278, the textbook example of a non-empty interval at p = 0)."""
+    """Reference values of the closed form (0/10: upper 0.278, the textbook example of a non-empty interval at
+    p = 0)."""
     lo, hi = wilson_interval(k, n)
     assert lo == pytest.approx(low, abs=1e-4) and hi == pytest.approx(high, abs=1e-4)
     assert 0.0 <= lo <= (k / n if n else 0) <= hi <= 1.0 or n == 0

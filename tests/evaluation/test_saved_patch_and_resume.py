@@ -162,7 +162,8 @@ def test_tune_resume_refuses_a_log_of_other_weights(folders, tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "cannot resume from" in err and "the model's files (weights, config, tokenizer or saved patch) changed" in err
+    assert "cannot resume from" in err
+    assert "the model's files (weights, config, tokenizer or saved patch) changed" in err
 
 
 def test_fingerprint_hashes_each_file_once_and_sees_a_same_size_rewrite(folders, tmp_path, monkeypatch):

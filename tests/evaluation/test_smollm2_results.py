@@ -1,6 +1,7 @@
-"""The SmolLM2 study's tables (docs/studies/smollm2.md) are what rope_patch.evaluation.tables computes from the committed result files of the
-runs eval/smollm2/tables.json lists (perplexity by position at 16k and 32k, the tuned scheme's acceptance, passkey by
-length x depth, RULER), so a re-run that changes a number and forgets the page fails here. No model is loaded."""
+"""The SmolLM2 study's tables (docs/studies/smollm2.md) are what rope_patch.evaluation.tables computes from the
+committed result files of the runs eval/smollm2/tables.json lists (perplexity by position at 16k and 32k, the tuned
+scheme's acceptance, passkey by length x depth, RULER), so a re-run that changes a number and forgets the page fails
+here. No model is loaded."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def test_the_study_covers_every_smollm2_table_of_its_page():
     marks = [line for line in STUDY["document"].read_text(encoding="utf-8").split("\n")
              if line.startswith("<!-- smollm2")]
     assert sorted(marks) == sorted(TABLES)
-    assert STUDY["document"] == ROOT / "docs" / "studies" / "smollm2.md" and STUDY["results"] == ROOT / "eval" / "results"
+    assert STUDY["document"] == ROOT / "docs" / "studies" / "smollm2.md"
+    assert STUDY["results"] == ROOT / "eval" / "results"
 
 
 def test_a_missing_run_names_itself(tmp_path):

@@ -43,7 +43,8 @@ ATTENTION = {
     "string": ({"shift_size": 64, "window_size": 8}, {"shift_size": 20, "window_size": 6}),
     "dca": ({"chunk_size": 64, "local_size": 4}, {"chunk_size": 24, "local_size": 4}),
     "dpe": ({"group_sizes": [4, 2], "window_size": 64}, {"group_sizes": [4, 2], "window_size": 12}),
-    "ms_poe": ({"min_ratio": 1.0, "max_ratio": 1.0, "skip_layers": 0}, {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 0}),
+    "ms_poe": ({"min_ratio": 1.0, "max_ratio": 1.0, "skip_layers": 0},
+               {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 0}),
     "sink": ({"window_size": 64, "sink_size": 4}, {"window_size": 12, "sink_size": 4}),
     "alibi": (None, {}),
 }
@@ -189,7 +190,7 @@ def outcomes(folder: str, schemes=SCHEMES) -> dict[str, str]:
     return out
 
 
-# ---- what is expected: exact, or refused for a reason ------------------------------------------------------------------
+# ---- what is expected: exact, or refused for a reason ----------------------------------------------------------------
 ALL_ATTENTION = tuple(ATTENTION)
 REPOSITIONING = tuple(s for s in ATTENTION if s != "alibi")
 # Why a folder refuses a scheme: (a phrase of apply()'s refusal, the reason in a few words for the architecture page)
@@ -200,8 +201,8 @@ FRACTIONAL = ("fractional positions",
               "it rotates from a sin/cos table of integer positions; leaky ReRoPE moves queries and keys to fractional "
               "ones (j/k; Ms-PoE p/r), where the table has no rows")
 GROUPED = ("frequency group of the rotation at positions of its own",
-           "it rotates from a sin/cos table of integer positions whose rows are not split by frequency; DPE places each "
-           "frequency group at positions of its own")
+           "it rotates from a sin/cos table of integer positions whose rows are not split by frequency; "
+           "DPE places each frequency group at positions of its own")
 OWN_ATTENTION = ("computes attention in its own module code",
                  "attention computed in the module's own code, not through transformers' attention interface")
 NATIVE_REJECTS = ("rejects this RoPE configuration",
@@ -351,11 +352,11 @@ def page() -> str:
         "whose configs have no `rope_parameters` and which rotate from a sin/cos table built at init, against the same "
         "model with its table built from the frequencies and attention scaling of transformers' "
         "`ROPE_INIT_FUNCTIONS['yarn']` on a config carrying the same parameters), the re-positioning "
-        "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA, DPE, Ms-PoE, StreamingLLM sinks: at an identity setting against the model, at a real "
-        "one against a reference that places each pair where the papers do and runs the layer's own code) and ALiBi "
-        "(against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 relative to the logits' scale) with `remove()` "
-        "bit-exact; ✗ is refused at `apply()` with the reason below, the model left as it was. Nothing is wrong or "
-        "crashes.",
+        "schemes (Self-Extend, SELF, ReRoPE, leaky ReRoPE, STRING, DCA, DPE, Ms-PoE, StreamingLLM sinks: "
+        "at an identity setting against the model, at a real one against a reference that places each pair where the "
+        "papers do and runs the layer's own code) and ALiBi (against a reference). ✓ is exact (max |Δlogit| ≤ 1e-5 "
+        "relative to the logits' scale) with `remove()` bit-exact; ✗ is refused at `apply()` with the reason below, "
+        "the model left as it was. Nothing is wrong or crashes.",
         "",
         "| scheme | exact on |",
         "| --- | ---: |",

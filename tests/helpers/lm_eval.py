@@ -34,8 +34,8 @@ def metadata(assets, **extra) -> dict:
 
 
 def evaluate(model, tasks, assets, model_args=None, meta=None, include_path=None, **kw):
-    """lm_eval.simple_evaluate with the repository's rope_patch/data/tasks (not lm-eval's own ~15 s task index) and the tiny
-    assets; samples are logged."""
+    """lm_eval.simple_evaluate with the repository's rope_patch/data/tasks (not lm-eval's own ~15 s task index) and the
+    tiny assets; samples are logged."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 

@@ -53,7 +53,8 @@ ARCHS = {
     # MLA: rope on qk_rope_head_dim = 16 of the 32 query/key coordinates (config.head_dim = qk_rope_head_dim); no GQA
     "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=16,
                         qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=2, num_experts_per_tok=1, n_group=1,
-                        topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32, max_position_embeddings=4 * WINDOW,
+                        topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32,
+                        max_position_embeddings=4 * WINDOW,
                         rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=WINDOW,
                                              mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0,
                                              rope_theta=10000.0)),
@@ -64,7 +65,8 @@ ARCHS = {
     # hybrid: a gated-delta-net (linear attention) layer, then a full-attention layer rotating 1/4 of each head
     "qwen3_next": dict(head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
                        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
-                       linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+                       linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16),
     # sliding RoPE layers + global layers without any position encoding (cohere2, exaone4); olmo3: one RoPE per type
     "cohere2": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     "exaone4": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
@@ -264,7 +266,8 @@ FOLDER_OVERRIDES: dict[str, dict] = {
     # KV sharing: the last num_kv_shared_layers layers reuse the KV of the last earlier layer of their type, so one
     # producing and one consuming layer of each type (sliding, full); gemma4's global layers are wider (global_head_dim,
     # 512 by default)
-    "gemma3n": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
+    "gemma3n": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                    num_kv_shared_layers=2),
     "gemma4": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
                    global_head_dim=32),
     "gemma4_unified": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
@@ -293,7 +296,8 @@ FOLDER_OVERRIDES: dict[str, dict] = {
     # reads from rope_parameters beside any scaling type (short_mscale / long_mscale: its config requires them)
     "phimoe": dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, factor=4.0,
                                         original_max_position_embeddings=WINDOW // 4, short_factor=[1.0] * 8,
-                                        long_factor=[1.0 + i / 2 for i in range(8)], short_mscale=1.1, long_mscale=1.2)),
+                                        long_factor=[1.0 + i / 2 for i in range(8)], short_mscale=1.1,
+                                        long_mscale=1.2)),
     # (transformers 5.25) a 32768-wide first dense MLP; global attention every 4th layer: every 2nd, so two layers
     # hold both kinds
     "ergo": dict(first_dense_intermediate_size=96, global_attention_every_n_layers=2),

@@ -26,7 +26,8 @@ def make_text(path: Path, n_words: int = 4000, seed: int = 0) -> Path:
 
 
 def tiny_cfg(model_dir: Path, text: Path, out: Path, /, **sections) -> dict:
-    """A config that trains in a few seconds: yarn x4 on the 32-token model at 128 tokens, a checkpoint every 2 steps."""
+    """A config that trains in a few seconds: yarn x4 on the 32-token model at 128 tokens, a checkpoint every 2
+    steps."""
     cfg = {
         "model": str(model_dir),
         "output_dir": str(out),
@@ -35,7 +36,8 @@ def tiny_cfg(model_dir: Path, text: Path, out: Path, /, **sections) -> dict:
         "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"]},
         "data": {"files": [str(text)], "cache_dir": str(out.parent / "token_cache"), "passkey_fraction": 0.25,
                  "passkey_min_tokens": 100, "answer_loss_weight": 3.0},
-        "train": {"seq_len": 128, "global_batch_size": 4, "micro_batch_size": 2, "steps": 6, "lr": 1e-3, "warmup_steps": 1,
+        "train": {"seq_len": 128, "global_batch_size": 4, "micro_batch_size": 2, "steps": 6, "lr": 1e-3,
+                  "warmup_steps": 1,
                   "threads": 1, "attn_implementation": "eager", "save_every": 2, "log_every": 1},
     }
     for key, value in sections.items():

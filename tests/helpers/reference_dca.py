@@ -3,9 +3,13 @@
 An et al. 2024 (arXiv:2402.17463) §3, eqs. 2, 5, 7, 8, in the paper's own notation: chunk size s (the modulus), the
 largest query position c − 1, the local window w. The relative position of query i and key j is
 
-    M[i][j] = P_q^Intra[i] − P_k[j]   if ⌊i/s⌋ − ⌊j/s⌋ = 0      P_k = P_q^Intra = [0, 1, …, l − 1] mod s
-              P_q^Succ[i]  − P_k[j]   if ⌊i/s⌋ − ⌊j/s⌋ = 1      P_q^Succ = [s, s + 1, …, s + w − 1, c − 1, …, c − 1] per chunk
-              P_q^Inter[i] − P_k[j]   if ⌊i/s⌋ − ⌊j/s⌋ > 1      P_q^Inter = [q_inter, …]  (the paper: c − 1)
+    M[i][j] = P_q^Intra[i] − P_k[j]   if ⌊i/s⌋ − ⌊j/s⌋ = 0
+              P_q^Succ[i]  − P_k[j]   if ⌊i/s⌋ − ⌊j/s⌋ = 1
+              P_q^Inter[i] − P_k[j]   if ⌊i/s⌋ − ⌊j/s⌋ > 1
+
+    P_k = P_q^Intra = [0, 1, …, l − 1] mod s
+    P_q^Succ = [s, s + 1, …, s + w − 1, c − 1, …, c − 1] per chunk
+    P_q^Inter = [q_inter, …]  (the paper: c − 1)
 
 built here as explicit lists per position. The authors' code (and rope_patch's `chunk_size` / `local_size`) maps onto
 it as s = chunk_size − local_size, c − 1 = chunk_size, w = local_size + 1 and q_inter = min(2s − 1, chunk_size).

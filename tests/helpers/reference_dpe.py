@@ -104,7 +104,8 @@ def forward(model, ids, sizes, window, decode: bool = False, floor_shift: bool =
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if decode:  # rows 0 … n − 2 as the prefill computed them, the last row by the decode path
-            first = prefill_attention(base.rotary_emb, q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], sizes, window, a.scaling)
+            first = prefill_attention(base.rotary_emb, q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], sizes, window,
+                                      a.scaling)
             last = decode_attention(base.rotary_emb, q, k, v, sizes, window, a.scaling)
             att = torch.cat([first, last], dim=2)
         else:

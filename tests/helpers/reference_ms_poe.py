@@ -44,7 +44,8 @@ def paper_forward(model, ids, params: dict, mask=None, orders: dict | None = Non
         if orders is not None:
             order = orders[layer]
         else:  # the last query against every real key, q and k un-rotated (RoPE at position 0)
-            w = torch.softmax((q[:, :, -1:] @ k.transpose(-1, -2) * d**-0.5).masked_fill(~real[:, None, None], -torch.inf), -1)
+            w = torch.softmax((q[:, :, -1:] @ k.transpose(-1, -2) * d**-0.5)
+                              .masked_fill(~real[:, None, None], -torch.inf), -1)
             count = real.sum(-1).float()[:, None, None]  # (b, 1, 1)
             frac = (w[:, :, 0] > 3 / count).sum(-1) / count[..., 0]  # (b, H): share of keys above 3× the mean
             order = torch.argsort(-frac.view(b, hkv, g).mean(-1), dim=-1, stable=True)

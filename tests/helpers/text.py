@@ -13,7 +13,8 @@ CHARS = "abcdefghijklmnopqrstuvwxyzTWPRK0123456789 .?"
 def filler_text(n_words: int = 3000, seed: int = 0) -> str:
     """Deterministic pseudo-words (2-7 letters, a full stop after ~10%): text a character tokenizer covers."""
     rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(n_words)]
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7)))
+             for _ in range(n_words)]
     return " ".join(w + ("." if rng.random() < 0.1 else "") for w in words)
 
 

@@ -49,7 +49,8 @@ def test_a_sweep_keeps_a_compact_summary_and_no_path_in_names(assets, tmp_path, 
             assert s["in_prompt"]  # a right answer is the key, which the prompt holds
     # one line per sample: the file is small and a re-run's diff shows the answers that changed
     lines = (sdir / "samples.json").read_text().splitlines()
-    assert sum(line.lstrip().startswith('{"doc_id"') for line in lines) == 4 + len(summary["tasks"]["rope_ppl_128"]["samples"])
+    assert (sum(line.lstrip().startswith('{"doc_id"') for line in lines)
+            == 4 + len(summary["tasks"]["rope_ppl_128"]["samples"]))
     # settings name the home directory as ~
     home = str(assets["root"].parent)
     for name in ("sweep_settings.json", "sweep.json", "compare.json"):

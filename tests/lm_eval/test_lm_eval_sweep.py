@@ -158,7 +158,8 @@ def test_a_templated_sweep_prompts_with_the_template(assets, chat_model, tmp_pat
     with pytest.raises(ValueError, match="rope_passkey_128 cells were measured with the templated prompts of"):
         S.sweep(args, log=lambda m: None)
     # one without rope_* retrieval cells (RULER, perplexity) has nothing of the old layout: it resumes
-    (out / "sweep_settings.json").write_text(json.dumps({**old, "settings": {**old["settings"], "tasks": ["rope_ppl_128"]}}))
+    (out / "sweep_settings.json").write_text(json.dumps({**old,
+                                                         "settings": {**old["settings"], "tasks": ["rope_ppl_128"]}}))
     S.sweep(args, log=lambda m: None)
 
 

@@ -12,7 +12,8 @@ def _state():
     by_depth = {"0.1": {"n": 4, "correct": 3, "accuracy": 0.75}, "0.9": {"n": 4, "correct": 0, "accuracy": 0.0}}
     cells = {"rope_passkey_128": {"task": "rope_passkey_128", "metrics": {"acc": 0.375}, "n_samples": 8,
                                   "by_depth": by_depth},
-             "rope_ppl_128": {"task": "rope_ppl_128", "metrics": {"token_perplexity": 40.0, "nll": 3.7}, "n_samples": 2}}
+             "rope_ppl_128": {"task": "rope_ppl_128", "metrics": {"token_perplexity": 40.0, "nll": 3.7},
+                              "n_samples": 2}}
     return {"settings": {"tasks": ["rope_passkey_128", "rope_ppl_128"], "lengths": [128], "model": "m",
                          "model_path": "/nonexistent", "metadata": {"depths": [0.1, 0.9], "samples": 4}},
             "schemes": [{"spec": "default", "args": {"scheme": "default"}, "cells": cells}]}

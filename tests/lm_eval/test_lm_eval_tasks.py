@@ -1,4 +1,5 @@
-"""The offline task suite (rope_patch/data/tasks/rope): scoring end to end, equality with `rope-patch compare`, determinism."""
+"""The offline task suite (rope_patch/data/tasks/rope): scoring end to end, equality with `rope-patch compare`,
+determinism."""
 
 from __future__ import annotations
 
@@ -167,7 +168,8 @@ def test_the_lead_in_splits_on_text_for_a_sentencepiece_tokenizer():
     raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     raw.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
     raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=False)
-    raw.train_from_iterator(["What is the pass key? The pass key is"] * 4, trainers.BpeTrainer(special_tokens=["<unk>"]))
+    raw.train_from_iterator(["What is the pass key? The pass key is"] * 4,
+                            trainers.BpeTrainer(special_tokens=["<unk>"]))
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
     ids = tok.encode(" What is the pass key? The pass key is", add_special_tokens=False)
     lead_ids = tok.encode(" The pass key is", add_special_tokens=False)
@@ -207,7 +209,8 @@ def test_documents_are_deterministic_and_exact(assets):
 
 
 def test_task_files_are_generated(assets):
-    """rope_patch/data/tasks/rope/*.yaml are what make_tasks.py writes (edit the templates / make_tasks.py, then rerun it)."""
+    """rope_patch/data/tasks/rope/*.yaml are what make_tasks.py writes (edit the templates / make_tasks.py, then
+    rerun it)."""
     import make_tasks
 
     for name, text in make_tasks.files().items():

@@ -55,7 +55,8 @@ def assets(tmp_path_factory):
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            **extra}
 
 
 def _write(cfg: dict, path: Path) -> Path:
@@ -94,8 +95,9 @@ def test_two_process_ddp_matches_one_process(assets, tmp_path):
                   train={"global_batch_size": 4, "micro_batch_size": 2, "steps": 4, "save_every": 0})
     one = ft.main(tiny_cfg(model, text, tmp_path / "one", **common))
     cfg = _write(tiny_cfg(model, text, tmp_path / "two", **common), tmp_path / "c.yaml")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
-                          "--config", str(cfg)], cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=400)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          SCRIPT, "--config", str(cfg)],
+                         cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "2 process(es) x 1 accumulation step(s) x 2 rows" in res.stdout and "distributed: MULTI_CPU" in res.stdout
     c1, c2 = loss_curve(tmp_path / "one"), loss_curve(tmp_path / "two")
@@ -111,8 +113,9 @@ def test_fsdp_on_cpu_with_two_processes_is_refused(assets, tmp_path):
     cfg = _write(tiny_cfg(model, text, tmp_path / "fsdp", train={"steps": 2, "save_every": 0}), tmp_path / "c.yaml")
     env = _env(ACCELERATE_USE_FSDP="true", FSDP_SHARDING_STRATEGY="FULL_SHARD", FSDP_USE_ORIG_PARAMS="true",
                FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP", FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
-                          "--config", str(cfg)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          SCRIPT, "--config", str(cfg)],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
     assert res.returncode != 0
     assert "FSDP was requested" in res.stderr and "(MULTI_CPU)" in res.stderr
     assert not (tmp_path / "fsdp" / "adapter").exists()

@@ -60,7 +60,8 @@ BAD = [
     (dict(rope_patch={"scheme": "yarn", "factor": -2.0}), "factor"),
     (dict(rope_patch={"scheme": "yarnn", "factor": 2.0}), "yarn"),
     (dict(rope_patch={"factor": 2.0}), "needs a `scheme:` key"),
-    (dict(rope_patch={"scheme": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}), "covers 64 positions.*target length 128"),
+    (dict(rope_patch={"scheme": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}),
+     "covers 64 positions.*target length 128"),
     (dict(data={"files": ["/nonexistent/austen/*.txt"]}), "data.files.*matches no file"),
     (dict(data={"passkey_fraction": 1.5}), r"data.passkey_fraction.*<= 1"),
     (dict(data={"passkey_min_tokens": 125}), r"passkey_min_tokens`=125 must lie in \[16, seq_len - 8 = 120\]"),
@@ -104,8 +105,8 @@ def test_missing_required_keys(assets, tmp_path):
 def test_set_overrides_and_cli_check(assets, tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg_for(assets, tmp_path)))
-    cfg = ft.load_config(path, ft.parse_overrides(["train.steps=3", "pose.target_length=512", "lora.r=2", "train.optim=sgd",
-                                                   "rope_patch.factor=16.0", "seed=7"]))
+    cfg = ft.load_config(path, ft.parse_overrides(["train.steps=3", "pose.target_length=512", "lora.r=2",
+                                                   "train.optim=sgd", "rope_patch.factor=16.0", "seed=7"]))
     assert cfg.train.steps == 3 and cfg.pose == PoseArgs(target_length=512, n_chunks=2)
     assert cfg.lora.r == 2 and cfg.run.seed == 7 and cfg.patch.resolved.params()["factor"] == 16.0
     assert cfg.train.trainer == {"optim": "sgd"}  # another TrainingArguments field, passed on unchanged
@@ -131,7 +132,8 @@ def test_parse_overrides_reads_yaml_values():
 
 def test_training_arguments_come_from_the_recipe_keys(assets, tmp_path):
     cfg = ft.load_config(cfg_for(assets, tmp_path, train={"global_batch_size": 8, "micro_batch_size": 2, "lr": 3e-4,
-                                                          "min_lr_ratio": 0.25, "save_every": 3, "keep_checkpoints": 1}))
+                                                          "min_lr_ratio": 0.25, "save_every": 3,
+                                                          "keep_checkpoints": 1}))
     assert cfg.validate(num_processes=2)["accumulation_steps"] == 2  # 8 = 2 rows x 2 processes x 2 steps
     assert cfg.validate(num_processes=1)["accumulation_steps"] == 4
     args = cfg.training_arguments(4)
@@ -144,8 +146,10 @@ def test_training_arguments_come_from_the_recipe_keys(assets, tmp_path):
 # ---- rows: packed, weighted, a function of the sample index --------------------------------------------------------
 @pytest.mark.parametrize("sampling", ["windows", "rows"])
 def test_rows_and_weights_are_a_function_of_the_index(assets, tmp_path, sampling):
-    recipe = ft.LoRAFinetuneRecipe(cfg_for(assets, tmp_path, pose={"target_length": 512},  # validated: yarn x16 covers 512
-                                           rope_patch={"scheme": "yarn", "factor": 16.0, "original_max_position_embeddings": WINDOW},
+    # validated: yarn x16 covers 512
+    recipe = ft.LoRAFinetuneRecipe(cfg_for(assets, tmp_path, pose={"target_length": 512},
+                                           rope_patch={"scheme": "yarn", "factor": 16.0,
+                                                       "original_max_position_embeddings": WINDOW},
                                            data={"passkey_fraction": 0.5, "sampling": sampling}))
     cfg = recipe.cfg
     tok = AutoTokenizer.from_pretrained(assets["model"])
@@ -204,7 +208,8 @@ def test_jsonl_documents_and_their_errors(assets, tmp_path):
 # ---- train, save, reload, merge ---------------------------------------------------------------------------------
 def test_train_save_reload_and_merge(assets, tmp_path):
     cfg = tiny_cfg(assets["tied"], assets["text"], tmp_path / "run", output={"merge": True},
-                   lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["embed_tokens", "norm"]},
+                   lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                         "modules_to_save": ["embed_tokens", "norm"]},
                    train={"steps": 4, "save_every": 0, "warmup_steps": 2, "min_lr_ratio": 0.1})
     summary = ft.main(cfg)
     out = Path(summary["adapter"])
@@ -227,7 +232,8 @@ def test_train_save_reload_and_merge(assets, tmp_path):
 
     merged = json.loads((tmp_path / "run" / "merged" / "config.json").read_text())
     assert merged["rope_parameters"]["rope_type"] == "yarn" and merged["rope_parameters"]["factor"] == 4.0
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "merged", attn_implementation="eager").eval()  # no rope_patch
+    # no rope_patch
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "merged", attn_implementation="eager").eval()
     with torch.no_grad():
         assert (plain(ids).logits - again(ids).logits).abs().max().item() <= 1e-5
 
@@ -235,7 +241,8 @@ def test_train_save_reload_and_merge(assets, tmp_path):
 
     for folder in (tmp_path / "run" / "merged", out):  # `rope-patch export` on the recipe's outputs
         info = export_info(folder)
-        assert info["rope_parameters"]["rope_type"] == "yarn" and info["max_position_embeddings"] == merged["max_position_embeddings"]
+        assert info["rope_parameters"]["rope_type"] == "yarn"
+        assert info["max_position_embeddings"] == merged["max_position_embeddings"]
     from rope_patch.serving import export
 
     assert export(tmp_path / "run" / "merged", "vllm", write=False)["command"]  # its tokenizer is there for the engine
@@ -268,7 +275,8 @@ def test_a_learned_table_trains_through_modules_to_save(assets, tmp_path):
 
 # ---- crash and resume, in process (tests/recipes/test_distributed.py kills a real process with SIGKILL) ------------
 class Crash(TrainerCallback):
-    """Raises at the end of step `step`, or inside the checkpoint save of `step` (before the recipe marks it complete)."""
+    """Raises at the end of step `step`, or inside the checkpoint save of `step` (before the recipe marks it
+    complete)."""
 
     def __init__(self, step: int, where: str = "step_end"):
         self.step, self.where = step, where
@@ -340,7 +348,8 @@ def shrink(raw: dict, assets, out: Path) -> dict:
     raw.update(model=str(assets["model"]), output_dir=str(out))
     raw.pop("tokenizer", None)
     raw.pop("eval", None)
-    raw["data"] = {k: v for k, v in raw["data"].items() if k not in ("dataset", "dataset_config", "split", "max_documents")}
+    raw["data"] = {k: v for k, v in raw["data"].items()
+                   if k not in ("dataset", "dataset_config", "split", "max_documents")}
     raw["data"].update(files=[str(assets["text"])], cache_dir=str(out.parent / "cache"), passkey_min_tokens=100)
     t.update(seq_len=128, steps=2, warmup_steps=1, save_every=0, log_every=1, global_batch_size=2, micro_batch_size=1,
              mixed_precision="no", model_dtype="float32", threads=1, attn_implementation="eager")
@@ -364,12 +373,15 @@ def test_configs_ship():
 def test_every_config_loads_and_dry_runs(path, assets, tmp_path):
     text = path.read_text()
     header = text.split("\n\n")[0]
-    assert "launch" in header.lower() and "recipes/finetune_lora.py" in header, f"{path.name}: the header must hold the launch command"
+    assert "launch" in header.lower() and "recipes/finetune_lora.py" in header, (
+        f"{path.name}: the header must hold the launch command")
     raw = yaml.safe_load(text)
     cfg = ft.load_config(raw)  # structure: no unknown keys
     for key in ("rope_patch", "lora"):
-        block_lines = [ln for ln in text.split(f"\n{key}:")[1].split("\n\n")[0].splitlines()[1:] if ln.startswith("  ") and ":" in ln]
-        assert all("#" in ln for ln in block_lines), f"{path.name}: every `{key}` value carries a comment with its reason"
+        block_lines = [ln for ln in text.split(f"\n{key}:")[1].split("\n\n")[0].splitlines()[1:]
+                       if ln.startswith("  ") and ":" in ln]
+        assert all("#" in ln for ln in block_lines), (
+            f"{path.name}: every `{key}` value carries a comment with its reason")
     summary = ft.main(shrink(raw, assets, tmp_path / "run"))
     assert summary["steps"] == 2 and 0 < summary["final_loss"] < 20  # a number, not NaN
     reloaded = rope_patch.current(rope_patch.from_pretrained(summary["adapter"]))

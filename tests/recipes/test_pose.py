@@ -84,7 +84,8 @@ def test_pose_forward_equals_token_by_token_decoding(impl):
         full = model(**pose_inputs(ids, pos), use_cache=False).logits
         cache, steps = DynamicCache(config=model.config), []
         for t in range(ids.shape[1]):
-            out = model(input_ids=ids[:, t : t + 1], position_ids=pos[:, t : t + 1], attention_mask=torch.ones(1, t + 1, dtype=torch.long),
+            out = model(input_ids=ids[:, t : t + 1], position_ids=pos[:, t : t + 1],
+                        attention_mask=torch.ones(1, t + 1, dtype=torch.long),
                         cache=cache, use_cache=True)
             cache = out.cache
             steps.append(out.logits[:, -1])

@@ -35,11 +35,13 @@ ATTENTION_SCHEMES = [
     ("dca", {"chunk_size": 24, "local_size": 4}),
     ("dpe", {"group_sizes": [4, 2], "window_size": 12}),
 ]
-OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe"}
+OWN_FUNCTION = {"alibi", "relative_bias", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string",
+                "dca", "dpe"}
 DEFERRED = {"self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe"}
 # arch -> {scheme: regex of the refusal}; every other (arch, scheme) pair must equal the reference
 REFUSED = {
-    f: {s: rf"{f} computes attention in its own module code" for s in OWN_FUNCTION} for f in coverage.OWN_CODE if f in ADDED
+    f: {s: rf"{f} computes attention in its own module code" for s in OWN_FUNCTION}
+    for f in coverage.OWN_CODE if f in ADDED
 }
 BACKENDS = {"gpt_oss": ["eager"]}  # gpt-oss has no sdpa in transformers
 
@@ -92,7 +94,8 @@ def test_attention_scheme_matches_reference(arch, backend, scheme, params):
     real = mask.bool()
     assert (got - want)[real].abs().max().item() <= 1e-5
     rope_patch.remove(model)
-    assert torch.equal(logits(model, ids, attention_mask=mask), logits(tiny_model(arch, attn_implementation=backend), ids, attention_mask=mask))
+    assert torch.equal(logits(model, ids, attention_mask=mask),
+                       logits(tiny_model(arch, attn_implementation=backend), ids, attention_mask=mask))
 
 
 @pytest.mark.parametrize("arch,scheme,params", REFUSALS, ids=[f"{a}-{s}" for a, s, _ in REFUSALS])
@@ -107,7 +110,8 @@ def test_attention_scheme_is_refused_with_the_reason(arch, scheme, params):
 
 
 @pytest.mark.parametrize("arch", ["cohere2", "exaone4", "qwen3_next"])
-@pytest.mark.parametrize("scheme,params", [("rerope", {"window_size": L}), ("string", {"shift_size": L, "window_size": 8}),
+@pytest.mark.parametrize("scheme,params",
+                         [("rerope", {"window_size": L}), ("string", {"shift_size": L, "window_size": 8}),
                                            ("self_extend", {"group_size": 4, "window_size": L})])
 def test_degenerate_repositioning_is_the_model(arch, scheme, params):
     """A window ≥ the sequence moves no position: exactly the model, also on its global NoPE layers (which must stay
@@ -131,7 +135,8 @@ def test_deepseek_yarn_mscale_sets_the_attention_scale_as_a_native_model_and_rem
     assert shipped[0] != 32**-0.5  # the tiny config ships yarn ×4 with mscale_all_dim = 1: mscale² is in the scale
     ids = torch.randint(3, VOCAB, (1, 3 * 32), generator=torch.Generator().manual_seed(0))
     before = logits(model, ids)
-    for scheme, params in (("yarn", dict(factor=8.0, mscale=1.0, mscale_all_dim=0.5)), ("default", {}), ("linear", dict(factor=2.0))):
+    for scheme, params in (("yarn", dict(factor=8.0, mscale=1.0, mscale_all_dim=0.5)), ("default", {}),
+                           ("linear", dict(factor=2.0))):
         rope_patch.apply(model, scheme, **params)
         twin = native_twin(model, model.config.rope_parameters, model.config.max_position_embeddings)
         assert _scales(model) == _scales(twin), scheme
@@ -144,14 +149,15 @@ def test_deepseek_yarn_mscale_sets_the_attention_scale_as_a_native_model_and_rem
 def test_deepseek_dynamic_yarn_with_mscale_all_dim_is_refused():
     model = tiny_model("deepseek_v3")
     shipped = _scales(model)
-    with pytest.raises(ValueError, match=r"dynamic_yarn: deepseek_v3 folds YaRN's mscale \(mscale_all_dim\) into its attention scale"):
+    with pytest.raises(ValueError, match=r"dynamic_yarn: deepseek_v3 folds YaRN's mscale \(mscale_all_dim\) "
+                                         r"into its attention scale"):
         rope_patch.apply(model, "dynamic_yarn", factor=4.0, mscale_all_dim=1.0)
     assert rope_patch.current(model) is None and _scales(model) == shipped
     rope_patch.apply(model, "dynamic_yarn", factor=4.0)  # without mscale_all_dim the scale does not depend on s
     assert _scales(model) == [32**-0.5] * 2
 
 
-# ---- Ministral 3: Llama 4's attention temperature lives in rope_parameters --------------------------------------------
+# ---- Ministral 3: Llama 4's attention temperature lives in rope_parameters -------------------------------------------
 @pytest.mark.parametrize("scheme,params", [("linear", dict(factor=2.0)), ("default", {}), ("yarn", dict(factor=8.0))])
 def test_ministral3_keeps_llama4_temperature_keys(scheme, params):
     model = tiny_model("ministral3")
@@ -164,7 +170,8 @@ def test_ministral3_keeps_llama4_temperature_keys(scheme, params):
 
 
 # ---- gpt-oss: attention sinks are kept (its own attention, or rope_patch's eager/sdpa functions) ---------------------
-@pytest.mark.parametrize("scheme,params", [("nope", {}), ("sinusoidal", {}), ("alibi", {}), ("rerope", {"window_size": 12})])
+@pytest.mark.parametrize("scheme,params",
+                         [("nope", {}), ("sinusoidal", {}), ("alibi", {}), ("rerope", {"window_size": 12})])
 def test_gpt_oss_sinks_stay_in_effect(scheme, params):
     model = tiny_model("gpt_oss")
     rope_patch.apply(model, scheme, **params)
@@ -297,12 +304,13 @@ def test_the_architecture_page_is_generated_from_the_table():
     assert committed == coverage.page(), "docs/architectures.md is stale: run `cd tests && python -m helpers.coverage`"
 
 
-# ---- DeepSeek-V4: attention over a sliding window and compressed memory, K = V ----------------------------------------
+# ---- DeepSeek-V4: attention over a sliding window and compressed memory, K = V ---------------------------------------
 # Its layers append memory entries (one per block of m tokens, made by a compressor inside the layer and rotated at w·m,
 # the block's first token) to the keys of a sliding window; the key tensor is also the value (K = V), and the output is
 # rotated back at the query's position. The schemes place an entry as a key at w·m; a pair placed at (P_q, P_k) takes
 # its value at P_k and is rotated back at P_q, as the layer treats a query at P_q and a key at P_k.
-V4_SCHEMES = [s for s in ATTENTION_SCHEMES if s[0] in ("alibi", "self_extend", "rerope", "leaky_rerope", "string", "dca")]
+V4_SCHEMES = [s for s in ATTENTION_SCHEMES if s[0] in ("alibi", "self_extend", "rerope", "leaky_rerope",
+                                                       "string", "dca")]
 
 
 def test_deepseek_v4_reference_keeps_each_pairs_relative_position(monkeypatch):

@@ -18,7 +18,8 @@ L = 96
 PAD = 7  # left padding of row 0 in padded batches
 
 # scheme, params: every attention-side scheme of tests/helpers/schemes.py (dca and ms_poe have their own references
-# and files, test_dca.py and test_ms_poe.py) and, after them, settings that reach other code paths; every test below runs over them
+# and files, test_dca.py and test_ms_poe.py) and, after them, settings that reach other code paths; every test below
+# runs over them
 SCHEMES = cases("attention", without=("dca", "ms_poe")) + [
     ("alibi", {"max_bias": 4.0}),
     ("relative_bias", {"num_buckets": 8, "max_distance": 20}),  # max_distance < block: the far keys as one constant
@@ -31,7 +32,8 @@ SCHEMES = cases("attention", without=("dca", "ms_poe")) + [
     ("sink", {"window_size": 1, "sink_size": 0}),  # each token sees itself only (no recent key, no sink)
 ]
 IDS = [f"{s}-{i}" for i, (s, _) in enumerate(SCHEMES)]
-CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string", "dpe", "sink"}  # run through rope_patch's attention
+# run through rope_patch's attention
+CUSTOM = {"alibi", "relative_bias", "self_extend", "rerope", "leaky_rerope", "string", "dpe", "sink"}
 BACKENDS = ["eager", "sdpa"]
 
 
@@ -60,10 +62,12 @@ def patched_model(arch, backend, scheme, params, seed=0):
 
 # llama: every backend × padding; the other GQA layouts (qwen2: q/k/v biases; mistral: sliding-window config)
 # on the harder padded case of each backend
-REF_SETUPS = [("llama", b, p) for b in BACKENDS for p in (False, True)] + [("qwen2", "sdpa", True), ("mistral", "eager", True)]
+REF_SETUPS = [("llama", b, p) for b in BACKENDS for p in (False, True)] + [("qwen2", "sdpa", True),
+                                                                           ("mistral", "eager", True)]
 
 
-@pytest.mark.parametrize("arch,backend,padded", REF_SETUPS, ids=[f"{a}-{b}-{'pad' if p else 'nopad'}" for a, b, p in REF_SETUPS])
+@pytest.mark.parametrize("arch,backend,padded", REF_SETUPS,
+                         ids=[f"{a}-{b}-{'pad' if p else 'nopad'}" for a, b, p in REF_SETUPS])
 @pytest.mark.parametrize("scheme,params", SCHEMES, ids=IDS)
 def test_matches_reference(scheme, params, arch, backend, padded):
     model = patched_model(arch, backend, scheme, params)
@@ -96,7 +100,8 @@ VANILLA_SETUPS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "sdpa"), ("ge
     ("dpe", {"group_sizes": [2, 4, 8, 3], "window_size": L}),
     ("dpe", {"group_sizes": [1, 1, 1, 1], "window_size": 8}),
     ("self_extend_logistic", {"group_size": 6, "window_size": L, "growth_rate": 0.5}),
-], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift", "dpe-window", "dpe-group1", "self-window"])
+], ids=["se-window", "se-group1", "rerope-window", "leaky-k1", "string-shift", "dpe-window", "dpe-group1",
+        "self-window"])
 def test_degenerate_settings_equal_vanilla_rope(scheme, params, arch, backend):
     """cohere rotates interleaved pairs: the model's own apply_rotary_pos_emb is reused, so it works too."""
     model = tiny_model(arch, attn_implementation=backend)
@@ -138,14 +143,16 @@ def assert_cached_decoding_equals_recomputation(model, n: int = 20):
     within 1e-5 at every step."""
     ids, kw = batch(True, n=n)
     kw.pop("position_ids")
-    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True,
+               return_dict_in_generate=True, **kw)
     with torch.no_grad():
         cached, full = (model.generate(ids, use_cache=c, **gen) for c in (True, False))
     assert torch.equal(cached.sequences, full.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(cached.logits, full.logits, strict=True)) <= 1e-5
 
 
-@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM], ids=[i for i, (s, _) in zip(IDS, SCHEMES, strict=True) if s in CUSTOM])
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM],
+                         ids=[i for i, (s, _) in zip(IDS, SCHEMES, strict=True) if s in CUSTOM])
 def test_unpadded_decoding_on_the_fused_path_equals_eager(scheme, params):
     """Without padding the sdpa-style function takes the fused log-sum-exp path, also for one-token decode steps."""
     ids, _ = batch(False, n=24)
@@ -160,7 +167,8 @@ def test_unpadded_decoding_on_the_fused_path_equals_eager(scheme, params):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["slots", "packed"])
-@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM], ids=[i for i, (s, _) in zip(IDS, SCHEMES, strict=True) if s in CUSTOM])
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM],
+                         ids=[i for i, (s, _) in zip(IDS, SCHEMES, strict=True) if s in CUSTOM])
 def test_one_row_blocks_equal_dense(scheme, params, packed, monkeypatch):
     """Blocks of one query row (a decoding step's shape) build no causal mask: every key before the row's end is its
     past. Forced on a whole prefill (grad on: the materialised path, a budget of one row per block), with slot
@@ -185,7 +193,8 @@ DTYPE_TOLERANCE = [(torch.float32, 1e-5), (torch.float64, 1e-6), (torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype,tolerance", DTYPE_TOLERANCE, ids=[str(d)[6:] for d, _ in DTYPE_TOLERANCE])
-@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM], ids=[i for i, (s, _) in zip(IDS, SCHEMES, strict=True) if s in CUSTOM])
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p in SCHEMES if s in CUSTOM],
+                         ids=[i for i, (s, _) in zip(IDS, SCHEMES, strict=True) if s in CUSTOM])
 def test_fused_path_in_every_dtype_and_chunked_prefill_equals_dense(scheme, params, dtype, tolerance):
     """The fused path (no padding, no grad) against the dense function, in each dtype, and a prefill in two chunks
     over a cache (queries after cached keys: the fused path with q_len < k_len) against one call."""
@@ -261,8 +270,10 @@ BAD = [
     ("string", dict(window_size=8), TypeError, "missing required parameter `shift_size`"),
     ("string", dict(shift_size=32), TypeError, "missing required parameter `window_size`"),
     ("string", dict(shift_size=0, window_size=8), ValueError, r"`shift_size` must be an integer in \[1, 100000000\]"),
-    ("string", dict(shift_size=10**9, window_size=8), ValueError, r"`shift_size` must be an integer in \[1, 100000000\]"),
-    ("string", dict(shift_size=32, window_size=-1), ValueError, r"`window_size` must be an integer in \[1, 100000000\]"),
+    ("string", dict(shift_size=10**9, window_size=8), ValueError, r"`shift_size` must be an integer in "
+                                                                  r"\[1, 100000000\]"),
+    ("string", dict(shift_size=32, window_size=-1), ValueError, r"`window_size` must be an integer in "
+                                                                r"\[1, 100000000\]"),
     ("string", dict(shift_size=32.5, window_size=8), TypeError, "`shift_size` must be an integer"),
     ("string", dict(shift_size=32, window_size=float("nan")), TypeError, "`window_size` must be an integer"),
     ("string", dict(shift_size=32, window_size=8, shift_ratio=0.5), TypeError, "unknown parameter"),
@@ -438,7 +449,8 @@ def test_backward_is_finite_and_equal_on_eager_and_sdpa(scheme, params):
 @pytest.mark.parametrize("spec", ["string:32,window_size=8", "self_extend:4,window_size=16", "rerope:16",
                                   "dpe:2/8/2/8,window_size=16"])
 def test_two_region_schemes_have_no_native_rope_parameters(spec):
-    with pytest.raises(ValueError, match=r"no native transformers/vLLM `rope_parameters` form \(it changes attention\)"):
+    with pytest.raises(ValueError, match=r"no native transformers/vLLM `rope_parameters` form \(it "
+                                         r"changes attention\)"):
         rope_patch.to_rope_parameters(spec)
 
 

@@ -89,7 +89,8 @@ def test_flex_remove_restores_model_exactly(fresh_compile, monkeypatch):
     assert torch.equal(logits(model, ids), before)
 
 
-@pytest.mark.parametrize("scheme,params", [(s, p) for s, p, _ in FLEX if s != "nope"], ids=[s for s, *_ in FLEX if s != "nope"])
+@pytest.mark.parametrize("scheme,params", [(s, p) for s, p, _ in FLEX if s != "nope"],
+                         ids=[s for s, *_ in FLEX if s != "nope"])
 def test_compiled_cpu_flex_is_refused_with_what_to_do(scheme, params):
     """One-call schemes: torch 2.13's compiled CPU flex failed with a C++ error ('cur_kvSplitSize') on the second
     score_mod of a process and, compiled with static shapes, returned NaN after recompiles; two-call schemes need
@@ -128,7 +129,8 @@ def fake_flash(monkeypatch):
                         alibi_slopes=None, **kw):
         calls.append(dict(fn="dense", softmax_scale=softmax_scale, causal=causal, alibi_slopes=alibi_slopes,
                           window_size=window_size, dropout_p=dropout_p))
-        return torch.stack([_flash_math(q[b], k[b], v[b], softmax_scale, causal, alibi_slopes) for b in range(q.shape[0])])
+        return torch.stack([_flash_math(q[b], k[b], v[b], softmax_scale, causal, alibi_slopes)
+                            for b in range(q.shape[0])])
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None, **kw):

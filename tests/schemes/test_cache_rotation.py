@@ -15,7 +15,8 @@ from rope_patch.discovery import find_target
 
 L = WINDOW
 PAIRS = 8  # tiny llama: head_dim 16
-LONGROPE = dict(short_factor=[1.0 + i / 8 for i in range(PAIRS)], long_factor=[1.0 + i for i in range(PAIRS)], factor=4.0)
+LONGROPE = dict(short_factor=[1.0 + i / 8 for i in range(PAIRS)], long_factor=[1.0 + i for i in range(PAIRS)],
+                factor=4.0)
 SCHEMES = [("dynamic", dict(factor=4.0)), ("dynamic_yarn", dict(factor=4.0)), ("longrope", LONGROPE)]
 PROMPT, STEPS = L - 3, 8  # decoding crosses the window: lengths L − 2 … L + 5
 

@@ -55,10 +55,12 @@ def test_reference_matrix_is_the_papers_figure_2():
 
 
 # ---- exactness ----------------------------------------------------------------------------------------------------
-SETUPS = [("llama", b, p) for b in BACKENDS for p in (False, True)] + [("qwen2", "sdpa", True), ("mistral", "eager", True)]
+SETUPS = [("llama", b, p) for b in BACKENDS for p in (False, True)] + [("qwen2", "sdpa", True),
+                                                                       ("mistral", "eager", True)]
 
 
-@pytest.mark.parametrize("arch,backend,padded", SETUPS, ids=[f"{a}-{b}-{'pad' if p else 'nopad'}" for a, b, p in SETUPS])
+@pytest.mark.parametrize("arch,backend,padded", SETUPS,
+                         ids=[f"{a}-{b}-{'pad' if p else 'nopad'}" for a, b, p in SETUPS])
 @pytest.mark.parametrize("chunk_size,local_size,n", CASES, ids=CASE_IDS)
 def test_matches_reference(chunk_size, local_size, n, arch, backend, padded):
     model = dca_model(arch, backend, chunk_size=chunk_size, local_size=local_size)
@@ -128,10 +130,12 @@ def test_chunk_size_covering_the_sequence_is_not_enough_for_vanilla():
 GEN = [("llama", "eager", 12, 3), ("llama", "eager", 9, 4), ("qwen2", "sdpa", 12, 3), ("gemma2", "eager", 9, 4)]
 
 
-@pytest.mark.parametrize("arch,backend,chunk_size,local_size", GEN, ids=[f"{a}-{b}-c{s - local}" for a, b, s, local in GEN])
+@pytest.mark.parametrize("arch,backend,chunk_size,local_size", GEN,
+                         ids=[f"{a}-{b}-c{s - local}" for a, b, s, local in GEN])
 def test_generate_with_cache_equals_recomputation(arch, backend, chunk_size, local_size):
     """Left-padded prompts of 24 tokens, 6 new ones: the decode steps cross chunk boundaries."""
-    assert_cached_decoding_equals_recomputation(dca_model(arch, backend, chunk_size=chunk_size, local_size=local_size), n=24)
+    assert_cached_decoding_equals_recomputation(dca_model(arch, backend, chunk_size=chunk_size,
+                                                          local_size=local_size), n=24)
 
 
 def test_unpadded_decoding_on_the_fused_path_equals_eager():
@@ -262,7 +266,8 @@ def test_bad_input_fails_at_apply_and_leaves_model_unchanged(params, config, err
 def test_incomplete_config_dict_is_refused():
     with pytest.raises(ValueError, match="lacks local_size"):
         DualChunk.from_dual_chunk_attention_config({"chunk_size": 24})
-    assert tiny_config("qwen2", dual_chunk_attention_config={"chunk_size": 24}).dual_chunk_attention_config == {"chunk_size": 24}
+    config = tiny_config("qwen2", dual_chunk_attention_config={"chunk_size": 24})
+    assert config.dual_chunk_attention_config == {"chunk_size": 24}
 
 
 def test_sliding_window_cache_and_per_layer_type_rope():

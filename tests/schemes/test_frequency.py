@@ -22,7 +22,8 @@ NATIVE = [
     ("linear", dict(factor=4.0), None),
     ("dynamic", dict(factor=4.0), L),  # transformers' dynamic starts scaling at max_position_embeddings
     ("yarn", dict(factor=4.0), None),
-    ("yarn", dict(factor=8.0, beta_fast=16.0, beta_slow=2.0, attention_factor=1.2, original_max_position_embeddings=16), None),
+    ("yarn",
+     dict(factor=8.0, beta_fast=16.0, beta_slow=2.0, attention_factor=1.2, original_max_position_embeddings=16), None),
     ("llama3", dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0), None),
     ("longrope", dict(factor=4.0, short_factor=[1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
                       long_factor=[1.0 + 0.5 * i for i in range(HEAD_DIM // 2)]), None),
@@ -44,7 +45,8 @@ def _supported(arch, scheme):
 CASES = [(a, s, p, w) for a in ARCHS for s, p, w in NATIVE if _supported(a, s)]
 
 
-@pytest.mark.parametrize("arch,scheme,params,native_window", CASES, ids=[f"{a}-{s}-{i}" for i, (a, s, _, _) in enumerate(CASES)])
+@pytest.mark.parametrize("arch,scheme,params,native_window", CASES,
+                         ids=[f"{a}-{s}-{i}" for i, (a, s, _, _) in enumerate(CASES)])
 def test_matches_native_transformers(arch, scheme, params, native_window):
     if OLD and (arch, scheme) in REFUSED_BEFORE_5_21:
         pytest.skip(f"transformers {transformers.__version__} cannot build it natively: refused "
@@ -61,7 +63,8 @@ def test_matches_native_transformers(arch, scheme, params, native_window):
 @pytest.mark.parametrize("arch", sorted(PARTIAL))
 def test_partial_rotary_longrope_matches_native(arch):
     model = tiny_model(arch)
-    pairs = model.model.rotary_emb.inv_freq.numel() if hasattr(model, "model") else model.gpt_neox.rotary_emb.inv_freq.numel()
+    rotary = model.model.rotary_emb if hasattr(model, "model") else model.gpt_neox.rotary_emb
+    pairs = rotary.inv_freq.numel()
     rope_patch.apply(model, "longrope", factor=2.0, short_factor=[1.0] * pairs, long_factor=[2.0] * pairs)
     ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(0))
     twin = native_twin(model, model.config.rope_parameters, model.config.max_position_embeddings)
@@ -78,7 +81,8 @@ def test_ntk_equals_default_with_scaled_base(arch, factor):
     native = {}
     for lt, ctx in contexts.items():
         d = ctx.rotary_dim
-        native[lt] = {**ctx.rope_parameters, "rope_type": "default", "rope_theta": ctx.rope_theta * factor ** (d / (d - 2))}
+        native[lt] = {**ctx.rope_parameters, "rope_type": "default",
+                      "rope_theta": ctx.rope_theta * factor ** (d / (d - 2))}
     native = native[None] if None in native else native
     twin = native_twin(model, native, model.config.max_position_embeddings)
     ids = torch.randint(3, 97, (1, 2 * L), generator=torch.Generator().manual_seed(1))
@@ -190,7 +194,8 @@ def test_frequency_invariants_property(factor, theta, half):
     from rope_patch.discovery import RopeContext
 
     d = 2 * half
-    ctx = RopeContext(head_dim=d, rotary_dim=d, rope_theta=theta, max_position_embeddings=4096, rope_parameters={"rope_theta": theta})
+    ctx = RopeContext(head_dim=d, rotary_dim=d, rope_theta=theta, max_position_embeddings=4096,
+                      rope_parameters={"rope_theta": theta})
     base, _ = rope_patch.as_scheme("default").inv_freq(ctx)
     for name in ("linear", "ntk", "yarn", "llama3"):
         scheme = rope_patch.as_scheme(name, factor=factor)
@@ -404,7 +409,8 @@ def test_model_keys_of_rope_parameters_stay_and_the_rotary_recomputes_with_the_p
     configured model has them; remove() restores both."""
     model = tiny_model("phimoe")
     ids = torch.randint(0, model.config.vocab_size, (1, 3 * WINDOW // 2))
-    before, shipped, init_fn = logits(model, ids), dict(model.config.rope_parameters), model.model.rotary_emb.rope_init_fn
+    before, shipped = logits(model, ids), dict(model.config.rope_parameters)
+    init_fn = model.model.rotary_emb.rope_init_fn
     rope_patch.apply(model, scheme, **params)
     rope = model.config.rope_parameters
     assert rope["rope_type"] == scheme and {k: rope[k] for k in ("short_mscale", "long_mscale")} == {
@@ -422,7 +428,8 @@ def test_a_rotary_that_fails_under_the_patched_config_is_refused_at_apply():
     model = tiny_model("phimoe")
     ids = torch.randint(0, model.config.vocab_size, (1, WINDOW))
     before, config = logits(model, ids), model.config.to_dict()
-    with pytest.raises(ValueError, match=r"linear: phimoe's rotary module fails under this RoPE configuration \(KeyError"):
+    with pytest.raises(ValueError, match=r"linear: phimoe's rotary module fails under this RoPE "
+                                         r"configuration \(KeyError"):
         rope_patch.apply(model, "linear", factor=2.0)
     assert rope_patch.current(model) is None and model.config.to_dict() == config
     assert torch.equal(logits(model, ids), before)

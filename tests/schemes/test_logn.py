@@ -3,8 +3,8 @@
 References: the formulas written here with `math`; transformers' own Llama 4 (`attn_temperature_tuning=True`, which
 scales the queries of its NoPE layers), exact to 0 in fp32 on eager and sdpa, prefill and cached decoding; and a
 forward hook scaling the query where the model's attention receives it (after q_proj, after Qwen3's q_norm).
-The Llama 4 temperature rows live here (the frequency and attention-side rows: ARCHS["llama4_text"]): `llama4_model` builds a tiny
-Llama4ForCausalLM with two RoPE and two NoPE layers.
+The Llama 4 temperature rows live here (the frequency and attention-side rows: ARCHS["llama4_text"]): `llama4_model`
+builds a tiny Llama4ForCausalLM with two RoPE and two NoPE layers.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def test_llama4_cached_decoding_equals_transformers(backend):
     ids = ids_(n=20, b=1)
     gen = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad():
-        ours, full, theirs = (m.generate(ids, use_cache=c, **gen) for m, c in ((model, True), (model, False), (native, True)))
+        ours, full, theirs = (m.generate(ids, use_cache=c, **gen)
+                              for m, c in ((model, True), (model, False), (native, True)))
     assert torch.equal(ours.sequences, theirs.sequences) and torch.equal(ours.sequences, full.sequences)
     for a, b in ((ours, theirs), (ours, full)):
         assert max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True)) <= TOL
@@ -158,7 +159,8 @@ def logn_ref(p):
     return max(1.0, math.log(p + 1, WINDOW))
 
 
-@pytest.mark.parametrize("arch,where", [("llama", "q_proj"), ("qwen2", "q_proj"), ("qwen3", "q_norm"), ("olmo2", "q_norm")])
+@pytest.mark.parametrize("arch,where",
+                         [("llama", "q_proj"), ("qwen2", "q_proj"), ("qwen3", "q_norm"), ("olmo2", "q_norm")])
 def test_the_query_is_scaled_where_attention_receives_it(arch, where):
     """After Qwen3's / OLMo2's q_norm (which would undo a scale at q_proj), after llama's q_proj."""
     model = tiny_model(arch, attn_implementation="sdpa")
@@ -205,7 +207,8 @@ def test_flex_backends(monkeypatch):
     monkeypatch.setattr(attention.settings, "FLEX_COMPILE", False)
     ids = ids_()
     for spec in ("logn", "yarn:2+self_extend:group_size=4,window_size=16+logn"):
-        flex, sdpa = tiny_model("llama", attn_implementation="flex_attention"), tiny_model("llama", attn_implementation="sdpa")
+        flex = tiny_model("llama", attn_implementation="flex_attention")
+        sdpa = tiny_model("llama", attn_implementation="sdpa")
         for m in (flex, sdpa):
             rope_patch.apply(m, spec)
         assert flex.config._attn_implementation == "rope_patch_logn_flex"
@@ -262,7 +265,8 @@ def test_cli_lists_and_explains_logn(capsys):
     assert "pairs unchanged (θ′ = θ): 64 of 64" in capsys.readouterr().out
     assert main(["explain", "yarn:8+logn"]) == 0  # a stack: the frequency part's numbers and the temperature
     out = capsys.readouterr().out
-    assert "yarn (s=8) + logn" in out and "query temperature (logn" in out and "×1.25 at 8L" in out  # log(8L)/log(L), L = 4096
+    # log(8L)/log(L), L = 4096
+    assert "yarn (s=8) + logn" in out and "query temperature (logn" in out and "×1.25 at 8L" in out
 
 
 def test_no_native_form():

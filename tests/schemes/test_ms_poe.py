@@ -55,7 +55,8 @@ SETUPS = [("llama", b, p) for b in ("eager", "sdpa") for p in (False, True)] + [
                                                                                ("mistral", "eager", True)]
 
 
-@pytest.mark.parametrize("arch,backend,padded", SETUPS, ids=[f"{a}-{b}-{'pad' if p else 'nopad'}" for a, b, p in SETUPS])
+@pytest.mark.parametrize("arch,backend,padded", SETUPS,
+                         ids=[f"{a}-{b}-{'pad' if p else 'nopad'}" for a, b, p in SETUPS])
 def test_matches_paper_reference(arch, backend, padded):
     """Explicit per-head positions p/r_h, full attention, fp32; the heads' order is not the identity in every row."""
     model = model_with(arch, backend)

@@ -85,7 +85,8 @@ def authors_forward(model, ids, params):
 # ---- the positions ---------------------------------------------------------------------------------------------
 # (n, W, rate, C): the authors' setting (PG19 script: W = 512, C = 16, rate 0.02), other capacities and rates; all
 # with every size class non-empty, where the kernel is well-formed
-KERNEL_CASES = [(4096, 512, 0.02, 16), (4096, 512, 0.02, 33), (2000, 64, 0.1, 8), (2000, 64, 0.5, 8), (3000, 32, 0.05, 4),
+KERNEL_CASES = [(4096, 512, 0.02, 16), (4096, 512, 0.02, 33), (2000, 64, 0.1, 8), (2000, 64, 0.5, 8),
+                (3000, 32, 0.05, 4),
                 (96, 16, 0.5, 6), (40, 12, 0.5, 6), (300, 16, 1.0, 2)]
 
 
@@ -131,7 +132,8 @@ def test_a_constant_schedule_is_self_extend():
     positions p is Self-Extend with G on positions p + G − 2."""
     c, w = 5, 16
     g = c - 1
-    far_q, far_k = rope_patch.as_scheme("self_extend_logistic", group_size=c, window_size=w, growth_rate=100).far_positions()
+    far_q, far_k = rope_patch.as_scheme("self_extend_logistic", group_size=c, window_size=w,
+                                        growth_rate=100).far_positions()
     se_q, se_k = rope_patch.as_scheme("self_extend", group_size=g, window_size=w).far_positions()
     p = torch.arange(200)
     assert torch.equal(far_k(p), se_k(p + g - 2)) and torch.equal(far_q(p[w:]), se_q(p[w:] + g - 2))

@@ -115,7 +115,8 @@ def test_left_padding_with_the_default_cache_is_exact(backend):
     model = patched(backend, s, w)
     ids, kw = token_batch(40, 4, 7)
     kw.pop("position_ids")
-    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+               return_dict_in_generate=True, **kw)
     with torch.no_grad():
         cached, full = (model.generate(ids, use_cache=c, **gen) for c in (True, False))
     assert torch.equal(cached.sequences, full.sequences)

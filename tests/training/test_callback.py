@@ -265,8 +265,8 @@ def test_resume_takes_the_newest_complete_checkpoint_of_the_same_config(tmp_path
         CompleteCheckpointCallback("abc").on_save(args, SimpleNamespace(global_step=step), None)
     assert resume_checkpoint(tmp_path, "abc").name == "checkpoint-4"
     assert resume_checkpoint(tmp_path / "none", "abc") is None
-    with pytest.raises(ConfigError, match=r"checkpoint-4: it was written with a different training config \(fingerprint "
-                                          r"abc vs xyz\)"):
+    with pytest.raises(ConfigError, match=r"checkpoint-4: it was written with a different training "
+                                          r"config \(fingerprint abc vs xyz\)"):
         resume_checkpoint(tmp_path, "xyz")
     (tmp_path / "other").mkdir()
     discard_checkpoints_after(tmp_path, 4)
@@ -280,7 +280,8 @@ def test_json_log_writes_one_line_per_logged_loss(tmp_path, capsys):
     for step, logs in ((5, {"loss": 2.5, "learning_rate": 1e-3, "grad_norm": 0.5}), (6, {"eval_loss": 1.0})):
         state = SimpleNamespace(is_world_process_zero=True, global_step=step, max_steps=10)
         log.on_log(args, state, None, logs=logs)
-    log.on_log(args, SimpleNamespace(is_world_process_zero=False, global_step=7, max_steps=10), None, logs={"loss": 1.0})
+    log.on_log(args, SimpleNamespace(is_world_process_zero=False, global_step=7, max_steps=10), None,
+               logs={"loss": 1.0})
     lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert len(lines) == 1 and lines[0]["step"] == 5 and lines[0]["tokens"] == 5 * 512 and lines[0]["elapsed_s"] >= 60
     assert {k: lines[0][k] for k in ("loss", "lr", "grad_norm")} == {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.5}

@@ -98,7 +98,8 @@ def test_pose_draws_do_not_depend_on_passkey_mixing(data):
     rows = [ds[i] for i in range(16)]
     alone = make("pose", tok, ds)(rows)["position_ids"]
     mixed = PasskeyMixer(tok, ds.stream, fraction=1.0, min_tokens=MIN, collator=PoSECollator(TARGET, n_chunks=3))(rows)
-    assert torch.equal(mixed["position_ids"], alone) and not torch.equal(mixed["input_ids"], torch.stack([r["input_ids"] for r in rows]))
+    assert torch.equal(mixed["position_ids"], alone)
+    assert not torch.equal(mixed["input_ids"], torch.stack([r["input_ids"] for r in rows]))
 
 
 def test_sample_seed_is_a_fixed_function():
@@ -109,7 +110,8 @@ def test_sample_seed_is_a_fixed_function():
     assert sample_seed(3, 17, "passkey") != expected and sample_seed(3, 18, "pose") != expected
     assert 0 <= expected < 2**63
     assert sample_rng(3, 17, "pose").random() == random.Random(expected).random()
-    assert torch.equal(torch.rand(3, generator=sample_generator(3, 17)), torch.rand(3, generator=sample_generator(3, 17)))
+    assert torch.equal(torch.rand(3, generator=sample_generator(3, 17)),
+                       torch.rand(3, generator=sample_generator(3, 17)))
 
 
 @pytest.mark.parametrize("bad", [1.5, True, "3", torch.tensor([1, 2])])
@@ -120,7 +122,8 @@ def test_sample_seed_rejects_non_integers(bad):
 
 # ---- PoSE -------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("train,target,chunks", [(128, 1024, 2), (128, 1024, 3), (64, 64, 2), (32, 4096, 5), (16, 200, 1)])
+@pytest.mark.parametrize("train,target,chunks",
+                         [(128, 1024, 2), (128, 1024, 3), (64, 64, 2), (32, 4096, 5), (16, 200, 1)])
 def test_pose_position_ids(train, target, chunks):
     collator = PoSECollator(target_length=target, n_chunks=chunks, seed=7)
     rows = [{"input_ids": torch.arange(train) % 50, "index": i} for i in range(300)]
@@ -146,7 +149,8 @@ def test_pose_row_longer_than_the_target():
         PoSECollator(target_length=64)([{"input_ids": list(range(128)), "index": 0}])
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(target_length=0), "target_length"), (dict(target_length=64, n_chunks=0), "n_chunks")])
+@pytest.mark.parametrize("kwargs,match",
+                         [(dict(target_length=0), "target_length"), (dict(target_length=64, n_chunks=0), "n_chunks")])
 def test_pose_settings_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PoSECollator(**kwargs)
@@ -196,7 +200,8 @@ def test_passkey_mixer_feeds_the_next_collator(data):
     assert set(batch) == {"input_ids", "position_ids", "attention_mask", "labels"}  # only what the model takes
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(fraction=1.5), "fraction"), (dict(fraction=0.5, min_tokens=8), "min_tokens"),
+@pytest.mark.parametrize("kwargs,match",
+                         [(dict(fraction=1.5), "fraction"), (dict(fraction=0.5, min_tokens=8), "min_tokens"),
                                           (dict(fraction=0.5, min_tokens=97), "take 98 tokens"),
                                           (dict(fraction=1.0, min_tokens=SEQ - 7), "lower min_tokens")])
 def test_passkey_mixer_errors(kwargs, match, data):

@@ -29,7 +29,8 @@ def test_packing_is_exact(seq_len, bos, eos):
 def test_from_texts_frames_documents_with_bos_and_eos():
     tok, ds = packed(seq_len=128)
     texts = documents()
-    expected = [t for text in texts for t in [tok.bos_token_id, *tok.encode(text, add_special_tokens=False), tok.eos_token_id]]
+    expected = [t for text in texts for t in [tok.bos_token_id, *tok.encode(text, add_special_tokens=False),
+                                              tok.eos_token_id]]
     assert ds.stream.tolist() == expected
     assert ds[-1]["index"] == len(ds) - 1 and torch.equal(ds[-1]["input_ids"], ds[len(ds) - 1]["input_ids"])
 
@@ -101,7 +102,8 @@ def test_text_windows_index_out_of_range():
         TextWindows(torch.arange(10), 4, 5)[5]
 
 
-@pytest.mark.parametrize("make", [lambda: PackedDataset([list(range(20))], 5), lambda: TextWindows(torch.arange(20), 5, 4)],
+@pytest.mark.parametrize("make",
+                         [lambda: PackedDataset([list(range(20))], 5), lambda: TextWindows(torch.arange(20), 5, 4)],
                          ids=["packed", "windows"])
 @pytest.mark.parametrize("index, expected", [(1, 1), (-1, 3), (torch.tensor(2), 2), (np.int64(3), 3),
                                              (True, TypeError), (1.0, TypeError), (4, IndexError), (-5, IndexError)])

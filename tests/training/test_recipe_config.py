@@ -85,7 +85,8 @@ def test_overrides_and_the_file_named_in_errors(assets, tmp_path):
     path.write_text(yaml.safe_dump(tiny_cfg(*assets, tmp_path)))
     cfg = load_config(path, {"train.steps": 9, "pose.target_length": 256, "train.optim": "sgd"})
     assert (cfg.train.steps, cfg.pose, cfg.train.trainer) == (9, PoseArgs(256), {"optim": "sgd"})
-    with pytest.raises(ConfigError, match=rf"^{path} \(with --set train.steps=0\): `train.steps` must be an integer >= 1"):
+    with pytest.raises(ConfigError, match=rf"^{path} \(with --set train.steps=0\): `train.steps` must be "
+                                          r"an integer >= 1"):
         load_config(path, {"train.steps": 0})
     with pytest.raises(ConfigError, match=r"--set train.steps.x=\.\.\.: `steps` is not a section"):
         load_config(path, {"train.steps.x": 1})
@@ -104,8 +105,10 @@ def test_documents_of_txt_and_jsonl_files_up_to_max_documents(tmp_path):
 
 
 def test_eval_table_has_a_row_per_model_and_a_column_per_length():
-    e = EvalArgs(heldout=str(ROOT / "rope_patch" / "data" / "heldout.txt"), perplexity_lengths=[32, 128], passkey_lengths=[128])
-    rows = {"base": {"perplexity": {"32": 5.0, "128": 9.5}, "passkey": {"128": 0.25}}, "tuned": {"perplexity": {"32": 4.0}}}
+    e = EvalArgs(heldout=str(ROOT / "rope_patch" / "data" / "heldout.txt"), perplexity_lengths=[32, 128],
+                 passkey_lengths=[128])
+    rows = {"base": {"perplexity": {"32": 5.0, "128": 9.5}, "passkey": {"128": 0.25}},
+            "tuned": {"perplexity": {"32": 4.0}}}
     assert e.table(rows).splitlines() == ["| model | ppl@32 | ppl@128 | passkey@128 |", "|---|---:|---:|---:|",
                                           "| base | 5.00 | 9.50 | 25% |", "| tuned | 4.00 | nan | nan% |"]
 
@@ -114,8 +117,9 @@ def test_token_stream_is_cached_and_framed(assets, tmp_path):
     tok = AutoTokenizer.from_pretrained(assets[0])
     docs = ["first document", "second one"]
     stream = token_stream(iter(docs), tok, tmp_path, source={"kind": "test"})
-    assert stream.tolist() == PackedDataset([tok.encode(d, add_special_tokens=False) for d in docs], 1,
-                                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).stream.tolist()
+    packed = PackedDataset([tok.encode(d, add_special_tokens=False) for d in docs], 1,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    assert stream.tolist() == packed.stream.tolist()
     assert len(list(tmp_path.glob("*.pt"))) == 1
     assert token_stream(iter(()), tok, tmp_path, source={"kind": "test"}).tolist() == stream.tolist()  # from the cache
     assert token_stream(iter(docs[:1]), tok, tmp_path, source={"kind": "other"}).numel() < stream.numel()

@@ -27,7 +27,8 @@ from rope_patch.training import (  # noqa: E402
 SEQ, TARGET = 128, 256
 # Both own a learned table (trained through peft's modules_to_save). relative_bias measures distance by token order,
 # so PoSE's position ids do not reach it; learned_absolute looks its table up by position id, so they do.
-SCHEMES = {"relative_bias": dict(max_distance=TARGET, init="alibi"), "learned_absolute": dict(max_position_embeddings=TARGET)}
+SCHEMES = {"relative_bias": dict(max_distance=TARGET, init="alibi"),
+           "learned_absolute": dict(max_position_embeddings=TARGET)}
 TABLES = {"relative_bias": "rope_patch_relative_bias", "learned_absolute": "rope_patch_position_embeddings"}
 
 

@@ -123,7 +123,8 @@ def test_initial_factors_are_pi_ntk_and_yarn():
 def test_initial_factors_of_given_specs():
     model = tiny_model("llama", head_dim=16)
     f = initial_factors(model, 4.0, ["linear:2", "yarn:factor=4,beta_fast=4,beta_slow=0.25"])
-    assert list(f) == ["linear:2", "yarn:factor=4,beta_fast=4,beta_slow=0.25"] and f["linear:2"] == pytest.approx([2.0] * 8)
+    assert list(f) == ["linear:2", "yarn:factor=4,beta_fast=4,beta_slow=0.25"]
+    assert f["linear:2"] == pytest.approx([2.0] * 8)
     assert f["yarn:factor=4,beta_fast=4,beta_slow=0.25"] != pytest.approx(initial_factors(model, 4.0)["yarn"])
 
 
