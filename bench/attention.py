@@ -10,11 +10,12 @@ without cache, batch 1, under `torch.no_grad()`.
 Memory: each (scheme, L) runs one forward in a fresh subprocess under torch's profiler with `profile_memory`: the peak
 is the maximum of the running total of every CPU tensor allocation and free during the forward (what
 `torch.cuda.max_memory_allocated` measures on a GPU). The process's peak resident set growth (VmHWM − VmRSS before)
-is reported beside it: it also counts malloc arenas and page granularity, and varies by ±30% between identical runs. Time: one
-subprocess per L loads the model once and runs `--repeats` rounds, each round one forward of every scheme in turn
-(apply, forward, remove), and keeps each scheme's best; interleaving makes the ratios see the same machine load. `naive` is the two-full-matrix Self-Extend of existing patches (neighbour and
-grouped (heads × L × L) score matrices merged with `torch.where`): the reference for the ≥ 4× memory claim; it is
-skipped where it would not fit (`--naive-max`) and then reported as its quadratic extrapolation.
+is reported beside it: it also counts malloc arenas and page granularity, and varies by ±30% between identical runs.
+Time: one subprocess per L loads the model once and runs `--repeats` rounds, each round one forward of every scheme in
+turn (apply, forward, remove), and keeps each scheme's best; interleaving makes the ratios see the same machine load.
+`naive` is the two-full-matrix Self-Extend of existing patches (neighbour and grouped (heads × L × L) score matrices
+merged with `torch.where`): the reference for the ≥ 4× memory claim; it is skipped where it would not fit
+(`--naive-max`) and then reported as its quadratic extrapolation.
 
 First call: each (scheme, L) also runs in fresh subprocesses that load the model, apply the scheme and time its very
 first forward at L (no warm-up: what a user's first call pays, kernel and allocator set-up included), `--first-runs`
@@ -47,7 +48,8 @@ SCHEMES = {
     "naive": {"group_size": 8, "window_size": 1024},  # Self-Extend, two full matrices
 }
 LIMITS = {"alibi": (1.25, 1.1), "relative_bias": (1.25, 1.1), "self_extend": (1.25, 1.25), "rerope": (1.25, 1.25),
-          "leaky_rerope": (1.25, 1.25), "string": (1.25, 1.25), "dca": (1.25, 1.25)}  # targets (issue 29): (peak memory, steady time) as multiples of vanilla
+          # targets (issue 29): (peak memory, steady time) as multiples of vanilla
+          "leaky_rerope": (1.25, 1.25), "string": (1.25, 1.25), "dca": (1.25, 1.25)}
 
 
 def _status(key: str) -> int:
@@ -167,7 +169,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--first-runs", type=int, default=3,
-                    help="fresh processes per scheme for the first call (rounds interleaved across schemes; the median)")
+                    help="fresh processes per scheme for the first call (rounds interleaved across "
+                         "schemes; the median)")
     ap.add_argument("--naive-max", type=int, default=8192, help="longest L at which the naive reference is run")
     ap.add_argument("--json", help="also write the raw rows here")
     ap.add_argument("--worker-memory", nargs=2, metavar=("SCHEME", "L"), help=argparse.SUPPRESS)
@@ -210,8 +213,8 @@ def main() -> None:
             first = {"first_s": statistics.median(firsts[scheme]), "first_runs_s": firsts[scheme]}
             rows.append({**mem, **first, "time_s": times[scheme]})
             r = rows[-1]
-            print(f"  {scheme:14s} L={length:6d}  peak {r['peak_mb']:9.1f} MiB (rss {r['rss_mb']:9.1f})  time {r['time_s']:8.2f} s"
-                  f"  first call {r['first_s']:8.2f} s", file=sys.stderr, flush=True)
+            print(f"  {scheme:14s} L={length:6d}  peak {r['peak_mb']:9.1f} MiB (rss {r['rss_mb']:9.1f})  "
+                  f"time {r['time_s']:8.2f} s  first call {r['first_s']:8.2f} s", file=sys.stderr, flush=True)
     for r in rows:
         r["load"] = [load, os.getloadavg()[0]]
     if args.json:
@@ -222,8 +225,8 @@ def main() -> None:
 
 def table(rows: list[dict], lengths: list[int]) -> str:
     by = {(r["scheme"], r["length"]): r for r in rows}
-    lines = ["| scheme | L | peak MiB (tensors) | RSS growth MiB | time s | mem ×rope | time ×rope | first call s | first ×rope "
-             "| naive mem ÷ scheme mem | limits (mem, time) |",
+    lines = ["| scheme | L | peak MiB (tensors) | RSS growth MiB | time s | mem ×rope | time ×rope "
+             "| first call s | first ×rope | naive mem ÷ scheme mem | limits (mem, time) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for length in lengths:
         base = by.get(("rope", length))
@@ -244,9 +247,11 @@ def table(rows: list[dict], lengths: list[int]) -> str:
             if naive_mb and scheme in ("self_extend", "rerope", "leaky_rerope"):
                 vs_naive = f"{naive_mb / r['peak_mb']:.1f}" + (" (naive extrapolated)" if extrapolated else "")
             lim = LIMITS.get(scheme)
-            ok = "" if lim is None else (f"≤{lim[0]}, ≤{lim[1]} " + ("ok" if mem <= lim[0] and tim <= lim[1] else "MISSED"))
-            lines.append(f"| {scheme} | {length} | {r['peak_mb']:.1f} | {r['rss_mb']:.1f} | {r['time_s']:.2f} | {mem:.2f} | {tim:.2f} "
-                         f"| {r.get('first_s', float('nan')):.2f} | {first:.2f} | {vs_naive} | {ok} |")
+            ok = "" if lim is None else (f"≤{lim[0]}, ≤{lim[1]} "
+                                         + ("ok" if mem <= lim[0] and tim <= lim[1] else "MISSED"))
+            lines.append(f"| {scheme} | {length} | {r['peak_mb']:.1f} | {r['rss_mb']:.1f} | {r['time_s']:.2f} "
+                         f"| {mem:.2f} | {tim:.2f} | {r.get('first_s', float('nan')):.2f} | {first:.2f} "
+                         f"| {vs_naive} | {ok} |")
     return "\n".join(lines)
 
 

@@ -105,9 +105,11 @@ def main(argv=None) -> int:
         "benchmark": "cli_startup",
         "command": " ".join(["python", "bench/cli_startup.py", *(argv if argv is not None else sys.argv[1:])]),
         "cli": [Path(a).name if Path(a).is_absolute() else a for a in cli],  # what ran, not where
-        "cases": {name: {"command": shown(todo[name][0], cli), "times_s": [round(t, 4) for t in times[name]], "median_s": round(medians[name], 4),
+        "cases": {name: {"command": shown(todo[name][0], cli), "times_s": [round(t, 4) for t in times[name]],
+                         "median_s": round(medians[name], 4),
                          "x_import_torch": round(ratios[name], 3)} for name in names},
-        "target": {"x_import_torch": TARGET, "met": {name: ratios[name] <= TARGET for name in ("help", "argument_error")}},
+        "target": {"x_import_torch": TARGET,
+                   "met": {name: ratios[name] <= TARGET for name in ("help", "argument_error")}},
         "import_profile_help": import_profile(),
         "machine": {"cpu_count": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
                     "loadavg_end": [round(x, 2) for x in load_end], "python": platform.python_version(),

@@ -102,7 +102,8 @@ def run(model_name: str, prompt: int, threads: int, new: int, rounds: int, only:
         rows.append({"scheme": name, "ms_per_token": round(ms, 2), "ratio": round(ms / vanilla_ms, 2),
                      # each round's ratio to vanilla's same round (side by side): the spread the median hides
                      "round_ratios": [round(t / v, 2) for t, v in zip(entry["times"], base["times"], strict=True)],
-                     "cache_mb": round(entry["bytes"] / 2**20, 1), "cache_ratio": round(entry["bytes"] / vanilla_bytes, 2),
+                     "cache_mb": round(entry["bytes"] / 2**20, 1),
+                     "cache_ratio": round(entry["bytes"] / vanilla_bytes, 2),
                      "prefill_s": round(entry["prefill"], 2)})
     return {"model": model_name, "prompt": prompt, "threads": threads, "new_tokens": new, "rounds": rounds,
             "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()],

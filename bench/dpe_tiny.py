@@ -1,4 +1,5 @@
-"""DPE on rope-tiny (window L = 256) at N = 1024: the authors' detection, then perplexity beside yarn x4 and Self-Extend.
+"""DPE on rope-tiny (window L = 256) at N = 1024: the authors' detection, then perplexity beside yarn x4 and
+Self-Extend.
 
     PYTHONPATH=. python bench/dpe_tiny.py            # about 5 minutes on one CPU core
 

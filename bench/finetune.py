@@ -55,7 +55,8 @@ def build(model_spec: str):
     import peft
 
     lora = peft.get_peft_model(model, peft.LoraConfig(
-        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        r=16, lora_alpha=32,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         modules_to_save=["embed_tokens", "norm"], task_type="CAUSAL_LM"))
     return lora, source
 
@@ -116,17 +117,22 @@ def main(argv=None) -> int:
             pairs_all.extend(p / q for p, q in zip(patched, plain, strict=True))
         rows.append({"scheme": spec, "kind": scheme.kind, "patched_tok_s": statistics.median(patched),
                      "plain_tok_s": statistics.median(plain), "ratio": ratio, "pair_ratio": pair})
-        print(f"{spec:<16} patched {statistics.median(patched):8.0f} tok/s  plain {statistics.median(plain):8.0f} tok/s  "
-              f"ratio {ratio:.3f}  (median pair ratio {pair:.3f})", flush=True)
+        print(f"{spec:<16} patched {statistics.median(patched):8.0f} tok/s  "
+              f"plain {statistics.median(plain):8.0f} tok/s  ratio {ratio:.3f}  (median pair ratio {pair:.3f})",
+              flush=True)
     print("\n| scheme | patched tok/s | plain tok/s | ratio | median pair ratio |\n|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['scheme']} | {r['patched_tok_s']:.0f} | {r['plain_tok_s']:.0f} | {r['ratio']:.3f} | {r['pair_ratio']:.3f} |")
+        print(f"| {r['scheme']} | {r['patched_tok_s']:.0f} | {r['plain_tok_s']:.0f} | {r['ratio']:.3f} "
+              f"| {r['pair_ratio']:.3f} |")
     if pairs_all:
         # Every frequency scheme runs the same code with different buffers: pooling their pairs halves the noise.
-        print(f"\nall frequency schemes pooled: median pair ratio {statistics.median(pairs_all):.3f} over {len(pairs_all)} pairs")
+        print(f"\nall frequency schemes pooled: median pair ratio {statistics.median(pairs_all):.3f} "
+              f"over {len(pairs_all)} pairs")
     if args.json:
-        args.json.write_text(json.dumps({"source": source, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                                         "pooled_pair_ratio": statistics.median(pairs_all) if pairs_all else None}, indent=2))
+        args.json.write_text(json.dumps({"source": source, "args": {k: str(v) for k, v in vars(args).items()},
+                                         "rows": rows,
+                                         "pooled_pair_ratio": statistics.median(pairs_all) if pairs_all else None},
+                                        indent=2))
     bad = [r["scheme"] for r in rows if r["kind"] == "frequency" and max(r["ratio"], r["pair_ratio"]) < 0.98]
     if bad:
         print(f"below the 0.98 target: {', '.join(bad)} (re-run on a quieter machine before trusting it)")

@@ -123,7 +123,8 @@ def speed(device, lengths, deadline: float) -> list[dict]:
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for length in lengths:
-        ids = torch.randint(0, SMOLLM2["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1)).to(device)
+        ids = torch.randint(0, SMOLLM2["vocab_size"], (1, length),
+                            generator=torch.Generator().manual_seed(1)).to(device)
         for name, (spec, backend) in SPEED.items():
             if _over_budget(rows, deadline, case="speed", scheme=name, length=length):
                 continue
@@ -225,7 +226,8 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true", help="eager flex (CPU dry runs)")
     ap.add_argument("--decode-prompt", type=int, default=8192, help="prompt tokens before the timed decoding steps")
     ap.add_argument("--decode-new", type=int, default=32, help="timed one-token cached steps")
-    ap.add_argument("--budget-s", type=float, default=270.0, help="no speed case starts after 60%% of this many seconds, no decoding case after all of it")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="no speed case starts after 60%% of this many "
+                                                                  "seconds, no decoding case after all of it")
     ap.add_argument("--out", type=Path, default=OUT, help=f"the JSON results (default: {OUT})")
     args = ap.parse_args()
     start = time.monotonic()

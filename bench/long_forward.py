@@ -10,8 +10,8 @@ projection and the loss over slices of positions. Paths, in one process, in turn
     windowed  `rope_patch.attention.windowed.windowed(model)`: sliding layers per query block over their window only
 
 Reported per path: wall time, peak RSS above the RSS before the forward (a thread samples /proc/self/statm every
-5 ms; large blocks are returned to the OS when freed, so each path's peak is its own), the mean NLL (the two must agree),
-and the load average before and after. One warm-up forward of 256 tokens per path first.
+5 ms; large blocks are returned to the OS when freed, so each path's peak is its own), the mean NLL (the two must
+agree), and the load average before and after. One warm-up forward of 256 tokens per path first.
 
 Models: "gemma3" is Gemma 3 270M (`rope-patch models fetch gemma3`, held-out prose as input); "hybrid" is a random
 model of Gemma 3 270M's layer layout at a quarter of its width (6 layers: 5 sliding in a window of 512, 1 global;
@@ -33,7 +33,8 @@ from rope_patch.attention.windowed import windowed
 from rope_patch.evaluation.common import read_tokens, token_nll
 from rope_patch.zoo import load_model, model_name, resolve_model_path
 
-HYBRID = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+HYBRID = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=1,
               head_dim=64, vocab_size=32768, sliding_window=512, max_position_embeddings=32768,
               layer_types=["sliding_attention"] * 5 + ["full_attention"], pad_token_id=0, bos_token_id=2,
               eos_token_id=1)

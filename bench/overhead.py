@@ -92,7 +92,8 @@ def main() -> None:
         return memory_worker(label, bool(int(patched)), int(length))
 
     torch.set_num_threads(2)
-    print(f"| scheme | {' | '.join(f'time ratio @{n}' for n in args.lengths)} | median | {' | '.join(f'mem ratio @{n}' for n in args.lengths)} |")
+    print(f"| scheme | {' | '.join(f'time ratio @{n}' for n in args.lengths)} | median "
+          f"| {' | '.join(f'mem ratio @{n}' for n in args.lengths)} |")
     print("|---" * (2 + 2 * len(args.lengths)) + "|")
     worst = 0.0
     for label in args.schemes:
@@ -103,7 +104,8 @@ def main() -> None:
             ratios = []
             for rep in range(args.reps):
                 pair = {}
-                for which, model in ((("patched", patched), ("native", native)) if rep % 2 == 0 else (("native", native), ("patched", patched))):
+                for which, model in ((("patched", patched), ("native", native)) if rep % 2 == 0
+                                     else (("native", native), ("patched", patched))):
                     t0 = time.perf_counter()
                     forward(model, n)
                     pair[which] = time.perf_counter() - t0
@@ -112,8 +114,10 @@ def main() -> None:
             mem_ratios.append(peak_rise(label, True, n) / max(peak_rise(label, False, n), 1e-9))
         median = statistics.median(time_ratios)
         worst = max(worst, median)
-        print(f"| {label} | {' | '.join(f'{r:.3f}' for r in time_ratios)} | {median:.3f} | {' | '.join(f'{r:.2f}' for r in mem_ratios)} |", flush=True)
-    print(f"\nworst per-scheme median time ratio: {worst:.3f} (target <= 1.02; torch threads: {torch.get_num_threads()})")
+        print(f"| {label} | {' | '.join(f'{r:.3f}' for r in time_ratios)} | {median:.3f} "
+              f"| {' | '.join(f'{r:.2f}' for r in mem_ratios)} |", flush=True)
+    print(f"\nworst per-scheme median time ratio: {worst:.3f} (target <= 1.02; "
+          f"torch threads: {torch.get_num_threads()})")
 
 
 if __name__ == "__main__":

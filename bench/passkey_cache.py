@@ -1,13 +1,15 @@
 """Passkey with a shared haystack: the common prefix prefilled once (cached) vs. every prompt in full (uncached).
 
-    python bench/passkey_cache.py [--model tiny] [--length 1024] [--samples 5] [--reps 3] [--scheme yarn:4] [--threads N]
+    python bench/passkey_cache.py [--model tiny] [--length 1024] [--samples 5] [--reps 3] [--scheme yarn:4]
+        [--threads N]
 
-On rope-tiny (`rope_patch.zoo.load_model("tiny")`; `--model smollm2` or a folder for another), one cell per depth (0.1, 0.5, 0.9) of `--samples` prompts that
-share one haystack (`retrieval.make_cell(..., shared_haystack=True)`): the same prompts are evaluated with
-`reuse_prefix=False` and `reuse_prefix=True`, alternately in one process after a warm-up, `--reps` times; the
-answers must be equal (the script exits 1 otherwise). Prints the median seconds of each, their ratio, threads and
-the load average before and after (the machine is shared: the ratio is what this measures, not absolute times).
-Expected from the token counts: the cached run prefills depth·n_filler once and (1 - depth)·n_filler per prompt.
+On rope-tiny (`rope_patch.zoo.load_model("tiny")`; `--model smollm2` or a folder for another), one cell per depth (0.1,
+0.5, 0.9) of `--samples` prompts that share one haystack (`retrieval.make_cell(..., shared_haystack=True)`): the same
+prompts are evaluated with `reuse_prefix=False` and `reuse_prefix=True`, alternately in one process after a warm-up,
+`--reps` times; the answers must be equal (the script exits 1 otherwise). Prints the median seconds of each, their
+ratio, threads and the load average before and after (the machine is shared: the ratio is what this measures, not
+absolute times). Expected from the token counts: the cached run prefills depth·n_filler once and (1 - depth)·n_filler
+per prompt.
 """
 
 from __future__ import annotations
@@ -61,12 +63,14 @@ def main() -> int:
                     cached_shared = shared
     same = outputs["uncached"] == outputs["cached"]
     med = {k: statistics.median(v) for k, v in times.items()}
-    report = {"model": args.model, "length": args.length, "depths": list(DEPTHS), "samples_per_cell": args.samples, "reps": args.reps,
+    report = {"model": args.model, "length": args.length, "depths": list(DEPTHS), "samples_per_cell": args.samples,
+              "reps": args.reps,
               "scheme": args.scheme, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
               "loadavg_before": [round(x, 2) for x in load_before],
               "loadavg_after": [round(x, 2) for x in os.getloadavg()],
               "shared_prefix_tokens": cached_shared, "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
-              "median_s": {k: round(v, 3) for k, v in med.items()}, "speedup": round(med["uncached"] / med["cached"], 2),
+              "median_s": {k: round(v, 3) for k, v in med.items()},
+              "speedup": round(med["uncached"] / med["cached"], 2),
               "answers_equal": same}
     print(json.dumps(report, indent=1))
     print(f"passkey {args.length} tokens, {len(DEPTHS)} depths x {args.samples} samples: uncached "

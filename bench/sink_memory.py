@@ -72,7 +72,8 @@ def main(argv=None) -> dict:
     sink_out, sink_rows, sink_s = run(model, ids, SinkCache.for_model(model), args.new, args.every)
     full_out, full_rows, full_s = run(model, ids, DynamicCache(), args.new, args.every)
     result = {"model": "rope-tiny", "window": window, "scheme": spec.spec, "prompt": args.prompt, "new": args.new,
-              "same_tokens": bool(torch.equal(sink_out, full_out)), "load_before": load, "load_after": os.getloadavg()[0],
+              "same_tokens": bool(torch.equal(sink_out, full_out)), "load_before": load,
+              "load_after": os.getloadavg()[0],
               "ms_per_token": {"SinkCache": 1000 * sink_s, "DynamicCache": 1000 * full_s},
               "rows": [{"tokens": a[0], "sink_keys": a[1], "sink_kib": round(a[2], 1), "dynamic_keys": b[1],
                         "dynamic_kib": round(b[2], 1)} for a, b in zip(sink_rows, full_rows, strict=True)]}

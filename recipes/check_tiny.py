@@ -73,7 +73,8 @@ def main() -> None:
     lengths = [window, 2 * window, 4 * window, 8 * window]
 
     print(f"{args.model}: {sum(p.numel() for p in model.parameters()):,} parameters, window {window}")
-    print(f"held-out text: {len(heldout_ids):,} tokens scored at every length; passkey: {args.samples} prompts per length")
+    print(f"held-out text: {len(heldout_ids):,} tokens scored at every length; passkey: {args.samples} "
+          "prompts per length")
     print(f"{'length':>7} {'perplexity':>11} {'passkey':>8}")
     ppl, acc = {}, {}
     for length in lengths:

@@ -1,4 +1,5 @@
-"""Long-context LoRA fine-tuning of a rope_patch-patched LLaMA-family model on transformers' Trainer (+ peft, accelerate).
+"""Long-context LoRA fine-tuning of a rope_patch-patched LLaMA-family model on transformers' Trainer (+ peft,
+accelerate).
 
     # one process (CPU or one GPU)
     python recipes/finetune_lora.py --config recipes/configs/tiny_yarn_4x.yaml [--merge]
@@ -127,9 +128,9 @@ class LoRAFinetuneRecipe:
         params = list(self.model.parameters())
         self.log(f"model {self.path}: {sum(p.numel() for p in params):,} parameters, "
                  f"{sum(p.numel() for p in params if p.requires_grad):,} trainable; scheme "
-                 f"{scheme.name if scheme else 'none'}; data {len(self.stream):,} tokens, {len(self.dataset):,} rows of "
-                 f"{t.seq_len}; {self.args.world_size} process(es) x {self.derived['accumulation_steps']} accumulation "
-                 f"step(s) x {t.micro_batch_size} rows")
+                 f"{scheme.name if scheme else 'none'}; data {len(self.stream):,} tokens, {len(self.dataset):,} "
+                 f"rows of {t.seq_len}; {self.args.world_size} process(es) x {self.derived['accumulation_steps']} "
+                 f"accumulation step(s) x {t.micro_batch_size} rows")
         self.log_path, self.elapsed_before = self.out / "train_log.jsonl", 0.0
         if self.main_process:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +172,8 @@ class LoRAFinetuneRecipe:
     def build_collator(self, tokenizer, stream: torch.Tensor) -> WeightedCollator:
         """PoSE position ids or plain rows, passkey rows mixed in (passkey_fraction > 0), answer tokens weighted."""
         d, seed, pose = self.cfg.data, self.cfg.run.seed, self.cfg.pose
-        collator = PoSECollator(pose.target_length, pose.n_chunks, seed=seed) if pose is not None else CausalLMCollator()
+        collator = (PoSECollator(pose.target_length, pose.n_chunks, seed=seed) if pose is not None
+                    else CausalLMCollator())
         if d.passkey_fraction > 0:
             try:
                 collator = PasskeyMixer(tokenizer, stream, d.passkey_fraction, d.passkey_min_tokens,
@@ -197,7 +199,8 @@ class LoRAFinetuneRecipe:
                  f"process(es) on {self.args.device.type}")
         if self.checkpoint is not None:
             self.log(f"resumed from {self.checkpoint} (step {self.resumed_step})")
-        self.result = self.trainer.train(resume_from_checkpoint=str(self.checkpoint) if self.checkpoint is not None else None)
+        self.result = self.trainer.train(resume_from_checkpoint=str(self.checkpoint) if self.checkpoint is not None
+                                         else None)
 
     # ---- evaluate --------------------------------------------------------------------------------------------
     def evaluate(self, when: str = "after", model=None) -> dict:
@@ -240,7 +243,8 @@ class LoRAFinetuneRecipe:
             # Sharded parameters cannot be used by one process alone: evaluate and merge a copy rebuilt from the saved
             # adapter (which also exercises the save/reload round trip); otherwise use the trained model itself.
             sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
-            final = (rope_patch.from_pretrained(adapter, base_model=self.path, dtype=getattr(torch, cfg.train.model_dtype))
+            final = (rope_patch.from_pretrained(adapter, base_model=self.path,
+                                                dtype=getattr(torch, cfg.train.model_dtype))
                      .to(self.args.device) if sharded else trainer.accelerator.unwrap_model(trainer.model))
             if cfg.output.merge:
                 merged = (final if sharded else copy.deepcopy(final)).merge_and_unload()  # keeps the patch

@@ -247,9 +247,11 @@ def _stage_section(number: int, stage: dict) -> str:
     {stage["launch"]}
 
 - AdamW: lr {t["lr"]:g}, betas {tuple(t["betas"])}, weight decay {t["weight_decay"]:g} on weight matrices
-- {t["warmup_steps"]} linear warm-up steps, then cosine decay to {t["min_lr_ratio"]:g} x lr; gradient clipping {t["grad_clip"]:g}
+- {t["warmup_steps"]} linear warm-up steps, then cosine decay to {t["min_lr_ratio"]:g} x lr; gradient clipping \
+{t["grad_clip"]:g}
 - {t["steps"]} steps x {t["batch_size"]} sequences x {t["seq_len"]} tokens = {tokens:,} tokens seen
-- passkey curriculum (as many samples as fit in a passkey sequence), answer tokens weighted {t["answer_loss_weight"]:g}x:
+- passkey curriculum (as many samples as fit in a passkey sequence), answer tokens weighted \
+{t["answer_loss_weight"]:g}x:
 {_curriculum_rows(t["passkey_curriculum"])}
 - fp32, {t["threads"]} CPU thread(s), {stage["seconds"] / 60:.1f} min; seed {stage["seed"]}
 
@@ -266,7 +268,8 @@ def model_card(config, n_params: int, state: dict, ev: dict, heldout_path: str, 
     """README.md of the saved model: data, tokenizer, architecture, training stages and held-out measurements."""
     window = config.max_position_embeddings
     stages = "\n".join(_stage_section(i, stage) for i, stage in enumerate(state["stages"], 1))
-    tokens_seen = sum(st["train"]["steps"] * st["train"]["batch_size"] * st["train"]["seq_len"] for st in state["stages"])
+    tokens_seen = sum(st["train"]["steps"] * st["train"]["batch_size"] * st["train"]["seq_len"]
+                      for st in state["stages"])
     minutes = sum(st["seconds"] for st in state["stages"]) / 60
     ppl_rows = "\n".join(f"| {n} | {ev['ppl'][n]:.1f} |" for n in sorted(ev["ppl"]))
     return f"""---
@@ -297,7 +300,8 @@ also trained to retrieve passkeys inside its window. It is a research fixture, n
 - `<s>`: BOS, prepended on encoding. `</s>`: EOS, also the padding token.
 
 ## Architecture
-- hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} heads of dimension {config.head_dim}, {config.num_key_value_heads} key/value heads
+- hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} heads of dimension \
+{config.head_dim}, {config.num_key_value_heads} key/value heads
 - SwiGLU MLP {config.intermediate_size}, RMSNorm, tied input/output embeddings
 - RoPE theta {config.rope_parameters["rope_theta"]:g}, max_position_embeddings {window} (the training window)
 

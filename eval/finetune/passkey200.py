@@ -34,7 +34,8 @@ for folder in folders:
     k = sum(sum(v.values()) for v in by_seed.values())
     by_depth = {str(d): sum(v[str(d)] for v in by_seed.values()) for d in DEPTHS}
     low, high = wilson_interval(k, 200)
-    out[folder] = {"scheme": str(rope_patch.current(model)), "length": LENGTH, "correct": k, "n": 200, "accuracy": k / 200,
+    out[folder] = {"scheme": str(rope_patch.current(model)), "length": LENGTH, "correct": k, "n": 200,
+                   "accuracy": k / 200,
                    "ci_low": low, "ci_high": high, "by_seed": by_seed, "by_depth_of_40": by_depth}
     print(f"{folder}: {k}/200 ({low:.0%}-{high:.0%}), by depth {by_depth}", file=sys.stderr, flush=True)
 print(json.dumps(out, indent=1))

@@ -1,6 +1,7 @@
 """out/finetune/<name> (a recipes/finetune_lora.py run) -> RUN_FOLDER/summary.json: final metrics + loss curve.
 
-    python eval/finetune/summarise.py tiny_yarn_4x WALL_SECONDS "machine note" eval/results/tiny/finetune_yarn_4x-1k-n200
+    python eval/finetune/summarise.py tiny_yarn_4x WALL_SECONDS "machine note" \
+        eval/results/tiny/finetune_yarn_4x-1k-n200
 
 RUN_FOLDER follows eval/README.md's rule, <model>/finetune_<recipe>-<target length>-n<passkey prompts>[-<qualifier>];
 the run's console output, where it was kept, goes beside it as train.log.
