@@ -1,55 +1,37 @@
 """Re-positioned attention: an attention layer's own code, run at several sets of positions at once.
 
 The schemes that give queries and keys positions other than their own (Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA)
-need q and k exactly as the model computes them at those positions: after the model's own rotation, and after whatever
-the layer does between the rotation and the scores. Layers differ there: q/k RMSNorm after RoPE (HunYuan), a
-per-channel query scale after RoPE (Dory), the partial-rotary split inside attention (Phi, StableLM, Persimmon), the
-one-tensor rotary API (Gemma 3n/4), MLA's rope/nope split with a shared rotated key (DeepSeek-V2/V3, Mistral 4),
-layers that use no RoPE at all (Cohere 2, AFMoE, ...: their q and k simply do not change with the positions). Rather
-than re-implementing each layout, the layer's own `forward` runs on c copies of its input batch:
+need q and k exactly as the model computes them at those positions: after its own rotation and whatever the layer does
+between the rotation and the scores (q/k norms after RoPE, partial-rotary splits, MLA's rope/nope split, layers
+without RoPE). So the layer's own `forward` runs on c copies of its input:
 
-    copy t      hidden states h (the same), position embeddings of positions map_t(p), position ids map_t(p)
+    copy t      hidden states h (the same), position embeddings and position ids at map_t(p)
     module      its own projections, norms, rotation, post-rotation operations, cache update, attention call
     attention   rope_patch's function reads copy t's queries and the key copies a scheme keeps, and combines them
                 per (query, key) pair by the scheme's regions (near / far, DCA's intra / successive / inter)
 
-So nothing about the architecture is assumed beyond "positions reach the layer as position embeddings from a rotary
-module (or as position ids)": what the layer does with them is its own code. A layer that ignores positions gives
-identical copies, and the scheme is exactly the model there.
+Nothing is assumed beyond "positions reach the layer as position embeddings from a rotary module (or as position
+ids)"; a layer that ignores positions gives identical copies. Every rotary module of a patched model returns its
+(cos, sin) as `Tagged` (the rotary and its arguments), so a layer's copies are made by the rotary that made its
+embeddings.
 
-Where the positions come from: every rotary module of a patched model returns its (cos, sin) as `Tagged`, a tuple
-carrying the rotary module and the arguments it was called with, so a layer's wrapper can compute the same embeddings
-at other positions with the same rotary (models with several rotary modules, per-layer-type frequencies, shipped or
-patched frequency scaling: whatever produced the layer's embeddings produces its copies).
-
-The KV cache keeps what the scheme's math fixes once a key is written: the keys of the copies a scheme reads keys from
-(`Layout.key_copies`: true positions and Self-Extend's ⌊j/G⌋; DCA's j mod c alone), concatenated along the head axis
-(b, S·Hkv, n, d), and the values once. So decoding rotates nothing but the new token, and each cached key is read from
-one copy per step. A cache layer sees one more head group than the model's; beam search's reordering, cropping and
-offloading act on the batch and sequence axes and keep working. Where each KV head reads one key set that the rule
-picks from the prompt (`Layout.chosen`: Ms-PoE's ratio per head), the cache keeps that set alone: the model's heads.
+The cache keeps what the scheme's math fixes once a key is written: the keys of `Layout.key_copies`, side by side on
+the head axis (b, S·Hkv, n, d), and the values once (`CacheView`); decoding rotates only the new token. Where each KV
+head reads one key set the rule picks from the prompt (`Layout.chosen`, Ms-PoE), the cache keeps that set alone.
 
 How the copies run (the cache mode the apply-time check picks, attention/plumbing.py): one after another where the
-layer allows (SEQUENTIAL: copy 0 last; each earlier copy leaves the queries and keys the scheme reads in a `Stash`
-and its attention returns zeros; the layer's linear maps of its input are computed once for all copies), so the
-layer's activations are held once; else stacked on the batch axis (c·b rows in one call: HEADS, ROWS), for layers
-whose copies must share state the cache keeps beside keys and values (a sparse-attention indexer's, a conv state).
+layer allows (SEQUENTIAL: copy 0 last; earlier copies leave their queries and keys in a `Stash`; the layer's input
+projections run once), else stacked on the batch axis (HEADS, ROWS) for layers whose copies share cache state beside
+keys and values (a sparse-attention indexer's, a conv state).
 
-Memory and K = V (DeepSeek-V4). A layer may append memory entries to its keys: DeepSeek-V4's compressor makes one
-entry per block of m tokens, rotated by a rotary of its own at w·m (the block's first token), not at the position ids
-the layer is handed. An entry is a key at the position it is rotated at: copy t makes it at map_t(w·m)
-(`MemoryPositions`), the cache keeps the entries of every key copy with their positions (`MemoryLayerView`), and the
-attention function places every key by its position (tokens by slot, entries by theirs). DeepSeek-V4 also reads the
-key tensor as the value (rotated with it) and rotates the attention output back at the query's position; a pair placed
-at (P_q, P_k) then takes its value at P_k and is rotated back at P_q, as the layer treats a query at P_q and a key at
-P_k (`SPLIT`, chosen by the apply-time check when values move with the positions): values are read per key set, each
-query copy's part of the output goes back through the layer's own code at that copy's positions, and the parts are
-summed (the check, at an identity setting, shows that code linear: a bias would count once per copy). Such layers run stacked.
+Memory entries and K = V (DeepSeek-V4): entries a layer appends to its keys, rotated by a rotary of its own at w·m,
+are made by copy t at map_t(w·m) (`MemoryPositions`) and cached with their positions (`MemoryLayerView`); the
+attention function places every key by its position. Where values rotate with their keys and the output is rotated
+back at the query's position, values are read per key set and each query copy's part of the output goes through the
+layer's own code at that copy's positions, the parts summed (`SPLIT`; stacked).
 
-Cost: what the layer does after its input projections (rotation, norms, output projection) runs c times (c = 2 for
-STRING, 3 for the others); the attention itself reads each key once. Memory: the layer's activations once plus the
-stashed queries and key copies (sequential), or c times (stacked). The cache holds S key copies and one value copy:
-(S + 1)/2 of vanilla (1.5× for S = 2).
+Cost: the layer's code after its input projections runs c times (c = 2 for STRING, 3 for the others); attention reads
+each key once. The cache holds S key copies and one value copy: (S + 1)/2 of vanilla.
 """
 
 from __future__ import annotations
@@ -424,7 +406,8 @@ class _CopyZero:
         self.method, self.rows, self.copies = method, rows, copies
 
     def _in(self, x):
-        return x[: self.rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.rows * self.copies else x
+        stacked = isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.rows * self.copies
+        return x[: self.rows] if stacked else x
 
     def _out(self, x):
         if isinstance(x, tuple):
@@ -592,7 +575,8 @@ class Reentry:
                     moved = {k: _at(v, at) if v is not None else None for k, v in tagged.items()}
                     one["position_embeddings"] = moved if several else moved[None]
                 if given is not None:  # as in the stacked call: copy t sees the ids map_t(p)
-                    (one if "position_ids" in one else more)["position_ids"] = given if isinstance(at, Identity) else at(given)
+                    moved_ids = given if isinstance(at, Identity) else at(given)
+                    (one if "position_ids" in one else more)["position_ids"] = moved_ids
                 for name, cache in caches.items():
                     if cache is not None:
                         (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash, module)

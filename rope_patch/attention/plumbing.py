@@ -1,31 +1,27 @@
 """The apply-time plumbing check: an attention-side scheme runs side by side with the model's own layers, at an
 identity setting, before it is accepted on an architecture; a difference refuses it and leaves the model as it was.
 
-Why. A scheme that replaces the attention function (ALiBi, T5 bias, Self-Extend, ReRoPE, leaky ReRoPE, STRING, DCA,
-`cache_rotation="consistent"`) relies on properties of the architecture's code: that its layers call transformers'
+A scheme that replaces the attention function relies on the architecture's code: that its layers call transformers'
 attention interface with what their own attention would get, and, for the re-positioning schemes, that a layer
-computes its queries and keys at whatever positions it is handed (attention/copies.py). rope_patch does not decide
-that by model name; it runs the code.
+computes its queries and keys at whatever positions it is handed (attention/copies.py). That is decided by running
+the code, not by model name.
 
-What runs. The model, patched with the scheme's rule at an identity setting (`AttentionRule.probe`: a window or chunk
-short enough to split the input, or a zero bias, so every code path of the rule runs) and every position copy at the
-tokens' own positions, plus one extra copy at p + SHIFT; on a 2-row batch (row 0 left-padded) of `length(model)`
-tokens: (1) a prefill without cache, (2) a prefill of all but the last two tokens into the model's cache, then two
-one-token steps. Every attention layer call also runs
+What runs: the model patched with the scheme's rule at an identity setting (`AttentionRule.probe`) and every position
+copy at the tokens' own positions, plus one extra copy at p + SHIFT, on a 2-row batch (row 0 left-padded) of
+`length(model)` tokens: (1) a prefill without cache, (2) a prefill of all but the last two tokens into the model's
+cache, then two one-token steps. Every attention layer call also runs
     - the layer's own forward with the model's own attention function on the same input (a cache of its own for the
-      cached steps): the outputs must agree (relative max difference within the dtype's tolerance);
-    - the layer's own forward at positions p + SHIFT with a capturing attention function: the extra copy's queries
-      (and keys, where the copies reach attention stacked) must agree with it, i.e. the copies' positions move what
-      the layer's own rotation moves;
-and the layer must have called rope_patch's attention function, and must not have raised (e.g. `NotProven`: a layer
-that writes to its cache other than through `update`). The cache's hand-back (`CacheView` HEADS, else ROWS; SPLIT where the values
-move with the positions, DeepSeek-V4's K = V) is the first that passes. A layout whose cache keeps one key set per
-head (`Layout.chosen`, Ms-PoE) keeps every set instead where a layer reads keys another layer stored (`SharedKeys`).
+      cached steps): the outputs must agree within the dtype's tolerance;
+    - the layer's own forward at p + SHIFT with a capturing attention function: the extra copy's queries (and keys,
+      where the copies reach attention stacked) must agree with it;
+and the layer must have called rope_patch's attention function without raising (e.g. `NotProven`). The cache
+hand-back (`CacheView` SEQUENTIAL, HEADS, ROWS; SPLIT where the values move with the positions) is the first that
+passes. A `Layout.chosen` layout keeps every key set instead where a layer reads keys another layer stored
+(`SharedKeys`).
 
-Cost. About 3 + c forwards of a `length`-token input per mode tried (c position copies; `length` ≥ 48 and beyond
-every sliding window / attention chunk / sparse top-k the config or layers declare, at most 1040), in the model's
-own dtype and device. Checked once per architecture and process: a second model of the same class, attention layer
-kinds, copies per layer, scheme family and backend is not checked again. `rope_patch.apply(..., check=False)` skips it.
+Cost: about 3 + c forwards of a `length`-token input per mode tried (48 ≤ `length` ≤ 1040, past every sliding window,
+attention chunk and sparse top-k the config or layers declare), in the model's dtype and device; once per
+architecture, scheme family and backend per process. `rope_patch.apply(..., check=False)` skips it.
 """
 
 from __future__ import annotations
@@ -309,8 +305,8 @@ class SideBySide:
             memory.close()
         q, k = module.__dict__.pop("_rope_patch_captured")
         value = module.__dict__.pop("_rope_patch_captured_value")
-        check.compare(module, f"its queries at moved positions (p + {SHIFT})", recorder.query[last * b:(last + 1) * b], q,
-                      check.rows)
+        check.compare(module, f"its queries at moved positions (p + {SHIFT})", recorder.query[last * b:(last + 1) * b],
+                      q, check.rows)
         if not check.cached:  # without a cache the keys reach attention stacked like the queries: the copy's own
             keys = recorder.key[last * b:(last + 1) * b]
             check.compare(module, f"its keys at moved positions (p + {SHIFT})", keys[:, :, -k.shape[2]:], k, check.rows)
@@ -319,7 +315,8 @@ class SideBySide:
                 check.compare(module, f"its values at moved positions (p + {SHIFT})",
                               values[last * b:(last + 1) * b][:, :, -k.shape[2]:], value, check.rows)
             elif values is not None and values.shape[0] == recorder.query.shape[0]:
-                # a key's value is read from copy 0 whatever copy its key comes from: values must not move with positions
+                # a key's value is read from copy 0 whatever copy its key comes from: values must not move with
+                # positions
                 before = len(check.findings)
                 check.compare(module, f"its values, which move with the positions (p + {SHIFT}: a rotated value, "
                                       "as DeepSeek-V4's K = V)", values[last * b:(last + 1) * b], values[:b], None)
@@ -342,9 +339,11 @@ def eager_mask(mask, hidden: torch.Tensor, dtype: torch.dtype):
     (b|1, 1, q, k). The reference run is eager whatever the backend (the model's own eager code: softcapping, sinks
     and all; transformers' compiled flex and flash kernels need not run here): sdpa's boolean mask and flex's
     BlockMask are materialised, a 2-D padding mask (flash) or no mask (causal, skipped) become the causal mask."""
-    if type(mask) is dict:  # masks per purpose (Zaya: {"causal", "conv"}): the 4-D / block masks converted, as given else
-        return {k: eager_mask(v, hidden, dtype) if (isinstance(v, torch.Tensor) and v.dim() == 4) or hasattr(v, "mask_mod")
-                else v for k, v in mask.items()}
+    if type(mask) is dict:  # masks per purpose (Zaya: {"causal", "conv"}): the 4-D / block masks converted, the rest
+        # as given
+        return {k: eager_mask(v, hidden, dtype)
+                if (isinstance(v, torch.Tensor) and v.dim() == 4) or hasattr(v, "mask_mod") else v
+                for k, v in mask.items()}
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         if mask.dtype != torch.bool:
             return mask

@@ -1,23 +1,19 @@
 """Sliding-window layers that compute only their window: `rope_patch_windowed`, an attention function and a mask
 function registered with transformers under a name of our own, switched on per model instance by `windowed(model)`.
 
-Why. transformers' sdpa path hands a sliding-window layer a (b, 1, L, L) boolean mask with `is_causal=False`: torch
-then computes all L² scores and makes a float copy of the mask (about 4 + 17 GB for Gemma 3 at L = 65,536, where the
-window is 512). Here, on a sliding layer, each block of query rows [r0, r1) meets only the keys its window reaches,
-slots [r0 − window + 1, r1) (in the slots of the layer's keys; with a dynamic cache they end with the queries): one
-sdpa call over a (block, block + window − 1) mask built for that block alone. Full-attention layers run transformers'
-own sdpa function (no mask without padding: `is_causal`); with soft-capped scores (Gemma 2), which sdpa refuses, they
-take the blocks too, causal over all keys.
+transformers' sdpa path hands a sliding-window layer a (b, 1, L, L) boolean mask: torch computes all L² scores and
+makes a float copy of the mask (about 4 + 17 GB for Gemma 3 at L = 65,536, window 512). Here each block of query rows
+[r0, r1) meets only the key slots its window reaches, [r0 − window + 1, r1): one sdpa call over a (block,
+block + window − 1) mask. Full-attention layers run transformers' own sdpa function; with soft-capped scores
+(Gemma 2), which sdpa refuses, they take the blocks too, causal over all keys.
 
-The mask function returns None for a sliding layer when the mask would be only "causal within the window" (no padding,
-no packed sequences or mask overlays, keys contiguous with the queries): the attention function rebuilds that pattern
-per block from the layer's `sliding_window`. Anything else (padding, a static cache, packing) gets transformers' own
-sdpa mask, which the attention function slices per block (the scores stay per block; the boolean mask is L×L).
+The mask function returns None for a sliding layer whose mask would be only "causal within the window" (no padding,
+packing or overlays, keys contiguous with the queries): the attention function builds it per block. Anything else
+gets transformers' sdpa mask, sliced per block.
 
-A model patched with an attention-side scheme on the blocked path (rope_patch_blocked) is switched to
-`rope_patch_windowed_blocked`: on its sliding layers each query block's scores come from the scheme over the window's
-key slots only (blocked.py, materialised path); the layers the scheme leaves alone run the function above. A model
-patched with a frequency scheme keeps sdpa and is switched like an unpatched one.
+A model patched with an attention-side scheme on the blocked path is switched to `rope_patch_windowed_blocked`: its
+sliding layers take the scheme's scores over the window's key slots only (blocked.py); the layers the scheme leaves
+alone run the function above. A model patched with a frequency scheme is switched like an unpatched one.
 """
 
 from __future__ import annotations
