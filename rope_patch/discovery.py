@@ -116,7 +116,8 @@ class PatchSite:
                     "configured with one fails the same way). The attention-side schemes that need no window "
                     "(self_extend, rerope, leaky_rerope, string, alibi, nope) apply.")
             window = int(cfg.max_position_embeddings)
-            original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+            original = (params.get("original_max_position_embeddings")
+                        or getattr(cfg, "original_max_position_embeddings", None))
             out[lt] = RopeContext(
                 head_dim=head_dim,
                 rotary_dim=2 * n_pairs,
@@ -283,8 +284,8 @@ def _read_table(module: nn.Module, name: str, stored: torch.Tensor) -> SinCosTab
     if pairs > 1:
         estimate = math.exp(-math.log(float(theta[1])) * pairs)  # θ_1 = b^(−1/pairs)
         candidates = [float(f"{estimate:.{n}g}") for n in range(1, 10)] + [estimate]
-        exact = next((b for b in candidates
-                      if b > 1 and torch.equal(_default_table(b, pairs, rows, sin_first).to(stored.dtype), stored)), None)
+        exact = next((b for b in candidates if b > 1
+                      and torch.equal(_default_table(b, pairs, rows, sin_first).to(stored.dtype), stored)), None)
         if exact is not None:
             base = exact
         elif estimate > 1 and (_default_table(estimate, pairs, rows, sin_first) - table).abs().max() <= tolerance:

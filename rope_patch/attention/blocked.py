@@ -65,8 +65,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     key slots its window reaches, on the materialised path."""
     state = getattr(module, STATE, None)
     if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
-        return stand_in("eager" if dense else "sdpa", module)(module, query, key, value, attention_mask, dropout=dropout,
-                                                              scaling=scaling, softcap=softcap, **kwargs)
+        own = stand_in("eager" if dense else "sdpa", module)
+        return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
+                   **kwargs)
     waiting = placeholder(module, query, key, value)  # a copy that runs before copy 0 (attention/copies.py)
     if waiting is not None:
         return waiting, None

@@ -93,10 +93,11 @@ def _cached_sets(module, current, key: torch.Tensor, hkv: int) -> tuple:
     head's rule picked, `copies.Layout.chosen`)."""
     layout = current.layout
     if layout.chosen and current.cache and not current.stored and len(layout.key_copies) > 1:
-        raise SharedKeys(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) attends to keys that "
-                         "another layer stored in the cache (KV sharing), and the cache keeps, per key/value head, only "
-                         "the key set the storing layer's prompt picked. The apply-time check (rope_patch.apply's "
-                         "default, check=True) finds such layers and keeps every key set in the cache instead.")
+        raise SharedKeys(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) attends to keys "
+                         "that another layer stored in the cache (KV sharing), and the cache keeps, per key/value "
+                         "head, only the key set the storing layer's prompt picked. The apply-time check "
+                         "(rope_patch.apply's default, check=True) finds such layers and keeps every key set in the "
+                         "cache instead.")
     if layout.chosen and key.shape[1] == hkv:
         return (key,)
     return _key_sets(key, hkv, len(layout.key_copies))
@@ -177,7 +178,8 @@ class NotPlaced(RuntimeError):
 def own_rows(module, mask):
     """The rows of `mask` that belong to the copy at the tokens' own positions of a re-positioned layer (copy 0 unless
     a later copy is: DCA's extra copy on a layer that builds its memory's causality inside itself); the mask itself
-    otherwise. Its tensors reach the layer repeated for every copy (attention/copies.py), or made by the layer per copy."""
+    otherwise. Its tensors reach the layer repeated for every copy (attention/copies.py), or made by the layer per
+    copy."""
     current = module_state(module).current
     if current is None or not isinstance(mask, torch.Tensor) or mask.shape[0] != current.rows * current.layout.copies:
         return mask

@@ -49,7 +49,8 @@ def fa2_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=
     slopes = state.scores.flash_slopes(query.device, query.shape[1])
     b, h, q_len, d = query.shape
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # flash layout (b, n, heads, d)
-    common = dict(dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=True, alibi_slopes=slopes)
+    common = dict(dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=True,
+                  alibi_slopes=slopes)
     if sliding_window is not None and key.shape[2] > sliding_window:  # as transformers' flash path
         common["window_size"] = (sliding_window - 1, sliding_window - 1)
     if softcap is not None:

@@ -47,8 +47,8 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
                         "value per key and returns one output per query; its eager and sdpa ones split them by copy")
     if call.gapped:
         raise ValueError("rope_patch: position ids with gaps or restarts (PoSE, packed rows) are not supported on the "
-                         "flex_attention backend, whose block masks are built from slots; use the sdpa or eager backend "
-                         "(model.set_attn_implementation('sdpa') before rope_patch.apply).")
+                         "flex_attention backend, whose block masks are built from slots; use the sdpa or eager "
+                         "backend (model.set_attn_implementation('sdpa') before rope_patch.apply).")
     call.scratch["attention_mask"] = attention_mask  # a rule that reads the mask itself (ms_poe's head order)
     begin(state, call)  # the rule's, then a prompt's cache store it picks for
     block_mask = attention_mask if attention_mask is not None else causal_block_mask(call)

@@ -23,7 +23,8 @@ class AttentionRule:
 
     `begin(call)` runs once per attention call (rotate the keys once, not once per block).
     `logits(call, rows, start, end)` returns float32 scores (b, Hkv, G, len(rows), end − start) of the query rows
-    `rows` (a slice) against key slots [start, end), before the mask: scaling, softcapping and any additive bias applied.
+    `rows` (a slice) against key slots [start, end), before the mask: scaling, softcapping and any additive bias
+    applied.
     `fused(call, rows, end)` (optional) returns the same attention as a list of `Partial`s, the long far-away part
     through a fused kernel; None means "use logits"."""
 

@@ -1,7 +1,7 @@
 """Registration with transformers: our functions under names of our own (no existing key is touched) in
 `AttentionInterface`, plus the same names in `AttentionMaskInterface` (transformers' own mask function of the backend
-each one stands in for: `sdpa_mask`, `flex_attention_mask`, `flash_attention_mask`), without which
-`create_causal_mask` returns None and padding would be silently dropped (eager_mask for the eager stand-in); and `AttnState`, what a patched attention
+each one stands in for: `eager_mask`, `sdpa_mask`, `flex_attention_mask`, `flash_attention_mask`), without which
+`create_causal_mask` returns None and padding would be silently dropped; and `AttnState`, what a patched attention
 module carries."""
 
 from __future__ import annotations

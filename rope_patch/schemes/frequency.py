@@ -171,7 +171,8 @@ class FrequencyScheme(Scheme):
 def _factor(scheme: str, value, *, required: bool = True, key: str = "factor"):
     if value is None:
         if required:
-            raise TypeError(f"{scheme}: missing required parameter `factor` (the context extension ratio s = L′/L, e.g. factor=4).")
+            raise TypeError(f"{scheme}: missing required parameter `factor` (the context extension ratio s = L′/L, "
+                            "e.g. factor=4).")
         return None
     low, high = check.FACTOR_RANGE  # 1024: LongRoPE's 2048k-from-4k, the largest published extension, is 512×
     return check.number(
@@ -350,7 +351,8 @@ class Dynamic(_Windowed):
     def __post_init__(self):
         super().__post_init__()
         self._set("factor", _factor(self.name, self.factor))
-        self._set("original_max_position_embeddings", _check_original_window(self.name, self.original_max_position_embeddings))
+        self._set("original_max_position_embeddings",
+                  _check_original_window(self.name, self.original_max_position_embeddings))
         self._set("cache_rotation", _cache_rotation(self.name, self.cache_rotation))
 
     def rope_parameters(self, ctx):
@@ -412,10 +414,12 @@ class Yarn(_Windowed):
             check.boolean(n, "truncate", self.truncate)
         fast, slow = self.beta_fast or 32.0, self.beta_slow or 1.0
         if fast <= slow:
-            raise ValueError(f"yarn: `beta_fast` must be > `beta_slow` (rotations at which interpolation stops/starts), got beta_fast={fast}, beta_slow={slow}.")
+            raise ValueError(f"yarn: `beta_fast` must be > `beta_slow` (rotations at which interpolation "
+                             f"stops/starts), got beta_fast={fast}, beta_slow={slow}.")
 
     def rope_parameters(self, ctx):
-        keys = {k: getattr(self, k) for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")}
+        keys = {k: getattr(self, k) for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                              "attention_factor", "mscale", "mscale_all_dim", "truncate")}
         return self._params(ctx, "yarn", **keys)
 
     @classmethod
@@ -599,10 +603,12 @@ class Llama3(_Windowed):
         self._set("low_freq_factor", _rotations(n, "low_freq_factor", self.low_freq_factor, 1))
         self._set("high_freq_factor", _rotations(n, "high_freq_factor", self.high_freq_factor, 4))
         if self.low_freq_factor >= self.high_freq_factor:
-            raise ValueError(f"llama3: `low_freq_factor` must be < `high_freq_factor`, got {self.low_freq_factor} >= {self.high_freq_factor}.")
+            raise ValueError(f"llama3: `low_freq_factor` must be < `high_freq_factor`, got {self.low_freq_factor} >= "
+                             f"{self.high_freq_factor}.")
 
     def rope_parameters(self, ctx):
-        keys = {k: getattr(self, k) for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        keys = {k: getattr(self, k)
+                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
         return self._params(ctx, "llama3", **keys)
 
     @classmethod
@@ -639,7 +645,8 @@ class LongRope(_Windowed):
         n = self.name
         for key in ("short_factor", "long_factor"):
             if getattr(self, key) is None:
-                raise TypeError(f"longrope: missing required parameter `{key}` (one rescale factor per rotary pair, head_dim/2 numbers).")
+                raise TypeError(f"longrope: missing required parameter `{key}` (one rescale factor per rotary pair, "
+                                "head_dim/2 numbers).")
             low, high = check.LONGROPE_FACTOR_RANGE
             self._set(key, check.number_list(n, key, getattr(self, key), ge=low, le=high,
                                              hint="Each is the rescale factor λ_i of one pair (θ′_i = θ_i / λ_i)."))
@@ -694,7 +701,8 @@ class PRope(FrequencyScheme):
     def __post_init__(self):
         super().__post_init__()
         if self.partial_rotary_factor is None:
-            raise TypeError("p_rope: missing required parameter `partial_rotary_factor` (fraction of pairs that keep rotating, e.g. 0.75).")
+            raise TypeError("p_rope: missing required parameter `partial_rotary_factor` (fraction of pairs that keep "
+                            "rotating, e.g. 0.75).")
         self._set("partial_rotary_factor", check.number(
             self.name, "partial_rotary_factor", self.partial_rotary_factor, ge=0.0, le=1.0,
             hint="It is the fraction p of rotary pairs that keep rotating: 1 is plain RoPE, 0 the paper's 0-RoPE."))
@@ -705,8 +713,8 @@ class PRope(FrequencyScheme):
                 factor = ctx.rope_parameters.get("partial_rotary_factor")
                 raise ValueError(
                     f"p_rope: {target.model_type} rotates only part of each head (its config's partial_rotary_factor="
-                    f"{factor!r}: the first {ctx.rotary_dim} of {ctx.head_dim} coordinates, with frequencies spread over "
-                    "them), while p_rope / transformers' `proportional` rotate the whole head and zero the "
+                    f"{factor!r}: the first {ctx.rotary_dim} of {ctx.head_dim} coordinates, with frequencies spread "
+                    "over them), while p_rope / transformers' `proportional` rotate the whole head and zero the "
                     "lowest-frequency pairs; both are written `partial_rotary_factor` in rope_parameters, so they "
                     "cannot be combined. Use p_rope on a model that rotates the full head (llama, qwen2, gemma, ...)."
                 )
@@ -727,9 +735,9 @@ def kept_pairs(fraction: float, head_dim: int) -> int:
         while int(smallest * head_dim // 2) == 0:  # 1/n in floating point may floor to 0 pairs: the next float up
             smallest = math.nextafter(smallest, 2.0)
         raise ValueError(
-            f"p_rope: parameter `partial_rotary_factor` must be 0 or keep at least one of this model's {n_pairs} rotary "
-            f"pairs, i.e. 0 or in [{smallest:g}, 1] (⌊p × {head_dim} / 2⌋ >= 1, as transformers' proportional counts "
-            f"them), got {fraction!r}: ⌊{fraction!r} × {head_dim} / 2⌋ = 0 pairs keep rotating. Pass "
+            f"p_rope: parameter `partial_rotary_factor` must be 0 or keep at least one of this model's {n_pairs} "
+            f"rotary pairs, i.e. 0 or in [{smallest:g}, 1] (⌊p × {head_dim} / 2⌋ >= 1, as transformers' proportional "
+            f"counts them), got {fraction!r}: ⌊{fraction!r} × {head_dim} / 2⌋ = 0 pairs keep rotating. Pass "
             f"partial_rotary_factor={smallest!r} to keep one pair, or partial_rotary_factor=0 for no rotation at all "
             "(0-RoPE)."
         )

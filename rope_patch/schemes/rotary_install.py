@@ -128,7 +128,8 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
         written = [c for c in (model_site.config if primary else None, built_from)
                    if c is not None and _in_tree(c, model_site.config)]
         log.setattr(rot, "config", rotary_config)
-        if scheme.native:  # else the public config keeps the unpatched RoPE, so a plain save reloads the unpatched model
+        # not native: the public config keeps the unpatched RoPE, so a plain save reloads the unpatched model
+        if scheme.native:
             for cfg in {id(c): c for c in written}.values():
                 cfg.rope_parameters = copy.deepcopy(public) if cfg is built_from else _public_of(scheme, cfg)
                 cfg.max_position_embeddings = scheme.public_window(any_ctx) or cfg.max_position_embeddings
@@ -221,7 +222,8 @@ def _in_tree(config, root) -> bool:
     """Whether `config` is `root` or one of its sub-configs (what `save_pretrained` writes)."""
     if config is root:
         return True
-    return any(_in_tree(config, value) for value in vars(root).values() if hasattr(value, "to_dict") and value is not root)
+    return any(_in_tree(config, value) for value in vars(root).values()
+               if hasattr(value, "to_dict") and value is not root)
 
 
 def _public_of(scheme: FrequencyScheme, config) -> dict:
@@ -246,7 +248,8 @@ def _check_width(scheme: FrequencyScheme, target: PatchSite, layer_type, inv_fre
     have = getattr(target.rotary, f"{prefix}inv_freq").numel()
     if inv_freq.numel() == have:
         return
-    rope_type = (target.config.rope_parameters[layer_type] if layer_type else target.config.rope_parameters)["rope_type"]
+    entry = target.config.rope_parameters[layer_type] if layer_type else target.config.rope_parameters
+    rope_type = entry["rope_type"]
     where = f" for its {layer_type} layers" if layer_type else ""
     raise ValueError(
         f"{scheme.name}: {target.model_type}'s rotary module{where} ({rope_type!r}) gives {have} frequencies per head, "
@@ -292,9 +295,9 @@ def _runs(scheme: FrequencyScheme, target: PatchSite, rotary: torch.nn.Module, d
                 "keys).") from None
         if scheme.resonance and _ignores_buffers(rotary, x, ids, kwargs):
             raise ValueError(
-                f"{scheme.name}: {target.model_type}'s rotary module computes its frequencies again from the config at "
-                "every forward (not from its inv_freq buffer), so the rounded wavelengths of resonance=True would never "
-                "reach attention. Use the scheme without resonance on this architecture.")
+                f"{scheme.name}: {target.model_type}'s rotary module computes its frequencies again from the config "
+                "at every forward (not from its inv_freq buffer), so the rounded wavelengths of resonance=True would "
+                "never reach attention. Use the scheme without resonance on this architecture.")
 
 
 # Positions where the float32 products p·θ̃_i carry rounding (past every wavelength of the low pairs): the check's probe
