@@ -45,11 +45,12 @@ SCHEMES = {
     "leaky_rerope": {"window_size": 1024, "factor": 16.0},
     "string": {"shift_size": 5461, "window_size": 128},  # S = N/3 for N = 16384 (rope_patch.suggest)
     "dca": {"chunk_size": 1536, "local_size": 256},  # 3/4 L and L/8 of the bench model's 2048-token window
+    "lm_infinite": {"local_size": 2048, "global_size": 10, "max_distance": 2047},  # rope_patch.suggest's setting
     "naive": {"group_size": 8, "window_size": 1024},  # Self-Extend, two full matrices
 }
 LIMITS = {"alibi": (1.25, 1.1), "relative_bias": (1.25, 1.1), "self_extend": (1.25, 1.25), "rerope": (1.25, 1.25),
           # targets (issue 29): (peak memory, steady time) as multiples of vanilla
-          "leaky_rerope": (1.25, 1.25), "string": (1.25, 1.25), "dca": (1.25, 1.25)}
+          "leaky_rerope": (1.25, 1.25), "string": (1.25, 1.25), "dca": (1.25, 1.25), "lm_infinite": (1.25, 1.25)}
 
 
 def _status(key: str) -> int:

@@ -53,6 +53,7 @@ def schemes(window: int) -> dict:
         "dpe": {"group_sizes": [4] * 8, "window_size": window // 8},
         "ms_poe": {},  # the authors' ratios 1.2-1.8, first 2 layers kept
         "sink": {"sink_size": 4, "window_size": window - 4},
+        "lm_infinite": {"local_size": window // 2, "global_size": 10},  # a local branch shorter than the prompt
     }
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from .. import attention
 from .. import validation as check
 from ..registry import register_scheme
@@ -43,20 +41,16 @@ class LmInfinite(TwoRegion):
     def suggestion(cls, n, window):
         """The authors' setting: local branch = the pretraining window L, 10 global tokens (their setting past 32k);
         the limit D = L − 1, one below theirs (L), so every distance is one the model was trained on."""
-        if n <= window or window < 2:
-            return None
-        return Suggestion.of(cls.name, {"local_size": window, "global_size": 10, "max_distance": window - 1},
-                             f"local branch W = L = {window}, 10 global tokens, distance limit D = L − 1 = {window - 1} "
-                             "(Han et al. 2024)")
+        params = {"local_size": window, "global_size": 10, "max_distance": window - 1}
+        return None if n <= window or window < 2 else Suggestion.of(
+            cls.name, params, f"W = L = {window}, 10 global tokens, D = L − 1 = {window - 1} (Han et al. 2024)")
 
     def __post_init__(self):
-        n, (low, high) = self.name, check.WINDOW_RANGE
+        n, high = self.name, check.WINDOW_RANGE[1]
         if self.local_size is None:
-            raise TypeError(f"{n}: missing required parameter `local_size` (the local branch in tokens, usually the "
-                            "pretraining window, e.g. 4096).")
-        self._set("local_size", check.integer(n, "local_size", self.local_size, ge=max(2, low), le=high,
-                                              hint="The local branch counts tokens; the authors use the pretraining "
-                                                   "window."))
+            raise TypeError(f"{n}: missing required parameter `local_size` (the local branch in tokens, e.g. 4096).")
+        self._set("local_size", check.integer(n, "local_size", self.local_size, ge=2, le=high,
+                                              hint="The local branch counts tokens (the pretraining window)."))
         self._set("global_size", check.integer(n, "global_size", self.global_size, ge=0, le=high,
                                                hint="The number of first tokens every query reads (10–100)."))
         limit = self.local_size if self.max_distance is None else self.max_distance
@@ -73,13 +67,6 @@ class LmInfinite(TwoRegion):
     def geometry(self):
         near, far = super().geometry().regions
         return attention.Geometry((near, dataclasses.replace(far, first=self.global_size)))
-
-    def relative_position(self, i, j):
-        """i − j in the local branch, D for a global token beyond it, NaN for a hidden key."""
-        i, j = torch.as_tensor(i, dtype=torch.float64), torch.as_tensor(j, dtype=torch.float64)
-        d = i - j
-        far = torch.where(j < self.global_size, torch.full_like(d, self.max_distance), torch.full_like(d, torch.nan))
-        return torch.where(d < self.local_size, d, far)
 
     def served_length(self, window):
         # the largest relative position is max(W − 1, D) whatever the length

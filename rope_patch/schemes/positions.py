@@ -83,10 +83,17 @@ class TwoRegion(AttentionScheme):
 
     def relative_position(self, i, j):
         """i − j in the near region, far query position − far key position beyond `split` (what the two-region
-        scores rotate with, read from the same `far_positions`)."""
+        scores rotate with, read from the same `far_positions`); NaN for a key the far region hides (one past its
+        `first` tokens: sink, LM-Infinite)."""
         far_q, far_k = self.far_positions()
+        first = self.geometry().regions[1].first
+        if first is not None:
+            i, j = torch.as_tensor(i, dtype=torch.float64), torch.as_tensor(j, dtype=torch.float64)
         d = i - j
-        return torch.where(d < self.split(), d, far_q(i) - far_k(j))
+        far = far_q(i) - far_k(j)
+        if first is not None:
+            far = torch.where(j < first, far, torch.full_like(far, torch.nan))
+        return torch.where(d < self.split(), d, far)
 
     def repositions(self) -> bool:
         return True

@@ -279,14 +279,6 @@ class Sink(TwoRegion):
         # evicted from the window is gone, but generation goes on at fixed cost, which is what the scheme serves)
         return UNBOUNDED if self.sink_size + self.window_size <= window else None
 
-    def relative_position(self, i, j):
-        """i − j in the window, min(i, S + W − 1) − j for a sink, NaN for a hidden key."""
-        i, j = torch.as_tensor(i, dtype=torch.float64), torch.as_tensor(j, dtype=torch.float64)
-        d = i - j
-        sink = i.clamp(max=self.sink_size + self.window_size - 1) - j
-        hidden = torch.full_like(d, float("nan"))
-        return torch.where(d < self.window_size, d, torch.where(j < self.sink_size, sink, hidden))
-
     def geometry(self):
         """The window at true positions; beyond it only the first `sink_size` keys, the query at min(i, S + W − 1)."""
         w = self.window_size
