@@ -168,13 +168,3 @@ def module_state(module):
             "attention implementation was set by hand. Use rope_patch.apply(model, scheme) / rope_patch.remove(model)."
         )
     return state
-
-
-def __getattr__(name: str):
-    """`PLAIN` / `Plain` moved to rules.py, which builds on this module; kept importable from here for code written
-    against the old layout (attention/declared.py) until it imports them from rules.py."""
-    if name in ("PLAIN", "Plain"):
-        from . import rules  # compat only: rules.py imports this module, so not at the top
-
-        return getattr(rules, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
