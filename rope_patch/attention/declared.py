@@ -71,7 +71,8 @@ class Declared(AttentionRule):
         return tuple(dataclasses.replace(r, hi=math.inf) if r.hi > reach else r for r in self.geometry.reach(reach))
 
     def first_slots(self, call: AttentionCall, first: int) -> torch.Tensor:
-        """(b|1, 1): the slots before which keys are among the first `first` tokens (slot j holds position j + offset)."""
+        """(b|1, 1): the slots before which keys are among the first `first` tokens (slot j holds position
+        j + offset)."""
         return (first - call.offset).clamp(min=0)
 
     def _plain(self, call) -> bool:

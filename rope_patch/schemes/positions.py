@@ -54,10 +54,12 @@ class Shift:
 
 def _check_window_size(name: str, value) -> int:
     if value is None:
-        raise TypeError(f"{name}: missing required parameter `window_size` (the neighbour window W in tokens, e.g. 512).")
+        raise TypeError(f"{name}: missing required parameter `window_size` (the neighbour window W in tokens, "
+                        "e.g. 512).")
     low, high = check.WINDOW_RANGE
     return check.integer(name, "window_size", value, ge=low, le=high,
-                         hint="The neighbour window W counts tokens (e.g. 512); a W longer than the sequence is plain RoPE.")
+                         hint="The neighbour window W counts tokens (e.g. 512); a W longer than the sequence is "
+                              "plain RoPE.")
 
 
 class TwoRegion(AttentionScheme):
@@ -174,7 +176,8 @@ class SelfExtend(TwoRegion):
     def __post_init__(self):
         n = self.name
         if self.group_size is None:
-            raise TypeError(f"{n}: missing required parameter `group_size` (positions beyond the window are floor-divided by it, e.g. 4).")
+            raise TypeError(f"{n}: missing required parameter `group_size` (positions beyond the window are "
+                            "floor-divided by it, e.g. 4).")
         low, high = check.GROUP_SIZE_RANGE
         self._set("group_size", check.integer(n, "group_size", self.group_size, ge=low, le=high,
                                               hint="group_size=1 is plain RoPE; the paper uses 2 … 64."))
@@ -317,16 +320,16 @@ class SelfExtendLogistic(TwoRegion):
             reach = _reach(c, rate, n, w)
             if reach <= budget:
                 return Suggestion.of(cls.name, {"group_size": c, "window_size": w, "growth_rate": rate},
-                                     f"W = L/8 = {w}, r = 0.02·4096/L = {rate:g} (the authors' C = 16, W = 512, r = 0.02 "
-                                     f"at L = 4096), smallest C with largest position {reach} ≤ ⅔·L = {budget:.1f} "
-                                     "(Dang et al. 2025)")
+                                     f"W = L/8 = {w}, r = 0.02·4096/L = {rate:g} (the authors' C = 16, W = 512, "
+                                     f"r = 0.02 at L = 4096), smallest C with largest position {reach} ≤ ⅔·L = "
+                                     f"{budget:.1f} (Dang et al. 2025)")
         return None
 
     def __post_init__(self):
         n = self.name
         if self.group_size is None:
-            raise TypeError(f"{n}: missing required parameter `group_size` (the capacity C of the logistic curve: group "
-                            "sizes grow from 1 towards C − 1, e.g. 16).")
+            raise TypeError(f"{n}: missing required parameter `group_size` (the capacity C of the logistic curve: "
+                            "group sizes grow from 1 towards C − 1, e.g. 16).")
         low, high = check.GROUP_SIZE_RANGE
         self._set("group_size", check.integer(n, "group_size", self.group_size, ge=max(2, low), le=high,
                                               hint="It is the logistic curve's capacity C; the authors use 16."))
@@ -429,7 +432,8 @@ class LeakyReRope(TwoRegion):
         n = self.name
         self._set("window_size", _check_window_size(n, self.window_size))
         if self.factor is None:
-            raise TypeError(f"{n}: missing required parameter `factor` (k: distances beyond the window grow 1/k as fast, e.g. 16).")
+            raise TypeError(f"{n}: missing required parameter `factor` (k: distances beyond the window grow 1/k as "
+                            "fast, e.g. 16).")
         low, high = check.LEAKY_FACTOR_RANGE
         self._set("factor", check.number(n, "factor", self.factor, ge=low, le=high,
                                          hint="factor=1 is plain RoPE, k < 1 would stretch distances, a large k "
@@ -464,7 +468,8 @@ class String(TwoRegion):
     far logits are exactly vanilla RoPE's at those positions). The authors use S ≈ N/3 for a test length N (their
     README suggests 0.25–0.4·N) and W = 128 … 512. The distances it uses reach N − 1 − S + W (and S − 1 in the near
     region), at least (N + W)/2 − 1 whatever S: on its own it cannot keep them below the training window L once
-    N > 2L − W. It improves the use of the window (N ≤ L); beyond the window combine it with a frequency scheme. rope_patch applies one scheme at a time, so that means a checkpoint
+    N > 2L − W. It improves the use of the window (N ≤ L); beyond the window combine it with a frequency scheme
+    (a stack, `rope_patch.apply(model, ['yarn:...', 'string:...'])`), or use a checkpoint
     whose config ships the scaling (Llama 3.1's `llama3`, a `yarn` config): STRING rotates with the model's own
     frequencies.
 
@@ -488,7 +493,8 @@ class String(TwoRegion):
 
     @classmethod
     def search_space(cls, window, target):
-        return {"shift_size": [target // 4, target // 3, target // 2], "window_size": [window // 8, window // 4, window // 2]}
+        return {"shift_size": [target // 4, target // 3, target // 2],
+                "window_size": [window // 8, window // 4, window // 2]}
 
     @classmethod
     def suggestion(cls, n, window):
@@ -515,10 +521,11 @@ class String(TwoRegion):
     def __post_init__(self):
         n = self.name
         self._set("shift_size", _string_size(n, "shift_size", self.shift_size,
-                                             "S: distances d ≥ S are replaced by d − S + W; about ⅓ of the test length, "
-                                             "an S at least the sequence length is plain RoPE"))
+                                             "S: distances d ≥ S are replaced by d − S + W; about ⅓ of the test "
+                                             "length, an S at least the sequence length is plain RoPE"))
         self._set("window_size", _string_size(n, "window_size", self.window_size,
-                                              "W: the smallest distance far tokens are moved to, 128 … 512 in the paper's code"))
+                                              "W: the smallest distance far tokens are moved to, 128 … 512 in the "
+                                              "paper's code"))
         if self.shift_size <= self.window_size:
             raise ValueError(
                 f"{n}: parameter `shift_size` must be larger than `window_size` (distances d ≥ S become d − S + W, "

@@ -151,7 +151,8 @@ class SinkLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if self.cumulative_length > self._stored():
-            raise RuntimeError("sink: a SinkCache layer that evicted keys cannot be cropped (the evicted keys are gone).")
+            raise RuntimeError("sink: a SinkCache layer that evicted keys cannot be cropped (the evicted keys are "
+                               "gone).")
         super().crop(tokens_to_remove)
         self.cumulative_length = self._stored()
 

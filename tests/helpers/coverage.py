@@ -46,6 +46,7 @@ ATTENTION = {
     "ms_poe": ({"min_ratio": 1.0, "max_ratio": 1.0, "skip_layers": 0},
                {"min_ratio": 1.2, "max_ratio": 1.8, "skip_layers": 0}),
     "sink": ({"window_size": 64, "sink_size": 4}, {"window_size": 12, "sink_size": 4}),
+    "lm_infinite": ({"local_size": 64, "global_size": 4}, {"local_size": 12, "global_size": 4, "max_distance": 10}),
     "alibi": (None, {}),
 }
 SCHEMES = (FREQUENCY[0], *ATTENTION)
@@ -251,10 +252,12 @@ def refused(version: Version = INSTALLED) -> dict[str, dict[str, tuple[str, str]
             "ms_poe": ("without the head order of its prompt",
                        "attention over compressed memory: no call's queries are its keys, so no prompt orders the "
                        "heads")},
-        # 5.25 hands the text position ids to every layer, the global NoPE ones too, so sink hides their middle keys
-        "cohere_compass": {"sink": ("runs without positions",
-                                    "its global layers receive no positions (NoPE), and StreamingLLM must hide their "
-                                    "middle keys by the tokens' positions too")} if before("5.25", version) else {},
+        # 5.25 hands the text position ids to every layer, the global NoPE ones too, so the schemes that hide keys
+        # (sink, lm_infinite) hide their middle keys
+        "cohere_compass": dict.fromkeys(("sink", "lm_infinite"), (
+            "runs without positions",
+            "its global layers receive no positions (NoPE), and a scheme that hides keys (StreamingLLM, LM-Infinite) "
+            "must hide their middle keys by the tokens' positions too")) if before("5.25", version) else {},
         "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
                                                    "its sparse indexer reads position ids stored on the cache, which "
                                                    "the position copies do not reach (the check's cached decoding "
