@@ -45,6 +45,13 @@ class Declared(AttentionRule):
     def probe(self, length):
         return type(self)(self.geometry.probe(length))
 
+    @property
+    def check_key(self) -> tuple:
+        """What the apply-time check's verdict depends on (attention/plumbing.py caches it per architecture): the
+        rule's class and which copies its regions read, and whether they hide keys (which a layer without positions
+        refuses), not the regions' sizes."""
+        return type(self).__qualname__, tuple((r.query, r.keys, r.first is not None) for r in self.geometry.regions)
+
     def fused_rows(self, heads):
         # a block no wider than the narrowest band keeps every band's middle a kernel call without a mask
         cuts = self.geometry.boundaries()

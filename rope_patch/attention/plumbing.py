@@ -470,7 +470,8 @@ def architecture(model: nn.Module, layouts: dict, rule, backend: str, rotate_ref
                                and isinstance(v, (int, float, str, bool, type(None)))))
         kinds.add((type(m).__qualname__, scalars))
     copies = tuple(None if v is None else (v.copies, v.key_copies, v.query_copies, v.chosen) for v in layouts.values())
-    return (type(model).__qualname__, frozenset(kinds), copies, type(rule).__qualname__, backend, rotate_reference)
+    rule_kind = getattr(rule, "check_key", None) or type(rule).__qualname__  # a declared rule: its regions' kind
+    return (type(model).__qualname__, frozenset(kinds), copies, rule_kind, backend, rotate_reference)
 
 
 def describe(findings: list[Finding], tol: float) -> str:

@@ -58,6 +58,21 @@ def test_an_architecture_is_checked_once_per_process_and_check_false_skips_it(mo
     assert len(runs) == 2
 
 
+def test_a_declared_rule_that_hides_keys_is_checked_apart_from_one_that_does_not(monkeypatch):
+    """Every declared scheme runs one rule class (`Declared`): the verdict is kept per region kind, so ReRoPE's pass on
+    an architecture does not stand for LM-Infinite, which hides keys (refused where a layer gets no positions), while
+    another ReRoPE window reuses it."""
+    runs = []
+    original = plumbing.run
+    monkeypatch.setattr(plumbing, "run", lambda *a: (runs.append(a), original(*a))[1])
+    monkeypatch.setattr(plumbing, "CHECKED", {})
+    rope_patch.apply(tiny_model("llama", attn_implementation="sdpa"), "rerope", window_size=12)
+    rope_patch.apply(tiny_model("llama", attn_implementation="sdpa"), "rerope", window_size=8)
+    assert len(runs) == 1
+    rope_patch.apply(tiny_model("llama", attn_implementation="sdpa"), "lm_infinite", local_size=12, global_size=4)
+    assert len(runs) == 2
+
+
 def test_a_model_whose_layers_run_other_copies_is_checked_again(monkeypatch):
     """The verdict is kept per copies run by each layer too: on Gemma 3n, whose later layers read earlier layers' keys,
     Ms-PoE on every layer passes, and skipping the first (whose keys a later layer reads, rotated the model's way) is

@@ -41,7 +41,7 @@ from helpers.reference_dca import pair_positions as dca_pair_positions
 NAME = "rope_patch_tests_reference"
 # pairs at the papers' positions
 POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_rerope", "string", "dca", "dpe",
-              "ms_poe", "sink")
+              "ms_poe", "sink", "lm_infinite")
 BIAS = ("alibi", "relative_bias")
 OWN_ATTENTION = (*BIAS, *POSITIONAL)
 
