@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from helpers.models import WINDOW
+import pytest
+import torch
+
+import rope_patch
+from helpers.models import WINDOW, logits, tiny_model, token_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +82,13 @@ def cases(family: str | None = None, *, without: tuple[str, ...] = ()) -> list[t
 
 def names(family: str | None = None, *, without: tuple[str, ...] = ()) -> list[str]:
     return [r.name for r in rows(family, without=without)]
+
+
+def refused_at_apply(scheme: str, params: dict, error: type, words: str) -> None:
+    """apply() refuses `params` with `error` matching `words`, and the model is left exactly as it was."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    ids, _ = token_batch(40, 0, 0)
+    before = logits(model, ids)
+    with pytest.raises(error, match=words):
+        rope_patch.apply(model, scheme, **params)
+    assert rope_patch.current(model) is None and torch.equal(logits(model, ids), before)

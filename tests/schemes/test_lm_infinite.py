@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers.models import WINDOW, logits, tiny_model, token_batch
 from helpers.reference_lm_infinite import lambda_chunked_logits, lambda_forward, lambda_generate_logits, paper_forward
+from helpers.schemes import refused_at_apply
 from transformers import DynamicCache
 
 import rope_patch
@@ -227,9 +228,4 @@ BAD = [
 
 @pytest.mark.parametrize("params,error,words", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_input_fails_at_apply_and_leaves_the_model_unchanged(params, error, words):
-    model = tiny_model("llama", attn_implementation="sdpa")
-    ids, _ = token_batch(40, 0, 0)
-    before = logits(model, ids)
-    with pytest.raises(error, match=words):
-        rope_patch.apply(model, "lm_infinite", **params)
-    assert rope_patch.current(model) is None and torch.equal(logits(model, ids), before)
+    refused_at_apply("lm_infinite", params, error, words)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers.models import WINDOW, logits, tiny_model, token_batch
 from helpers.reference_sink import paper_forward, pos_shift_forward
+from helpers.schemes import refused_at_apply
 
 import rope_patch
 from rope_patch import attention
@@ -149,12 +150,7 @@ BAD = [
 
 @pytest.mark.parametrize("params,error,words", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_input_fails_at_apply_and_leaves_the_model_unchanged(params, error, words):
-    model = tiny_model("llama", attn_implementation="sdpa")
-    ids, _ = token_batch(40, 0, 0)
-    before = logits(model, ids)
-    with pytest.raises(error, match=words):
-        rope_patch.apply(model, "sink", **params)
-    assert rope_patch.current(model) is None and torch.equal(logits(model, ids), before)
+    refused_at_apply("sink", params, error, words)
 
 
 def test_relative_position_is_the_cache_index_difference():
