@@ -110,7 +110,8 @@ def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _pairs(blocks: torch.Tensor) -> torch.Tensor:
-    """`shift_and_pair`: each block after the one before it (the first after the last, rolled round): (..., nb, 2s, d)."""
+    """`shift_and_pair`: each block after the one before it (the first after the last, rolled round):
+    (..., nb, 2s, d)."""
     previous = torch.cat((blocks[..., -1:, :, :], blocks[..., :-1, :, :]), dim=-3)
     return torch.cat((previous, blocks), dim=-2)
 
@@ -126,7 +127,8 @@ def lambda_attention(k_rot, k_stat, q_rot, q_stat, v, local_size: int, global_si
         mode = "single_query"
     elif ql < kl:
         if ql + L + G != kl:
-            raise AssertionError(f"the authors' cached mode needs q_len + L + G == kv_len, got {ql} + {L} + {G} != {kl}")
+            raise AssertionError(f"the authors' cached mode needs q_len + L + G == kv_len, got {ql} + {L} + {G} "
+                                 f"!= {kl}")
         mode = "cached"
     elif ql <= L:
         mode = "short_seq"
@@ -164,7 +166,8 @@ def lambda_attention(k_rot, k_stat, q_rot, q_stat, v, local_size: int, global_si
     if mode == "long_seq":
         k_pairs, v_pairs = _pairs(_blocks(k_rot, L)), _pairs(_blocks(v, L))
     else:  # cached: the keys after the first G; block pairs (b − 1, b) from the second block on
-        k_pairs, v_pairs = _pairs(_blocks(k_rot[..., G:, :], L))[..., 1:, :, :], _pairs(_blocks(v[..., G:, :], L))[..., 1:, :, :]
+        k_pairs = _pairs(_blocks(k_rot[..., G:, :], L))[..., 1:, :, :]
+        v_pairs = _pairs(_blocks(v[..., G:, :], L))[..., 1:, :, :]
     rot = band(q_blocks, k_pairs)  # (b, H, nb, L, 2L)
     if mode == "long_seq":
         rot[..., 0, :, :L] = neg  # the first block has no previous block (that slot holds the last, rolled round)
@@ -182,7 +185,8 @@ def lambda_attention(k_rot, k_stat, q_rot, q_stat, v, local_size: int, global_si
 
 
 def _chunk(model, ids_chunk, past, global_size, local_size, max_distance):
-    """One call of the patched model on `ids_chunk` (b, q) with `past` (per layer: raw keys, values) updated in place."""
+    """One call of the patched model on `ids_chunk` (b, q) with `past` (per layer: raw keys, values) updated in
+    place."""
     base = model.model
     b, ql = ids_chunk.shape
     start = 0 if past[0] is None else past[0][0].shape[2]

@@ -1,6 +1,7 @@
-"""LM-Infinite (`lm_infinite`, Han et al. 2024): against the authors' lambda-mask code (helpers/reference_lm_infinite.py,
-checked here against the paper's per-pair formulation) on every backend, cached generation across the local window's
-edge, chunked prefill on the cache, left padding, removal and the refusals at apply()."""
+"""LM-Infinite (`lm_infinite`, Han et al. 2024): against the authors' lambda-mask code
+(helpers/reference_lm_infinite.py, checked here against the paper's per-pair formulation) on every backend, cached
+generation across the local window's edge, chunked prefill on the cache, left padding, removal and the refusals at
+apply()."""
 
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def test_max_distance_defaults_to_local_size():
     assert diff(logits(a, ids), logits(patched("sdpa", 4, 16, 8), ids)) > 1e-3  # D is used
 
 
-GEN = [("llama", b, s) for b in BACKENDS for s in [(4, 16, 16), (2, 12, 6)]] + [("qwen2", b, (4, 16, 16)) for b in BACKENDS]
+GEN = [("llama", b, s) for b in BACKENDS for s in [(4, 16, 16), (2, 12, 6)]]
+GEN += [("qwen2", b, (4, 16, 16)) for b in BACKENDS]
 
 
 @pytest.mark.parametrize("arch,backend,sizes", GEN, ids=[f"{a}-{b}-G{s[0]}-L{s[1]}-D{s[2]}" for a, b, s in GEN])
@@ -188,7 +190,8 @@ def test_left_padded_rows_equal_their_unpadded_reference(backend):
 
     prompt, kw = token_batch(12, 5, PAD)  # row 0: 5 real tokens; with 16 new ones both rows pass L and G + L
     kw.pop("position_ids")
-    gen = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+    gen = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+               **kw)
     with torch.no_grad():
         cached, full = (model.generate(prompt, use_cache=c, **gen) for c in (True, False))
     assert torch.equal(cached.sequences, full.sequences)
