@@ -24,7 +24,7 @@ from .copies import NotProven
 from .flex import flex_call
 from .geometry import Geometry, Region
 from .kernels import flash_causal_partial, flash_partial
-from .protocol import AttentionCall, AttentionRule, fit_rows, merge, module_state
+from .protocol import AttentionCall, AttentionRule, Partial, fit_rows, merge, module_state
 from .rules import PLAIN
 
 HIDDEN = torch.finfo(torch.float32).min  # a hidden key's logit: finite, so a row with every key hidden stays finite
@@ -53,6 +53,8 @@ class Declared(AttentionRule):
         return type(self).__qualname__, tuple((r.query, r.keys, r.first is not None) for r in self.geometry.regions)
 
     def fused_rows(self, heads):
+        if self.geometry.chunk is not None:  # rows split at chunk boundaries: long blocks keep whole chunks together
+            return 2048
         # a block no wider than the narrowest band keeps every band's middle a kernel call without a mask
         cuts = self.geometry.boundaries()
         return fit_rows(1, 0, cap=max(64, min(1024, *cuts)) if cuts else 1024)
@@ -64,6 +66,8 @@ class Declared(AttentionRule):
             # which keys are the first tokens' needs the positions, which do not reach it
             raise NotProven("runs without positions (a layer with no position encoding), and this scheme hides keys "
                             "by their positions")
+        if self.geometry.chunk is not None:  # chunk boundaries in slots differ per row: the offsets, read once
+            call.scratch["offsets"] = call.offset.reshape(-1).tolist()
         regions = self._active(call)
         call.scratch["regions"] = regions
         call.scratch["first"] = {r.first: self.first_slots(call, r.first) for r in regions if r.first is not None}
@@ -74,8 +78,12 @@ class Declared(AttentionRule):
         if len(call.queries) == 1:
             return (Region(),)
         reach = math.inf if call.gapped else call.key.shape[2] - 1
-        # a band that ends past every key ends nowhere: one region left at copy 0 is then the model's attention
-        return tuple(dataclasses.replace(r, hi=math.inf) if r.hi > reach else r for r in self.geometry.reach(reach))
+        if self.geometry.chunk is not None and not call.gapped:  # in chunks: the last key's chunk
+            reach = max(reach + max(call.scratch["offsets"]), 0) // self.geometry.chunk
+        # a band that ends past every key ends nowhere (and one from 0 covers every key, in chunks or not): one region
+        # left at copy 0 is then the model's attention
+        return tuple(dataclasses.replace(r, hi=math.inf, chunk=None if r.lo == 0 else r.chunk) if r.hi > reach else r
+                     for r in self.geometry.reach(reach))
 
     def first_slots(self, call: AttentionCall, first: int) -> torch.Tensor:
         """(b|1, 1): the slots before which keys are among the first `first` tokens (slot j holds position
@@ -89,7 +97,8 @@ class Declared(AttentionRule):
     # ---- materialised ----------------------------------------------------------------------------------------------
     def _where(self, call, region, rows, start, end):
         """bool, broadcastable to the scores: the (row, key) pairs of slots [start, end) inside `region`."""
-        d = call.distance(rows, start, end)
+        d = call.distance(rows, start, end) if region.chunk is None else self._chunks_back(call, region, rows, start,
+                                                                                          end)
         inside = (d >= region.lo) & (d < region.hi)
         if region.first is not None:
             if call.gapped:
@@ -100,10 +109,46 @@ class Declared(AttentionRule):
             inside = inside & first
         return inside
 
+    def _chunks_back(self, call, region, rows, start, end) -> torch.Tensor:
+        """n(i) − n(j) for query rows `rows` and key slots [start, end), n(p) = ⌊p/chunk⌋ of the true position (pads,
+        at negative positions, in chunk 0): (b|1, 1, 1, r, w)."""
+        if call.gapped:
+            q_pos = (call.ids[:, -call.query.shape[3]:] if call.q_ids is None else call.q_ids)[:, rows]
+            k_pos = call.ids[:, start:end]
+        else:
+            q_pos = call.q_slot[rows] + call.offset
+            k_pos = torch.arange(start, end, device=call.q_slot.device) + call.offset
+        c = region.chunk
+        return (torch.div(q_pos.clamp(min=0), c, rounding_mode="floor")[:, :, None]
+                - torch.div(k_pos.clamp(min=0), c, rounding_mode="floor")[:, None, :])[:, None, None]
+
+    def _chunk_slot(self, region, n: int, offset: int) -> int:
+        """The first key slot of chunk n in a row whose positions are slot + offset."""
+        return 0 if n <= 0 else max(0, n * region.chunk - offset)
+
+    def _chunk_span(self, call, region, rows, every: bool) -> tuple[int, int]:
+        """The key slots whose chunk is lo … hi − 1 back from the block's rows' chunks: for some row of some batch
+        row (`every` False), or for every row of every batch row (True)."""
+        c = region.chunk
+        spans = []
+        for off in call.scratch["offsets"]:
+            n0 = max(call.first_slot(rows) + off, 0) // c
+            n1 = max(call.first_slot(rows) + rows.stop - rows.start - 1 + off, 0) // c
+            low, high = (n1, n0) if every else (n0, n1)
+            a = 0 if region.hi == math.inf else self._chunk_slot(region, low - int(region.hi) + 1, off)
+            spans.append((a, self._chunk_slot(region, high - region.lo + 1, off) if high - region.lo >= 0 else 0))
+        if every:
+            return max(a for a, _ in spans), min(z for _, z in spans)
+        return min(a for a, _ in spans), max(z for _, z in spans)
+
     def _span(self, call, region, rows, start, end) -> tuple[int, int]:
         """The keys of [start, end) some row of the block may meet in `region` (by slots; all of them with gaps)."""
         if call.gapped:
             return start, end
+        if region.chunk is not None:
+            a, z = self._chunk_span(call, region, rows, every=False)
+            a, z = max(a, start), min(z, end)
+            return a, max(a, z)
         c, r = call.first_slot(rows), rows.stop - rows.start
         a = start if region.hi == math.inf else max(start, c - int(region.hi) + 1)
         z = min(end, c + r - region.lo)
@@ -137,6 +182,10 @@ class Declared(AttentionRule):
         """The keys of [a, z) inside `region` for every row of the block (an empty range at `a` with gaps)."""
         if call.gapped:
             return a, a
+        if region.chunk is not None:
+            ia, iz = self._chunk_span(call, region, rows, every=True)
+            ia, iz = max(ia, a), min(iz, z)
+            return (ia, iz) if ia < iz else (a, a)
         c, r = call.first_slot(rows), rows.stop - rows.start
         ia = a if region.hi == math.inf else max(a, c + r - int(region.hi))
         iz = min(z, c - region.lo + 1)
@@ -156,6 +205,8 @@ class Declared(AttentionRule):
         firsts = call.scratch["first"].values()
         if any(bool((f != f.reshape(-1)[0]).any()) for f in firsts):  # rows with different first keys: materialise
             return None
+        if self.geometry.chunk is not None:
+            return self._chunk_parts(call, rows, end)
         parts = []
         for region in call.scratch["regions"]:
             parts += self._region_parts(call, region, rows, end)
@@ -196,6 +247,33 @@ class Declared(AttentionRule):
             parts.append(flash_partial(call, q, k[:, :, a:z], v[:, :, a:z]))
         return parts + masked("near", near, near + r)
 
+    def _chunk_parts(self, call, rows, end):
+        """Regions by chunk: the rows split at chunk boundaries; a group of rows in one chunk meets each region's keys
+        as one contiguous range, every key inside for every row, through one kernel call without a mask (the group's
+        own keys through the causal kernel). One Partial per block: the groups' merged softmaxes, stacked."""
+        offsets = call.scratch["offsets"]
+        if len(set(offsets)) != 1 or offsets[0] < 0:  # rows with chunks at different slots: materialise
+            return None
+        off, first, stop = offsets[0], call.first_slot(rows), call.first_slot(rows) + rows.stop - rows.start
+        outs, lses, a = [], [], first
+        while a < stop:
+            z = min(stop, ((a + off) // self.geometry.chunk + 1) * self.geometry.chunk - off)  # the group: [a, z)
+            group = slice(rows.start + a - first, rows.start + z - first)
+            parts = []
+            for region in call.scratch["regions"]:
+                q, k, v = call.queries[region.query][:, :, :, group], call.keys[region.keys], call.value
+                lo, hi = self._span(call, region, group, 0, z)
+                if hi > a:  # the group's own keys: causal
+                    parts.append(flash_causal_partial(call, q, k[:, :, a:z], v[:, :, a:z]))
+                    hi = a
+                if lo < hi:
+                    parts.append(flash_partial(call, q, k[:, :, lo:hi], v[:, :, lo:hi]))
+            out, lse = union(parts)
+            outs.append(out)
+            lses.append(lse)
+            a = z
+        return [(torch.cat(outs, dim=2), torch.cat(lses, dim=2))]
+
     def _triangle(self, call, r: int, a: int, z: int, kind: str):
         """The additive (1, 1, 1, r, z − a) mask of an edge's keys j' ∈ [a, z) (near: j' ≤ i'; far: j' > i') and its
         rows that see no key; built once per call (the heads share it)."""
@@ -214,33 +292,51 @@ class Declared(AttentionRule):
         parts = []
         for region in call.scratch["regions"]:
             first = call.scratch["first"].get(region.first)
-            mask = band_block_mask(block_mask, call, region.lo, region.hi, first)
+            mask = band_block_mask(block_mask, call, region.lo, region.hi, first, region.chunk)
             q = call.queries[region.query].flatten(1, 2)
             parts.append(flex_call(call, q, call.keys[region.keys], call.value, mask, lse=True))
         return merge(parts)
 
 
-def band_block_mask(block_mask, call: AttentionCall, lo: int, hi: float, first: torch.Tensor | None = None):
-    """`block_mask` ∧ lo ≤ i − j < hi (in key slots) [∧ j < first[b], a row's first keys]. The element rule is the
-    mask_mod; the block list keeps the original blocks that hold an element of the band (judged from each block's
-    smallest and largest distance), all partial: a full block may now be cut by the band."""
-    q_len, k_len = call.query.shape[3], call.key.shape[2]
+def union(parts: list[Partial]) -> Partial:
+    """Partials over disjoint keys → one Partial (out, lse) over their union (log-sum-exp weights, fp32)."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
+    return sum(torch.exp(p_lse - lse)[..., None] * out for out, p_lse in parts), lse
+
+
+def band_block_mask(block_mask, call: AttentionCall, lo: int, hi: float, first: torch.Tensor | None = None,
+                    chunk: int | None = None):
+    """`block_mask` ∧ lo ≤ i − j < hi [∧ j < first[b], a row's first keys]; i − j in key slots, or with `chunk` the
+    difference of the chunks ⌊p/chunk⌋ of the true positions p. The element rule is the mask_mod; the block list keeps
+    the original blocks that hold an element of the band (judged from each block's smallest and largest difference),
+    all partial: a full block may now be cut by the band."""
+    q_len, k_len, b = call.query.shape[3], call.key.shape[2], call.query.shape[0]
     dev = call.key.device
     shift = torch.tensor(k_len - q_len, device=dev)
     low, high = torch.tensor(lo, device=dev), torch.tensor(min(hi, k_len + q_len), device=dev)
-    limit = None if first is None else first.reshape(-1).expand(call.query.shape[0]).contiguous()
+    limit = None if first is None else first.reshape(-1).expand(b).contiguous()
+    offsets = call.offset.reshape(-1).expand(b).contiguous()
     base = block_mask.mask_mod
 
-    def mask_mod(b, h, qi, kv):
-        dist = qi + shift - kv
-        inside = base(b, h, qi, kv) & (dist >= low) & (dist < high)
-        return inside if limit is None else inside & (kv < limit[b])
+    def back(i, j, off):  # i − j, in slots or in chunks of the true positions
+        if chunk is None:
+            return i - j
+        return torch.div((i + off).clamp(min=0), chunk, rounding_mode="floor") - torch.div(
+            (j + off).clamp(min=0), chunk, rounding_mode="floor")
+
+    def mask_mod(bi, h, qi, kv):
+        d = back(qi + shift, kv, offsets[bi])
+        inside = base(bi, h, qi, kv) & (d >= low) & (d < high)
+        return inside if limit is None else inside & (kv < limit[bi])
 
     qb, kb = block_mask.BLOCK_SIZE
     dense = block_mask.to_dense().bool()  # (B, H, q blocks, kv blocks): partial ∪ full
-    q0 = torch.arange(dense.shape[-2], device=dev)[:, None] * qb + (k_len - q_len)
-    k0 = torch.arange(dense.shape[-1], device=dev)[None, :] * kb
-    dense = dense & (q0 + qb - 1 - k0 >= lo) & (q0 - (k0 + kb - 1) < high)
+    off = offsets.view(-1, 1, 1, 1)
+    q0 = torch.arange(dense.shape[-2], device=dev).view(1, 1, -1, 1) * qb + (k_len - q_len)
+    k0 = torch.arange(dense.shape[-1], device=dev).view(1, 1, 1, -1) * kb
+    dense = dense & (back(q0 + qb - 1, k0, off) >= lo) & (back(q0, k0 + kb - 1, off) < high)
     if limit is not None:
         dense = dense & (k0 < limit.max())
     num = dense.sum(-1, dtype=torch.int32)

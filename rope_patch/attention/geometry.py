@@ -27,6 +27,8 @@ class Region:
         lo: the smallest distance i − j (in positions) of the region.
         hi: the first distance past the region (`math.inf`: no end).
         first: only the keys of the first `first` tokens (attention sinks, LM-Infinite's global branch); None: any key.
+        chunk: count chunks instead of positions: lo ≤ n(i) − n(j) < hi with n(p) = ⌊p/chunk⌋ (DCA's intra-,
+            successive- and inter-chunk regions); None: distances.
     """
 
     query: int = 0
@@ -34,6 +36,7 @@ class Region:
     lo: int = 0
     hi: float = math.inf
     first: int | None = None
+    chunk: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.lo < self.hi:
@@ -42,7 +45,7 @@ class Region:
     @property
     def plain(self) -> bool:
         """Whether the region is attention as the model has it: copy 0 against key set 0, every causal key."""
-        return (self.query, self.keys, self.lo, self.hi, self.first) == (0, 0, 0, math.inf, None)
+        return (self.query, self.keys, self.lo, self.hi, self.first, self.chunk) == (0, 0, 0, math.inf, None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +60,32 @@ class Geometry:
     regions: tuple[Region, ...]
 
     def __post_init__(self):
+        if len({r.chunk for r in self.regions}) > 1:
+            raise ValueError(f"regions count distances or chunks of one size, not both: {self.regions}")
         bands = sorted((r.lo, r.hi) for r in self.regions)
         if any(a_hi > b_lo for (_, a_hi), (b_lo, _) in zip(bands, bands[1:], strict=False)):
             raise ValueError(f"overlapping regions: {self.regions}")
 
+    @property
+    def chunk(self) -> int | None:
+        """The chunk size the regions count in (None: they count distances)."""
+        return self.regions[0].chunk
+
     def reach(self, distance: int) -> tuple[Region, ...]:
-        """The regions a key at most `distance` back can fall in (those starting within it)."""
+        """The regions a key at most `distance` back (in the regions' unit: positions or chunks) can fall in."""
         return tuple(r for r in self.regions if r.lo <= distance)
 
     def boundaries(self) -> list[int]:
-        """The finite distances where one region ends or another starts, in order."""
-        return sorted({b for r in self.regions for b in (r.lo, r.hi) if 0 < b < math.inf})
+        """The finite distances where one region ends or another starts, in order (none for chunk regions)."""
+        return sorted({b for r in self.regions for b in (r.lo, r.hi) if 0 < b < math.inf and r.chunk is None})
 
     def probe(self, length: int) -> Geometry:
         """The same regions with their boundaries spread over a `length`-token input (so every region and its edges
-        occur) and every key a first one: on identical position copies this is the model's own attention, which is
-        what the apply-time check (attention/plumbing.py) compares against."""
+        occur: four chunks for chunk regions) and every key a first one: on identical position copies this is the
+        model's own attention, which is what the apply-time check (attention/plumbing.py) compares against."""
         cuts = self.boundaries()
         spread = {b: max(2, (k + 1) * length // (len(cuts) + 1)) for k, b in enumerate(cuts)}
         return Geometry(tuple(dataclasses.replace(r, lo=spread.get(r.lo, r.lo), hi=spread.get(r.hi, r.hi),
-                                                  first=None if r.first is None else length)
+                                                  first=None if r.first is None else length,
+                                                  chunk=None if r.chunk is None else max(2, length // 4))
                               for r in self.regions))
