@@ -182,3 +182,34 @@ def test_flex_gradients_equal_eager_gradients(scheme, kernel, monkeypatch):
     for name, g in want.items():
         rel = ((got[name] - g).norm() / g.norm().clamp_min(1e-30)).item()
         assert rel <= 1e-5, (name, rel)
+
+
+def _lora_gradients(backend: str, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setattr(settings, "FLEX_COMPILE", False)
+    model = tiny_model("llama", attn_implementation=backend)
+    rope_patch.apply(model, "self_extend", **BY_NAME["self_extend"].params)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    lora.train()
+    ids = torch.randint(3, 97, (2, 96), generator=torch.Generator().manual_seed(1))
+    lora(ids, labels=ids).loss.backward()
+    return {n: p.grad for n, p in lora.named_parameters() if p.requires_grad}
+
+
+def test_a_lora_step_with_checkpointing_through_flex_equals_eager(monkeypatch):
+    """The GPU check's LoRA row on the CPU (bench/gpu_check.py): peft LoRA (B ≠ 0, so every adapter gets a gradient)
+    and gradient checkpointing, which re-runs the flex path in the backward: the adapters' gradients equal the eager
+    backend's. The kernel substituted as above."""
+    pytest.importorskip("peft")
+    want = _lora_gradients("eager", monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(flex, "flex_attention", differentiable_flex)
+        got = _lora_gradients("flex_attention", monkeypatch)
+    assert set(got) == set(want) and len(want) == 2 * 4 * 2  # A and B of q/k/v/o in 2 layers
+    for name, g in want.items():
+        assert g is not None and got[name] is not None, name
+        rel = ((got[name] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        assert rel <= 1e-5, (name, rel)
