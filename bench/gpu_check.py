@@ -327,6 +327,7 @@ def plan(args) -> list[dict]:
     lengths = args.lengths or shape["lengths"]
     prompt = args.decode_prompt or shape["decode_prompt"]
     lora_length = args.lora_length or shape["lora_length"]
+
     def chosen(name):  # --schemes: these (and vanilla, the baseline) only
         return args.schemes is None or name == "vanilla" or name in args.schemes
 
