@@ -13,9 +13,10 @@ is the maximum of the running total of every CPU tensor allocation and free duri
 is reported beside it: it also counts malloc arenas and page granularity, and varies by ±30% between identical runs.
 Time: one subprocess per L loads the model once and runs `--repeats` rounds, each round one forward of every scheme in
 turn (apply, forward, remove), and keeps each scheme's best; interleaving makes the ratios see the same machine load.
-`naive` is the two-full-matrix Self-Extend of existing patches (neighbour and grouped (heads × L × L) score matrices
-merged with `torch.where`): the reference for the ≥ 4× memory claim; it is skipped where it would not fit
-(`--naive-max`) and then reported as its quadratic extrapolation.
+`naive` is Self-Extend materialised, as existing patches do it: rope_patch's eager (dense) function, which holds the
+whole (heads × L × L) score matrix with the neighbour and grouped regions written into it; the reference for the
+≥ 4× memory claim. It is skipped where it would not fit (`--naive-max`) and then reported as its quadratic
+extrapolation.
 
 First call: each (scheme, L) also runs in fresh subprocesses that load the model, apply the scheme and time its very
 first forward at L (no warm-up: what a user's first call pays, kernel and allocator set-up included), `--first-runs`
@@ -46,7 +47,7 @@ SCHEMES = {
     "string": {"shift_size": 5461, "window_size": 128},  # S = N/3 for N = 16384 (rope_patch.suggest)
     "dca": {"chunk_size": 1536, "local_size": 256},  # 3/4 L and L/8 of the bench model's 2048-token window
     "lm_infinite": {"local_size": 2048, "global_size": 10, "max_distance": 2047},  # rope_patch.suggest's setting
-    "naive": {"group_size": 8, "window_size": 1024},  # Self-Extend, two full matrices
+    "naive": {"group_size": 8, "window_size": 1024},  # Self-Extend, materialised (the eager backend)
 }
 LIMITS = {"alibi": (1.25, 1.1), "relative_bias": (1.25, 1.1), "self_extend": (1.25, 1.25), "rerope": (1.25, 1.25),
           # targets (issue 29): (peak memory, steady time) as multiples of vanilla
@@ -61,38 +62,11 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def naive_two_matrix(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """The materialising reference: both (b, H, L, L) score matrices at once (as existing Self-Extend patches do)."""
-    import torch
-
-    from rope_patch import attention
-
-    scores = getattr(module, attention.STATE).scores
-    b, h, n, d = query.shape
-    k_len = key.shape[2]
-    g = h // key.shape[1]
-    pos_q = torch.arange(k_len - n, k_len)[None]
-    pos_k = torch.arange(k_len)[None]
-    rot = scores.rotation
-    key, value = attention._repeat(key, g), attention._repeat(value, g)
-    near = rot(query, pos_q) @ rot(key, pos_k).transpose(-1, -2)
-    far = rot(query, scores.far_q(pos_q)) @ rot(key, scores.far_k(pos_k)).transpose(-1, -2)
-    dist = pos_q[0, :, None] - pos_k[0, None, :]
-    s = torch.where(dist < scores.window, near, far) * scaling
-    del near, far
-    s = s.masked_fill(dist < 0, float("-inf"))
-    out = torch.softmax(s, dim=-1) @ value
-    return out.transpose(1, 2).contiguous(), None
-
-
 def _model(threads: int):
     import torch
-    from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.set_num_threads(threads)
-    AttentionInterface.register("bench_naive", naive_two_matrix)
-    AttentionMaskInterface.register("bench_naive", sdpa_mask)
     cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048)
     torch.manual_seed(0)
@@ -102,10 +76,10 @@ def _model(threads: int):
 def _patch(model, scheme: str) -> None:
     import rope_patch
 
+    if scheme == "naive":  # the eager backend: rope_patch's dense function, the whole score matrix at once
+        model.set_attn_implementation("eager")
     if SCHEMES[scheme] is not None:
         rope_patch.apply(model, "self_extend" if scheme == "naive" else scheme, **SCHEMES[scheme])
-    if scheme == "naive":
-        model.set_attn_implementation("bench_naive")
 
 
 def worker_memory(scheme: str, length: int, threads: int) -> dict:

@@ -1,45 +1,33 @@
-"""Attention functions for the attention-side schemes, registered with transformers' `AttentionInterface`.
+"""Attention for the attention-side schemes: functions registered with transformers' `AttentionInterface` under
+names of rope_patch's own (rope_patch_dense: eager, the whole score matrix; rope_patch_blocked: sdpa, query blocks,
+nothing of size L×L per head; rope_patch_flex: flex_attention; rope_patch_fa2: ALiBi on flash_attn; plus their
+`AttentionMaskInterface` entries, without which transformers would drop padding). They hold no scheme state: each
+patched attention module carries an `AttnState` whose rule (`AttentionRule`) is the scheme, so two models in one
+process run different schemes through one registered name.
 
-Two functions are registered once, under names of our own (no existing key is touched):
+A re-positioning layer runs its queries and keys at several position maps with its own rotary (copies.py); the rule
+says which copy each (query, key) pair reads. Most rules are declared (geometry.py: `Region`s of distances or chunks)
+and `Declared` (declared.py) derives every path from the declaration: the materialised scores (training, padding,
+decoding), the fused path (CPU inference: flash calls that return their log-sum-exp, merged), and flex_attention (one
+BlockMask per region).
 
-    rope_patch_dense    eager-style: one block holding the whole score matrix; returns the attention weights
-    rope_patch_blocked  sdpa-style: nothing of size L×L per head is ever held. Two paths:
-                        fused (inference on CPU, no padding mask / softcap / dropout): per query block, the keys are
-                        split into ranges that each need one fused flash-attention call (torch's CPU kernel, which
-                        also returns the log-sum-exp) plus a narrow materialised band where the scheme varies per
-                        element; the partial softmaxes are merged by log-sum-exp.
-                        materialised (training, padding, softcap, other devices): query blocks of ~BLOCK_ELEMENTS
-                        scores that see all their keys at once, so they need no merging and autograd works.
+Shape letters:
+    b       batch rows                      H       query heads           Hkv    key/value heads
+    G       query heads per kv head (H/Hkv) q, r    query rows (of a call, of a block)
+    k, e    key slots (of a call, of a block's range)                     d, dv  head size of q/k, of v
+    c       a block's first query slot, or DCA's chunk   W, S   a window / split, a shift or a sliding window
+    slot    a key's index in the call (the cache's order); its position is slot + offset (left padding), or the
+            position id where ids have gaps (`AttentionCall.gapped`)
 
-    rope_patch_flex     flex_attention: one `torch.nn.attention.flex_attention` call with a `score_mod` (the bias) under
-                        transformers' BlockMask (causal, padding, sliding window), or two calls (near band / far part)
-                        merged by log-sum-exp for the two-rotation schemes; compiled in a function of its own.
-    rope_patch_fa2      flash-attention-2 with `alibi_slopes` (ALiBi only; `flash_attn` on CUDA). The name avoids the
-                        substring "flash": transformers rewrites such names to its kernel fallbacks.
-
-plus the same names in `AttentionMaskInterface` (transformers' own mask function of the backend each one stands in
-for: `sdpa_mask`, `flex_attention_mask`, `flash_attention_mask`), without which `create_causal_mask` returns None and
-padding would be silently dropped.
-
-The functions hold no scheme state. A patched model carries an `AttnState` on each of its attention modules (set
-through the undo log), so two models in one process run different schemes through the same registered name, and a
-model that is not patched never reaches these functions. The state's `scores` object (an `AttentionRule`) is the scheme:
-it turns one query block into pre-softmax logits (two rotations for ReRoPE/Self-Extend, a bias for ALiBi/T5).
-
-Positions. The KV cache of a patched model holds what the attention layers wrote: keys with the identity rotation.
-With a dynamic cache (full or sliding-window layers) the keys are contiguous in position and end with the current
-queries, so the relative distance of query row r to key slot j is `k_len − q_len + r − j`, with or without left
-padding. Absolute positions (needed by Self-Extend's floor) add a per-row offset read from `position_ids`. Static
-caches break the contiguity (keys are padded to the maximum length); the schemes refuse them
-(schemes/common.py).
-
-    protocol.py      AttentionRule (a scheme's side), AttentionCall, Partial + merge, per-module state lookup
-    blocked.py       rope_patch_blocked / rope_patch_dense (sdpa / eager)      flex.py    rope_patch_flex
-    flash.py         rope_patch_fa2 (ALiBi on flash_attn)                      rotation.py  deferred RoPE (Rotation)
-    registration.py  AttnState and the AttentionInterface / AttentionMaskInterface entries
-    settings.py      tunables read at call time (block budget, flex compilation, flash devices)
-    windowed.py      rope_patch_windowed(_blocked): sliding-window layers over their window only, per query block (no
-                     L×L mask or scores), patched or not, switched on per instance by `windowed(model)`
+    protocol.py      the contract: AttentionRule, AttentionCall, Partial + merge
+    geometry.py      Region, Geometry: what a scheme declares          declared.py   Declared: the rule derived from it
+    rules.py         Plain: attention as the model has it              kernels.py    flash kernels returning lse
+    copies.py        the position copies a layer runs                  calls.py      one call's copies → AttentionCall
+    blocked.py       rope_patch_blocked / rope_patch_dense             flex.py       flex_call and block masks
+    flex_backend.py  rope_patch_flex                                   flash.py      rope_patch_fa2
+    windowed.py      sliding layers over their window only             rotation.py   the model's RoPE, re-applied
+    registration.py  AttnState, the interface entries                  plumbing.py   installing, the apply-time check
+    settings.py      tunables read at call time
 """
 
 from __future__ import annotations
@@ -47,9 +35,9 @@ from __future__ import annotations
 from . import plumbing, settings, windowed
 from .blocked import blocked_attention, dense_attention
 from .copies import HEADS, ROWS, SEQUENTIAL, SPLIT, CacheView, Identity, Layout, NotProven, Reentry, memory_rotaries
-from .declared import Declared, band_block_mask
+from .declared import Declared
 from .flash import flash_module
-from .flex import causal_block_mask, flex_available, flex_call, mask_rows, restrict_block_mask
+from .flex import band_block_mask, causal_block_mask, flex_available, flex_call, mask_rows
 from .geometry import Geometry, Region
 from .kernels import band_partial, flash_causal_partial, flash_distance_partial, flash_partial
 from .protocol import STATE, AttentionCall, AttentionRule, Partial, fit_rows, merge
@@ -58,9 +46,10 @@ from .rotation import Rotation, floor_div
 from .rules import PLAIN, Plain
 
 __all__ = [
-    "Declared", "Geometry", "Region", "band_block_mask",
-    "BACKENDS", "PLAIN", "Plain", "HEADS", "ROWS", "SEQUENTIAL", "SPLIT", "memory_rotaries", "CacheView", "Identity", "Layout", "NotProven", "Reentry", "BLOCKED", "DENSE", "FA2", "FLEX", "STATE", "AttentionCall", "AttentionRule", "AttnState", "Partial",
-    "Rotation", "band_partial", "blocked_attention", "causal_block_mask", "dense_attention", "fit_rows",
-    "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "flex_available", "flex_call", "floor_div", "mask_rows", "merge",
-    "plumbing", "register", "restrict_block_mask", "settings", "windowed",
+    "AttentionCall", "AttentionRule", "AttnState", "BACKENDS", "band_block_mask", "band_partial", "BLOCKED",
+    "blocked_attention", "CacheView", "causal_block_mask", "Declared", "DENSE", "dense_attention", "FA2", "fit_rows",
+    "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "FLEX", "flex_available",
+    "flex_call", "floor_div", "Geometry", "HEADS", "Identity", "Layout", "mask_rows", "memory_rotaries", "merge",
+    "NotProven", "Partial", "Plain", "PLAIN", "plumbing", "Reentry", "Region", "register", "Rotation", "ROWS",
+    "SEQUENTIAL", "settings", "SPLIT", "STATE", "windowed",
 ]

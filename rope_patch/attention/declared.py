@@ -18,10 +18,9 @@ import dataclasses
 import math
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
 from .copies import NotProven
-from .flex import flex_call
+from .flex import band_block_mask, flex_call
 from .geometry import Geometry, Region
 from .kernels import flash_causal_partial, flash_partial
 from .protocol import AttentionCall, AttentionRule, Partial, fit_rows, merge, module_state
@@ -304,42 +303,3 @@ def union(parts: list[Partial]) -> Partial:
         return parts[0]
     lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
     return sum(torch.exp(p_lse - lse)[..., None] * out for out, p_lse in parts), lse
-
-
-def band_block_mask(block_mask, call: AttentionCall, lo: int, hi: float, first: torch.Tensor | None = None,
-                    chunk: int | None = None):
-    """`block_mask` ∧ lo ≤ i − j < hi [∧ j < first[b], a row's first keys]; i − j in key slots, or with `chunk` the
-    difference of the chunks ⌊p/chunk⌋ of the true positions p. The element rule is the mask_mod; the block list keeps
-    the original blocks that hold an element of the band (judged from each block's smallest and largest difference),
-    all partial: a full block may now be cut by the band."""
-    q_len, k_len, b = call.query.shape[3], call.key.shape[2], call.query.shape[0]
-    dev = call.key.device
-    shift = torch.tensor(k_len - q_len, device=dev)
-    low, high = torch.tensor(lo, device=dev), torch.tensor(min(hi, k_len + q_len), device=dev)
-    limit = None if first is None else first.reshape(-1).expand(b).contiguous()
-    offsets = call.offset.reshape(-1).expand(b).contiguous()
-    base = block_mask.mask_mod
-
-    def back(i, j, off):  # i − j, in slots or in chunks of the true positions
-        if chunk is None:
-            return i - j
-        return torch.div((i + off).clamp(min=0), chunk, rounding_mode="floor") - torch.div(
-            (j + off).clamp(min=0), chunk, rounding_mode="floor")
-
-    def mask_mod(bi, h, qi, kv):
-        d = back(qi + shift, kv, offsets[bi])
-        inside = base(bi, h, qi, kv) & (d >= low) & (d < high)
-        return inside if limit is None else inside & (kv < limit[bi])
-
-    qb, kb = block_mask.BLOCK_SIZE
-    dense = block_mask.to_dense().bool()  # (B, H, q blocks, kv blocks): partial ∪ full
-    off = offsets.view(-1, 1, 1, 1)
-    q0 = torch.arange(dense.shape[-2], device=dev).view(1, 1, -1, 1) * qb + (k_len - q_len)
-    k0 = torch.arange(dense.shape[-1], device=dev).view(1, 1, 1, -1) * kb
-    dense = dense & (back(q0 + qb - 1, k0, off) >= lo) & (back(q0, k0 + kb - 1, off) < high)
-    if limit is not None:
-        dense = dense & (k0 < limit.max())
-    num = dense.sum(-1, dtype=torch.int32)
-    order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, k_len))

@@ -1,7 +1,7 @@
 """flex_attention for the rules and the flex backend (flex_backend.py): `flex_call`, one
 `torch.nn.attention.flex_attention` call with a `score_mod` (the bias) under a BlockMask, compiled
 (settings.FLEX_COMPILE), as transformers' own flex backend is, in a function of rope_patch's own (`compiled_flex`);
-and the BlockMasks the rules cut (`causal_block_mask`, `restrict_block_mask`, `mask_rows`)."""
+and the BlockMasks the rules cut (`causal_block_mask`, `band_block_mask`: a region's, `mask_rows`)."""
 
 from __future__ import annotations
 
@@ -102,28 +102,39 @@ def causal_block_mask(call: AttentionCall):
     return create_block_mask(causal, None, None, q_len, k_len, device=call.key.device)
 
 
-def restrict_block_mask(block_mask, call: AttentionCall, window: int, near: bool, keep=None):
-    """`block_mask` ∧ (i − j < W if near else i − j ≥ W) [∧ keep(b, h, q, kv), a mask_mod of the scheme's own], i − j
-    in key slots. The element rule is the mask_mod;
-    the block list is the original one minus the blocks that hold no element of the region (judged from each
-    block's smallest / largest distance), so the near call only visits the diagonal band and the far call the
-    rest. All kept blocks are partial (mask_mod evaluated): a block that was full may now be cut by the band."""
-    q_len, k_len = call.query.shape[3], call.key.shape[2]
+def band_block_mask(block_mask, call: AttentionCall, lo: int, hi: float, first: torch.Tensor | None = None,
+                    chunk: int | None = None):
+    """`block_mask` ∧ lo ≤ i − j < hi [∧ j < first[b], a row's first keys]; i − j in key slots, or with `chunk` the
+    difference of the chunks ⌊p/chunk⌋ of the true positions p. The element rule is the mask_mod; the block list keeps
+    the original blocks that hold an element of the band (judged from each block's smallest and largest difference),
+    all partial: a full block may now be cut by the band."""
+    q_len, k_len, b = call.query.shape[3], call.key.shape[2], call.query.shape[0]
     dev = call.key.device
-    first, w = torch.tensor(k_len - q_len, device=dev), torch.tensor(window, device=dev)
+    shift = torch.tensor(k_len - q_len, device=dev)
+    low, high = torch.tensor(lo, device=dev), torch.tensor(min(hi, k_len + q_len), device=dev)
+    limit = None if first is None else first.reshape(-1).expand(b).contiguous()
+    offsets = call.offset.reshape(-1).expand(b).contiguous()
     base = block_mask.mask_mod
 
-    def mask_mod(b, h, qi, kv):
-        dist = qi + first - kv
-        inside = base(b, h, qi, kv) & ((dist < w) if near else (dist >= w))
-        return inside if keep is None else inside & keep(b, h, qi, kv)
+    def back(i, j, off):  # i − j, in slots or in chunks of the true positions
+        if chunk is None:
+            return i - j
+        return torch.div((i + off).clamp(min=0), chunk, rounding_mode="floor") - torch.div(
+            (j + off).clamp(min=0), chunk, rounding_mode="floor")
+
+    def mask_mod(bi, h, qi, kv):
+        d = back(qi + shift, kv, offsets[bi])
+        inside = base(bi, h, qi, kv) & (d >= low) & (d < high)
+        return inside if limit is None else inside & (kv < limit[bi])
 
     qb, kb = block_mask.BLOCK_SIZE
     dense = block_mask.to_dense().bool()  # (B, H, q blocks, kv blocks): partial ∪ full
-    q0 = torch.arange(dense.shape[-2], device=dev)[:, None] * qb + (k_len - q_len)
-    k0 = torch.arange(dense.shape[-1], device=dev)[None, :] * kb
-    region = (q0 - (k0 + kb - 1) < window) if near else (q0 + qb - 1 - k0 >= window)
-    dense = dense & region
+    off = offsets.view(-1, 1, 1, 1)
+    q0 = torch.arange(dense.shape[-2], device=dev).view(1, 1, -1, 1) * qb + (k_len - q_len)
+    k0 = torch.arange(dense.shape[-1], device=dev).view(1, 1, 1, -1) * kb
+    dense = dense & (back(q0 + qb - 1, k0, off) >= lo) & (back(q0, k0 + kb - 1, off) < high)
+    if limit is not None:
+        dense = dense & (k0 < limit.max())
     num = dense.sum(-1, dtype=torch.int32)
     order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=mask_mod,
