@@ -7,9 +7,10 @@ Per query block (rows at key slots c … c + r − 1, keys before c + r) a regio
     [c − lo, c − lo + r)    its near edge: inside iff j' ≤ i', the fused kernel's own causal mask
 
 cut to the keys that exist (and to the first tokens' keys for `Region.first`). A band narrower than the block has no
-middle: its keys go through one masked call. The materialised path writes each region's scores over the keys it can
-reach into one block of hidden logits; flex_attention runs one call per region, its BlockMask cut to the band. The
-partial softmaxes merge by log-sum-exp (`merge`).
+middle: its keys go through one masked call. Regions that count chunks (DCA) split the block's rows at chunk
+boundaries instead: a group of rows in one chunk meets each region's keys as one contiguous range. The materialised
+path writes each region's scores over the keys it can reach into one block of hidden logits; flex_attention runs one
+call per region, its BlockMask cut to the band. The partial softmaxes merge by log-sum-exp (`merge`).
 """
 
 from __future__ import annotations
