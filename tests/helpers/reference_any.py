@@ -44,6 +44,7 @@ POSITIONAL = ("rope", "self_extend", "self_extend_logistic", "rerope", "leaky_re
               "ms_poe", "sink", "lm_infinite")
 BIAS = ("alibi", "relative_bias")
 OWN_ATTENTION = (*BIAS, *POSITIONAL)
+MODEL_ATTENTION = ("nope", "sinusoidal", "learned_absolute")  # the model's own attention (no rotation, embeddings)
 
 
 class _Run:
@@ -532,6 +533,10 @@ def _attention_modules(model):
 def forward(model, patched, ids, scheme, params, mask=None, **kw):
     """Reference logits (b, L, vocab) of `scheme` on `model`, an unpatched model with the weights of `patched` (whose
     learned tables are read); rows that are padding are garbage (compare real tokens only). `kw` goes to the model."""
+    known = (*OWN_ATTENTION, *MODEL_ATTENTION)
+    if scheme not in known:  # a new scheme must say how its reference attends, not fall back to the model's own
+        raise KeyError(f"the any-architecture reference knows {', '.join(known)}, not {scheme!r}: add it to "
+                       "POSITIONAL, BIAS or MODEL_ATTENTION")
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, eager_mask)
     b, n = ids.shape
