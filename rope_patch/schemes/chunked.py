@@ -137,18 +137,6 @@ class DualChunk(AttentionScheme):
                              "and local_size.")
         return cls(chunk_size=values["chunk_size"], local_size=values["local_size"])
 
-    def relative_position(self, i, j):
-        """The table in the module docstring: keys at j mod c; the query at i mod c (same chunk), at
-        min(i mod c + c, s) (previous chunk) or at min(2c − 1, s) (earlier chunks)."""
-        s, c = self.chunk_size, self.chunk_size - self.local_size
-        if s is None:
-            raise TypeError("dca: chunk_size and local_size are needed (they default to ¾·L and L/8 of a "
-                            "model's window).")
-        gap = torch.floor(i / c) - torch.floor(j / c)
-        q = torch.where(gap == 0, i % c, torch.where(gap == 1, torch.clamp(i % c + c, max=s),
-                                                     torch.full_like(i * 1.0, min(2 * c - 1, s))))
-        return q - j % c
-
     def served_length(self, window):
         # queries sit at most at chunk_size, keys at ≥ 0: every relative position is ≤ chunk_size, whatever the length
         if self.chunk_size is None:
@@ -180,11 +168,17 @@ class DualChunk(AttentionScheme):
     def repositions(self) -> bool:
         return True
 
-    def layout(self, module):
-        # every layer alike: sliding windows only hide pairs, the regions are per pair. Copy 0: queries and keys at
-        # p mod c; copy 1: queries at min(p mod c + c, s); copy 2: at min(2c − 1, s)
+    def copies(self):
+        """Copy 0: queries and keys at p mod c; copy 1: queries at min(p mod c + c, s); copy 2: at min(2c − 1, s)."""
+        if self.chunk_size is None:
+            raise TypeError("dca: chunk_size and local_size are needed (they default to ¾·L and L/8 of a "
+                            "model's window).")
         s, c = self.chunk_size, self.chunk_size - self.local_size
-        layout = attention.Layout((InChunk(c), InChunk(c, True, s), Fixed(min(2 * c - 1, s))), key_copies=(0,))
+        return attention.Layout((InChunk(c), InChunk(c, True, s), Fixed(min(2 * c - 1, s))), key_copies=(0,))
+
+    def layout(self, module):
+        # every layer alike: sliding windows only hide pairs, the regions are per pair
+        layout = self.copies()
         if attention.memory_rotaries(module):
             # A layer with memory (DeepSeek-V4) decides inside itself, from its position ids, which memory entries a
             # query sees (and its indexer which it picks): one more copy at the tokens' own positions decides that

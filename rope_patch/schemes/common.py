@@ -140,6 +140,32 @@ class AttentionScheme(Scheme):
         copies of `layout`) rather than removing the rotation (ALiBi, NoPE, T5 bias, additive encodings)."""
         return False
 
+    def geometry(self) -> attention.Geometry | None:
+        """The scheme's attention, declared (attention/geometry.py), with `copies` the position maps its regions
+        read; None for a scheme whose rule is its own."""
+        return None
+
+    def copies(self) -> attention.Layout | None:
+        """The position copies of a layer the scheme re-positions (what `layout` gives such a layer)."""
+        return None
+
+    def relative_position(self, i, j):
+        """From the declaration: the query's position minus the key's in the copies of the region the pair falls in;
+        NaN for a key no region covers (hidden)."""
+        copies = self.copies()  # first: a scheme missing its sizes says so here
+        geometry = self.geometry() if copies is not None else None
+        if geometry is None:
+            return super().relative_position(i, j)
+        i, j = torch.as_tensor(i), torch.as_tensor(j)
+        out = torch.full(torch.broadcast_shapes(i.shape, j.shape), torch.nan, dtype=torch.float64)
+        for r in geometry.regions:
+            back = i - j if r.chunk is None else torch.div(i, r.chunk, rounding_mode="floor") - torch.div(
+                j, r.chunk, rounding_mode="floor")
+            inside = (back >= r.lo) & (back < r.hi) & (j < (r.first if r.first is not None else torch.inf))
+            rel = copies.maps[r.query](i) - copies.maps[copies.key_copies[r.keys]](j)
+            out = torch.where(inside, rel.to(torch.float64), out)
+        return out
+
     def rotations(self, target: PatchSite) -> dict[int, attention.Rotation]:
         """The model's own RoPE per layer (`layer_idx` → Rotation) for re-rotating un-rotated cached keys inside
         attention (`cache_rotation="consistent"`, schemes/cached.py); or a clear error for layouts it cannot serve."""

@@ -83,20 +83,6 @@ class TwoRegion(AttentionScheme):
         """
         return self.window_size
 
-    def relative_position(self, i, j):
-        """i − j in the near region, far query position − far key position beyond `split` (what the two-region
-        scores rotate with, read from the same `far_positions`); NaN for a key the far region hides (one past its
-        `first` tokens: sink, LM-Infinite)."""
-        far_q, far_k = self.far_positions()
-        first = self.geometry().regions[1].first
-        if first is not None:
-            i, j = torch.as_tensor(i, dtype=torch.float64), torch.as_tensor(j, dtype=torch.float64)
-        d = i - j
-        far = far_q(i) - far_k(j)
-        if first is not None:
-            far = torch.where(j < first, far, torch.full_like(far, torch.nan))
-        return torch.where(d < self.split(), d, far)
-
     def repositions(self) -> bool:
         return True
 
@@ -107,6 +93,9 @@ class TwoRegion(AttentionScheme):
             return attention.Layout((attention.Identity(), far_q), key_copies=(0,)), 0
         # the far-key copy's queries are never read
         return attention.Layout((attention.Identity(), far_q, far_k), key_copies=(0, 2), query_copies=(0, 1)), 1
+
+    def copies(self):
+        return self._layout()[0]
 
     def layout(self, module):
         # A sliding layer whose window S ≤ split never sees a key `split` back: the scheme is exact RoPE there, and
