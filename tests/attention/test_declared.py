@@ -1,0 +1,95 @@
+"""`Declared` on geometries no built-in scheme uses: every path it derives (materialised blocks, the fused flash path,
+flex_attention) equals a direct dense computation of the declaration, written here from its definition (each pair's
+region by its distance or chunk difference, that region's query copy against its key set, hidden elsewhere)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from rope_patch import attention
+from rope_patch.attention import Geometry, Region
+
+B, HKV, G, D = 2, 2, 2, 16
+GEOMETRIES = {
+    "three bands": Geometry((Region(hi=8), Region(query=1, keys=1, lo=8, hi=20), Region(query=2, lo=20))),
+    "narrow bands": Geometry((Region(hi=3), Region(query=1, keys=1, lo=3, hi=5), Region(query=2, lo=5))),
+    "first tokens": Geometry((Region(hi=8), Region(query=1, keys=1, lo=8, first=5))),
+    "a gap": Geometry((Region(hi=6), Region(query=1, lo=12))),  # distances 6 … 11 hidden
+    "chunks": Geometry((Region(hi=1, chunk=10), Region(query=1, lo=1, hi=2, chunk=10),
+                        Region(query=2, lo=2, chunk=10))),
+}
+SHAPES = [(64, 64, 0), (16, 64, 0), (1, 64, 0), (64, 64, 3)]  # (queries, keys, offset: true position − slot)
+
+
+def make_call(q_len: int, k_len: int, offset: int, seed: int = 0) -> attention.AttentionCall:
+    g = torch.Generator().manual_seed(seed)
+    queries = tuple(torch.randn(B, HKV, G, q_len, D, generator=g) for _ in range(3))
+    keys = tuple(torch.randn(B, HKV, k_len, D, generator=g) for _ in range(2))
+    value = torch.randn(B, HKV, k_len, D, generator=g)
+    module = nn.Module()
+    setattr(module, attention.STATE, SimpleNamespace(positionless=False, current=None))
+    return attention.AttentionCall(module, queries[0], keys[0], value, D**-0.5, None,
+                                   torch.arange(k_len - q_len, k_len), torch.full((1, 1), offset),
+                                   queries=queries, keys=keys)
+
+
+def dense(geometry: Geometry, call) -> torch.Tensor:
+    """(b, H, q, dv): the declaration's attention, pair by pair."""
+    q_len, k_len = call.query.shape[3], call.key.shape[2]
+    i = call.q_slot[:, None] + int(call.offset)
+    j = torch.arange(k_len)[None, :] + int(call.offset)
+    s = torch.full((B, HKV, G, q_len, k_len), -math.inf)
+    for r in geometry.regions:
+        back = i - j if r.chunk is None else i.clamp(min=0) // r.chunk - j.clamp(min=0) // r.chunk
+        inside = (back >= r.lo) & (back < r.hi) & (i >= j)
+        if r.first is not None:
+            inside &= j < r.first
+        scores = torch.einsum("bkgqd,bknd->bkgqn", call.queries[r.query], call.keys[r.keys]) * call.scaling
+        s = torch.where(inside, scores, s)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bkgqn,bknd->bkgqd", p, call.value).reshape(B, HKV * G, q_len, D)
+
+
+def blocks(rule, call, rows_per_block: int, fused: bool) -> torch.Tensor:
+    q_len = call.query.shape[3]
+    out = []
+    for r0 in range(0, q_len, rows_per_block):
+        rows = slice(r0, min(q_len, r0 + rows_per_block))
+        end = call.first_slot(rows) + rows.stop - rows.start
+        parts = rule.fused(call, rows, end) if fused else None
+        if parts is not None:
+            out.append(attention.merge(parts))
+            continue
+        s = rule.logits(call, rows, 0, end)
+        s = s.masked_fill(call.distance(rows, 0, end) < 0, torch.finfo(s.dtype).min)
+        p = torch.softmax(s, dim=-1)
+        out.append(torch.einsum("bkgqn,bknd->bkgqd", p, call.value[:, :, :end]).flatten(1, 2))
+    return torch.cat(out, dim=2)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"q{q}-k{k}-off{o}" for q, k, o in SHAPES])
+@pytest.mark.parametrize("name", GEOMETRIES)
+@pytest.mark.parametrize("path", ["materialised", "fused", "flex"])
+def test_every_derived_path_is_the_declaration(name, shape, path, monkeypatch):
+    geometry, call = GEOMETRIES[name], make_call(*shape)
+    rule = attention.Declared(geometry)
+    rule.begin(call)
+    want = dense(geometry, call)
+    if path == "flex":
+        monkeypatch.setattr(attention.settings, "FLEX_COMPILE", False)
+        got = rule.flex(call, attention.causal_block_mask(call))
+    else:  # blocks of 16 rows: several blocks, each cut by the bands' and the chunks' edges
+        got = blocks(rule, call, 16, fused=path == "fused")
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_regions_may_not_overlap_or_mix_distances_and_chunks():
+    with pytest.raises(ValueError, match="overlapping"):
+        Geometry((Region(hi=8), Region(query=1, lo=6)))
+    with pytest.raises(ValueError, match="not both"):
+        Geometry((Region(hi=1, chunk=4), Region(query=1, lo=8)))
