@@ -20,10 +20,10 @@ Defaults: s = ¾·L and l = L/8 (the authors' `replace_with_chunkllama`, L = the
 attention keys are not read: this is the dense DCA). With s ≥ N and 2(s − l) ≥ N for every length N it runs at, DCA
 is exactly RoPE (at most two chunks, no clipping); s ≥ N alone is not enough.
 
-Realised as deferred RoPE: the model's rotary is the identity (the cache holds un-rotated keys); per call the keys are
-rotated once to j mod c with the model's own rotary forward and `apply_rotary_pos_emb`, queries to their three
-positions per block. Chunks are counted in true positions (`AttentionCall.offset`), so left padding and sliding-window
-caches do not move them.
+Realised as three regions by chunk (attention/geometry.py) over the layer's position copies (attention/copies.py):
+the layer rotates its keys to j mod c and its queries to their three positions with its own rotary, and the regions
+pick which query copy each pair reads. Chunks are counted in true positions (`AttentionCall.offset`), so left padding
+and sliding-window caches do not move them.
 
 Where the paper, the authors' code and rope_patch differ:
 - Parameterisation. The paper's chunk size s is the modulus, its P_q^Succ = [s, …, s + w − 1, c − 1, …] and

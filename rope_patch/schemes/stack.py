@@ -6,9 +6,9 @@
 
 What composes, and why:
 - A frequency scheme sets the θ_i (and the cos/sin scale) of the model's rotary module. The attention-side schemes
-  that rotate q and k inside attention with the model's own rotary (self_extend, rerope, leaky_rerope, string, dca:
-  deferred RoPE, `attention.Rotation`) rotate with whatever frequencies it holds, shipped scaling or a frequency
-  scheme, so `yarn + self_extend` is Self-Extend on a model natively configured with YaRN.
+  that re-position q and k (self_extend, rerope, leaky_rerope, string, dca, ...: the layer's position copies, made
+  by its own rotary) rotate with whatever frequencies it holds, shipped scaling or a frequency scheme, so
+  `yarn + self_extend` is Self-Extend on a model natively configured with YaRN.
 - The attention-side schemes that remove the rotation (alibi, nope, relative_bias, sinusoidal, learned_absolute)
   leave no frequencies for a frequency scheme to change: refused.
 - Two frequency schemes (each defines every θ_i) or two attention-side schemes (each owns the attention function)
