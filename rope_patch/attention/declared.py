@@ -97,8 +97,10 @@ class Declared(AttentionRule):
     # ---- materialised ----------------------------------------------------------------------------------------------
     def _where(self, call, region, rows, start, end):
         """bool, broadcastable to the scores: the (row, key) pairs of slots [start, end) inside `region`."""
-        d = call.distance(rows, start, end) if region.chunk is None else self._chunks_back(call, region, rows, start,
-                                                                                          end)
+        if region.chunk is None:
+            d = call.distance(rows, start, end)
+        else:
+            d = self._chunks_back(call, region, rows, start, end)
         inside = (d >= region.lo) & (d < region.hi)
         if region.first is not None:
             if call.gapped:
