@@ -143,33 +143,36 @@ class Declared(AttentionRule):
             return max(a for a, _ in spans), min(z for _, z in spans)
         return min(a for a, _ in spans), max(z for _, z in spans)
 
-    def _span(self, call, region, rows, start, end) -> tuple[int, int]:
-        """The keys of [start, end) some row of the block may meet in `region` (by slots; all of them with gaps)."""
+    def _keys(self, call, region, rows, start, end, every: bool = False) -> tuple[int, int]:
+        """The key slots of [start, end) inside `region` for some row of the block (or, with `every`, for every row),
+        as one range, empty at `start` when there is none. With gaps: every key for some row, none for all."""
         if call.gapped:
-            return start, end
+            return (start, start) if every else (start, end)
         if region.chunk is not None:
-            a, z = self._chunk_span(call, region, rows, every=False)
-            a, z = max(a, start), min(z, end)
-            return a, max(a, z)
-        c, r = call.first_slot(rows), rows.stop - rows.start
-        a = start if region.hi == math.inf else max(start, c - int(region.hi) + 1)
-        z = min(end, c + r - region.lo)
-        if region.first is not None:
-            z = min(z, int(call.scratch["first"][region.first].max()))
-        return a, max(a, z)
+            a, z = self._chunk_span(call, region, rows, every)
+        else:  # the block's first row c and last row decide the two ends
+            c, last = call.first_slot(rows), call.first_slot(rows) + rows.stop - rows.start - 1
+            near, far = (c, last) if every else (last, c)
+            a = 0 if region.hi == math.inf else far - int(region.hi) + 1
+            z = near - region.lo + 1
+            if region.first is not None:
+                first = call.scratch["first"][region.first]
+                z = min(z, int(first.min() if every else first.max()))
+        a, z = max(a, start), min(z, end)
+        return (a, z) if a < z else (start, start)
 
     def logits(self, call, rows, start, end):
         if self._plain(call):
             return PLAIN.logits(call, rows, start, end)
         s = None
         for region in call.scratch["regions"]:
-            a, z = self._span(call, region, rows, start, end)
+            a, z = self._keys(call, region, rows, start, end)
             if a == z:
                 continue
             part = call.qk(call.queries[region.query][:, :, :, rows], call.keys[region.keys][:, :, a:z])
             if s is None:
                 s = part.new_full((*part.shape[:-1], end - start), HIDDEN)
-            ia, iz = self._inside(call, region, rows, a, z)  # every row inside: no mask to build
+            ia, iz = self._keys(call, region, rows, a, z, every=True)  # every row inside: no mask to build
             s[..., ia - start:iz - start] = part[..., ia - a:iz - a]
             for lo, hi in ((a, ia), (iz, z)):
                 if lo < hi:
@@ -179,21 +182,6 @@ class Declared(AttentionRule):
             b, hkv, g = call.query.shape[:3]
             s = torch.full((b, hkv, g, rows.stop - rows.start, end - start), HIDDEN, device=call.query.device)
         return s
-
-    def _inside(self, call, region, rows, a, z) -> tuple[int, int]:
-        """The keys of [a, z) inside `region` for every row of the block (an empty range at `a` with gaps)."""
-        if call.gapped:
-            return a, a
-        if region.chunk is not None:
-            ia, iz = self._chunk_span(call, region, rows, every=True)
-            ia, iz = max(ia, a), min(iz, z)
-            return (ia, iz) if ia < iz else (a, a)
-        c, r = call.first_slot(rows), rows.stop - rows.start
-        ia = a if region.hi == math.inf else max(a, c + r - int(region.hi))
-        iz = min(z, c - region.lo + 1)
-        if region.first is not None:
-            iz = min(iz, int(call.scratch["first"][region.first].min()))
-        return (ia, iz) if ia < iz else (a, a)
 
     def regions(self, call, rows, start, end):
         if self._plain(call):
@@ -264,7 +252,7 @@ class Declared(AttentionRule):
             parts = []
             for region in call.scratch["regions"]:
                 q, k, v = call.queries[region.query][:, :, :, group], call.keys[region.keys], call.value
-                lo, hi = self._span(call, region, group, 0, z)
+                lo, hi = self._keys(call, region, group, 0, z)
                 if hi > a:  # the group's own keys: causal
                     parts.append(flash_causal_partial(call, q, k[:, :, a:z], v[:, :, a:z]))
                     hi = a
