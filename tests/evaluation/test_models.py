@@ -116,14 +116,19 @@ def test_gemma3_cached_folder_is_not_fetched_again(monkeypatch, tmp_path):
     assert resolve_model_path("gemma3") == tmp_path / "gemma3" and model_name("gemma3") == "gemma3"
 
 
+def fetched(name: str):
+    """(folder, model, tokenizer) of a zoo model in the cache, or the test skipped where it has not been fetched."""
+    try:
+        path = resolve_model_path(name)
+    except FileNotFoundError:
+        pytest.skip(f"{name} not fetched (rope-patch models fetch {name})")
+    return (path, *load_model(path))
+
+
 @pytest.mark.slow
 def test_smollm2_cache_matches_the_recorded_continuation():
     """Runs where `rope-patch models fetch smollm2` has been run (not in CI: a 93 MB download)."""
-    try:
-        path = resolve_model_path("smollm2")
-    except FileNotFoundError:
-        pytest.skip("SmolLM2 not fetched (rope-patch models fetch smollm2)")
-    model, tok = load_model(path)
+    _, model, tok = fetched("smollm2")
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
     assert cfg.max_position_embeddings == 8192 and cfg.rope_parameters["rope_theta"] == 100000.0
@@ -134,11 +139,7 @@ def test_smollm2_cache_matches_the_recorded_continuation():
 def test_gemma3_cache_matches_the_recorded_continuation():
     """Runs where `rope-patch models fetch gemma3` has been run (not in CI: a 238 MB download): the hybrid layout
     as converted, the terms beside the weights, and the continuation recorded at the first fetch."""
-    try:
-        path = resolve_model_path("gemma3")
-    except FileNotFoundError:
-        pytest.skip("Gemma 3 not fetched (rope-patch models fetch gemma3)")
-    model, tok = load_model(path)
+    path, model, tok = fetched("gemma3")
     cfg = model.config
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim) == ("gemma3_text", 18, 640, 4, 1, 256)
