@@ -24,7 +24,7 @@ from .copies import NotProven
 from .flex import band_block_mask, flex_call
 from .geometry import Geometry, Region
 from .kernels import flash_causal_partial, flash_partial
-from .protocol import AttentionCall, AttentionRule, Partial, fit_rows, merge, module_state
+from .protocol import AttentionCall, AttentionRule, fit_rows, merge, module_state
 from .rules import PLAIN
 
 HIDDEN = torch.finfo(torch.float32).min  # a hidden key's logit: finite, so a row with every key hidden stays finite
@@ -71,6 +71,8 @@ class Declared(AttentionRule):
         regions = self._active(call)
         call.scratch["regions"] = regions
         call.scratch["first"] = {r.first: self.first_slots(call, r.first) for r in regions if r.first is not None}
+        # their smallest and largest over the batch, read once per call (not once per block: a device sync each)
+        call.scratch["first_range"] = {f: (int(t.min()), int(t.max())) for f, t in call.scratch["first"].items()}
 
     def _active(self, call) -> tuple[Region, ...]:
         """The regions this call can reach: a layer handed one copy (one the scheme leaves as it is) runs plain, and
@@ -156,8 +158,8 @@ class Declared(AttentionRule):
             a = 0 if region.hi == math.inf else far - int(region.hi) + 1
             z = near - region.lo + 1
             if region.first is not None:
-                first = call.scratch["first"][region.first]
-                z = min(z, int(first.min() if every else first.max()))
+                low, high = call.scratch["first_range"][region.first]
+                z = min(z, low if every else high)
         a, z = max(a, start), min(z, end)
         return (a, z) if a < z else (start, start)
 
@@ -192,8 +194,7 @@ class Declared(AttentionRule):
     def fused(self, call, rows, end):
         if self._plain(call):
             return PLAIN.fused(call, rows, end)
-        firsts = call.scratch["first"].values()
-        if any(bool((f != f.reshape(-1)[0]).any()) for f in firsts):  # rows with different first keys: materialise
+        if any(low != high for low, high in call.scratch["first_range"].values()):  # rows' first keys differ
             return None
         if self.geometry.chunk is not None:
             return self._chunk_parts(call, rows, end)
@@ -204,7 +205,7 @@ class Declared(AttentionRule):
 
     def _region_parts(self, call, region, rows, end):
         c, r = call.first_slot(rows), rows.stop - rows.start
-        limit = end if region.first is None else min(end, int(call.scratch["first"][region.first].reshape(-1)[0]))
+        limit = end if region.first is None else min(end, call.scratch["first_range"][region.first][0])
         q, k, v = call.queries[region.query][:, :, :, rows], call.keys[region.keys], call.value
 
         def masked(kind, lo, hi):  # keys [lo, hi) of an edge starting at slot `lo0`
@@ -258,7 +259,7 @@ class Declared(AttentionRule):
                     hi = a
                 if lo < hi:
                     parts.append(flash_partial(call, q, k[:, :, lo:hi], v[:, :, lo:hi]))
-            out, lse = union(parts)
+            out, lse = merge(parts, lse=True)
             outs.append(out)
             lses.append(lse)
             a = z
@@ -287,10 +288,3 @@ class Declared(AttentionRule):
             parts.append(flex_call(call, q, call.keys[region.keys], call.value, mask, lse=True))
         return merge(parts)
 
-
-def union(parts: list[Partial]) -> Partial:
-    """Partials over disjoint keys → one Partial (out, lse) over their union (log-sum-exp weights, fp32)."""
-    if len(parts) == 1:
-        return parts[0]
-    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
-    return sum(torch.exp(p_lse - lse)[..., None] * out for out, p_lse in parts), lse

@@ -146,16 +146,18 @@ class AttentionCall:
 Partial = tuple  # (out (b, H, r, d) float32, lse (b, H, r) float32): softmax-weighted values over a subset of keys
 
 
-def merge(parts: list[Partial]) -> torch.Tensor:
+def merge(parts: list[Partial], lse: bool = False):
     """softmax over the union of disjoint key sets: Σ_p e^(lse_p − M)·out_p / Σ_p e^(lse_p − M). A row that no part
-    covers (a padding query under a flex BlockMask: every lse = −inf) comes out 0, not NaN."""
+    covers (a padding query under a flex BlockMask: every lse = −inf) comes out 0, not NaN. With `lse`, the Partial
+    of the union: (out, M + ln Σ_p e^(lse_p − M)), −inf for an uncovered row."""
     if len(parts) == 1:
-        return parts[0][0]
-    top = torch.stack([lse for _, lse in parts]).amax(0)
+        return parts[0] if lse else parts[0][0]
+    top = torch.stack([p_lse for _, p_lse in parts]).amax(0)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = [torch.exp(lse - top)[..., None] for _, lse in parts]
+    weights = [torch.exp(p_lse - top)[..., None] for _, p_lse in parts]
     total = sum(weights)
-    return sum(w * o for w, (o, _) in zip(weights, parts, strict=True)) / total.clamp_min(torch.finfo(total.dtype).tiny)
+    out = sum(w * o for w, (o, _) in zip(weights, parts, strict=True)) / total.clamp_min(torch.finfo(total.dtype).tiny)
+    return (out, top + torch.log(total[..., 0])) if lse else out
 
 
 def module_state(module):
