@@ -50,7 +50,6 @@ import dataclasses
 
 import torch
 
-from .. import attention
 from .. import validation as check
 from ..registry import register_scheme
 from ..rotary import embed
@@ -123,7 +122,7 @@ class Dpe(TwoRegion):
     attention-side scheme, and where it and the authors' code differ.
 
     `relative_position` (the figures' effective distance) is group 0's; group g sees ⌊i/s_g⌋ − ⌊j/s_g⌋ + W − ⌊W/s_g⌋
-    beyond W (`group_relative_positions`)."""
+    beyond W."""
 
     name = "dpe"
     aliases = ("dimension_wise",)
@@ -144,11 +143,9 @@ class Dpe(TwoRegion):
         the authors' detection, s = 2N/L for every group (run_niah_detect.sh: the groups not being detected sit at
         TEST_MAX_LENGTH / PRETRAIN_LENGTH · 2); the per-group sizes then come from
         rope_patch.tuning.detect_group_sizes. None where that needs s ≥ W."""
-        if n <= window:
-            return None
         w = min(1024, max(2, window // 8))
         s = max(1, round(2 * n / window))
-        if s >= w:
+        if n <= window or s >= w:
             return None
         return Suggestion.of(cls.name, {"group_sizes": [s] * 8, "window_size": w},
                              f"W = min(1024, L/8) = {w}, every group at the detection baseline s = 2N/L "
@@ -165,9 +162,9 @@ class Dpe(TwoRegion):
         sizes = check.number_list(n, "group_sizes", self.group_sizes, ge=low, le=high,
                                   hint="Each is a group size s ≥ 1 (1 keeps that group's pairs at their "
                                        "true positions).")
-        for i, s in enumerate(sizes):
-            check.integer(n, f"group_sizes[{i}]", s, ge=low, le=high, hint="Group sizes are whole numbers of tokens.")
-        self._set("group_sizes", tuple(int(s) for s in sizes))
+        self._set("group_sizes", tuple(check.integer(n, f"group_sizes[{i}]", s, ge=low, le=high,
+                                                     hint="Group sizes are whole numbers of tokens.")
+                                       for i, s in enumerate(sizes)))
         self._set("window_size", _check_window_size(n, self.window_size))
         if self.window_size <= max(self.group_sizes):
             raise ValueError(
@@ -175,36 +172,26 @@ class Dpe(TwoRegion):
                 f"groups), got window_size={self.window_size}, group_sizes={'/'.join(map(str, self.group_sizes))}. "
                 "Raise window_size (the authors use 1024) or lower the largest group size.")
 
-    def _maps(self, query: bool) -> GroupPositions:
-        w = self.window_size
-        return GroupPositions(tuple(Affine(s, w - w // s if query else 0, floor=True) for s in self.group_sizes))
-
     def far_positions(self):
-        return self._maps(query=True), self._maps(query=False)
+        w = self.window_size
+        return (GroupPositions(tuple(Affine(s, w - w // s, floor=True) for s in self.group_sizes)),
+                GroupPositions(tuple(Affine(s, 0, floor=True) for s in self.group_sizes)))
 
     def served_length(self, window):
         # Self-Extend's bound per group; the group that reaches L first (the smallest size) decides
         reach = [grouped_reach(s, self.window_size, window) for s in self.group_sizes]
         return None if None in reach else min(reach)
 
-    def group_relative_positions(self, i, j):
-        """(groups, …): the relative position group g's pairs rotate with, for true positions i, j (broadcast)."""
-        d = i - j
-        w = self.window_size
-        return torch.stack([torch.where(d < w, d, attention.floor_div(i, s) + w - w // s - attention.floor_div(j, s))
-                            for s in self.group_sizes])
-
     def resolve(self, target):
         # Read from the rotary modules' frequency buffers (`inv_freq`, `<layer_type>_inv_freq`), not from
         # target.contexts(): that needs a pretraining window, which DPE does not (RecurrentGemma records none).
-        resolved = super().resolve(target)
         for rotary in target.rotaries:
             for name, freqs in rotary.named_buffers(recurse=False):
-                n = freqs.numel() if name.endswith("inv_freq") else len(self.group_sizes)
-                if n < len(self.group_sizes):
+                n = freqs.numel()
+                if name.endswith("inv_freq") and n < len(self.group_sizes):
                     raise ValueError(
                         f"{self.name}: {len(self.group_sizes)} group sizes for the {n} RoPE frequencies of "
                         f"{target.model_type} ({type(rotary).__name__}.{name}): every group needs at least "
                         f"one frequency. Give at most {n} group size{'s' if n > 1 else ''} (the authors use 8 "
                         "groups of a 128-dim head's 64).")
-        return resolved
+        return super().resolve(target)
