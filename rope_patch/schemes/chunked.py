@@ -56,13 +56,18 @@ from .. import validation as check
 from ..registry import register_scheme
 from .base import UNBOUNDED, Suggestion
 from .common import AttentionScheme
+from .positions import Affine
 
 CONFIG_KEY = "dual_chunk_attention_config"  # the config attribute (Qwen2.5-1M, vLLM); a dict with these keys
-_HINT = {
-    "chunk_size": "It is the largest relative position DCA uses (¾ of the pre-training window by default; Qwen2.5-1M: "
-                  "the window itself); chunks hold chunk_size − local_size tokens.",
-    "local_size": "It is how many neighbours across a chunk boundary keep their exact distance (⅛ of the pre-training "
-                  "window by default); it must be below chunk_size.",
+# The checked sizes (the scheme's two parameters; a config may also give the window their defaults derive from): the
+# smallest value of each, and what it is (the hint of its error message)
+_SIZES = {
+    "chunk_size": (2, "It is the largest relative position DCA uses (¾ of the pre-training window by default; "
+                      "Qwen2.5-1M: the window itself); chunks hold chunk_size − local_size tokens."),
+    "local_size": (1, "It is how many neighbours across a chunk boundary keep their exact distance (⅛ of the "
+                      "pre-training window by default); it must be below chunk_size."),
+    "original_max_position_embeddings": (2, "It is the pre-training window the default chunk_size/local_size derive "
+                                            "from."),
 }
 
 
@@ -79,19 +84,16 @@ class InChunk:
         return (q + self.chunk).clamp(max=self.cap) if self.successive else q
 
 
-@dataclasses.dataclass(frozen=True)
-class Fixed:
-    """p ↦ a constant position (DCA's inter-chunk query at min(2c − 1, s))."""
-
-    position: int
-
-    def __call__(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(p, self.position)
+def _sizes(values: dict, where: str = "") -> dict:
+    """The sizes of `_SIZES` that `values` (the scheme's parameters, or a dual_chunk_attention_config) sets, checked:
+    integers in [low, POSITIONS_MAX]; `where` names a config they were read from."""
+    return {key: check.integer("dca", f"{key}{where}", values[key], ge=low, le=check.POSITIONS_MAX, hint=hint)
+            for key, (low, hint) in _SIZES.items() if values.get(key) is not None}
 
 
-def _size(key: str, value, where: str = "", low: int = 1) -> int:
-    """chunk_size / local_size: an integer in [low, POSITIONS_MAX]; `where` names a config it was read from."""
-    return check.integer("dca", f"{key}{where}", value, ge=low, le=check.POSITIONS_MAX, hint=_HINT[key])
+def _defaults(window: int) -> dict:
+    """The authors' sizes for a pre-training window L (ChunkLlama's `replace_with_chunkllama`): ¾·L and L/8."""
+    return {"chunk_size": window * 3 // 4, "local_size": max(1, window // 8)}
 
 
 @register_scheme
@@ -112,58 +114,48 @@ class DualChunk(AttentionScheme):
     def suggestion(cls, n, window):
         """chunk_size = ¾·L, local_size = L/8 (An et al. 2024, arXiv:2402.17463; ChunkLlama's
         `replace_with_chunkllama` defaults)."""
-        chunk, local = window * 3 // 4, max(1, window // 8)
-        if n <= window or chunk <= local:
+        sizes = _defaults(window)
+        if n <= window or sizes["chunk_size"] <= sizes["local_size"]:
             return None
-        return Suggestion.of(cls.name, {"chunk_size": chunk, "local_size": local},
-                             f"chunk_size = ¾·L = {chunk}, local_size = L/8 = {local} (An et al. 2024, ChunkLlama "
-                             "defaults)")
+        return Suggestion.of(cls.name, sizes, f"chunk_size = ¾·L = {sizes['chunk_size']}, local_size = L/8 = "
+                                              f"{sizes['local_size']} (An et al. 2024, ChunkLlama defaults)")
 
     def __post_init__(self):
-        if self.chunk_size is not None:
-            self._set("chunk_size", _size("chunk_size", self.chunk_size, low=2))
-        if self.local_size is not None:
-            self._set("local_size", _size("local_size", self.local_size))
-        if self.chunk_size is not None and self.local_size is not None:
-            _check_pair(self.chunk_size, self.local_size)
+        for key, value in _sizes(self.params()).items():
+            self._set(key, value)
+        _check_pair(self.chunk_size, self.local_size)
 
     @classmethod
     def from_dual_chunk_attention_config(cls, config: dict) -> DualChunk:
         """The scheme a `dual_chunk_attention_config` dict describes (its dense keys chunk_size and local_size)."""
-        values = _config_values(config, f" (from {CONFIG_KEY})")
-        missing = [k for k in ("chunk_size", "local_size") if k not in values]
+        sizes, _ = _config_values(config, f" (from {CONFIG_KEY})")
+        missing = [k for k in ("chunk_size", "local_size") if k not in sizes]
         if missing:
             raise ValueError(f"dca: {CONFIG_KEY} {config!r} lacks {', '.join(missing)}; it needs chunk_size "
                              "and local_size.")
-        return cls(chunk_size=values["chunk_size"], local_size=values["local_size"])
+        return cls(**sizes)
 
     def served_length(self, window):
         # queries sit at most at chunk_size, keys at ≥ 0: every relative position is ≤ chunk_size, whatever the length
-        if self.chunk_size is None:
-            return None
-        return UNBOUNDED if self.chunk_size < window else None
+        return UNBOUNDED if self.chunk_size is not None and self.chunk_size < window else None
 
     def with_window(self, window: int) -> DualChunk:
         """The authors' defaults for a pre-training window L where a size is not given: ¾·L and L/8."""
-        chunk = self.chunk_size if self.chunk_size is not None else window * 3 // 4
-        local = self.local_size if self.local_size is not None else max(1, window // 8)
-        _check_pair(chunk, local)
-        return self.replace(chunk_size=chunk, local_size=local)
+        sizes = {**_defaults(window), **self.params()}
+        _check_pair(sizes["chunk_size"], sizes["local_size"])
+        return self.replace(**sizes)
 
     def resolve(self, target):
         raw = getattr(target.config, CONFIG_KEY, None)
-        values = {} if raw is None else _config_values(raw, f" (from the model config's {CONFIG_KEY})")
-        window = values.pop("original_max_position_embeddings", None)
-        if window is None and (self.chunk_size is None or self.local_size is None):  # only the defaults need L
+        values, window = ({}, None) if raw is None else _config_values(raw, f" (from the model config's {CONFIG_KEY})")
+        if window is None and None in (self.chunk_size, self.local_size):  # only the defaults need L
             window = target.pretraining_window
-        chunk = self.chunk_size if self.chunk_size is not None else values.get("chunk_size") or window * 3 // 4
-        local = self.local_size if self.local_size is not None else values.get("local_size") or max(1, window // 8)
-        origin = {k: "given" if getattr(self, k) is not None
-                  else ("from the model config's " + CONFIG_KEY if k in values
-                        else f"the default for a {window}-token window")
-                  for k in ("chunk_size", "local_size")}
-        _check_pair(chunk, local, origin)
-        return self.replace(chunk_size=chunk, local_size=local)
+        # each size: given, else the config's, else the default
+        sizes = {**(_defaults(window) if window is not None else {}), **values, **self.params()}
+        origin = {k: "given" if getattr(self, k) is not None else f"from the model config's {CONFIG_KEY}" if k in values
+                  else f"the default for a {window}-token window" for k in sizes}
+        _check_pair(sizes["chunk_size"], sizes["local_size"], origin)
+        return self.replace(**sizes)
 
     def repositions(self) -> bool:
         return True
@@ -174,17 +166,16 @@ class DualChunk(AttentionScheme):
             raise TypeError("dca: chunk_size and local_size are needed (they default to ¾·L and L/8 of a "
                             "model's window).")
         s, c = self.chunk_size, self.chunk_size - self.local_size
-        return attention.Layout((InChunk(c), InChunk(c, True, s), Fixed(min(2 * c - 1, s))), key_copies=(0,))
+        return attention.Layout((InChunk(c), InChunk(c, True, s), Affine(0, min(2 * c - 1, s))))
 
     def layout(self, module):
         # every layer alike: sliding windows only hide pairs, the regions are per pair
         layout = self.copies()
-        if attention.memory_rotaries(module):
-            # A layer with memory (DeepSeek-V4) decides inside itself, from its position ids, which memory entries a
-            # query sees (and its indexer which it picks): one more copy at the tokens' own positions decides that
-            # (protocol.own_rows reads the mask from it); DCA's copies are all at chunk positions.
-            return attention.Layout((*layout.maps, attention.Identity()), layout.key_copies)
-        return layout
+        # A layer with memory (DeepSeek-V4) decides inside itself, from its position ids, which memory entries a query
+        # sees (and its indexer which it picks): one more copy at the tokens' own positions decides that
+        # (protocol.own_rows reads the mask from it); DCA's copies are all at chunk positions.
+        own = (attention.Identity(),) if attention.memory_rotaries(module) else ()
+        return dataclasses.replace(layout, maps=(*layout.maps, *own))
 
     def geometry(self) -> attention.Geometry:
         """Three regions by chunk, every one against the keys at j mod c: the query's own chunk (copy 0), the one
@@ -197,24 +188,19 @@ class DualChunk(AttentionScheme):
         return attention.Declared(self.geometry()), None
 
 
-def _config_values(raw, where: str) -> dict:
-    """The dense DCA keys of a dual_chunk_attention_config (a dict; sparse-attention keys are ignored), checked."""
+def _config_values(raw, where: str) -> tuple[dict, int | None]:
+    """The dense DCA sizes of a dual_chunk_attention_config (a dict; sparse-attention keys are ignored), checked, and
+    the pre-training window it gives for their defaults (None where it gives none)."""
     if not isinstance(raw, dict):
         raise TypeError(f"dca: {CONFIG_KEY} must be a dict such as {{'chunk_size': 24576, 'local_size': 4096}}, got "
                         f"{type(raw).__name__} {raw!r}{where}.")
-    out = {}
-    for key, low in (("chunk_size", 2), ("local_size", 1)):
-        if raw.get(key) is not None:
-            out[key] = _size(key, raw[key], f"{where}", low)
-    if raw.get("original_max_position_embeddings") is not None:
-        out["original_max_position_embeddings"] = check.integer(
-            "dca", f"original_max_position_embeddings{where}", raw["original_max_position_embeddings"], ge=2,
-            le=check.POSITIONS_MAX, hint="It is the pre-training window the default chunk_size/local_size derive from.")
-    return out
+    sizes = _sizes(raw, where)
+    return sizes, sizes.pop("original_max_position_embeddings", None)
 
 
-def _check_pair(chunk: int, local: int, origin: dict | None = None) -> None:
-    if chunk > local:
+def _check_pair(chunk: int | None, local: int | None, origin: dict | None = None) -> None:
+    """chunk_size > local_size, where both are known (`origin`: where each came from, for the message)."""
+    if chunk is None or local is None or chunk > local:
         return
     said = "" if origin is None else f" (chunk_size {origin['chunk_size']}, local_size {origin['local_size']})"
     raise ValueError(
