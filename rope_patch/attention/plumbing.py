@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 from collections.abc import MutableMapping
 
@@ -54,14 +55,9 @@ from .copies import (
 from .protocol import module_state
 
 SHIFT = 3  # the extra copy's positions: p + SHIFT
-CAPTURE = "rope_patch_capture"  # an attention function that keeps q and k (registered under our own name)
+CAPTURE = "rope_patch_capture"  # an attention function that keeps q, k and v (registered under our own name)
 MIN_LENGTH, MAX_LENGTH = 48, 1040
 CHECKED: dict = {}  # architecture key -> (the cache mode that passed, whether layers read others' keys), this process
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """Relative max difference allowed between two computations of one layer: kernels differ in summation order."""
-    return 1e-3 if dtype in (torch.float32, torch.float64) else 3e-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +78,6 @@ def length(model: nn.Module, modules: list[nn.Module]) -> int:
                     w in key for w in ("window", "chunk", "topk", "top_k")):
                 sizes.append(value)
     return min(max(sizes) + 16, MAX_LENGTH)
-
-
-def probe_layout(layout: Layout | None) -> Layout | None:
-    """Every copy at the true positions, plus the extra copy at p + SHIFT (which no rule reads)."""
-    if layout is None:
-        return None
-    return Layout((Identity(),) * layout.copies + (Shifted(),), layout.key_copies, chosen=layout.chosen)
 
 
 def all_sets(layouts: dict) -> dict:
@@ -123,9 +112,8 @@ class Recorder:
 
 
 def _capture(module, query, key, value, attention_mask, *args, **kwargs):
-    """The attention function of the check's moved-position runs: keeps q and k, returns zeros."""
-    module._rope_patch_captured = (query, key)
-    module._rope_patch_captured_value = value
+    """The attention function of the check's moved-position runs: keeps q, k and v, returns zeros."""
+    module._rope_patch_captured = (query, key, value)
     b, h, n, _ = query.shape
     return query.new_zeros(b, n, h, value.shape[-1]), None
 
@@ -139,20 +127,14 @@ def _raised(e: Exception) -> str:
     return text if isinstance(e, NotProven) else f"raised {type(e).__name__}: {text}"
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.float(), want.float()
-    if got.shape != want.shape:
-        return float("inf")
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
-
-
 class Check:
     """One run of the check on a model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, native: str, rotate_reference: bool, mode: str = HEADS):
-        self.model, self.native, self.rotate_reference, self.mode = model, native, rotate_reference, mode
+    def __init__(self, model: nn.Module, rotate_reference: bool, mode: str = HEADS):
+        self.rotate_reference, self.mode = rotate_reference, mode
         self.dtype = next(model.parameters()).dtype
-        self.tol = tolerance(self.dtype)
+        # the relative max difference allowed between two computations of one layer: kernels differ in summation order
+        self.tol = 1e-3 if self.dtype in (torch.float32, torch.float64) else 3e-2
         self.findings: list[Finding] = []
         self.step = ""
         self.cached = False  # the current model call runs with a cache (keys come from it, not from the copies)
@@ -172,26 +154,43 @@ class Check:
         self.findings.append(Finding(getattr(module, "layer_idx", -1), type(module).__name__, what, size, self.step,
                                      values, shared))
 
-    def compare(self, module, what: str, got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor | None):
-        """got/want (b, n, ...) or (b, H, n, d) with `rows` (b, n) the real tokens, compared on those."""
+    def compare(self, module, what: str, got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor | None,
+                values: bool = False):
+        """got/want (b, n, ...) or (b, H, n, d) with `rows` (b, n) the real tokens, compared on those; `values`: what
+        is compared are values that move with the positions (`Finding.values`)."""
         if got.shape != want.shape:
-            self.note(module, f"{what}: shape {tuple(got.shape)} where the model has {tuple(want.shape)}")
+            self.note(module, f"{what}: shape {tuple(got.shape)} where the model has {tuple(want.shape)}", None, values)
             return
         seq = got.shape[1] if got.dim() == 3 else got.shape[2]
         if rows is not None and tuple(rows.shape) == (got.shape[0], seq):  # (a layer over other units than the
             keep = rows.to(got.device)                                     # tokens, Blt's patches: every row)
             keep = keep if got.dim() == 3 else keep[:, None, :].expand(got.shape[0], got.shape[1], -1)
             got, want = got[keep.bool()], want[keep.bool()]
-        size = _relative(got, want)
+        got, want = got.float(), want.float()
+        size = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
         if not size <= self.tol:
-            self.note(module, what, size)
+            self.note(module, what, size, values)
+
+
+def _held(call: dict, extra: dict) -> list[tuple[dict, str]]:
+    """Where a layer call's state is, as (dict, name): its cache, and any mapping the decoder hands every layer."""
+    return [(where, name) for where in (call, extra) for name, value in where.items()
+            if (name in CACHE_ARGS and value is not None) or isinstance(value, MutableMapping)]
+
+
+def _made_at(embeddings, shift: int):
+    """Position embeddings (or a dict of them: DeepSeek-V4's {"main", "compress"}) made again by their rotary module
+    at their positions + shift; others as they are."""
+    if type(embeddings) is dict:
+        return {k: _made_at(v, shift) for k, v in embeddings.items()}
+    return embed(embeddings, embeddings.position_ids + shift) if source(embeddings) is not None else embeddings
 
 
 class SideBySide:
     """The forward of an attention module during the check: the scheme's, then the layer's own on the same input."""
 
-    def __init__(self, check: Check, module: nn.Module, inner, layout: Layout | None):
-        self.check, self.module, self.inner, self.layout = check, module, inner, layout
+    def __init__(self, check: Check, layouts: dict, module: nn.Module, inner):
+        self.check, self.module, self.inner, self.layout = check, module, inner, layouts[module]
 
     def __call__(self, *args, **kwargs):
         check, module = self.check, self.module
@@ -199,14 +198,9 @@ class SideBySide:
         call = dict(signature.bind(module, *args, **kwargs).arguments)
         call.pop("self", None)
         extra = call.pop("kwargs", {}) if "kwargs" in signature.parameters else {}
-        for name in CACHE_ARGS:
-            if call.get(name, extra.get(name)) is not None:
-                check.shadow(call.get(name, extra.get(name)))
-                check.shadow(call.get(name, extra.get(name)), "moved")
-        for value in (*call.values(), *extra.values()):
-            if isinstance(value, MutableMapping):
-                check.shadow(value)
-                check.shadow(value, "moved")
+        for where, name in _held(call, extra):  # the layer's state as it was before the scheme's run wrote to it
+            check.shadow(where[name])
+            check.shadow(where[name], "moved")
         embeddings = call.get("position_embeddings")
         if embeddings is not None and source(embeddings) is None:  # sliced by the decoder (Gemma 4's shared layers)
             call["position_embeddings"] = recover(embeddings, module_state(module).rotaries) or embeddings
@@ -240,24 +234,26 @@ class SideBySide:
             self._moved(call, extra, recorder)
         return out
 
+    def _inputs(self, call: dict, extra: dict, run: str, shift: int | None) -> tuple[dict, dict]:
+        """The call's input for a reference run: the layer's state of that `run` (`Check.shadow`), the positions
+        moved by `shift` (None: the position embeddings as they were handed)."""
+        call, extra = dict(call), dict(extra)
+        if shift is not None and "position_embeddings" in call:
+            call["position_embeddings"] = _made_at(call["position_embeddings"], shift)
+        for where, name in _held(call, extra):
+            where[name] = self.check.shadow(where[name], run)
+        for where in (call, extra):
+            if shift and where.get("position_ids") is not None:
+                where["position_ids"] = where["position_ids"] + shift
+        return call, extra
+
     def _native(self, call: dict, extra: dict):
         """The layer's own forward with the model's own attention function and its own cache."""
-        check = self.check
-        call, extra = dict(call), dict(extra)
-        embeddings = call.get("position_embeddings")
-        if check.rotate_reference and source(embeddings) is not None:
-            call["position_embeddings"] = embed(embeddings, embeddings.position_ids)
-        elif check.rotate_reference and type(embeddings) is dict:
-            call["position_embeddings"] = {k: embed(v, v.position_ids) if source(v) is not None else v
-                                           for k, v in embeddings.items()}
-        for where in (call, extra):
-            for name, value in where.items():
-                if (name in CACHE_ARGS and value is not None) or isinstance(value, MutableMapping):
-                    where[name] = check.shadow(value)
+        call, extra = self._inputs(call, extra, "native", 0 if self.check.rotate_reference else None)
         hidden = call[next(iter(call))]
         for where in (call, extra):
             if "attention_mask" in where:
-                where["attention_mask"] = eager_mask(where["attention_mask"], hidden, check.dtype)
+                where["attention_mask"] = eager_mask(where["attention_mask"], hidden, self.check.dtype)
         return self._with_backend("eager", call, extra)  # the modeling file's own (eager_mask says why)
 
     def _moved(self, call: dict, extra: dict, recorder: Recorder):
@@ -266,24 +262,12 @@ class SideBySide:
         b = check.rows.shape[0]
         if recorder.query.shape[0] != b * self.layout.copies:  # the layer ran once: no positions reached it
             return
-        last = self.layout.copies - 1
-        call, extra = dict(call), dict(extra)
-        embeddings = call.get("position_embeddings")
-        if source(embeddings) is not None:
-            call["position_embeddings"] = embed(embeddings, embeddings.position_ids + SHIFT)
-        elif type(embeddings) is dict:  # DeepSeek-V4: {"main", "compress"}
-            call["position_embeddings"] = {k: embed(v, v.position_ids + SHIFT) if source(v) is not None else v
-                                           for k, v in embeddings.items()}
+        copy = slice((self.layout.copies - 1) * b, self.layout.copies * b)  # the extra copy's rows
         shared = {name: value for where in (call, extra) for name, value in where.items()
                   if isinstance(value, MutableMapping)}
-        for where in (call, extra):
-            if where.get("position_ids") is not None:
-                where["position_ids"] = where["position_ids"] + SHIFT
-            for name, value in where.items():
-                # the moved run keeps its own cache and shared state, fed by the moved runs of every step and layer
-                # (a layer whose queries depend on cached state, as Zaya's convolved projections, needs its own past)
-                if (name in CACHE_ARGS and value is not None) or isinstance(value, MutableMapping):
-                    where[name] = check.shadow(value, "moved")
+        # the moved run keeps its own cache and shared state, fed by the moved runs of every step and layer (a layer
+        # whose queries depend on cached state, as Zaya's convolved projections, needs its own past)
+        call, extra = self._inputs(call, extra, "moved", SHIFT)
         # memory entries the layer rotates at positions of its own making move with the positions too (the copies
         # make them at map_t(p): copies.MemoryPositions)
         given = call.get("position_ids", extra.get("position_ids"))
@@ -303,25 +287,20 @@ class SideBySide:
             raise Stop from e
         finally:
             memory.close()
-        q, k = module.__dict__.pop("_rope_patch_captured")
-        value = module.__dict__.pop("_rope_patch_captured_value")
-        check.compare(module, f"its queries at moved positions (p + {SHIFT})", recorder.query[last * b:(last + 1) * b],
-                      q, check.rows)
-        if not check.cached:  # without a cache the keys reach attention stacked like the queries: the copy's own
-            keys = recorder.key[last * b:(last + 1) * b]
-            check.compare(module, f"its keys at moved positions (p + {SHIFT})", keys[:, :, -k.shape[2]:], k, check.rows)
-            values = recorder.value
-            if check.mode == SPLIT:  # values read per key set: the copy's must be the layer's own at p + SHIFT too
-                check.compare(module, f"its values at moved positions (p + {SHIFT})",
-                              values[last * b:(last + 1) * b][:, :, -k.shape[2]:], value, check.rows)
-            elif values is not None and values.shape[0] == recorder.query.shape[0]:
-                # a key's value is read from copy 0 whatever copy its key comes from: values must not move with
-                # positions
-                before = len(check.findings)
-                check.compare(module, f"its values, which move with the positions (p + {SHIFT}: a rotated value, "
-                                      "as DeepSeek-V4's K = V)", values[last * b:(last + 1) * b], values[:b], None)
-                for f in check.findings[before:]:
-                    f.values = True
+        q, k, value = module.__dict__.pop("_rope_patch_captured")
+        check.compare(module, f"its queries at moved positions (p + {SHIFT})", recorder.query[copy], q, check.rows)
+        if check.cached:  # with a cache the keys come from it; without, they reach attention stacked like the queries
+            return
+        check.compare(module, f"its keys at moved positions (p + {SHIFT})", recorder.key[copy][:, :, -k.shape[2]:], k,
+                      check.rows)
+        values = recorder.value
+        if check.mode == SPLIT:  # values read per key set: the copy's must be the layer's own at p + SHIFT too
+            check.compare(module, f"its values at moved positions (p + {SHIFT})",
+                          values[copy][:, :, -k.shape[2]:], value, check.rows)
+        elif values is not None and values.shape[0] == recorder.query.shape[0]:
+            # a key's value is read from copy 0 whatever copy its key comes from: values must not move with positions
+            check.compare(module, f"its values, which move with the positions (p + {SHIFT}: a rotated value, as "
+                                  "DeepSeek-V4's K = V)", values[copy], values[:b], None, values=True)
 
     def _with_backend(self, backend: str, call: dict, extra: dict):
         config = self.module.config
@@ -353,25 +332,16 @@ def eager_mask(mask, hidden: torch.Tensor, dtype: torch.dtype):
 
         q_len, k_len = mask.seq_lengths
         allowed = create_mask(mask.mask_mod, mask.kv_num_blocks.shape[0], 1, q_len, k_len, device=hidden.device)
-    else:
-        return None if mask is None and hidden.shape[1] == 1 else _causal(mask, hidden, dtype)
+    elif mask is None and hidden.shape[1] == 1:
+        return None
+    else:  # bottom-right-aligned causal (and 2-D padding) mask for q new tokens over k keys
+        q_len = hidden.shape[1]
+        k_len = mask.shape[-1] if mask is not None else q_len
+        i = torch.arange(k_len - q_len, k_len, device=hidden.device)[:, None]
+        allowed = (torch.arange(k_len, device=hidden.device)[None, :] <= i)[None, None]
+        if mask is not None:
+            allowed = allowed & mask.bool()[:, None, None, :]
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def _causal(mask, hidden, dtype):
-    """Bottom-right-aligned causal (and 2-D padding) mask for q new tokens over k keys."""
-    q_len = hidden.shape[1]
-    k_len = mask.shape[-1] if mask is not None else q_len
-    i = torch.arange(k_len - q_len, k_len, device=hidden.device)[:, None]
-    allowed = (torch.arange(k_len, device=hidden.device)[None, :] <= i)[None, None]
-    if mask is not None:
-        allowed = allowed & mask.bool()[:, None, None, :]
-    return torch.zeros(allowed.shape, dtype=dtype, device=hidden.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def register_capture() -> None:
-    if transformers.AttentionInterface._global_mapping.get(CAPTURE) is not _capture:
-        transformers.AttentionInterface.register(CAPTURE, _capture)
 
 
 @dataclasses.dataclass
@@ -384,9 +354,15 @@ class Inputs:
     positions: torch.Tensor
     cached: bool = True
 
-    def kwargs(self, rows: slice) -> dict:
-        mask = self.mask[:, : rows.stop] if self.mask is not None else None
-        return {"attention_mask": mask, "position_ids": self.positions[:, rows]}
+    def forward(self, model: nn.Module, rows: slice, use_cache: bool, cache=None):
+        """One model call of the check on these tokens (going on from `cache` where one is given); returns the cache
+        the model returned (None: none)."""
+        kwargs = {"attention_mask": self.mask[:, : rows.stop] if self.mask is not None else None,
+                  "position_ids": self.positions[:, rows]}
+        if cache is not None:
+            kwargs["cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"] = cache
+        out = model(self.ids[:, rows], **kwargs, use_cache=use_cache)
+        return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
 
     def real(self, rows: slice) -> torch.Tensor:
         return (self.mask if self.mask is not None else torch.ones_like(self.ids))[:, rows]
@@ -405,59 +381,38 @@ def native_inputs(model: nn.Module, n: int) -> Inputs:
     inputs = Inputs(ids.masked_fill(mask == 0, 0), mask, positions)
     with torch.no_grad():
         try:
-            model(inputs.ids, **inputs.kwargs(slice(0, n)), use_cache=False)
+            inputs.forward(model, slice(0, n), use_cache=False)
         except Exception:  # noqa: BLE001 (what the model cannot run is left out, not a finding)
             inputs = Inputs(ids, None, torch.arange(n, device=device).expand(2, n))
         try:
-            out = model(inputs.ids[:, : n - 2], **inputs.kwargs(slice(0, n - 2)), use_cache=True)
-            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            cache = inputs.forward(model, slice(0, n - 2), use_cache=True)
             if cache is None:  # a model that keeps its cache to itself (RecurrentGemma): no cached steps to check
                 raise LookupError("no cache returned")
-            model(inputs.ids[:, n - 2: n - 1], **inputs.kwargs(slice(n - 2, n - 1)), use_cache=True,
-                  **{_cache_keyword(model): cache})
+            inputs.forward(model, slice(n - 2, n - 1), use_cache=True, cache=cache)
         except Exception:  # noqa: BLE001 (CSM's depth decoder decodes only under its parent model)
             inputs.cached = False
     return inputs
 
 
-def _cache_keyword(model: nn.Module) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-class _Call:
-    """One model call of the check: the mappings the decoder hands its layers are this call's (their shadows are
-    dropped after it; the caches' shadows live on, as the caches do)."""
-
-    def __init__(self, check: Check):
-        self.check = check
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.check.shadows = {k: v for k, v in self.check.shadows.items() if not isinstance(v, MutableMapping)}
-
-
 def run(check: Check, model: nn.Module, inputs: Inputs) -> None:
     """The two steps of the check on the patched model (its layers wrapped by SideBySide)."""
-    ids, n = inputs.ids, inputs.ids.shape[1]
-    calls = _Call(check)
+    n = inputs.ids.shape[1]
+
+    def step(name: str, rows: slice, cache=None):
+        check.step, check.rows = name, inputs.real(rows)
+        try:
+            return inputs.forward(model, rows, use_cache=check.cached, cache=cache)
+        finally:  # the mappings the decoder hands its layers are this call's: their shadows go (a cache's live on)
+            check.shadows = {k: v for k, v in check.shadows.items() if not isinstance(v, MutableMapping)}
+
     with torch.no_grad():
-        check.step, check.rows = "a prefill without cache", inputs.real(slice(0, n))
-        with calls:
-            model(ids, **inputs.kwargs(slice(0, n)), use_cache=False)
+        step("a prefill without cache", slice(0, n))
         if not inputs.cached:
             return
-        check.step, check.rows, check.cached = "a prefill into the model's cache", inputs.real(slice(0, n - 2)), True
-        with calls:
-            out = model(ids[:, : n - 2], **inputs.kwargs(slice(0, n - 2)), use_cache=True)
-        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        check.cached = True
+        cache = step("a prefill into the model's cache", slice(0, n - 2))
         for t in (n - 2, n - 1):
-            check.step, check.rows = "cached decoding", inputs.real(slice(t, t + 1))
-            with calls:
-                model(ids[:, t: t + 1], **inputs.kwargs(slice(t, t + 1)), use_cache=True,
-                      **{_cache_keyword(model): cache})
+            step("cached decoding", slice(t, t + 1), cache)
 
 
 def architecture(model: nn.Module, layouts: dict, rule, backend: str, rotate_reference: bool):
@@ -494,28 +449,26 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
     if key in CHECKED:
         mode, shared = CHECKED[key]
         return mode, all_sets(layouts) if shared else layouts
-    register_capture()
+    transformers.AttentionInterface.register(CAPTURE, _capture)
     n = length(model, modules)
     inputs = native_inputs(model, n)
     probe = rule.probe(n)
-    probes = {m: probe_layout(layout) for m, layout in layouts.items()}
+    # every copy at the true positions, plus the extra copy at p + SHIFT (which no rule reads)
+    probes = {m: None if v is None else Layout((Identity(),) * v.copies + (Shifted(),), v.key_copies, chosen=v.chosen)
+              for m, v in layouts.items()}
     # the copies one after another first (the layer's activations held once), stacked where they must share state
     modes = [SEQUENTIAL, HEADS, ROWS] if any(v is not None for v in layouts.values()) else [HEADS]
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
                if hasattr(c, "_attn_implementation_internal")}
-    backends = {k: c._attn_implementation_internal for k, c in configs.items()}
+    backends = [(c, c._attn_implementation_internal) for c in configs.values()]
     failures, shared = {}, False
     while modes:
         mode = modes.pop(0)
-        check = Check(model, native, rotate_reference, mode)
+        check = Check(model, rotate_reference, mode)
         log = UndoLog()
-
-        def wrap(module, inner, _check=check, _probes=probes):
-            return SideBySide(_check, module, inner, _probes[module])
-
         recorder = Recorder()
         try:
-            install(log, probe, probes, mode, wrap)
+            install(log, probe, probes, mode, functools.partial(SideBySide, check, probes))
             for m in modules:
                 module_state(m).recorder = recorder
             run(check, model, inputs)
@@ -525,8 +478,8 @@ def verify(target, name: str, rule, layouts: dict, backend: str, native: str, ro
             check.note(model, _raised(e))
         finally:
             log.undo()
-            for k, c in configs.items():  # as it was (set_attn_implementation would re-check e.g. flash_attn)
-                c._attn_implementation_internal = backends[k]
+            for c, impl in backends:  # as it was (set_attn_implementation would re-check e.g. flash_attn)
+                c._attn_implementation_internal = impl
         check.step = "the layers' structure"
         for m in recorder.chooses:  # a sparse-attention indexer chooses keys at copy 0's positions
             layout = layouts.get(m)
