@@ -20,25 +20,44 @@ from . import settings
 from .calls import begin, make_call, own_rows, placeholder, restack, stand_in
 from .copies import Identity, NotProven
 from .kernels import _flash_lse_op
-from .kernels import band_partial as band_partial  # the kernels, importable from here as before
-from .kernels import flash_causal_partial as flash_causal_partial
-from .kernels import flash_distance_partial as flash_distance_partial
-from .kernels import flash_partial as flash_partial
 from .protocol import STATE, AttentionCall, merge
 
 
-def _mask_block(attention_mask, call: AttentionCall, rows: slice, e: int, lo: int = 0, window: int | None = None):
-    """(b|1, 1|Hkv, 1|G, r, e − lo) bool 'may attend' or float additive mask for one block over key slots [lo, e);
-    causal when no mask was built (within `window` slots when one is given). A mask per query head (Doge's dynamic
-    mask, (b, H, q, k)) is laid out as the scores: kv head, then group."""
-    if attention_mask is None:  # causal in slots (the order of the tokens; gapped ids do not change it)
-        d = call.q_slot[rows, None] - torch.arange(lo, e, device=call.q_slot.device)
-        allowed = d >= 0 if window is None else (d >= 0) & (d < window)
-        return allowed.view(1, 1, 1, -1, e - lo)
-    m = attention_mask[:, :, rows, lo:e]
-    if m.shape[1] == 1:
-        return m.unsqueeze(2)
-    return m.view(m.shape[0], call.query.shape[1], call.query.shape[2], *m.shape[2:])
+def in_window(q_slots: torch.Tensor, lo: int, hi: int, window: int | None = None) -> torch.Tensor:
+    """(r, hi − lo) bool, True where query slot i may attend key slot j: 0 ≤ i − j (< `window` when one is given)."""
+    d = q_slots[:, None] - torch.arange(lo, hi, device=q_slots.device)
+    return d >= 0 if window is None else (d >= 0) & (d < window)
+
+
+def block_rows(batch: int, heads: int, q_len: int, window: int, budget: int | None = None) -> int:
+    """Query rows per block of a sliding-window layer: about one window, fewer when batch × heads × rows ×
+    (rows + window) would pass the budget of scores per block (`budget`, else settings.BLOCK_ELEMENTS)."""
+    budget = budget or settings.BLOCK_ELEMENTS
+    rows = max(16, window)
+    while rows > 16 and batch * heads * rows * (rows + window) > budget:
+        rows //= 2
+    return min(q_len, rows)
+
+
+def _mask_block(attention_mask, call: AttentionCall, rows: slice, lo: int, e: int, window: int | None):
+    """(b|1, 1|Hkv, 1|G, r, e − lo) bool 'may attend' or float additive mask for one block over key slots [lo, e), or
+    None: nothing to mask. Causal when no mask was built (within `window` slots when one is given), except in a block
+    of one row (a decoding step), which sees every key before `e`. A mask per query head (Doge's dynamic mask,
+    (b, H, q, k)) is laid out as the scores: kv head, then group. A packed row that restarts its ids (gapped ids) also
+    masks the keys of its earlier segments."""
+    if attention_mask is not None:
+        m = attention_mask[:, :, rows, lo:e]
+        m = m.unsqueeze(2) if m.shape[1] == 1 else m.view(m.shape[0], *call.query.shape[1:3], *m.shape[2:])
+    elif rows.stop - rows.start > 1 or window is not None:  # causal in slots (gapped ids do not change the order)
+        m = in_window(call.q_slot[rows], lo, e, window).view(1, 1, 1, -1, e - lo)
+    else:
+        m = None
+    same = call.segments(rows, lo, e)
+    if same is None:
+        return m
+    if m is None or m.dtype == torch.bool:
+        return same if m is None else m & same
+    return m.masked_fill(~same, torch.finfo(m.dtype).min)
 
 
 def with_indices(attention_mask, indices: torch.Tensor, k_len: int, dtype) -> torch.Tensor:
@@ -49,8 +68,7 @@ def with_indices(attention_mask, indices: torch.Tensor, k_len: int, dtype) -> to
     chosen = torch.zeros(b, q_len, k_len, dtype=torch.bool, device=indices.device).scatter(-1, indices.long(), True)
     chosen = chosen[:, None]  # (b, 1, q, k)
     if attention_mask is None:
-        i = torch.arange(k_len - q_len, k_len, device=indices.device)[:, None]
-        return chosen & (torch.arange(k_len, device=indices.device)[None, :] <= i)
+        return chosen & in_window(torch.arange(k_len - q_len, k_len, device=indices.device), 0, k_len)
     if attention_mask.dtype == torch.bool:
         return attention_mask & chosen
     return attention_mask.masked_fill(~chosen, torch.finfo(attention_mask.dtype).min)
@@ -65,17 +83,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     key slots its window reaches, on the materialised path."""
     state = getattr(module, STATE, None)
     if state is None:  # a module the patch leaves alone (no positions): attention as the model has it
-        own = stand_in("eager" if dense else "sdpa", module)
-        return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
-                   **kwargs)
+        return stand_in("eager" if dense else "sdpa", module)(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
     waiting = placeholder(module, query, key, value)  # a copy that runs before copy 0 (attention/copies.py)
     if waiting is not None:
         return waiting, None
     attention_mask = own_rows(module, attention_mask)
     if kwargs.get("indices") is not None:  # a sparse-attention indexer's choice of keys (DeepSeek-V3.2 & co.)
         attention_mask = with_indices(attention_mask, own_rows(module, kwargs["indices"]), key.shape[2], query.dtype)
-        current = state.current if state is not None else None
-        if current is not None and not isinstance(current.layout.maps[0], Identity):
+        if state.current is not None and not isinstance(state.current.layout.maps[0], Identity):
             # copy 0's indexer chose these keys at copy 0's positions; DCA's copy 0 is chunk positions, not the tokens'
             raise NotProven("hands its sparse-attention indexer's choice of keys to attention, and this scheme moves "
                             "every copy's positions, so no copy is the tokens' own to choose keys at")
@@ -108,16 +124,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if dense:
         block = q_len
     elif window is not None:  # a block meets at most block + window − 1 keys
-        block = max(16, window)
-        while block > 16 and b * h * block * (block + window) > budget:
-            block //= 2
-        block = min(q_len, block)
+        block = block_rows(b, h, q_len, window, budget)
     elif fused:  # only a narrow band is materialised per block: the scheme picks the block that balances the two
         block = min(q_len, settings.FUSED_BLOCK or state.scores.fused_rows(b * h))
     else:
         block = max(1, min(q_len, budget // max(1, b * h * k_len)))
     out = query.new_empty(b, hkv, h // hkv, q_len, d)
-    weights = []
+    weights = None  # the dense variant's
     # values rotating with their keys (copies.SPLIT): each query copy's part of the output, from its pairs' key sets
     split = query.new_zeros(len(call.queries), b, hkv, h // hkv, q_len, d) if call.values else None
     for r0 in range(0, q_len, block):
@@ -134,33 +147,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             end = k_len  # a custom additive mask may open any key
         lo = 0 if window is None else max(0, call.first_slot(rows) - window + 1)  # the keys the windows reach
         s = state.scores.logits(call, rows, lo, end)
-        # a block of one row (a decoding step) sees every key before `end`: no causal mask to build and apply
-        m = _mask_block(attention_mask, call, rows, end, lo, window) \
-            if attention_mask is not None or rows.stop - rows.start > 1 or window is not None else None
-        same = call.segments(rows, lo, end)
-        if same is not None:  # a packed row that restarts its ids: no key of an earlier segment
-            if m is None or m.dtype == torch.bool:
-                m = same if m is None else m & same
-            else:
-                m = m.masked_fill(~same, torch.finfo(m.dtype).min)
-        if m is None:
-            pass
-        elif m.dtype == torch.bool:
+        m = _mask_block(attention_mask, call, rows, lo, end, window)
+        if m is not None and m.dtype == torch.bool:
             # finfo.min rather than -inf: a fully masked row (a left-pad query) stays finite, as in transformers
             s = s.masked_fill(~m, torch.finfo(s.dtype).min)
-        elif m.dtype == torch.float64:
+        elif m is not None:
             # a float64 model's additive mask holds finfo(float64).min, -inf in the float32 scores: a fully masked row
             # (a left-pad query) would be NaN, and through the next layer's values every token of its row. Clamped to
             # float32's own minimum it stays finite, as a float32 model's row does (transformers' eager code casts
             # the same mask to float32 for its softmax and gives NaN there)
-            s = s + m.clamp_min(torch.finfo(torch.float32).min).float()
-        else:
-            s = s + m.float()
-        if sinks is None:
-            p = torch.softmax(s, dim=-1).to(value.dtype)
-        else:  # softmax over [scores, sink], the sink's column dropped (its value is 0)
-            sink = sinks.to(s.dtype).expand(*s.shape[:-1], 1)
-            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1].to(value.dtype)
+            s = s + (m.clamp_min(torch.finfo(torch.float32).min) if m.dtype == torch.float64 else m).float()
+        if sinks is not None:  # softmax over [scores, sink], the sink's column dropped (its value is 0)
+            s = torch.cat([s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :end - lo].to(value.dtype)
         if dropout and module.training:
             p = nn.functional.dropout(p, p=dropout, training=True)
         pv = p.view(b, hkv, -1, end - lo)  # (b, Hkv, G·r, end − lo)
@@ -174,15 +173,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             block_out = torch.matmul(pv, value[:, :, lo:end]).view(b, hkv, h // hkv, -1, d)
         if dense:
             out = block_out  # one block: no copy (and autograd sees no in-place write)
-            weights.append(p.reshape(b, h, -1, end))
+            weights = p.reshape(b, h, -1, end)
         else:
             out[:, :, :, rows] = block_out
         del s, p, pv
     if split is not None:  # the copies' rows as the layer stacked them: its own code rotates each back at its positions
-        out = split.reshape(-1, h, q_len, d).transpose(1, 2).contiguous()
-        return out, (weights[0] if dense else None)
-    out = out.reshape(b, h, q_len, d).transpose(1, 2).contiguous()
-    return restack(module, out), (weights[0] if dense else None)
+        return split.reshape(-1, h, q_len, d).transpose(1, 2).contiguous(), weights
+    return restack(module, out.reshape(b, h, q_len, d).transpose(1, 2).contiguous()), weights
 
 
 def dense_attention(module, query, key, value, attention_mask, **kwargs):

@@ -26,8 +26,7 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, fast_all, prepare_padding_mask, sdpa_mask
 
-from . import settings
-from .blocked import attention_forward
+from .blocked import attention_forward, block_rows, in_window
 from .protocol import STATE
 from .registration import BLOCKED
 from .registration import register as register_blocked
@@ -43,21 +42,6 @@ def window_of(module, kwargs) -> int | None:
     None for a full-attention layer."""
     window = kwargs.get("sliding_window")
     return window if window is not None else getattr(module, "sliding_window", None)
-
-
-def block_rows(batch: int, heads: int, q_len: int, window: int) -> int:
-    """Query rows per block: about one window, fewer when batch × heads × rows × (rows + window) would pass the
-    budget of scores per block (settings.BLOCK_ELEMENTS)."""
-    rows = max(16, window)
-    while rows > 16 and batch * heads * rows * (rows + window) > settings.BLOCK_ELEMENTS:
-        rows //= 2
-    return min(q_len, rows)
-
-
-def window_mask(q_slots: torch.Tensor, lo: int, hi: int, window: int) -> torch.Tensor:
-    """(r, hi − lo) bool, True where query slot i may attend key slot j: 0 ≤ i − j < window."""
-    d = q_slots[:, None] - torch.arange(lo, hi, device=q_slots.device)
-    return (d >= 0) & (d < window)
 
 
 def windowed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
@@ -80,14 +64,13 @@ def windowed_attention(module, query, key, value, attention_mask, dropout=0.0, s
         scaling = d ** -0.5
     p_drop = dropout if module.training else 0.0
     offset = k_len - q_len  # query row r sits at key slot offset + r
-    q_slots = torch.arange(offset, k_len, device=query.device)
     rows = block_rows(b, h, q_len, window)
     out = query.new_empty(b, h, q_len, value.shape[-1])
     for r0 in range(0, q_len, rows):
         r1 = min(q_len, r0 + rows)
         lo, hi = max(0, offset + r0 - window + 1), offset + r1  # the keys this block's windows reach
-        if attention_mask is None:
-            m = window_mask(q_slots[r0:r1], lo, hi, window)[None, None]  # (1, 1, r, hi − lo)
+        if attention_mask is None:  # the causal window: (1, 1, r, hi − lo)
+            m = in_window(torch.arange(offset + r0, hi, device=query.device), lo, hi, window)[None, None]
         else:  # transformers' mask (padding & co.), window included: its slice for this block
             m = attention_mask[:, :, r0:r1, lo:hi]
         q, k, v = query[:, :, r0:r1], key[:, :, lo:hi], value[:, :, lo:hi]
@@ -115,25 +98,26 @@ def windowed_blocked(module, query, key, value, attention_mask, **kwargs):
     return attention_forward(module, query, key, value, attention_mask, dense=False, window=window, **kwargs)
 
 
-def windowed_mask(*, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, local_size=None,
-                  allow_is_causal_skip=True, **kwargs):
+def windowed_mask(**kwargs):
     """The mask function of `rope_patch_windowed`: transformers' sdpa mask, except None for a sliding layer whose mask
     would be only the causal window (the attention function builds it per block)."""
-    common = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                  kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
-                  allow_is_causal_skip=allow_is_causal_skip, **kwargs)
-    if local_size is None or not allow_is_causal_skip:  # full attention; or packing / overlays: the pattern is richer
-        return sdpa_mask(**common)
-    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):  # a static cache
-        return sdpa_mask(**common)
-    # keys contiguous in position and ending with the queries (no cache, a dynamic or sliding cache layer)
-    contiguous = kv_length - q_length == q_offset - kv_offset
+    return None if _window_only(**kwargs) else sdpa_mask(**kwargs)
+
+
+def _window_only(*, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, local_size=None,
+                 allow_is_causal_skip=True, **_) -> bool:
+    """Whether the mask `windowed_mask` is asked for is only "causal within the window": a sliding layer (not full
+    attention; no packing or overlays, which make the pattern richer; no static cache, whose offsets are tensors)
+    whose keys are contiguous in position and end with the queries (no cache, a dynamic or sliding cache layer),
+    without padding."""
+    if local_size is None or not allow_is_causal_skip:
+        return False
+    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
+        return False
+    if kv_length - q_length != q_offset - kv_offset:
+        return False
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    if padding is not None:
-        padding = padding[:, kv_offset:kv_offset + kv_length]
-    if contiguous and (padding is None or bool(fast_all(padding))):
-        return None
-    return sdpa_mask(**common)
+    return padding is None or bool(fast_all(padding[:, kv_offset:kv_offset + kv_length]))
 
 
 def register() -> None:
@@ -172,7 +156,7 @@ def check(model) -> None:
     window = getattr(cfg, "sliding_window", None)
     types = list(getattr(cfg, "layer_types", None) or [])
     declared = sum(t == "sliding_attention" for t in types) if types else (window is not None)
-    exposed = sum(getattr(m, "sliding_window", None) is not None for m in _attention_modules(model))
+    exposed = sliding_layers(model)
     if declared and exposed < declared:
         raise ValueError(f"windowed(): {type(model).__name__} declares {declared} sliding-window layer(s) (window "
                          f"{window}) but {exposed} attention module(s) expose a `sliding_window`: their window could "
