@@ -4,7 +4,6 @@ The registered name avoids the substring "flash": transformers rewrites such nam
 from __future__ import annotations
 
 import importlib
-import sys
 
 import torch
 from torch import nn
@@ -14,9 +13,7 @@ from .protocol import STATE
 
 
 def flash_module():
-    """The `flash_attn` package, or None when it cannot be imported."""
-    if "flash_attn" in sys.modules:
-        return sys.modules["flash_attn"]
+    """The `flash_attn` package (the one already imported, if any), or None when it cannot be imported."""
     try:
         return importlib.import_module("flash_attn")
     except ImportError:
@@ -46,11 +43,10 @@ def fa2_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=
     if state.recorder is not None:  # the apply-time check (plumbing.py)
         state.recorder.seen(query, key, value)
     fa = flash_module()
-    slopes = state.scores.flash_slopes(query.device, query.shape[1])
     b, h, q_len, d = query.shape
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # flash layout (b, n, heads, d)
     common = dict(dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=True,
-                  alibi_slopes=slopes)
+                  alibi_slopes=state.scores.flash_slopes(query.device, h))
     if sliding_window is not None and key.shape[2] > sliding_window:  # as transformers' flash path
         common["window_size"] = (sliding_window - 1, sliding_window - 1)
     if softcap is not None:
