@@ -52,14 +52,27 @@ class Shift:
         return p + self.offset if self.offset else p
 
 
-def _check_window_size(name: str, value) -> int:
+def _required(name: str, key: str, value, what: str, bounds: tuple = check.WINDOW_RANGE, hint: str = "",
+              kind=check.integer):
+    """A required parameter, checked by `kind` (an integer, or `check.number`) in `bounds`: a TypeError that says
+    `what` it is when it is missing (None)."""
     if value is None:
-        raise TypeError(f"{name}: missing required parameter `window_size` (the neighbour window W in tokens, "
-                        "e.g. 512).")
-    low, high = check.WINDOW_RANGE
-    return check.integer(name, "window_size", value, ge=low, le=high,
-                         hint="The neighbour window W counts tokens (e.g. 512); a W longer than the sequence is "
-                              "plain RoPE.")
+        raise TypeError(f"{name}: missing required parameter `{key}` ({what}).")
+    return kind(name, key, value, ge=bounds[0], le=bounds[1], hint=hint or f"It counts tokens: {what}.")
+
+
+def _check_window_size(name: str, value) -> int:
+    return _required(name, "window_size", value, "the neighbour window W in tokens, e.g. 512",
+                     hint="The neighbour window W counts tokens (e.g. 512); a W longer than the sequence is "
+                          "plain RoPE.")
+
+
+def _check_groups(name: str, window_size: int, group_size: int) -> None:
+    if window_size <= group_size:
+        raise ValueError(
+            f"{name}: parameter `window_size` must be larger than `group_size` (the neighbour window holds whole "
+            f"groups), got window_size={window_size}, group_size={group_size}. Raise window_size."
+        )
 
 
 class TwoRegion(AttentionScheme):
@@ -86,16 +99,13 @@ class TwoRegion(AttentionScheme):
     def repositions(self) -> bool:
         return True
 
-    def _layout(self) -> tuple[attention.Layout, int]:
-        """Copies (true, far query[, far key]) and the key set the far region reads."""
+    def copies(self) -> attention.Layout:
+        """Copies (true, far query[, far key]): the far keys' copy is the last key set."""
         far_q, far_k = self.far_positions()
         if isinstance(far_k, attention.Identity):  # STRING: the far keys stay at their own positions
-            return attention.Layout((attention.Identity(), far_q), key_copies=(0,)), 0
+            return attention.Layout((attention.Identity(), far_q), key_copies=(0,))
         # the far-key copy's queries are never read
-        return attention.Layout((attention.Identity(), far_q, far_k), key_copies=(0, 2), query_copies=(0, 1)), 1
-
-    def copies(self):
-        return self._layout()[0]
+        return attention.Layout((attention.Identity(), far_q, far_k), key_copies=(0, 2), query_copies=(0, 1))
 
     def layout(self, module):
         # A sliding layer whose window S ≤ split never sees a key `split` back: the scheme is exact RoPE there, and
@@ -108,7 +118,7 @@ class TwoRegion(AttentionScheme):
         if (isinstance(sliding, int) and sliding <= self.split() and not attention.memory_rotaries(module)
                 and not (hides and getattr(module, "is_sliding", None) is False)):
             return None
-        return self._layout()[0]
+        return self.copies()
 
     def geometry(self) -> attention.Geometry:
         """The scheme's attention, declared.
@@ -118,7 +128,8 @@ class TwoRegion(AttentionScheme):
                 against the far keys.
         """
         w = self.split()
-        return attention.Geometry((attention.Region(hi=w), attention.Region(query=1, keys=self._layout()[1], lo=w)))
+        far_keys = len(self.copies().key_copies) - 1  # the far keys' set: the last one
+        return attention.Geometry((attention.Region(hi=w), attention.Region(query=1, keys=far_keys, lo=w)))
 
     def build(self, target):
         return attention.Declared(self.geometry()), None
@@ -164,18 +175,12 @@ class SelfExtend(TwoRegion):
 
     def __post_init__(self):
         n = self.name
-        if self.group_size is None:
-            raise TypeError(f"{n}: missing required parameter `group_size` (positions beyond the window are "
-                            "floor-divided by it, e.g. 4).")
-        low, high = check.GROUP_SIZE_RANGE
-        self._set("group_size", check.integer(n, "group_size", self.group_size, ge=low, le=high,
-                                              hint="group_size=1 is plain RoPE; the paper uses 2 … 64."))
+        self._set("group_size", _required(n, "group_size", self.group_size,
+                                          "positions beyond the window are floor-divided by it, e.g. 4",
+                                          check.GROUP_SIZE_RANGE,
+                                          hint="group_size=1 is plain RoPE; the paper uses 2 … 64."))
         self._set("window_size", _check_window_size(n, self.window_size))
-        if self.window_size <= self.group_size:
-            raise ValueError(
-                f"{n}: parameter `window_size` must be larger than `group_size` (the neighbour window holds whole "
-                f"groups), got window_size={self.window_size}, group_size={self.group_size}. Raise window_size."
-            )
+        _check_groups(n, self.window_size, self.group_size)
 
     def far_positions(self):
         g, w = self.group_size, self.window_size
@@ -316,20 +321,15 @@ class SelfExtendLogistic(TwoRegion):
 
     def __post_init__(self):
         n = self.name
-        if self.group_size is None:
-            raise TypeError(f"{n}: missing required parameter `group_size` (the capacity C of the logistic curve: "
-                            "group sizes grow from 1 towards C − 1, e.g. 16).")
         low, high = check.GROUP_SIZE_RANGE
-        self._set("group_size", check.integer(n, "group_size", self.group_size, ge=max(2, low), le=high,
-                                              hint="It is the logistic curve's capacity C; the authors use 16."))
+        self._set("group_size", _required(n, "group_size", self.group_size,
+                                          "the capacity C of the logistic curve: group sizes grow from 1 towards "
+                                          "C − 1, e.g. 16", (max(2, low), high),
+                                          hint="It is the logistic curve's capacity C; the authors use 16."))
         self._set("window_size", _check_window_size(n, self.window_size))
         self._set("growth_rate", check.number(n, "growth_rate", self.growth_rate, gt=0, le=100,
                                               hint="The logistic curve's rate r per group; the authors use 0.02."))
-        if self.window_size <= self.group_size:
-            raise ValueError(
-                f"{n}: parameter `window_size` must be larger than `group_size` (the neighbour window holds whole "
-                f"groups), got window_size={self.window_size}, group_size={self.group_size}. Raise window_size."
-            )
+        _check_groups(n, self.window_size, self.group_size)
 
     def far_positions(self):
         c, r, w = self.group_size, self.growth_rate, self.window_size
@@ -420,13 +420,10 @@ class LeakyReRope(TwoRegion):
     def __post_init__(self):
         n = self.name
         self._set("window_size", _check_window_size(n, self.window_size))
-        if self.factor is None:
-            raise TypeError(f"{n}: missing required parameter `factor` (k: distances beyond the window grow 1/k as "
-                            "fast, e.g. 16).")
-        low, high = check.LEAKY_FACTOR_RANGE
-        self._set("factor", check.number(n, "factor", self.factor, ge=low, le=high,
-                                         hint="factor=1 is plain RoPE, k < 1 would stretch distances, a large k "
-                                              "approaches ReRoPE (use rerope for k → ∞); Su's post uses 16."))
+        self._set("factor", _required(n, "factor", self.factor, "k: distances beyond the window grow 1/k as fast, "
+                                      "e.g. 16", check.LEAKY_FACTOR_RANGE, kind=check.number,
+                                      hint="factor=1 is plain RoPE, k < 1 would stretch distances, a large k "
+                                           "approaches ReRoPE (use rerope for k → ∞); Su's post uses 16."))
 
     def far_positions(self):
         w, k = self.window_size, self.factor
@@ -436,13 +433,6 @@ class LeakyReRope(TwoRegion):
         # the largest distance N − 1 rotates as W + (N − 1 − W)/k ≤ L − 1  ⇔  N ≤ W + k·(L − 1 − W) + 1
         w, k = self.window_size, self.factor
         return math.floor(w + k * (window - 1 - w)) + 1 if w < window else None
-
-
-def _string_size(name: str, key: str, value, what: str) -> int:
-    if value is None:
-        raise TypeError(f"{name}: missing required parameter `{key}` ({what}).")
-    low, high = check.WINDOW_RANGE
-    return check.integer(name, key, value, ge=low, le=high, hint=f"It counts tokens: {what}.")
 
 
 @register_scheme
@@ -509,12 +499,12 @@ class String(TwoRegion):
 
     def __post_init__(self):
         n = self.name
-        self._set("shift_size", _string_size(n, "shift_size", self.shift_size,
-                                             "S: distances d ≥ S are replaced by d − S + W; about ⅓ of the test "
-                                             "length, an S at least the sequence length is plain RoPE"))
-        self._set("window_size", _string_size(n, "window_size", self.window_size,
-                                              "W: the smallest distance far tokens are moved to, 128 … 512 in the "
-                                              "paper's code"))
+        self._set("shift_size", _required(n, "shift_size", self.shift_size,
+                                          "S: distances d ≥ S are replaced by d − S + W; about ⅓ of the test "
+                                          "length, an S at least the sequence length is plain RoPE"))
+        self._set("window_size", _required(n, "window_size", self.window_size,
+                                           "W: the smallest distance far tokens are moved to, 128 … 512 in the "
+                                           "paper's code"))
         if self.shift_size <= self.window_size:
             raise ValueError(
                 f"{n}: parameter `shift_size` must be larger than `window_size` (distances d ≥ S become d − S + W, "
