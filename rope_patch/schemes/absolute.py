@@ -12,9 +12,7 @@ import torch
 from torch import nn
 
 from .. import validation as check
-from ..discovery import PatchSite
 from ..registry import register_scheme
-from ..undo import UndoLog
 from .base import UNBOUNDED
 from .common import AttentionScheme, cache_arg, decoder, execution_device, sinusoid, table_dtype
 
@@ -102,10 +100,6 @@ class _Additive(AttentionScheme):
 
     keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
 
-    @staticmethod
-    def _attach_hook(log: UndoLog, target: PatchSite, encode) -> None:
-        log.add_hook(decoder(target.model), EmbeddingHook(encode), with_kwargs=True)
-
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +119,8 @@ class Sinusoidal(_Additive):
         return UNBOUNDED  # computed from the position, no table to run out of
 
     def build(self, target):
-        encode = SinusoidalEncoding(self.rope_theta)
-        return None, lambda log: self._attach_hook(log, target, encode)
+        hook = EmbeddingHook(SinusoidalEncoding(self.rope_theta))
+        return None, lambda log: log.add_hook(decoder(target.model), hook, with_kwargs=True)
 
 
 @register_scheme
@@ -169,10 +163,10 @@ class LearnedAbsolute(_Additive):
         # _weight= skips nn.Embedding's random init: applying a patch must not consume the global RNG
         table = nn.Embedding(self.max_position_embeddings, hidden,
                              _weight=init.to(device=device, dtype=table_dtype(target.model)))
-        encode = TableEncoding(target.model, self.max_position_embeddings)
+        hook = EmbeddingHook(TableEncoding(target.model, self.max_position_embeddings))
 
         def attach(log):
             log.add_module(target.model, MODULE_NAME, table)
-            self._attach_hook(log, target, encode)
+            log.add_hook(decoder(target.model), hook, with_kwargs=True)
 
         return None, attach

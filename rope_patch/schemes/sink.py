@@ -60,7 +60,6 @@ from .. import validation as check
 from ..attention.protocol import module_state
 from ..discovery import unwrap
 from ..registry import register_scheme
-from ..undo import UndoLog
 from .base import UNBOUNDED, Suggestion
 from .common import cache_arg, decoder
 from .positions import TwoRegion, _check_window_size
@@ -82,8 +81,7 @@ class SinkScores(attention.Declared):
     queries, so slot distances are the pos_shift distances. Otherwise slot j is at position j + offset."""
 
     def begin(self, call):
-        state = module_state(call.module)
-        head = getattr(state.current, "kept_head", None)
+        head = getattr(module_state(call.module).current, "kept_head", None)
         if head is not None and call.offset.numel() > 1 and bool((call.offset != call.offset[:1]).any()):
             raise ValueError(
                 "sink: a SinkCache that evicted keys met a left-padded batch: its layers evict the same slots of "
@@ -105,9 +103,9 @@ class SinkLayer(DynamicLayer):
 
     `get_seq_length` counts every token seen (positions and `generate` need it, as for transformers' sliding layers);
     `get_mask_sizes` gives the kept keys plus the queries, offset by the number evicted, so transformers' causal
-    mask marks every kept key visible (its padding lookup reads the last columns of the 2-D mask: unpadded rows)."""
+    mask marks every kept key visible (its padding lookup reads the last columns of the 2-D mask: unpadded rows).
+    Like any `DynamicLayer` it has no maximum length (`get_max_length` −1): the memory is bounded, the text is not."""
 
-    is_sliding = False
     is_croppable = False
 
     def __init__(self, sink_size: int, window_size: int, **kwargs):
@@ -116,12 +114,7 @@ class SinkLayer(DynamicLayer):
         self.cumulative_length = 0
         self.kept_head: int | None = None  # what the last update handed back: None contiguous, else sinks + run
 
-    @property
-    def capacity(self) -> int:
-        return self.sink_size + self.window_size - 1
-
-    def _stored(self) -> int:
-        return 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.shape[-2]
+    _stored = DynamicLayer.get_seq_length  # the keys it holds (its own `get_seq_length` counts every token seen)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -135,7 +128,7 @@ class SinkLayer(DynamicLayer):
 
     def _evict(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[-2]
-        if n <= self.capacity:
+        if n <= self.sink_size + self.window_size - 1:  # within what the layer keeps
             return x
         return torch.cat([x[..., :self.sink_size, :], x[..., n - (self.window_size - 1):, :]], dim=-2)
 
@@ -145,9 +138,6 @@ class SinkLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        return -1  # any text length: the memory is bounded, the length is not
 
     def crop(self, tokens_to_remove: int) -> None:
         if self.cumulative_length > self._stored():
@@ -195,10 +185,6 @@ class SinkCache(Cache):
         return cls(base.config, guard.sink_size, guard.window_size, offloading=offloading)
 
 
-def _sink_layers(cache) -> list[SinkLayer]:
-    return [layer for layer in getattr(cache, "layers", None) or () if isinstance(layer, SinkLayer)]
-
-
 class SinkGuard:
     """Forward pre-hook on the decoder: a `SinkCache` must have the scheme's sizes, and take unpadded rows."""
 
@@ -206,10 +192,10 @@ class SinkGuard:
         self.sink_size, self.window_size = sink_size, window_size
 
     def __call__(self, module, args, kwargs):
-        layers = _sink_layers(cache_arg(kwargs))
-        if not layers:
+        layer = next((x for x in getattr(cache_arg(kwargs), "layers", None) or () if isinstance(x, SinkLayer)), None)
+        if layer is None:
             return
-        sizes = (layers[0].sink_size, layers[0].window_size)
+        sizes = (layer.sink_size, layer.window_size)
         if sizes != (self.sink_size, self.window_size):
             raise ValueError(f"sink: the SinkCache keeps sink_size={sizes[0]}, window_size={sizes[1]} but the model "
                              f"runs sink_size={self.sink_size}, window_size={self.window_size}. Build it with "
@@ -221,15 +207,6 @@ class SinkGuard:
                 "puts each row's sinks at other slots); found zeros in attention_mask. Generate rows one at a time "
                 "with a SinkCache, or leave `cache` out (the default DynamicCache is exact with padding, at growing "
                 "memory).")
-
-
-@dataclasses.dataclass(frozen=True)
-class _AttachGuard:
-    target: object
-    guard: SinkGuard
-
-    def __call__(self, log: UndoLog) -> None:
-        log.add_hook(decoder(self.target.model), self.guard, with_kwargs=True)
 
 
 @register_scheme
@@ -286,5 +263,5 @@ class Sink(TwoRegion):
         return attention.Geometry((attention.Region(hi=w), attention.Region(query=1, lo=w, first=self.sink_size)))
 
     def build(self, target):
-        guard = _AttachGuard(target, SinkGuard(self.sink_size, self.window_size))
-        return SinkScores(self.geometry()), guard
+        guard = SinkGuard(self.sink_size, self.window_size)
+        return SinkScores(self.geometry()), lambda log: log.add_hook(decoder(target.model), guard, with_kwargs=True)
