@@ -54,7 +54,5 @@ _FUNCTIONS = {DENSE: (dense_attention, eager_mask), BLOCKED: (blocked_attention,
 def register() -> None:
     """Register our functions and their mask functions (idempotent; new keys only)."""
     for name, (fn, mask) in _FUNCTIONS.items():
-        if transformers.AttentionInterface._global_mapping.get(name) is not fn:
-            transformers.AttentionInterface.register(name, fn)
-        if AttentionMaskInterface._global_mapping.get(name) is not mask:
-            AttentionMaskInterface.register(name, mask)
+        transformers.AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, mask)

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import attention, discovery
 from ..discovery import PatchSite, execution_device  # noqa: F401 (re-exported for the schemes)
@@ -200,13 +200,18 @@ class AttentionScheme(Scheme):
         unequal head sizes, attention computed outside transformers' AttentionInterface)."""
         why = discovery.attention_function_limits(target, modules, target.config._attn_implementation)
         if why is not None:
-            raise ValueError(
-                f"{self.name}: {why}. This scheme runs its own attention function, so it is not supported on "
-                f"{target.model_type}; the schemes that keep the model's own attention (nope, sinusoidal, "
-                "learned_absolute) and the frequency schemes are."
-            )
+            raise self._not_here(target, why)
+
+    def _not_here(self, target: PatchSite, why: str) -> ValueError:
+        """The refusal of a model whose attention this scheme's own attention function cannot stand in for."""
+        return ValueError(
+            f"{self.name}: {why}. This scheme runs its own attention function, so it is not supported on "
+            f"{target.model_type}; the schemes that keep the model's own attention (nope, sinusoidal, "
+            "learned_absolute) and the frequency schemes are.")
 
     def _check_backend(self, target: PatchSite, scores: attention.AttentionRule) -> str:
+        """The name of rope_patch's attention function standing in for the model's backend (`attention.BACKENDS`), or
+        a clear error where it cannot run this scheme here (the backend, the scheme's forms, the device, the cache)."""
         impl = target.config._attn_implementation
         if impl not in attention.BACKENDS:
             raise ValueError(
@@ -215,27 +220,16 @@ class AttentionScheme(Scheme):
                 "blocks) or 'eager' (returns attention weights) before rope_patch.apply."
             )
         device = _device(target.model)
-        if impl == "flex_attention":
-            self._check_flex(scores, device)
-        if impl == "flash_attention_2":
-            self._check_flash(scores, device)
-        cache_impl = getattr(getattr(target.model, "generation_config", None), "cache_implementation", None)
-        if cache_impl not in (None, "dynamic", "offloaded", "quantized"):
-            raise ValueError(
-                f"{self.name}: generation_config.cache_implementation={cache_impl!r} is not supported: a static cache "
-                "pads keys to its maximum length, so key slots stop being positions. Use the default dynamic cache."
-            )
-        return attention.BACKENDS[impl]
-
-    def _check_flex(self, scores: attention.AttentionRule, device: torch.device) -> None:
-        if not attention.flex_available():
+        flex = impl == "flex_attention"
+        flash = impl == "flash_attention_2"
+        if flex and not attention.flex_available():
             raise ValueError(f"{self.name}: attention backend 'flex_attention' needs torch.nn.attention.flex_attention "
                              f"(torch ≥ 2.5), not found in torch {torch.__version__}. Use "
                              "model.set_attn_implementation('sdpa').")
-        if type(scores).flex is attention.AttentionRule.flex:
+        if flex and type(scores).flex is attention.AttentionRule.flex:
             raise ValueError(f"{self.name}: has no flex_attention form (its scores define no `flex`). Use "
                              "model.set_attn_implementation('sdpa') before rope_patch.apply.")
-        if attention.settings.FLEX_COMPILE and device.type == "cpu":
+        if flex and attention.settings.FLEX_COMPILE and device.type == "cpu":
             # torch 2.13's compiled CPU flex kernel refuses return_lse ("torch.compile on CPU only supports inference
             # and `return_lse` is not supported yet"), fails to compile once recompiles make shapes dynamic (C++
             # error "'cur_kvSplitSize0' was not declared", transformers' own flex backend too), and with static
@@ -249,25 +243,30 @@ class AttentionScheme(Scheme):
                 f"model on {device}. Use model.set_attn_implementation('sdpa') on CPU (the memory-lean blocked path, "
                 "exact), or run flex_attention on CUDA."
             )
-
-    def _check_flash(self, scores: attention.AttentionRule, device: torch.device) -> None:
-        if scores.flash_slopes(device) is None:
+        if flash and scores.flash_slopes(device) is None:
             raise ValueError(
                 f"{self.name}: attention backend 'flash_attention_2' cannot run this scheme (flash-attention only adds "
                 "ALiBi slopes, no other bias or rotation; supported there: alibi, nope, sinusoidal, learned_absolute). "
                 "Use model.set_attn_implementation('sdpa') (or 'flex_attention' on CUDA) before rope_patch.apply."
             )
-        if attention.flash_module() is None:
+        if flash and attention.flash_module() is None:
             raise ValueError(
                 f"{self.name}: attention backend 'flash_attention_2' needs the `flash_attn` package, which cannot be "
                 "imported. Install flash-attn (CUDA), or use model.set_attn_implementation('sdpa')."
             )
-        if device.type not in attention.settings.FLASH_DEVICES:
+        if flash and device.type not in attention.settings.FLASH_DEVICES:
             raise ValueError(
                 f"{self.name}: attention backend 'flash_attention_2' runs "
                 f"on {' / '.join(attention.settings.FLASH_DEVICES)} tensors; found the model on {device}. Move it with "
                 "model.to('cuda') first, or use model.set_attn_implementation('sdpa')."
             )
+        cache_impl = getattr(getattr(target.model, "generation_config", None), "cache_implementation", None)
+        if cache_impl not in (None, "dynamic", "offloaded", "quantized"):
+            raise ValueError(
+                f"{self.name}: generation_config.cache_implementation={cache_impl!r} is not supported: a static cache "
+                "pads keys to its maximum length, so key slots stop being positions. Use the default dynamic cache."
+            )
+        return attention.BACKENDS[impl]
 
     def prepare(self, target: PatchSite) -> InstallStep:
         scores, attach = self.build(target)  # everything computed here, so bad input fails before the model is touched
@@ -278,12 +277,9 @@ class AttentionScheme(Scheme):
         if scores is not None and not modules:
             own = [m for m in target.model.modules() if hasattr(m, "layer_idx") and _takes_positions(m)]
             if own:  # layers that take positions, none of which runs attention through transformers' interface
-                raise ValueError(
-                    f"{self.name}: {target.model_type} computes attention in its own module code "
-                    f"({type(own[0]).__name__} does not call transformers' AttentionInterface), so a registered "
-                    "attention function never runs. This scheme runs its own attention function, so it is not "
-                    f"supported on {target.model_type}; the schemes that keep the model's own attention (nope, "
-                    "sinusoidal, learned_absolute) and the frequency schemes are.")
+                raise self._not_here(target, f"{target.model_type} computes attention in its own module code ("
+                                             f"{type(own[0]).__name__} does not call transformers' AttentionInterface),"
+                                             " so a registered attention function never runs")
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
         model = target.model
         moves = self.repositions()
@@ -392,11 +388,6 @@ class AttachModule:
         log.add_module(self.parent, self.name, self.child)
 
 
-def _state_only(layer) -> bool:
-    """A cache layer of linear attention only (conv / recurrent states, no keys and values)."""
-    return isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
-
-
 def _gapped(position_ids, attention_mask) -> bool:
     """Whether consecutive real tokens of some row have ids that do not step by 1 (pads, 0 in a 2-D mask, ignored)."""
     if position_ids is None or position_ids.shape[-1] < 2:
@@ -415,10 +406,10 @@ GAPPED = "rope_patch_gapped_ids"
 
 
 def _key_layers(cache) -> list:
-    """The cache layers that hold keys: not a hybrid model's linear-attention layers (qwen3_next's gated delta net
-    caches a recurrent state), nor the empty placeholders of KV-shared layers (Gemma 4's DummyLayer)."""
+    """The cache layers that hold keys (a `CacheLayerMixin`): not a hybrid model's linear-attention layers (qwen3_next's
+    gated delta net caches a recurrent state), nor the empty placeholders of KV-shared layers (Gemma 4's DummyLayer)."""
     layers = getattr(cache, "layers", None) or ()
-    return [layer for layer in layers if isinstance(layer, CacheLayerMixin) and not _state_only(layer)]
+    return [layer for layer in layers if isinstance(layer, CacheLayerMixin)]
 
 
 def _holds_keys(cache) -> bool:
