@@ -28,14 +28,14 @@ _EXPORTS = {
     "Scheme": "schemes.base", "FrequencyScheme": "schemes.frequency", "Stack": "schemes.stack",
     "AttentionScheme": "schemes.common", "TwoRegion": "schemes.positions",
     "AttentionRule": "attention.protocol", "Declared": "attention.declared", "Geometry": "attention.geometry",
-    "Region": "attention.geometry",
+    "Region": "attention.geometry", "Bias": "attention.geometry",
     "Suggestion": "suggest", "suggest": "suggest",
 }
 
 if TYPE_CHECKING:
     from .api import apply, as_scheme, context_window, current, patched, remove
     from .attention.declared import Declared
-    from .attention.geometry import Geometry, Region
+    from .attention.geometry import Bias, Geometry, Region
     from .attention.protocol import AttentionRule
     from .lengths import LengthFix, fix_length, fixed_length
     from .persistence import from_pretrained, native_config, save_pretrained, to_rope_parameters
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionRule",
     "AttentionScheme",
+    "Bias",
     "Declared",
     "FrequencyScheme",
     "Geometry",

@@ -20,7 +20,7 @@ Shape letters:
             position id where ids have gaps (`AttentionCall.gapped`)
 
     protocol.py      the contract: AttentionRule, AttentionCall, Partial + merge
-    geometry.py      Region, Geometry: what a scheme declares          declared.py   Declared: the rule derived from it
+    geometry.py      Region, Bias, Geometry: a declaration             declared.py   Declared: the rule derived from it
     rules.py         Plain: attention as the model has it              kernels.py    flash kernels returning lse
     copies.py        the position copies a layer runs                  calls.py      one call's copies → AttentionCall
     blocked.py       rope_patch_blocked / rope_patch_dense             flex.py       flex_call and block masks
@@ -38,7 +38,7 @@ from .copies import HEADS, ROWS, SEQUENTIAL, SPLIT, CacheView, Identity, Layout,
 from .declared import Declared
 from .flash import flash_module
 from .flex import band_block_mask, causal_block_mask, flex_available, flex_call, mask_rows
-from .geometry import Geometry, Region
+from .geometry import Bias, Geometry, Region
 from .kernels import band_partial, flash_causal_partial, flash_distance_partial, flash_partial
 from .protocol import STATE, AttentionCall, AttentionRule, Partial, fit_rows, merge
 from .registration import BACKENDS, BLOCKED, DENSE, FA2, FLEX, AttnState, register
@@ -46,7 +46,7 @@ from .rotation import Rotation, floor_div
 from .rules import PLAIN, Plain
 
 __all__ = [
-    "AttentionCall", "AttentionRule", "AttnState", "BACKENDS", "band_block_mask", "band_partial", "BLOCKED",
+    "AttentionCall", "AttentionRule", "AttnState", "BACKENDS", "Bias", "band_block_mask", "band_partial", "BLOCKED",
     "blocked_attention", "CacheView", "causal_block_mask", "Declared", "DENSE", "dense_attention", "FA2", "fit_rows",
     "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "FLEX", "flex_available",
     "flex_call", "floor_div", "Geometry", "HEADS", "Identity", "Layout", "mask_rows", "memory_rotaries", "merge",

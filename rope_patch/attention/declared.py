@@ -11,6 +11,11 @@ middle: its keys go through one masked call. Regions that count chunks (DCA) spl
 boundaries instead: a group of rows in one chunk meets each region's keys as one contiguous range. The materialised
 path writes each region's scores over the keys it can reach into one block of hidden logits; flex_attention runs one
 call per region, its BlockMask cut to the band. The partial softmaxes merge by log-sum-exp (`merge`).
+
+A bias of the distance (`Geometry.bias`) adds to the materialised scores per block, and to flex's scores through a
+score_mod reading one (H, keys) vector; on the fused path it is the kernel's additive mask, a strided view of one
+(H, q + k) vector (`flash_distance_partial`), for a geometry of one region over every key (else the scores are
+materialised).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from .copies import NotProven
 from .flex import band_block_mask, flex_call
 from .geometry import Geometry, Region
-from .kernels import flash_causal_partial, flash_partial
+from .kernels import flash_causal_partial, flash_distance_partial, flash_partial
 from .protocol import AttentionCall, AttentionRule, fit_rows, merge, module_state
 from .rules import PLAIN
 
@@ -37,10 +42,12 @@ class Declared(AttentionRule):
         geometry: the scheme's regions.
     """
 
-    flex_lse = True  # regions merge by log-sum-exp
-
     def __init__(self, geometry: Geometry):
         self.geometry = geometry
+
+    @property
+    def flex_lse(self) -> bool:
+        return len(self.geometry.regions) > 1  # regions merge by log-sum-exp
 
     def probe(self, length):
         return type(self)(self.geometry.probe(length))
@@ -50,7 +57,8 @@ class Declared(AttentionRule):
         """What the apply-time check's verdict depends on (attention/plumbing.py caches it per architecture): the
         rule's class and which copies its regions read, and whether they hide keys (which a layer without positions
         refuses), not the regions' sizes."""
-        return type(self).__qualname__, tuple((r.query, r.keys, r.first is not None) for r in self.geometry.regions)
+        return type(self).__qualname__, tuple((r.query, r.keys, r.first is not None, r.chosen)
+                                              for r in self.geometry.regions)
 
     def fused_rows(self, heads):
         if self.geometry.chunk is not None:  # rows split at chunk boundaries: long blocks keep whole chunks together
@@ -94,7 +102,29 @@ class Declared(AttentionRule):
 
     def _plain(self, call) -> bool:
         regions = call.scratch["regions"]
-        return len(regions) == 1 and regions[0].plain
+        return len(regions) == 1 and regions[0].plain and self.geometry.bias is None
+
+    def _pair(self, call, region) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries (b, Hkv, G, q, d) and keys (b, Hkv, k, d) `region` reads: its query copy and key set, or with
+        `Region.chosen` each KV head's own (gathered once per call; a cache that kept each head's chosen keys alone
+        hands over one key set)."""
+        if not region.chosen:
+            return call.queries[region.query], call.keys[region.keys]
+        if "chosen" not in call.scratch:
+            b, hkv = call.key.shape[:2]
+            sets = self.chosen_sets(call.module.layer_idx, b)  # (b, Hkv)
+            rows, heads = torch.arange(b, device=sets.device)[:, None], torch.arange(hkv, device=sets.device)
+            key = call.key if len(call.keys) == 1 else torch.stack(call.keys)[sets, rows, heads]
+            call.scratch["chosen"] = torch.stack(call.queries)[sets, rows, heads], key
+        return call.scratch["chosen"]
+
+    def _whole(self, call) -> Region | None:
+        """The one region over every key (every distance ≥ 0), if that is the call's geometry: a bias's, a chosen
+        pair's, or a one-copy layer's."""
+        regions = call.scratch["regions"]
+        if len(regions) == 1 and (regions[0].lo, regions[0].hi, regions[0].first) == (0, math.inf, None):
+            return regions[0]
+        return None
 
     # ---- materialised ----------------------------------------------------------------------------------------------
     def _where(self, call, region, rows, start, end):
@@ -166,15 +196,26 @@ class Declared(AttentionRule):
     def logits(self, call, rows, start, end):
         if self._plain(call):
             return PLAIN.logits(call, rows, start, end)
+        whole = self._whole(call)
+        if whole is not None:  # every key at one pair of copies: the future left to the mask, as the model's own
+            q, k = self._pair(call, whole)
+            s = call.qk(q[:, :, :, rows], k[:, :, start:end])
+        else:
+            s = self._region_logits(call, rows, start, end)
+        return s if self.geometry.bias is None else s + self._bias(call, rows, start, end)
+
+    def _region_logits(self, call, rows, start, end):
+        """Each region's scores over the keys it reaches, HIDDEN where no region covers a key."""
         s = None
         for region in call.scratch["regions"]:
             a, z = self._keys(call, region, rows, start, end)
             if a == z:
                 continue
-            part = call.qk(call.queries[region.query][:, :, :, rows], call.keys[region.keys][:, :, a:z])
+            q, k = self._pair(call, region)
+            part = call.qk(q[:, :, :, rows], k[:, :, a:z])
+            ia, iz = self._keys(call, region, rows, a, z, every=True)  # every row inside: no mask to build
             if s is None:
                 s = part.new_full((*part.shape[:-1], end - start), HIDDEN)
-            ia, iz = self._keys(call, region, rows, a, z, every=True)  # every row inside: no mask to build
             s[..., ia - start:iz - start] = part[..., ia - a:iz - a]
             for lo, hi in ((a, ia), (iz, z)):
                 if lo < hi:
@@ -184,6 +225,17 @@ class Declared(AttentionRule):
             b, hkv, g = call.query.shape[:3]
             s = torch.full((b, hkv, g, rows.stop - rows.start, end - start), HIDDEN, device=call.query.device)
         return s
+
+    def _bias(self, call, rows, start, end) -> torch.Tensor:
+        """(1|b, Hkv, G, r, end − start) float32: the bias of every score's distance (one lookup per score; a decoding
+        step's row is one (H, keys) lookup). With gapped ids, one per batch row (distances of position ids)."""
+        dist = call.distance(rows, start, end)  # (r, w), or (b, 1, 1, r, w) with gapped ids
+        heads = call.query.shape[1:3]
+        bias = self.geometry.bias.by_distance(call, dist.reshape(-1))  # (H, n)
+        if not call.gapped:
+            return bias.view(1, *heads, *dist.shape)
+        b, r, w = dist.shape[0], dist.shape[-2], dist.shape[-1]
+        return bias.view(-1, b, r, w).transpose(0, 1).reshape(b, *heads, r, w)
 
     def regions(self, call, rows, start, end):
         if self._plain(call):
@@ -196,6 +248,8 @@ class Declared(AttentionRule):
             return PLAIN.fused(call, rows, end)
         if any(low != high for low, high in call.scratch["first_range"].values()):  # rows' first keys differ
             return None
+        if self.geometry.bias is not None:
+            return self._bias_parts(call, rows, end)
         if self.geometry.chunk is not None:
             return self._chunk_parts(call, rows, end)
         parts = []
@@ -203,10 +257,31 @@ class Declared(AttentionRule):
             parts += self._region_parts(call, region, rows, end)
         return parts or None
 
+    def _bias_parts(self, call, rows, end):
+        """One region over every key with a bias: the kernel's mask a view of the bias-by-distance vector; keys past
+        the bias's `flat_after` from every row (one constant per head) through a kernel call without a mask, the
+        constant added to its log-sum-exp."""
+        region, bias = self._whole(call), self.geometry.bias
+        if region is None or region.chosen or (region.query, region.keys) != (0, 0):
+            return None
+        if "by_distance" not in call.scratch:  # once per call: every distance a block meets, the future at −inf
+            distance = torch.arange(1 - call.query.shape[3], call.key.shape[2], device=call.query.device)
+            by = bias.by_distance(call, distance.clamp(min=0)).masked_fill(distance < 0, float("-inf"))
+            # float32 for half-precision queries (the kernel adds a float32 mask exactly); float64 queries want theirs
+            call.scratch["by_distance"] = by.to(torch.promote_types(call.query.dtype, torch.float32)).contiguous()
+        start = 0 if bias.flat_after is None else max(0, call.first_slot(rows) - bias.flat_after + 1)
+        near = flash_distance_partial(call, rows, end, call.scratch["by_distance"], start)
+        if start == 0:
+            return [near]
+        out, lse = flash_partial(call, call.query[:, :, :, rows], call.key[:, :, :start], call.value[:, :, :start])
+        flat = bias.by_distance(call, torch.tensor([bias.flat_after], device=call.query.device))  # (H, 1)
+        return [(out, lse + flat.view(1, -1, 1)), near]
+
     def _region_parts(self, call, region, rows, end):
         c, r = call.first_slot(rows), rows.stop - rows.start
         limit = end if region.first is None else min(end, call.scratch["first_range"][region.first][0])
-        q, k, v = call.queries[region.query][:, :, :, rows], call.keys[region.keys], call.value
+        (q, k), v = self._pair(call, region), call.value
+        q = q[:, :, :, rows]
 
         def masked(kind, lo, hi):  # keys [lo, hi) of an edge starting at slot `lo0`
             lo0 = c - (region.lo if kind == "near" else int(region.hi))
@@ -252,7 +327,8 @@ class Declared(AttentionRule):
             group = slice(rows.start + a - first, rows.start + z - first)
             parts = []
             for region in call.scratch["regions"]:
-                q, k, v = call.queries[region.query][:, :, :, group], call.keys[region.keys], call.value
+                (q, k), v = self._pair(call, region), call.value
+                q = q[:, :, :, group]
                 lo, hi = self._keys(call, region, group, 0, z)
                 if hi > a:  # the group's own keys: causal
                     parts.append(flash_causal_partial(call, q, k[:, :, a:z], v[:, :, a:z]))
@@ -280,11 +356,27 @@ class Declared(AttentionRule):
     def flex(self, call, block_mask):
         if self._plain(call):
             return PLAIN.flex(call, block_mask)
+        score_mod = None if self.geometry.bias is None else self._flex_bias(call)
         parts = []
         for region in call.scratch["regions"]:
             first = call.scratch["first"].get(region.first)
-            mask = band_block_mask(block_mask, call, region.lo, region.hi, first, region.chunk)
-            q = call.queries[region.query].flatten(1, 2)
-            parts.append(flex_call(call, q, call.keys[region.keys], call.value, mask, lse=True))
-        return merge(parts)
+            if (region.lo, region.hi, first, region.chunk) != (0, math.inf, None, None):
+                mask = band_block_mask(block_mask, call, region.lo, region.hi, first, region.chunk)
+            else:
+                mask = block_mask
+            q, k = self._pair(call, region)
+            parts.append(flex_call(call, q.flatten(1, 2), k, call.value, mask, score_mod, lse=self.flex_lse))
+        return merge(parts) if self.flex_lse else parts[0]
+
+    def _flex_bias(self, call):
+        """The bias as a score_mod reading the per-call (H, k) bias-by-distance vector: the lookup costs O(L), not
+        O(L²). Distances in slots; future keys (masked anyway) read distance 0."""
+        k_len = call.key.shape[2]
+        by_distance = self.geometry.bias.by_distance(call, torch.arange(k_len, device=call.key.device))  # (H, k)
+        first = torch.tensor(k_len - call.query.shape[3], device=call.query.device)
+
+        def bias(score, b, h, qi, kv):
+            return score + by_distance[h, (qi + first - kv).clamp(min=0)]
+
+        return bias
 

@@ -1,8 +1,8 @@
 """Additive attention biases: ALiBi (fixed slopes) and T5/Shaw relative-position buckets (learned).
 
-Both remove the rotation and add b_h(i − j) to the logits of query i and key j. The bias is never a (heads, L, L)
-tensor: the fused path reads it from one (heads, L) vector by distance, the materialised path builds it per query
-block.
+Both remove the rotation and add b_h(i − j) to the logits of query i and key j: a declared geometry of one region
+over every key with a `Bias` (attention/geometry.py), from which attention/declared.py derives every backend. The
+bias is never a (heads, L, L) tensor.
 """
 
 from __future__ import annotations
@@ -37,51 +37,7 @@ def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
     return power_of_two(closest) + alibi_slopes(2 * closest, max_bias)[0::2][: n_heads - closest]
 
 
-def _heads(q: torch.Tensor) -> torch.Tensor:
-    """(b, Hkv, G, q, d) → (b, H, q, d), query head h = kv head h // G (repeat_kv order)."""
-    return q.flatten(1, 2)
-
-
-class DistanceBias(attention.AttentionRule):
-    """An additive bias b_h(i − j) of the distance alone, per query head. On the fused path it is one kernel call per
-    query block with the bias as a strided view of one (H, keys) vector (`attention.flash_distance_partial`)."""
-
-    def by_distance(self, call, distance: torch.Tensor) -> torch.Tensor:
-        """(H, n) float32: b_h(d) for the distances `distance` (n,) ≥ 0, query heads in the call's order."""
-        raise NotImplementedError
-
-    def logits(self, call, rows, start, end):
-        return call.qk(call.query[:, :, :, rows], call.key[:, :, start:end]) + self.bias(call, rows, start, end)
-
-    def bias(self, call, rows, start, end) -> torch.Tensor:
-        """(1|b, Hkv, G, r, end − start) float32: b_h(i − j) looked up for every score's distance (one gather or
-        multiply per score; a decoding step's row is one (H, keys) lookup). With gapped ids, a bias per element of
-        the batch (distances of position ids)."""
-        dist = call.distance(rows, start, end)  # (r, w), or (b, 1, 1, r, w) with gapped ids
-        heads = call.query.shape[1:3]
-        bias = self.by_distance(call, dist.reshape(-1))  # (H, n)
-        if not call.gapped:
-            return bias.view(1, *heads, *dist.shape)
-        b, r, w = dist.shape[0], dist.shape[-2], dist.shape[-1]
-        return bias.view(-1, b, r, w).transpose(0, 1).reshape(b, *heads, r, w)
-
-    def fused_rows(self, heads):
-        return 1024  # nothing is materialised on the fused path
-
-    def fused(self, call, rows, end):
-        return [self.near(call, rows, end, 0)]
-
-    def near(self, call, rows, end, start):
-        """The Partial of key slots [start, end) through the bias-by-distance view."""
-        if "by_distance" not in call.scratch:  # once per call: every distance a block meets, the future at −inf
-            distance = torch.arange(1 - call.query.shape[3], call.key.shape[2], device=call.query.device)
-            bias = self.by_distance(call, distance.clamp(min=0)).masked_fill(distance < 0, float("-inf"))
-            # float32 for half-precision queries (the kernel adds a float32 mask exactly); float64 queries want theirs
-            call.scratch["by_distance"] = bias.to(torch.promote_types(call.query.dtype, torch.float32)).contiguous()
-        return attention.flash_distance_partial(call, rows, end, call.scratch["by_distance"], start)
-
-
-class AlibiScores(DistanceBias):
+class AlibiBias(attention.Bias):
     """−m_h·(i − j) with the slopes of the call's query head count (layers may differ in it: heterogeneous configs);
     `max_bias` None: all slopes 0 (the apply-time check's identity setting)."""
 
@@ -89,33 +45,27 @@ class AlibiScores(DistanceBias):
         self.max_bias = max_bias
         self._by_heads: dict[int, torch.Tensor] = {}
 
-    def heads_slopes(self, heads: int) -> torch.Tensor:
+    def slopes(self, heads: int) -> torch.Tensor:
         """(H,) float32, one per query head (GQA: not per kv head)."""
         if heads not in self._by_heads:
             values = alibi_slopes(heads, self.max_bias) if self.max_bias is not None else [0.0] * heads
             self._by_heads[heads] = torch.tensor(values, dtype=torch.float32)
         return self._by_heads[heads]
 
-    def probe(self, length):
-        return AlibiScores(None)  # slopes 0: the model without positions (NoPE)
-
     def by_distance(self, call, distance):
-        slopes = self.heads_slopes(call.query.shape[1] * call.query.shape[2]).to(call.query.device)
+        slopes = self.slopes(call.query.shape[1] * call.query.shape[2]).to(call.query.device)
         return -slopes[:, None] * distance.float()  # score(i, j) −= m_h·(i − j)
 
-    def flex(self, call, block_mask):
-        """One flex_attention call; the bias is a score_mod (nothing of size L×L): s − m_h·(i − j), i − j in slots."""
-        slopes = self.heads_slopes(call.query.shape[1] * call.query.shape[2]).to(call.query.device)  # flex: query head
-        first = torch.tensor(call.key.shape[2] - call.query.shape[3], device=call.query.device)
+    def probe(self):
+        return AlibiBias(None)  # slopes 0: the model without positions (NoPE)
 
-        def alibi(score, b, h, qi, kv):
-            return score - slopes[h] * (qi + first - kv)
 
-        return attention.flex_call(call, _heads(call.query), call.key, call.value, block_mask, alibi)
+class AlibiScores(attention.Declared):
+    """ALiBi's declared attention, plus its flash-attention form."""
 
     def flash_slopes(self, device, heads: int = 0):
         # flash_attn: fp32 (H,), bias −slope·|i − j|; asked with no head count: "has a flash form" (common.py)
-        return self.heads_slopes(heads or 1).to(device=device, dtype=torch.float32)
+        return self.geometry.bias.slopes(heads or 1).to(device=device, dtype=torch.float32)
 
 
 @register_scheme
@@ -143,7 +93,7 @@ class Alibi(AttentionScheme):
         return UNBOUNDED
 
     def build(self, target):
-        return AlibiScores(self.max_bias), None
+        return AlibiScores(attention.Geometry((attention.Region(),), bias=AlibiBias(self.max_bias))), None
 
     def distance_bias(self, distances, num_heads):
         """−m_h·Δ per head h (`alibi_slopes`), float64."""
@@ -194,16 +144,21 @@ class RelativeBias(nn.Module):
         return f"layers={layers}, heads={heads}, num_buckets={buckets}, max_distance={self.max_distance}"
 
 
-class RelativeBiasScores(DistanceBias, DeviceTables):
-    def __init__(self, owner: nn.Module, num_buckets: int, max_distance: int):
-        # The table is looked up on its owner at call time: peft may have replaced it by a wrapper since.
-        self.owner, self.num_buckets, self.max_distance = owner, num_buckets, max_distance
+class BucketBias(attention.Bias, DeviceTables):
+    """w_{layer,h}[bucket(i − j)], read from the model's table at call time (peft may have replaced it by a wrapper
+    since); `owner` None: an all-zero table (the apply-time check's identity setting)."""
 
-    def probe(self, length):
-        return _ZeroTable(self.num_buckets, self.max_distance)  # a zero bias: the model without positions (NoPE)
+    def __init__(self, owner: nn.Module | None, num_buckets: int, max_distance: int):
+        self.owner, self.num_buckets, self.max_distance = owner, num_buckets, max_distance
+        self.flat_after = max_distance  # every farther distance is in the last bucket
+
+    def probe(self):
+        return BucketBias(None, self.num_buckets, self.max_distance)
 
     def table(self, call) -> torch.Tensor:
         heads = call.query.shape[1] * call.query.shape[2]  # the table has rows for the most heads any layer has
+        if self.owner is None:
+            return torch.zeros(heads, self.num_buckets, device=call.query.device)
         # on the layer's device (layers spread over devices by a device_map read one table)
         return getattr(self.owner, MODULE_NAME)(call.module.layer_idx)[:heads].to(call.query.device)  # (H, buckets)
 
@@ -218,41 +173,6 @@ class RelativeBiasScores(DistanceBias, DeviceTables):
     def by_distance(self, call, distance):
         # index_select: 5x faster than advanced indexing for one row of a decoding step
         return self.table(call).index_select(1, self.buckets(distance)).float()
-
-    def fused(self, call, rows, end):
-        """Keys at distance ≥ max_distance from every row of the block all fall in the last bucket: a per-head
-        constant, i.e. plain attention through the fused kernel (no mask to add) with that constant added to its
-        log-sum-exp. Only the nearer keys (block + max_distance − 1 of them) go through the bias-by-distance view."""
-        start = max(0, call.first_slot(rows) - self.max_distance + 1)
-        near = self.near(call, rows, end, start)
-        if start == 0:
-            return [near]
-        out, lse = attention.flash_partial(call, call.query[:, :, :, rows], call.key[:, :, :start],
-                                           call.value[:, :, :start])
-        last = self.table(call)[:, -1].float().view(1, -1, 1)  # (1, H, 1)
-        return [(out, lse + last), near]
-
-    def flex(self, call, block_mask):
-        """One flex_attention call; the score_mod reads the per-call (H, k_len) bias-by-distance vector, so the
-        table lookup costs O(L), not O(L²). Future keys (masked anyway) read distance 0."""
-        k_len = call.key.shape[2]
-        by_distance = self.by_distance(call, torch.arange(k_len, device=call.key.device))  # (H, k_len)
-        first = torch.tensor(k_len - call.query.shape[3], device=call.query.device)
-
-        def bias(score, b, h, qi, kv):
-            return score + by_distance[h, (qi + first - kv).clamp(min=0)]
-
-        return attention.flex_call(call, _heads(call.query), call.key, call.value, block_mask, bias)
-
-
-class _ZeroTable(RelativeBiasScores):
-    """The relative bias with an all-zero table (the identity setting the apply-time check runs)."""
-
-    def __init__(self, num_buckets: int, max_distance: int):
-        super().__init__(None, num_buckets, max_distance)
-
-    def table(self, call) -> torch.Tensor:
-        return torch.zeros(call.query.shape[1] * call.query.shape[2], self.num_buckets, device=call.query.device)
 
 
 @register_scheme
@@ -310,5 +230,6 @@ class RelativeBiasScheme(AttentionScheme):
         if hasattr(target.model, MODULE_NAME):
             raise ValueError(f"{self.name}: the model already has an attribute {MODULE_NAME!r}.")
         table = self._table(target)  # one object: the scores read it, the model owns it (optimizer, state_dict)
-        scores = RelativeBiasScores(target.model, self.num_buckets, self.max_distance)
-        return scores, AttachModule(target.model, MODULE_NAME, table)
+        bias = BucketBias(target.model, self.num_buckets, self.max_distance)
+        return attention.Declared(attention.Geometry((attention.Region(),), bias=bias)), AttachModule(
+            target.model, MODULE_NAME, table)

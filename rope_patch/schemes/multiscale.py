@@ -67,7 +67,7 @@ from .. import attention
 from .. import validation as check
 from ..registry import register_scheme
 from .base import Suggestion
-from .common import AttentionScheme
+from .common import AttentionScheme, attention_modules
 
 RATIO_RANGE = (1.0, 64.0)
 DEFAULT_SKIP = 2  # the authors' scripts: `--apply_layers 2,...,31` on Vicuna-7B's 32 layers
@@ -114,88 +114,57 @@ def visible_keys(call: attention.AttentionCall) -> torch.Tensor:
     return seen if same is None else seen & same.reshape(-1, k_len)
 
 
-class MultiScaleScores(attention.AttentionRule):
-    """Each KV head (and its query heads) reads the queries and keys of its ratio's copy: `queries[1 + order[g]]`,
-    `keys[1 + order[g]]`; copy 0 (position 0) gives the outlier scores of a prefill. A layer handed over as one copy
-    (a layer the scheme skips) attends as the model does. `orders[layer_idx]` (b, Hkv): the prompt's head order. After
-    the prompt the cache hands back one key set, each head's ratio set (`chosen_sets`), except on a model whose layers
+PER_HEAD = attention.Geometry((attention.Region(chosen=True),))  # every key, each KV head at its own ratio's copy
+
+
+class MultiScaleScores(attention.Declared):
+    """One region over every key, each KV head (and its query heads) reading its ratio's copy, `1 + order[g]`
+    (`Region.chosen`); copy 0 (position 0) gives the outlier scores of a prefill. A layer handed over as one copy (a
+    layer the scheme skips) attends as the model does. `orders[layer_idx]` (b, Hkv): the prompt's head order. After the
+    prompt the cache hands back one key set, each head's ratio set (`chosen_sets`), except on a model whose layers
     share keys (module docstring, (a))."""
 
-    def __init__(self):
+    def __init__(self, geometry: attention.Geometry = PER_HEAD):
+        super().__init__(geometry)
         self.orders: dict[int, torch.Tensor] = {}
         self.chosen: dict[int, list[int]] = {}  # orders[layer][0] as a list (no device read per step)
 
-    def probe(self, length):
-        return MultiScaleScores()  # the check's copies are all at true positions: every order is the model
-
-    def fused_rows(self, heads):
-        return 1024
-
     def begin(self, call):
         hkv = call.key.shape[1]
-        if len(call.queries) == 1:  # a skipped layer: attention as the model has it
-            call.scratch["q"], call.scratch["k"] = call.query, call.key
-            return
-        if len(call.queries) < hkv + 1 or len(call.queries) > hkv + 2:  # the check adds one copy of its own
-            raise attention.NotProven(f"ms_poe: the layer has {hkv} key/value heads but {len(call.queries) - 1} ratio "
-                                      "copies (read from its config at apply time)")
-        layer = call.module.layer_idx
-        b, k_len, q_len = call.query.shape[0], call.key.shape[2], call.query.shape[3]
-        if k_len == q_len:  # a prompt: its order, for this call and the cached ones after it
-            self.orders[layer] = head_order(call.queries[0][:, :, :, -1:], call.keys[0],
-                                            visible_keys(call), call)
-            self.chosen[layer] = self.orders[layer][0].tolist()  # one row's, read by its decoding steps
-        order = self.order(layer, b)
-        rows, heads = torch.arange(b, device=order.device)[:, None], torch.arange(hkv, device=order.device)[None, :]
-        call.scratch["q"] = torch.stack(call.queries[1:hkv + 1])[order, rows, heads]  # (b, Hkv, G, q, d)
-        call.scratch["order"] = order
-        if len(call.keys) == 1:  # the cache kept each head's chosen keys alone (`chosen_sets`)
-            call.scratch["k"] = call.key
+        if len(call.queries) > 1:  # not a skipped layer
+            if len(call.queries) < hkv + 1 or len(call.queries) > hkv + 2:  # the check adds one copy of its own
+                raise attention.NotProven(f"ms_poe: the layer has {hkv} key/value heads but {len(call.queries) - 1} "
+                                          "ratio copies (read from its config at apply time)")
+            layer = call.module.layer_idx
+            if call.key.shape[2] == call.query.shape[3]:  # a prompt: its order, for this call and the cached ones after
+                self.orders[layer] = head_order(call.queries[0][:, :, :, -1:], call.keys[0], visible_keys(call), call)
+                self.chosen[layer] = self.orders[layer][0].tolist()  # one row's, read by its decoding steps
+            self.chosen_sets(layer, call.query.shape[0])  # a cached call without its prompt's order: the error now
+        super().begin(call)
 
-    def order(self, layer: int, b: int) -> torch.Tensor:
-        """(b, Hkv): the head order of the layer's latest prompt, or a clear error where there is none for b rows."""
-        order = self.orders.get(layer)
-        if order is None or order.shape[0] != b:
+    def chosen_sets(self, layer_idx, rows):
+        """Key set 1 + order[g] for KV head g (set 0: position 0, read only by a prompt's order), or a clear error
+        where no prompt computed the order for `rows` rows."""
+        order = self.orders.get(layer_idx)
+        if order is None or order.shape[0] != rows:
             raise ValueError(
-                f"ms_poe: a cached call (layer {layer}, batch {b}) without the head order of its prompt "
+                f"ms_poe: a cached call (layer {layer_idx}, batch {rows}) without the head order of its prompt "
                 f"({'none computed' if order is None else f'the last prompt had batch {order.shape[0]}'}): "
                 "the order is computed when a call's queries are all its keys (the prompt). Start from the "
                 "prompt with an empty cache (model.generate does).")
-        return order
-
-    def chosen_sets(self, layer_idx, rows):
-        """Key set 1 + order[g] for KV head g (set 0: position 0, read only by a prompt's order)."""
-        return self.order(layer_idx, rows) + 1
-
-    @staticmethod
-    def keys(call) -> torch.Tensor:
-        """(b, Hkv, k, d): each KV head's keys from its ratio's key set, gathered once per call (one copy of the
-        keys)."""
-        if "k" not in call.scratch:
-            order, hkv = call.scratch["order"], call.key.shape[1]
-            rows = torch.arange(order.shape[0], device=order.device)[:, None]
-            heads = torch.arange(hkv, device=order.device)[None, :]
-            call.scratch["k"] = torch.stack(call.keys[1:hkv + 1])[order, rows, heads]
-        return call.scratch["k"]
+        return order + 1
 
     def logits(self, call, rows, start, end):
-        q = call.scratch["q"][:, :, :, rows]
-        if len(call.keys) == 1 or q.shape[0] > 1 or call.query.shape[3] > attention.settings.DECODE_ROWS:
-            return call.qk(q, self.keys(call)[:, :, start:end])
-        # a decoding step of one row with every key set cached (KV sharing): each KV head's scores read its ratio's
-        # set in place, where gathering the chosen heads would copy every cached key at every step
+        if (len(call.queries) == 1 or len(call.keys) == 1 or call.query.shape[0] > 1
+                or call.query.shape[3] > attention.settings.DECODE_ROWS):
+            return super().logits(call, rows, start, end)
+        # an optimisation (test_ms_poe.py: its steps equal the whole sequence's logits): a decoding step of one row with
+        # every key set cached (KV sharing), each KV head's scores read its ratio's set in place, where gathering
+        # the chosen heads would copy every cached key at every step
         chosen = self.chosen[call.module.layer_idx]
-        return torch.cat([call.qk(q[:, g:g + 1],
-                                  call.keys[1 + s][:, g:g + 1, start:end]) for g, s in enumerate(chosen)],
-                         dim=1)
-
-    def fused(self, call, rows, end):
-        c, q, k, v = call.first_slot(rows), call.scratch["q"][:, :, :, rows], self.keys(call), call.value
-        parts = [attention.flash_partial(call, q, k[:, :, :c], v[:, :, :c])] if c > 0 else []
-        return [*parts, attention.flash_causal_partial(call, q, k[:, :, c:end], v[:, :, c:end])]
-
-    def flex(self, call, block_mask):
-        return attention.flex_call(call, call.scratch["q"].flatten(1, 2), self.keys(call), call.value, block_mask)
+        q = torch.stack(call.queries)[[1 + s for s in chosen], 0, range(len(chosen))][None]  # (1, Hkv, G, r, d)
+        return torch.cat([call.qk(q[:, g:g + 1, :, rows], call.keys[1 + s][:, g:g + 1, start:end])
+                          for g, s in enumerate(chosen)], dim=1)
 
 
 def head_order(q_last: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, call) -> torch.Tensor:
@@ -258,12 +227,11 @@ class MsPoE(AttentionScheme):
         return True
 
     def resolve(self, target):
-        layers = {m.layer_idx for m in _modules(target)}
+        layers = {m.layer_idx for m in attention_modules(target.model)}
         if any(i < 0 for i in layers):
             raise ValueError(f"{self.name}: {target.model_type} runs one attention module at several depths (layer_idx "
-                             "-1, a shared block): the prompt's head order is kept per layer, "
-                             "and one module cannot keep one per depth for cached decoding. Ms-PoE is not supported on "
-                             "this model; the frequency schemes are.")
+                             "-1, a shared block), and Ms-PoE keeps the prompt's head order per layer for cached "
+                             "decoding. Use a frequency scheme on this model.")
         count = len(layers)
         if not count:  # no layer attends through transformers' interface: the common checks refuse, with the reason
             return self
@@ -284,12 +252,6 @@ class MsPoE(AttentionScheme):
 
     def build(self, target):
         return MultiScaleScores(), None
-
-
-def _modules(target):
-    from .common import attention_modules
-
-    return attention_modules(target.model)
 
 
 def _kv_heads(module) -> int:

@@ -331,10 +331,10 @@ def test_alibi_slopes_follow_press_et_al():
 def test_relative_bias_bucket_table_equals_t5_buckets(num_buckets, max_distance):
     """The rule reads buckets from a table of distances 0 … max_distance: equal to T5's bucket at every distance,
     the far ones (one last bucket) and negative ones (the future, bucket 0) included."""
-    from rope_patch.schemes.bias import RelativeBiasScores, t5_bucket
+    from rope_patch.schemes.bias import BucketBias, t5_bucket
 
     distance = torch.arange(-5, 50 * max_distance + 7)
-    rule = RelativeBiasScores(None, num_buckets, max_distance)
+    rule = BucketBias(None, num_buckets, max_distance)
     assert torch.equal(rule.buckets(distance), t5_bucket(distance, num_buckets, max_distance))
 
 
