@@ -67,11 +67,11 @@ class CurrentRotation(attention.AttentionRule):
     def begin(self, call):
         rotate = self.rotations[call.module.layer_idx]
         b, hkv, g, q_len, d = call.query.shape
-        k_pos = attention_positions(call, 0, call.key.shape[2])  # (b|1, k) true positions
+        # (b|1, k) true positions of the keys (left padding skipped via the row offset; gapped ids as they are)
+        k_pos = call.ids if call.gapped else torch.arange(call.key.shape[2], device=call.key.device) + call.offset
         call.scratch["k"] = rotate(call.key, k_pos)
         q = call.query.reshape(b, hkv * g, q_len, d)
-        q_pos = call.ids[:, -q_len:] if call.gapped else call.q_slot + call.offset
-        call.scratch["q"] = rotate(q, q_pos).view(b, hkv, g, q_len, d)
+        call.scratch["q"] = rotate(q, k_pos[:, -q_len:]).view(b, hkv, g, q_len, d)  # the queries: the last keys
 
     def logits(self, call, rows, start, end):
         return call.qk(call.scratch["q"][:, :, :, rows], call.scratch["k"][:, :, start:end])
@@ -87,14 +87,6 @@ class CurrentRotation(attention.AttentionRule):
         return attention.flex_call(call, call.scratch["q"].flatten(1, 2), call.scratch["k"], call.value, block_mask)
 
 
-def attention_positions(call, start: int, end: int):
-    """(b|1, end − start) true positions of key slots [start, end) (left padding skipped via the row offset; gapped
-    ids as they are)."""
-    if call.gapped:
-        return call.ids[:, start:end]
-    return torch.arange(start, end, device=call.key.device) + call.offset
-
-
 @dataclasses.dataclass(frozen=True)
 class _Deferral(AttentionScheme):
     """Not a registered scheme: the attention-side machinery (the model's rotations per layer, the backend checks)
@@ -106,21 +98,15 @@ class _Deferral(AttentionScheme):
     def name(self) -> str:  # type: ignore[override]
         return self.scheme_name
 
-    def build(self, target):
-        return CurrentRotation(self.rotations(target)), None
-
 
 def prepare(name: str, target: PatchSite):
     """Everything `consistent` needs, computed and checked before the model is touched (backend, cache type, rotary
     layout); returns `install(log, masters, update)`, which the frequency scheme's install calls instead of putting
     its plain patched forward on the rotary module."""
     helper = _Deferral(scheme_name=name)
-    rule, _ = helper.build(target)
+    rule = CurrentRotation(helper.rotations(target))
     impl = helper._check_backend(target, rule)
-    modules = attention_modules(target.model)
-    if not modules:
-        raise ValueError(f"{name}: cache_rotation='consistent' found no attention modules "
-                         f"in {type(target.model).__name__}.")
+    modules = attention_modules(target.model)  # not empty: `rotations` refuses a model without them
     model, rotary = target.model, target.rotary
     native = target.config._attn_implementation
 
