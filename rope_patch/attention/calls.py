@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from .copies import SharedKeys, own_copy
-from .protocol import STATE, AttentionCall, module_state
+from .protocol import AttentionCall, module_state
 
 
 def stand_in(backend: str, module):
@@ -25,7 +25,7 @@ def stand_in(backend: str, module):
     return transformers.AttentionInterface._global_mapping[backend]
 
 
-def gapped_ids(position_ids: torch.Tensor | None, q_slot: torch.Tensor, offset: torch.Tensor, k_len: int):
+def gapped_ids(position_ids: torch.Tensor | None, offset: torch.Tensor, k_len: int):
     """The position ids (b, n) when they are not the slots plus the per-row offset for the real tokens (a PoSE gap,
     a packed row that restarts at 0), else None. Slots before a row's first real token (left padding: generate gives
     pads the id 1) are not compared. Only a call whose queries are all its keys (no cache) can be judged."""
@@ -51,8 +51,7 @@ def placeholder(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """In a re-positioned layer whose copies run one after another (attention/copies.py, SEQUENTIAL), the call of a
     copy other than the last (copy 0): keep what the attention will read of it and return zeros of the output's shape
     (b, q, H, dv), which the layer's own code finishes and `Reentry` drops. None otherwise: attend."""
-    state = getattr(module, STATE, None)
-    current = state.current if state is not None else None
+    current = module_state(module).current
     if current is None or current.stash is None or current.copy == 0:
         return None
     current.stash.keep(current.copy, current.layout, query, key, value)
@@ -74,18 +73,14 @@ def unstack(module, query, key, value, position_ids, indices=None):
     if current is None:
         return (query,), (key,), value, position_ids
     b, layout = current.rows, current.layout
-    queries = tuple(query[t * b:(t + 1) * b] for t in range(layout.copies))
+    queries = query.split(b)
     if key.shape[0] == query.shape[0]:  # no cache, or a ROWS cache: every copy's keys, stacked like the queries
-        keys = tuple(key[t * b:(t + 1) * b] for t in layout.key_copies)
+        keys = tuple(key.split(b)[t] for t in layout.key_copies)
         # values of every key set where they rotate with the keys (SPLIT), else copy 0's
-        value = tuple(value[t * b:(t + 1) * b] for t in layout.key_copies) if current.split else value[:b]
+        value = tuple(value.split(b)[t] for t in layout.key_copies) if current.split else value[:b]
     else:  # a HEADS cache: its key sets, side by side on the head axis
         keys = _cached_sets(module, current, key, value.shape[1])
     return queries, keys, value, current.positions
-
-
-def _key_sets(key: torch.Tensor, hkv: int, sets: int) -> tuple:
-    return tuple(key[:, s * hkv:(s + 1) * hkv] for s in range(sets))
 
 
 def _cached_sets(module, current, key: torch.Tensor, hkv: int) -> tuple:
@@ -100,7 +95,7 @@ def _cached_sets(module, current, key: torch.Tensor, hkv: int) -> tuple:
                          "cache instead.")
     if layout.chosen and key.shape[1] == hkv:
         return (key,)
-    return _key_sets(key, hkv, len(layout.key_copies))
+    return key.split(hkv, dim=1)[:len(layout.key_copies)]
 
 
 def _gathered(module, state, current, query, key, value, indices):
@@ -165,7 +160,7 @@ def make_call(module, query, key, value, scaling, softcap, position_ids, indices
     else:
         # gapped ids come without a cache or into an empty one (a cache holding keys is refused before the forward,
         # schemes/common.py CacheGuard): the queries' ids are every key's
-        ids = gapped_ids(position_ids, q_slot, offset, k_len) if k_len == q_len else None
+        ids = gapped_ids(position_ids, offset, k_len) if k_len == q_len else None
     return AttentionCall(module, queries[0], keys[0], value, scaling if scaling is not None else d**-0.5,
                          softcap, q_slot, offset, queries=queries, keys=keys, ids=ids, q_ids=q_ids, values=values,
                          memory=memory)
