@@ -36,6 +36,7 @@ each key once. The cache holds S key copies and one value copy: (S + 1)/2 of van
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -85,8 +86,6 @@ def own_copy(layout: Layout) -> int:
     """The copy at the tokens' own positions: copy 0, unless a later copy is and copy 0 is not (DCA's extra copy on a
     layer with memory, schemes/chunked.py); 0 when none is. A layer's mask and a sparse indexer's choice are read
     from it."""
-    if isinstance(layout.maps[0], Identity):
-        return 0
     return next((t for t, m in enumerate(layout.maps) if isinstance(m, Identity)), 0)
 
 
@@ -124,12 +123,14 @@ class SharedKeys(NotProven):
 
 
 def _repeated(value, b: int, c: int):
-    """A per-row tensor (first axis b) repeated for the c copies; a plain dict of such (Zaya's {"causal", "conv"}
-    masks) entry by entry; anything else as it is."""
+    """A per-row tensor (first axis b) repeated for the c copies; a tuple or a plain dict of such (Zaya's {"causal",
+    "conv"} masks) entry by entry; anything else as it is."""
     if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == b:
         return value.repeat(c, *([1] * (value.dim() - 1)))
     if type(value) is dict:
         return {k: _repeated(v, b, c) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_repeated(v, b, c) for v in value)
     return value
 
 
@@ -143,12 +144,27 @@ def _copy_zero(out, b: int, c: int):
     return out
 
 
+def _copy_zero_method(method, b: int, c: int):
+    """A cache method called with the copies' rows: called with copy 0's, its tensors handed back for every copy."""
+
+    def call(*args, **kwargs):
+        kwargs = {k: _copy_zero(v, b, c) for k, v in kwargs.items()}
+        return _repeated(method(*_copy_zero(args, b, c), **kwargs), b, c)
+
+    return call
+
+
+def _per_copy(sets: Sequence[torch.Tensor], kept: Sequence[int], copies: int) -> torch.Tensor:
+    """Set s as copy kept[s]'s rows, the copies stacked on the batch axis; a copy whose keys the scheme never reads
+    gets set 0 (they are never read)."""
+    return torch.cat([sets[kept.index(t)] if t in kept else sets[0] for t in range(copies)])
+
+
 def _summed(out, b: int, c: int):
     """The layer's output (its first tensor of c·b rows) as the sum of the copies' rows; the rest as copy 0's."""
-    first, *rest = out if isinstance(out, tuple) else (out,)
-    total = sum(first[t * b:(t + 1) * b] for t in range(c))
-    rest = [_copy_zero(x, b, c) for x in rest]
-    return (total, *rest) if isinstance(out, tuple) else total
+    if not isinstance(out, tuple):
+        return sum(out.split(b))
+    return (sum(out[0].split(b)), *_copy_zero(out[1:], b, c))
 
 
 HEADS, ROWS = "heads", "rows"  # how a cache hands the stored copies back to the layer
@@ -250,35 +266,30 @@ class CacheView:
     READS = frozenset({"get_seq_length", "get_mask_sizes", "is_compileable", "is_sliding", "get_max_cache_shape",
                        "max_batch_size", "max_cache_len", "is_initialized"})
 
-    def __init__(self, cache, rows: int, layout: Layout, mode: str = HEADS, copy: int = 0, stash: Stash | None = None,
-                 module: nn.Module | None = None):
-        self._cache, self._rows, self._layout, self._mode = cache, rows, layout, mode
-        self._copy, self._stash, self._module = copy, stash, module
-
-    def _keep(self, x: torch.Tensor) -> torch.Tensor:
-        b = self._rows
-        return torch.cat([x[t * b:(t + 1) * b] for t in self._layout.key_copies], dim=1)
+    def __init__(self, cache, current: Current, mode: str, rule=None):
+        # `current`: the layer call's (Reentry makes it), what the attention function reads besides q, k, v; `rule`:
+        # the layer's, which picks the key sets a `Layout.chosen` cache keeps
+        self._cache, self._current, self._mode, self._rule = cache, current, mode, rule
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        kept, b = self._layout.key_copies, self._rows
-        if self._mode == SEQUENTIAL:
-            if self._copy != 0:  # an earlier copy: its keys wait for copy 0's call, which stores them all once
-                if self._copy in kept:
-                    self._stash.cache_keys[self._copy] = key_states
-                return key_states, value_states
-            sets = [key_states if t == 0 else self._stash.cache_keys.pop(t) for t in kept]
-            self._stash.cached = True
+        current, mode = self._current, self._mode
+        kept, b, stash = current.layout.key_copies, current.rows, current.stash
+        if mode == SEQUENTIAL and current.copy != 0:  # its keys wait for copy 0's call, which stores them all once
+            if current.copy in kept:
+                stash.cache_keys[current.copy] = key_states
+            return key_states, value_states
+        if mode == SEQUENTIAL:
+            stash.cached = True
+            sets = [key_states if t == 0 else stash.cache_keys.pop(t) for t in kept]
             out = self._store(sets, value_states, layer_idx, args, kwargs)
-        else:
-            if self._mode == HEADS:
-                keys, values = self._store([key_states[t * b:(t + 1) * b] for t in kept], value_states[:b],
-                                           layer_idx, args, kwargs)
-            else:
-                keys, values = self._cache.update(self._keep(key_states), self._keep(value_states), layer_idx, *args,
-                                                  **kwargs)
-            if self.current is not None:  # the keys that are tokens: the memory entries a layer appends come after them
-                self.current.tokens = keys.shape[-2]
-            out = (keys, values) if self._mode == HEADS else (self._unstack(keys), self._unstack(values))
+        elif mode == HEADS:
+            out = self._store([key_states.split(b)[t] for t in kept], value_states[:b], layer_idx, args, kwargs)
+        else:  # ROWS: every key copy's keys and values, side by side on the head axis
+            keys, values = (torch.cat([x.split(b)[t] for t in kept], dim=1) for x in (key_states, value_states))
+            out = self._cache.update(keys, values, layer_idx, *args, **kwargs)
+            # handed back as the c copies stacked on the batch axis
+            out = tuple(_per_copy(x.chunk(len(kept), dim=1), kept, current.layout.copies) for x in out)
+        current.tokens = out[0].shape[-2]  # the keys that are tokens: the memory entries a layer appends come after
         self._note_head(layer_idx)
         return out
 
@@ -288,17 +299,15 @@ class CacheView:
         still empty) is stored once its attention has picked them (`Current.pending`, run after the rule's `begin`) and
         handed back as every set, as an empty cache hands back its first update: what it was given (static caches,
         which pad, are refused by schemes/common.CacheGuard)."""
-        current = module_state(self._module).current if self._module is not None else None
-        if current is not None:
-            current.stored = True
+        current = self._current
+        current.stored = True
         keys = torch.cat(sets, dim=1) if len(sets) > 1 else sets[0]
-        if not self._layout.chosen or len(sets) == 1 or current is None or current.memory_layer:
+        if not current.layout.chosen or len(sets) == 1 or current.memory_layer:
             return self._cache.update(keys, values, layer_idx, *args, **kwargs)
-        rule = module_state(self._module).scores
 
         def store():
-            return self._cache.update(chosen_keys(sets, rule.chosen_sets(layer_idx, self._rows)), values, layer_idx,
-                                      *args, **kwargs)
+            chosen = chosen_keys(sets, self._rule.chosen_sets(layer_idx, current.rows))
+            return self._cache.update(chosen, values, layer_idx, *args, **kwargs)
 
         if self._cache.get_seq_length(layer_idx) == 0:
             current.pending = store
@@ -310,51 +319,33 @@ class CacheView:
         slots it handed back at their own positions before a contiguous run that ends at the queries (`kept_head`,
         None while it has evicted nothing): the attention function reads it from `Current`."""
         layers = getattr(self._cache, "layers", None)
-        if self._module is None or not isinstance(layers, (list, tuple)) or not isinstance(layer_idx, int):
-            return
-        head = getattr(layers[layer_idx], "kept_head", None) if layer_idx < len(layers) else None
-        current = module_state(self._module).current
-        if current is not None:
-            current.kept_head = head
-
-    current = None  # the layer call's `Current` (Reentry sets it): what the attention function reads besides q, k, v
+        if isinstance(layers, (list, tuple)) and isinstance(layer_idx, int):
+            layer = layers[layer_idx] if layer_idx < len(layers) else None
+            self._current.kept_head = getattr(layer, "kept_head", None)
 
     @property
     def layers(self):
         """The cache layers, as a layer that reads them directly sees them: DeepSeek-V4's compressors keep their
         state (buffered tokens, memory entries) on the layer (`MemoryLayerView`)."""
-        if self.current is None or not self.current.memory_layer:
+        if not self._current.memory_layer:
             return self._cache.layers
-        return [MemoryLayerView(layer, self) for layer in self._cache.layers]
-
-    def _unstack(self, x: torch.Tensor) -> torch.Tensor:
-        """(b, S·H, N, d) → (c·b, H, N, d): copy t gets its own stored set, the copies the scheme reads no keys of get
-        set 0 (their keys are never read)."""
-        kept = self._layout.key_copies
-        heads = x.shape[1] // len(kept)
-        sets = [x[:, s * heads:(s + 1) * heads] for s in range(len(kept))]
-        return torch.cat([sets[kept.index(t)] if t in kept else sets[0] for t in range(self._layout.copies)])
+        return [MemoryLayerView(layer, self._current) for layer in self._cache.layers]
 
     def __getattr__(self, name):
         found = getattr(self._cache, name)
         if name in CacheView.READS or not callable(found):
             return found
-        if self._mode == SEQUENTIAL:
-            if self._copy != 0:  # state the copy would write before copy 0 does: not proven to be position-free
-                raise NotProven(f"calls its cache's `{name}` (state beside the keys and values), which the position "
-                                "copies run one after another would write once per copy")
-            return found
-        return _CopyZero(found, self._rows, self._layout.copies)
-
-    def __bool__(self):
-        return True
+        if self._mode != SEQUENTIAL:
+            return _copy_zero_method(found, self._current.rows, self._current.layout.copies)
+        if self._current.copy != 0:  # state the copy would write before copy 0 does: not proven to be position-free
+            raise NotProven(f"calls its cache's `{name}` (state beside the keys and values), which the position "
+                            "copies run one after another would write once per copy")
+        return found
 
 
 def chosen_keys(sets: Sequence[torch.Tensor], chosen: torch.Tensor) -> torch.Tensor:
     """(b, Hkv, n, d): KV head g of row r from key set chosen[r, g]; sets (S of (b, Hkv, n, d)), chosen (b, Hkv)."""
-    rows = torch.arange(chosen.shape[0], device=chosen.device)[:, None]
-    heads = torch.arange(chosen.shape[1], device=chosen.device)[None, :]
-    return torch.stack(list(sets))[chosen, rows, heads]
+    return torch.take_along_dim(torch.stack(list(sets), dim=2), chosen[:, :, None, None, None], dim=2)[:, :, 0]
 
 
 class MemoryLayerView:
@@ -366,25 +357,25 @@ class MemoryLayerView:
     entries' own positions beside them; the running lists come back stacked by copy (a copy whose keys the scheme
     never reads gets key set 0's). A cache layer without that dict fails the apply-time check."""
 
-    def __init__(self, layer, view: CacheView):
-        self._layer, self._view = layer, view
+    def __init__(self, layer, current: Current):
+        self._layer, self._current = layer, current
 
     def update_compressor_states(self, name, compressed):
-        view, current = self._view, self._view.current
-        b, layout = view._rows, view._layout
-        if current is None or compressed.shape[0] != b * layout.copies:
+        current = self._current
+        b, layout = current.rows, current.layout
+        if compressed.shape[0] != b * layout.copies:
             return self._layer.update_compressor_states(name, compressed)
         # the key copies' entries, and the entries at the tokens' own positions, from which a sparse indexer chooses
-        kept = layout.key_copies if own_copy(layout) in layout.key_copies else (*layout.key_copies, own_copy(layout))
-        sets = [self._layer.update_compressor_states(name, compressed[kept[0] * b:(kept[0] + 1) * b])]
-        for t in kept[1:]:
-            sets.append(self._append(f"{name}:rope_patch_copy{t}", compressed[t * b:(t + 1) * b]))
+        own, rows = own_copy(layout), compressed.split(b)
+        kept = layout.key_copies if own in layout.key_copies else (*layout.key_copies, own)
+        sets = [self._layer.update_compressor_states(name, rows[kept[0]])]
+        sets += [self._append(f"{name}:rope_patch_copy{t}", rows[t]) for t in kept[1:]]
         if current.seen and compressed.shape[1] > 0:
             new = current.seen[-1].expand(b, -1)[:, -compressed.shape[1]:]
         else:
             new = compressed.new_zeros(b, 0, dtype=torch.long)
         current.seen.append(self._append(f"{name}:rope_patch_positions", new))
-        return torch.cat([sets[kept.index(t)] if t in kept else sets[0] for t in range(layout.copies)])
+        return _per_copy(sets, kept, layout.copies)
 
     def _append(self, key: str, new: torch.Tensor) -> torch.Tensor:
         store = self._layer.compressed_kv
@@ -396,29 +387,7 @@ class MemoryLayerView:
         found = getattr(self._layer, name)
         if not callable(found):
             return found
-        return _CopyZero(found, self._view._rows, self._view._layout.copies)
-
-
-class _CopyZero:
-    """A cache method called with the copies' rows: called with copy 0's, its tensors handed back for every copy."""
-
-    def __init__(self, method, rows: int, copies: int):
-        self.method, self.rows, self.copies = method, rows, copies
-
-    def _in(self, x):
-        stacked = isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.rows * self.copies
-        return x[: self.rows] if stacked else x
-
-    def _out(self, x):
-        if isinstance(x, tuple):
-            return tuple(self._out(v) for v in x)
-        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.rows:
-            return x.repeat(self.copies, *([1] * (x.dim() - 1)))
-        return x
-
-    def __call__(self, *args, **kwargs):
-        out = self.method(*(self._in(a) for a in args), **{k: self._in(v) for k, v in kwargs.items()})
-        return self._out(out)
+        return _copy_zero_method(found, self._current.rows, self._current.layout.copies)
 
 
 @functools.cache
@@ -466,162 +435,134 @@ class Reentry:
     of c, with the same cache layout. HEADS and ROWS run it once on the c copies stacked on the batch axis and cut
     copy 0's rows.
 
-    An object of a module-level class holding only the module and its layout, so a patched model deep-copies and
-    pickles."""
+    An object of a module-level class holding only the module, its layout and cache mode, and the module's memory
+    rotaries, so a patched model deep-copies and pickles."""
 
     def __init__(self, module: nn.Module, layout: Layout, cache_mode: str = HEADS):
         self.module, self.layout, self.cache_mode = module, layout, cache_mode
-        self._memory: list[nn.Module] | None = None
-
-    @property
-    def memory(self) -> list[nn.Module]:
-        """The layer's `memory_rotaries`, found once (a walk of its modules, on every call of a decoding step else)."""
-        if self._memory is None:
-            self._memory = memory_rotaries(self.module)
-        return self._memory
+        self.memory = memory_rotaries(module)  # found once (a walk of the layer's modules)
 
     def __call__(self, *args, **kwargs):
-        module, layout = self.module, self.layout
-        bound = _signature(type(module)).bind(module, *args, **kwargs)
-        call = dict(bound.arguments)
+        module = self.module
+        call = dict(_signature(type(module)).bind(module, *args, **kwargs).arguments)
         call.pop("self", None)
-        extra = call.pop("kwargs", {}) if "kwargs" in _signature(type(module)).parameters else {}
-        hidden = call[next(iter(call))]  # the layer input, whatever the architecture calls it
-        b = hidden.shape[0]
+        call.update(call.pop("kwargs", {}))  # the layer's **kwargs: passed on as keywords like its other arguments
         embeddings = call.get("position_embeddings")
-        kinds = embeddings if type(embeddings) is dict else {None: embeddings}  # DeepSeek-V4: {"main", "compress"}
-        tagged = {}
-        for kind, made in kinds.items():
-            if made is not None and source(made) is None:
-                made = recover(made, module_state(module).rotaries)
-                if made is None:
-                    raise NotProven(f"{type(module).__name__} received position embeddings that no rotary module of "
-                                    "the model made, so they cannot be made at other positions")
-            tagged[kind] = made
-        given = call.get("position_ids", extra.get("position_ids"))
+        several = type(embeddings) is dict  # DeepSeek-V4: {"main", "compress"}
+        tagged = {kind: self._tagged(made) for kind, made in (embeddings if several else {None: embeddings}).items()}
         made = next((m for m in tagged.values() if m is not None), None)
-        positions = made.position_ids if made is not None else given
+        positions = made.position_ids if made is not None else call.get("position_ids")
         if positions is None:  # no positions reach the layer (a NoPE layer): nothing to move, it runs as it is
-            state = module_state(module)
-            previous, state.positionless = state.positionless, True  # a rule that needs positions can refuse
-            try:
-                return type(module).forward(module, *args, **kwargs)
-            finally:
-                state.positionless = previous
-        mode = self.cache_mode
-        if mode == SEQUENTIAL:
-            # a prefill: the layer's activations held once; a layer with memory entries (DeepSeek-V4) runs stacked
-            if positions.shape[-1] > settings.DECODE_ROWS and not self.memory:
-                return self._sequential(call, extra, b, positions, tagged, type(embeddings) is dict, given)
-            mode = HEADS  # a decoding step: one stacked call costs less than c; the cache is laid out alike
-        if made is not None:
-            stacked = {k: stack_embeddings(v, layout.maps, b, id(layout)) if v is not None else None
-                       for k, v in tagged.items()}
-            call["position_embeddings"] = stacked if type(embeddings) is dict else stacked[None]
-        call[next(iter(call))] = hidden.repeat(layout.copies, *([1] * (hidden.dim() - 1)))
-        if given is not None:
+            return self._run(call, None, positionless=True)  # a rule that needs positions can refuse
+        # SEQUENTIAL: a prefill holds the layer's activations once; a decoding step runs stacked as HEADS (one call
+        # costs less than c; the cache is laid out alike), and so does a layer with memory entries (DeepSeek-V4)
+        if self.cache_mode == SEQUENTIAL and positions.shape[-1] > settings.DECODE_ROWS and not self.memory:
+            return self._sequential(call, positions, tagged, several)
+        return self._stacked(call, positions, tagged, several)
+
+    def _tagged(self, made):
+        """Position embeddings as a rotary module of the model made them (`Tagged`: a decoder's slice is recovered)."""
+        if made is None or source(made) is not None:
+            return made
+        recovered = recover(made, module_state(self.module).rotaries)
+        if recovered is None:
+            raise NotProven(f"{type(self.module).__name__} received position embeddings that no rotary module of the "
+                            "model made, so they cannot be made at other positions")
+        return recovered
+
+    @staticmethod
+    def _place(call: dict, tagged: dict, several: bool, embeddings_at, ids_at) -> None:
+        """`call`'s position embeddings and position ids moved to a copy's positions (or every copy's, stacked)."""
+        if any(v is not None for v in tagged.values()):
+            moved = {k: embeddings_at(v) if v is not None else None for k, v in tagged.items()}
+            call["position_embeddings"] = moved if several else moved[None]
+        if call.get("position_ids") is not None:
             # Copy t sees the ids map_t(p) too: layers that rotate with a rotary of their own (Moshi, RecurrentGemma)
             # or scale by position after RoPE (Ministral 3's Llama 4 temperature) compute copy t at map_t(p) as well.
-            ids = torch.cat([_id_rows(m(given), b) for m in layout.maps], dim=-2)
-            (call if "position_ids" in call else extra)["position_ids"] = ids
-        for name in CACHE_ARGS:
-            cache = call.get(name, extra.get(name))
-            if cache is not None:
-                (call if name in call else extra)[name] = CacheView(cache, b, layout, ROWS if mode == SPLIT else mode,
-                                                                    module=module)
-        # Whatever else the layer receives per row (a mask, a position-dependent query scale computed by the decoder,
-        # as Beam's NoPE layers get) is the same for every copy: only positions differ between copies.
-        done = {next(iter(call)), "position_embeddings", "position_ids", *CACHE_ARGS}
-        for where in (call, extra):
-            for name, value in where.items():
-                if name not in done:
-                    where[name] = _repeated(value, b, layout.copies)
-        return self._stacked(call, extra, b, positions)
+            call["position_ids"] = ids_at(call["position_ids"])
 
-    def _stacked(self, call: dict, extra: dict, b: int, positions: torch.Tensor):
+    def _cached(self, call: dict, current: Current, mode: str) -> None:
+        """`call`'s caches seen through a `CacheView` of this layer call."""
+        for name in CACHE_ARGS:
+            if call.get(name) is not None:
+                call[name] = CacheView(call[name], current, mode, module_state(self.module).scores)
+                current.cache = True
+
+    def _stacked(self, call: dict, positions: torch.Tensor, tagged: dict, several: bool):
         """The forward once on the c copies stacked on the batch axis; copy 0's rows of what it returns (SPLIT: the
         copies' parts summed). A layer's memory rotaries make each copy's entries at its positions meanwhile."""
-        layout = self.layout
-        cached = any(isinstance(call.get(n, extra.get(n)), CacheView) for n in CACHE_ARGS)
-        current = Current(b, _true(positions), layout, split=self.cache_mode == SPLIT, cache=cached)
-        given = call.get("position_ids", extra.get("position_ids"))
-        memory = MemoryPositions(self.memory, layout.maps, b, given, current.seen)
+        layout, c = self.layout, self.layout.copies
+        b = call[next(iter(call))].shape[0]  # the layer input, whatever the architecture calls it
+        current = Current(b, _true(positions), layout, split=self.cache_mode == SPLIT)
+        self._place(call, tagged, several, lambda e: stack_embeddings(e, layout.maps, b, id(layout)),
+                    lambda ids: torch.cat([_id_rows(m(ids), b) for m in layout.maps], dim=-2))
+        self._cached(call, current, {SEQUENTIAL: HEADS, SPLIT: ROWS}.get(self.cache_mode, self.cache_mode))
+        # Whatever else the layer receives per row (its input, a mask, a position-dependent query scale computed by
+        # the decoder, as Beam's NoPE layers get) is the same for every copy: only positions differ between copies.
+        for name, value in call.items():
+            if name not in ("position_embeddings", "position_ids", *CACHE_ARGS):
+                call[name] = _repeated(value, b, c)
+        memory = MemoryPositions(self.memory, layout.maps, b, call.get("position_ids"), current.seen)
         current.memory_layer = bool(memory.hooks)
-        for name in CACHE_ARGS:
-            view = call.get(name, extra.get(name))
-            if isinstance(view, CacheView):
-                view.current = current
         try:
-            out = self._run(call, extra, current)
+            out = self._run(call, current)
         finally:
             memory.close()
         if current.split:  # each copy's part of the attention output went through the layer's code: their sum
-            return _summed(out, b, layout.copies)
-        return _copy_zero(out, b, layout.copies)
+            return _summed(out, b, c)
+        return _copy_zero(out, b, c)
 
-    def _sequential(self, call: dict, extra: dict, b: int, positions: torch.Tensor, tagged: dict, several: bool,
-                    given):
+    def _sequential(self, call: dict, positions: torch.Tensor, tagged: dict, several: bool):
         """The forward once per copy, copy 0 last (see the class docstring); what its last call returns."""
         module, layout = self.module, self.layout
+        hidden = call[next(iter(call))]
         stash = Stash(everything=module_state(module).recorder is not None)
-        caches = {name: call.get(name, extra.get(name)) for name in CACHE_ARGS}
-        cached = any(c is not None for c in caches.values())
         out = None
-        with _Projections(module, call[next(iter(call))]):
+        with _projections_once(module, hidden):
             for t in reversed(range(layout.copies)):
-                at = layout.maps[t]
-                one, more = dict(call), dict(extra)
-                if any(v is not None for v in tagged.values()):
-                    moved = {k: _at(v, at) if v is not None else None for k, v in tagged.items()}
-                    one["position_embeddings"] = moved if several else moved[None]
-                if given is not None:  # as in the stacked call: copy t sees the ids map_t(p)
-                    moved_ids = given if isinstance(at, Identity) else at(given)
-                    (one if "position_ids" in one else more)["position_ids"] = moved_ids
-                for name, cache in caches.items():
-                    if cache is not None:
-                        (one if name in one else more)[name] = CacheView(cache, b, layout, SEQUENTIAL, t, stash, module)
-                out = self._run(one, more, Current(b, _true(positions), layout, t, stash, cache=cached))
+                at, one = layout.maps[t], dict(call)
+                current = Current(hidden.shape[0], _true(positions), layout, t, stash)
+                self._place(one, tagged, several, functools.partial(_at, at=at), at)
+                self._cached(one, current, SEQUENTIAL)
+                out = self._run(one, current)
         return out
 
-    def _run(self, call: dict, extra: dict, current: Current):
+    def _run(self, call: dict, current: Current | None, positionless: bool = False):
         state = module_state(self.module)
-        previous, state.current = state.current, current
+        previous = state.current, state.positionless
+        state.current, state.positionless = current, positionless
         try:
-            return type(self.module).forward(self.module, **call, **extra)
+            return type(self.module).forward(self.module, **call)
         finally:
-            state.current = previous
+            state.current, state.positionless = previous
 
 
-class _Projections:
+@contextlib.contextmanager
+def _projections_once(module: nn.Module, hidden: torch.Tensor):
     """While one call's copies run: a linear map of the layer applied to the layer's input itself (the same tensor for
     every copy: q, k, v projections before the rotation) is computed once and handed to every copy. The layer's
     `nn.Linear` modules get an instance `forward` for the duration (what was there before is put back, an
     accelerate hook included); inputs other than the hidden states pass through."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    saved, memo = [(m, vars(m).get("forward")) for m in linears], {}
 
-    def __init__(self, module: nn.Module, hidden: torch.Tensor):
-        self.linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-        self.hidden, self.memo = hidden, {}
-
-    def __enter__(self):
-        self.saved = [(m, vars(m).get("forward")) for m in self.linears]
-        for m in self.linears:
-            m.forward = functools.partial(self._forward, m, m.forward)
-        return self
-
-    def _forward(self, m: nn.Module, inner, x, *args, **kwargs):
-        if x is not self.hidden or args or kwargs:
+    def once(m: nn.Module, inner, x, *args, **kwargs):
+        if x is not hidden or args or kwargs:
             return inner(x, *args, **kwargs)
-        if m not in self.memo:
-            self.memo[m] = inner(x)
-        return self.memo[m]
+        if m not in memo:
+            memo[m] = inner(x)
+        return memo[m]
 
-    def __exit__(self, *exc):
-        for m, before in self.saved:
+    for m in linears:
+        m.forward = functools.partial(once, m, m.forward)
+    try:
+        yield
+    finally:
+        for m, before in saved:
             if before is None:
                 del m.forward
             else:
                 m.forward = before
-        self.memo.clear()
 
 
 def _true(positions: torch.Tensor) -> torch.Tensor:
