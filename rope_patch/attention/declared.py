@@ -231,7 +231,8 @@ class Declared(AttentionRule):
         step's row is one (H, keys) lookup). With gapped ids, one per batch row (distances of position ids)."""
         dist = call.distance(rows, start, end)  # (r, w), or (b, 1, 1, r, w) with gapped ids
         heads = call.query.shape[1:3]
-        bias = self.geometry.bias.by_distance(call, dist.reshape(-1))  # (H, n)
+        # future keys (hidden by the mask) read distance 0, as on the fused and flex paths
+        bias = self.geometry.bias.by_distance(call, dist.reshape(-1).clamp(min=0))  # (H, n)
         if not call.gapped:
             return bias.view(1, *heads, *dist.shape)
         b, r, w = dist.shape[0], dist.shape[-2], dist.shape[-1]

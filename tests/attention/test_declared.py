@@ -1,6 +1,7 @@
 """`Declared` on geometries no built-in scheme uses: every path it derives (materialised blocks, the fused flash path,
 flex_attention) equals a direct dense computation of the declaration, written here from its definition (each pair's
-region by its distance or chunk difference, that region's query copy against its key set, hidden elsewhere)."""
+region by its distance or chunk difference, that region's query copy against its key set, or each KV head's picked
+pair, hidden elsewhere; plus the bias of its distance)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,30 @@ from rope_patch import attention
 from rope_patch.attention import Geometry, Region
 
 B, HKV, G, D = 2, 2, 2, 16
+SETS = torch.tensor([[1, 0], [0, 1]])  # (b, Hkv): the pair each KV head of each row reads under `Region(chosen=True)`
+
+
+class Slopes(attention.Bias):
+    """−m_h·d, a different slope per query head (ALiBi's form)."""
+
+    def by_distance(self, call, distance):
+        return -torch.tensor([0.5, 0.25, 0.125, 0.0625])[:, None] * distance.float()
+
+
+class Flat(attention.Bias):
+    """A table per head, the same from distance 6 on (T5's last bucket's form)."""
+
+    flat_after = 6
+
+    def by_distance(self, call, distance):
+        return torch.linspace(-1.0, 1.0, HKV * G * 7).view(HKV * G, 7)[:, distance.clamp(max=6)]
+
+
+class Picked(attention.Declared):
+    def chosen_sets(self, layer_idx, rows):
+        return SETS
+
+
 GEOMETRIES = {
     "three bands": Geometry((Region(hi=8), Region(query=1, keys=1, lo=8, hi=20), Region(query=2, lo=20))),
     "narrow bands": Geometry((Region(hi=3), Region(query=1, keys=1, lo=3, hi=5), Region(query=2, lo=5))),
@@ -22,6 +47,10 @@ GEOMETRIES = {
     "a gap": Geometry((Region(hi=6), Region(query=1, lo=12))),  # distances 6 … 11 hidden
     "chunks": Geometry((Region(hi=1, chunk=10), Region(query=1, lo=1, hi=2, chunk=10),
                         Region(query=2, lo=2, chunk=10))),
+    "a bias": Geometry((Region(),), bias=Slopes()),
+    "a flat bias": Geometry((Region(),), bias=Flat()),
+    "bands and a bias": Geometry((Region(hi=8), Region(query=1, keys=1, lo=8)), bias=Flat()),
+    "each head's pair": Geometry((Region(chosen=True),)),
 }
 SHAPES = [(64, 64, 0), (16, 64, 0), (1, 64, 0), (64, 64, 3)]  # (queries, keys, offset: true position − slot)
 
@@ -32,6 +61,7 @@ def make_call(q_len: int, k_len: int, offset: int, seed: int = 0) -> attention.A
     keys = tuple(torch.randn(B, HKV, k_len, D, generator=g) for _ in range(2))
     value = torch.randn(B, HKV, k_len, D, generator=g)
     module = nn.Module()
+    module.layer_idx = 0
     setattr(module, attention.STATE, SimpleNamespace(positionless=False, current=None))
     return attention.AttentionCall(module, queries[0], keys[0], value, D**-0.5, None,
                                    torch.arange(k_len - q_len, k_len), torch.full((1, 1), offset),
@@ -49,8 +79,15 @@ def dense(geometry: Geometry, call) -> torch.Tensor:
         inside = (back >= r.lo) & (back < r.hi) & (i >= j)
         if r.first is not None:
             inside &= j < r.first
-        scores = torch.einsum("bkgqd,bknd->bkgqn", call.queries[r.query], call.keys[r.keys]) * call.scaling
+        if r.chosen:  # KV head g of row b: query copy and key set SETS[b, g]
+            q = torch.stack([torch.stack([call.queries[int(SETS[b, g])][b, g] for g in range(HKV)]) for b in range(B)])
+            k = torch.stack([torch.stack([call.keys[int(SETS[b, g])][b, g] for g in range(HKV)]) for b in range(B)])
+        else:
+            q, k = call.queries[r.query], call.keys[r.keys]
+        scores = torch.einsum("bkgqd,bknd->bkgqn", q, k) * call.scaling
         s = torch.where(inside, scores, s)
+    if geometry.bias is not None:
+        s = s + geometry.bias.by_distance(call, (i - j).clamp(min=0).reshape(-1)).view(HKV, G, q_len, k_len)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("bkgqn,bknd->bkgqd", p, call.value).reshape(B, HKV * G, q_len, D)
 
@@ -77,7 +114,7 @@ def blocks(rule, call, rows_per_block: int, fused: bool) -> torch.Tensor:
 @pytest.mark.parametrize("path", ["materialised", "fused", "flex"])
 def test_every_derived_path_is_the_declaration(name, shape, path, monkeypatch):
     geometry, call = GEOMETRIES[name], make_call(*shape)
-    rule = attention.Declared(geometry)
+    rule = Picked(geometry)
     rule.begin(call)
     want = dense(geometry, call)
     if path == "flex":
