@@ -347,21 +347,19 @@ class AttentionScheme(Scheme):
         """A table rotary holds rows at integer positions only: a scheme that moves queries or keys to fractional
         positions (leaky ReRoPE's j/k) has no row to read there. Read from the scheme's own position maps."""
         probe = torch.arange(0, 64, dtype=torch.int64)
+        table = (f"{target.model_type} rotates from a sin/cos table of integer positions "
+                 f"({type(target.rotary).__name__}.{target.table.buffer})")
         for layout in layouts.values():
             for m in layout.maps if layout is not None else ():
                 if hasattr(m, "embed"):  # DPE: one position per frequency group, the groups read at a fractional probe
-                    raise ValueError(
-                        f"{self.name}: places each frequency group of the rotation at positions of its "
-                        f"own, reading the groups from the rotary at a fractional position, and {target.model_type} "
-                        "rotates from a sin/cos table of integer positions "
-                        f"({type(target.rotary).__name__}.{target.table.buffer}) whose rows are not split by "
-                        "frequency. Use self_extend (one group size for every frequency) on this architecture.")
+                    raise ValueError(f"{self.name}: places each frequency group of the rotation at positions of its "
+                                     "own, reading the groups from the rotary at a fractional position, and "
+                                     f"{table} whose rows are not split by frequency. Use self_extend (one group size "
+                                     "for every frequency) on this architecture.")
                 if m(probe).is_floating_point():
-                    raise ValueError(
-                        f"{self.name}: moves queries or keys to fractional positions, and {target.model_type} rotates "
-                        f"from a sin/cos table of integer positions ({type(target.rotary).__name__}."
-                        f"{target.table.buffer}), which has no rows between them. Use a scheme with integer positions "
-                        "(self_extend, rerope, string, dca) on this architecture.")
+                    raise ValueError(f"{self.name}: moves queries or keys to fractional positions, and {table}, which "
+                                     "has no rows between them. Use a scheme with integer positions (self_extend, "
+                                     "rerope, string, dca) on this architecture.")
 
 
 def _table_growth(rotary: nn.Module, table) -> TableGrowth | None:
