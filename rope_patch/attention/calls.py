@@ -140,8 +140,7 @@ def make_call(module, query, key, value, scaling, softcap, position_ids, indices
     current = module_state(module).current
     # keys that are tokens: all of them, but in a layer with memory (copies.memory_rotaries), whose entries follow the
     # tokens' keys (as many as the cache returned, else as the queries)
-    memory_layer = current is not None and current.memory_layer
-    tokens = (current.tokens or q_len) if memory_layer else k_len
+    tokens = (current.tokens or q_len) if current is not None and current.memory_layer else k_len
     memory = k_len - tokens
     q_slot = torch.arange(tokens - q_len, tokens, device=query.device)
     queries = tuple(q.view(b, hkv, h // hkv, q_len, d) if q is not None else None for q in queries)

@@ -221,16 +221,14 @@ class MemoryPositions:
         self.hooks = [r.register_forward_pre_hook(self, with_kwargs=True) for r in rotaries]
 
     def __call__(self, rotary, args, kwargs):
-        bound = _signature(type(rotary)).bind(rotary, *args, **kwargs)
-        arguments = dict(bound.arguments)
+        arguments = dict(_signature(type(rotary)).bind(rotary, *args, **kwargs).arguments)
         arguments.pop("self")
         ids = arguments.get("position_ids")
         if ids is None or ids is self.given:
             return None
-        b = self.b
-        own = ids[:b] if ids.shape[0] == b * len(self.maps) else ids.expand(b, *ids.shape[1:])
+        own = ids[:self.b] if ids.shape[0] == self.b * len(self.maps) else ids.expand(self.b, *ids.shape[1:])
         self.seen.append(own)
-        arguments["position_ids"] = torch.cat([_rows(m(own), b) for m in self.maps])
+        arguments["position_ids"] = torch.cat([_rows(m(own), self.b) for m in self.maps])
         return (), arguments
 
     def close(self):
@@ -266,7 +264,7 @@ class CacheView:
     READS = frozenset({"get_seq_length", "get_mask_sizes", "is_compileable", "is_sliding", "get_max_cache_shape",
                        "max_batch_size", "max_cache_len", "is_initialized"})
 
-    def __init__(self, cache, current: Current, mode: str, rule=None):
+    def __init__(self, cache, current: Current, mode: str, rule):
         # `current`: the layer call's (Reentry makes it), what the attention function reads besides q, k, v; `rule`:
         # the layer's, which picks the key sets a `Layout.chosen` cache keeps
         self._cache, self._current, self._mode, self._rule = cache, current, mode, rule
@@ -493,7 +491,7 @@ class Reentry:
         copies' parts summed). A layer's memory rotaries make each copy's entries at its positions meanwhile."""
         layout, c = self.layout, self.layout.copies
         b = call[next(iter(call))].shape[0]  # the layer input, whatever the architecture calls it
-        current = Current(b, _true(positions), layout, split=self.cache_mode == SPLIT)
+        current = Current(b, _true(positions), layout, split=self.cache_mode == SPLIT, memory_layer=bool(self.memory))
         self._place(call, tagged, several, lambda e: stack_embeddings(e, layout.maps, b, id(layout)),
                     lambda ids: torch.cat([_id_rows(m(ids), b) for m in layout.maps], dim=-2))
         self._cached(call, current, {SEQUENTIAL: HEADS, SPLIT: ROWS}.get(self.cache_mode, self.cache_mode))
@@ -503,7 +501,6 @@ class Reentry:
             if name not in ("position_embeddings", "position_ids", *CACHE_ARGS):
                 call[name] = _repeated(value, b, c)
         memory = MemoryPositions(self.memory, layout.maps, b, call.get("position_ids"), current.seen)
-        current.memory_layer = bool(memory.hooks)
         try:
             out = self._run(call, current)
         finally:
