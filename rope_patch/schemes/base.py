@@ -180,6 +180,10 @@ class Scheme:
         """The parameters that are set (None means 'derive from the model')."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
+    def _set(self, key, value):
+        """Store a validated (normalised) parameter on the frozen instance, in `__post_init__`."""
+        object.__setattr__(self, key, value)
+
     def replace(self, **changes) -> Scheme:
         """A copy with some parameters changed (validated again)."""
         return dataclasses.replace(self, **changes)

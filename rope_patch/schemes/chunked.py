@@ -157,8 +157,6 @@ class DualChunk(AttentionScheme):
         _check_pair(sizes["chunk_size"], sizes["local_size"], origin)
         return self.replace(**sizes)
 
-    def repositions(self) -> bool:
-        return True
 
     def copies(self):
         """Copy 0: queries and keys at p mod c; copy 1: queries at min(p mod c + c, s); copy 2: at min(2c − 1, s)."""
@@ -184,8 +182,6 @@ class DualChunk(AttentionScheme):
         return attention.Geometry((attention.Region(hi=1, chunk=c), attention.Region(query=1, lo=1, hi=2, chunk=c),
                                    attention.Region(query=2, lo=2, chunk=c)))
 
-    def build(self, target):
-        return attention.Declared(self.geometry()), None
 
 
 def _config_values(raw, where: str) -> tuple[dict, int | None]:

@@ -106,9 +106,6 @@ class AttentionScheme(Scheme):
     kind: ClassVar[str] = "attention"
     changes: ClassVar[str] = "attention"
 
-    def _set(self, key, value):
-        object.__setattr__(self, key, value)
-
     # ---- what a scheme defines -------------------------------------------------------------------------------
     def build(self, target: PatchSite) -> tuple[attention.AttentionRule | None, Callable[[UndoLog], None] | None]:
         """What the scheme installs on one model.
@@ -118,9 +115,11 @@ class AttentionScheme(Scheme):
 
         Returns:
             (rule, install): the `AttentionRule` the attention functions run (None: the model's own backend is kept),
-                and a step that attaches modules or hooks through the undo log (None: nothing to attach).
+                and a step that attaches modules or hooks through the undo log (None: nothing to attach). By default
+                the rule derived from the scheme's `geometry`, if it declares one, and nothing to attach.
         """
-        return None, None
+        geometry = self.geometry()
+        return (None if geometry is None else attention.Declared(geometry)), None
 
     # ---- shared machinery ------------------------------------------------------------------------------------
     def layout(self, module: nn.Module) -> attention.Layout | None:
@@ -137,8 +136,9 @@ class AttentionScheme(Scheme):
 
     def repositions(self) -> bool:
         """Whether the scheme moves positions (then every rotary module tags its output and the layers run at the
-        copies of `layout`) rather than removing the rotation (ALiBi, NoPE, T5 bias, additive encodings)."""
-        return False
+        copies of `layout`) rather than removing the rotation (ALiBi, NoPE, T5 bias, additive encodings): whether it
+        gives layers position copies, i.e. defines `layout`."""
+        return type(self).layout is not AttentionScheme.layout
 
     def geometry(self) -> attention.Geometry | None:
         """The scheme's attention, declared (attention/geometry.py), with `copies` the position maps its regions

@@ -73,9 +73,6 @@ class FrequencyScheme(Scheme):
             self._set("changes", "its wavelengths, rounded to integers by resonance=True, each position reduced modulo "
                                  "them before the angle is computed")
 
-    def _set(self, key, value):
-        object.__setattr__(self, key, value)
-
     # ---- what a scheme defines -------------------------------------------------------------------------------
     def rope_parameters(self, ctx: RopeContext) -> dict:
         """The transformers `rope_parameters` (one layer type) that this scheme amounts to."""

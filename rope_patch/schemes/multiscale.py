@@ -223,9 +223,6 @@ class MsPoE(AttentionScheme):
                                                    hint="The first skip_layers layers keep vanilla RoPE "
                                                         "(the authors: 2)."))
 
-    def repositions(self):
-        return True
-
     def resolve(self, target):
         layers = {m.layer_idx for m in attention_modules(target.model)}
         if any(i < 0 for i in layers):

@@ -52,7 +52,7 @@ class Shift:
         return p + self.offset if self.offset else p
 
 
-def _required(name: str, key: str, value, what: str, bounds: tuple = check.WINDOW_RANGE, hint: str = "",
+def required(name: str, key: str, value, what: str, bounds: tuple = check.WINDOW_RANGE, hint: str = "",
               kind=check.integer):
     """A required parameter, checked by `kind` (an integer, or `check.number`) in `bounds`: a TypeError that says
     `what` it is when it is missing (None)."""
@@ -62,7 +62,7 @@ def _required(name: str, key: str, value, what: str, bounds: tuple = check.WINDO
 
 
 def _check_window_size(name: str, value) -> int:
-    return _required(name, "window_size", value, "the neighbour window W in tokens, e.g. 512",
+    return required(name, "window_size", value, "the neighbour window W in tokens, e.g. 512",
                      hint="The neighbour window W counts tokens (e.g. 512); a W longer than the sequence is "
                           "plain RoPE.")
 
@@ -96,8 +96,6 @@ class TwoRegion(AttentionScheme):
         """
         return self.window_size
 
-    def repositions(self) -> bool:
-        return True
 
     def copies(self) -> attention.Layout:
         """Copies (true, far query[, far key]): the far keys' copy is the last key set."""
@@ -131,8 +129,6 @@ class TwoRegion(AttentionScheme):
         far_keys = len(self.copies().key_copies) - 1  # the far keys' set: the last one
         return attention.Geometry((attention.Region(hi=w), attention.Region(query=1, keys=far_keys, lo=w)))
 
-    def build(self, target):
-        return attention.Declared(self.geometry()), None
 
 
 @register_scheme
@@ -175,7 +171,7 @@ class SelfExtend(TwoRegion):
 
     def __post_init__(self):
         n = self.name
-        self._set("group_size", _required(n, "group_size", self.group_size,
+        self._set("group_size", required(n, "group_size", self.group_size,
                                           "positions beyond the window are floor-divided by it, e.g. 4",
                                           check.GROUP_SIZE_RANGE,
                                           hint="group_size=1 is plain RoPE; the paper uses 2 … 64."))
@@ -322,7 +318,7 @@ class SelfExtendLogistic(TwoRegion):
     def __post_init__(self):
         n = self.name
         low, high = check.GROUP_SIZE_RANGE
-        self._set("group_size", _required(n, "group_size", self.group_size,
+        self._set("group_size", required(n, "group_size", self.group_size,
                                           "the capacity C of the logistic curve: group sizes grow from 1 towards "
                                           "C − 1, e.g. 16", (max(2, low), high),
                                           hint="It is the logistic curve's capacity C; the authors use 16."))
@@ -420,7 +416,7 @@ class LeakyReRope(TwoRegion):
     def __post_init__(self):
         n = self.name
         self._set("window_size", _check_window_size(n, self.window_size))
-        self._set("factor", _required(n, "factor", self.factor, "k: distances beyond the window grow 1/k as fast, "
+        self._set("factor", required(n, "factor", self.factor, "k: distances beyond the window grow 1/k as fast, "
                                       "e.g. 16", check.LEAKY_FACTOR_RANGE, kind=check.number,
                                       hint="factor=1 is plain RoPE, k < 1 would stretch distances, a large k "
                                            "approaches ReRoPE (use rerope for k → ∞); Su's post uses 16."))
@@ -499,10 +495,10 @@ class String(TwoRegion):
 
     def __post_init__(self):
         n = self.name
-        self._set("shift_size", _required(n, "shift_size", self.shift_size,
+        self._set("shift_size", required(n, "shift_size", self.shift_size,
                                           "S: distances d ≥ S are replaced by d − S + W; about ⅓ of the test "
                                           "length, an S at least the sequence length is plain RoPE"))
-        self._set("window_size", _required(n, "window_size", self.window_size,
+        self._set("window_size", required(n, "window_size", self.window_size,
                                            "W: the smallest distance far tokens are moved to, 128 … 512 in the "
                                            "paper's code"))
         if self.shift_size <= self.window_size:
