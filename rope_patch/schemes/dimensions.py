@@ -54,7 +54,7 @@ from .. import validation as check
 from ..registry import register_scheme
 from ..rotary import embed
 from .base import Suggestion
-from .positions import Affine, TwoRegion, _check_window_size, grouped_reach
+from .positions import Affine, TwoRegion, _check_window_size, grouped_reach, required
 
 PROBE = 0.5  # the probe position: angles 0.5·θ_k < π for every θ_k ≤ 1 (RoPE's fastest pair turns 1 rad a token)
 
@@ -154,14 +154,11 @@ class Dpe(TwoRegion):
 
     def __post_init__(self):
         n = self.name
-        if self.group_sizes is None:
-            raise TypeError(f"{n}: missing required parameter `group_sizes` (one group size per group of RoPE "
-                            "frequencies, fastest first, e.g. 2/8/2/8/32/32/32/4; "
-                            "see rope_patch.tuning.detect_group_sizes).")
         low, high = check.GROUP_SIZE_RANGE
-        sizes = check.number_list(n, "group_sizes", self.group_sizes, ge=low, le=high,
-                                  hint="Each is a group size s ≥ 1 (1 keeps that group's pairs at their "
-                                       "true positions).")
+        sizes = required(n, "group_sizes", self.group_sizes, "one group size per group of RoPE frequencies, fastest "
+                          "first, e.g. 2/8/2/8/32/32/32/4; see rope_patch.tuning.detect_group_sizes", (low, high),
+                          "Each is a group size s ≥ 1 (1 keeps that group's pairs at their true positions).",
+                          check.number_list)
         self._set("group_sizes", tuple(check.integer(n, f"group_sizes[{i}]", s, ge=low, le=high,
                                                      hint="Group sizes are whole numbers of tokens.")
                                        for i, s in enumerate(sizes)))

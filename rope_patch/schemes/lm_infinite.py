@@ -14,7 +14,7 @@ from .. import attention
 from .. import validation as check
 from ..registry import register_scheme
 from .base import UNBOUNDED, Suggestion
-from .positions import Affine, TwoRegion
+from .positions import Affine, TwoRegion, required
 
 
 @register_scheme
@@ -47,10 +47,8 @@ class LmInfinite(TwoRegion):
 
     def __post_init__(self):
         n, high = self.name, check.WINDOW_RANGE[1]
-        if self.local_size is None:
-            raise TypeError(f"{n}: missing required parameter `local_size` (the local branch in tokens, e.g. 4096).")
-        self._set("local_size", check.integer(n, "local_size", self.local_size, ge=2, le=high,
-                                              hint="The local branch counts tokens (the pretraining window)."))
+        self._set("local_size", required(n, "local_size", self.local_size, "the local branch in tokens, e.g. 4096",
+                                          (2, high), "The local branch counts tokens (the pretraining window)."))
         self._set("global_size", check.integer(n, "global_size", self.global_size, ge=0, le=high,
                                                hint="The number of first tokens every query reads (10–100)."))
         limit = self.local_size if self.max_distance is None else self.max_distance
