@@ -29,12 +29,11 @@ def in_window(q_slots: torch.Tensor, lo: int, hi: int, window: int | None = None
     return d >= 0 if window is None else (d >= 0) & (d < window)
 
 
-def block_rows(batch: int, heads: int, q_len: int, window: int, budget: int | None = None) -> int:
+def block_rows(batch: int, heads: int, q_len: int, window: int) -> int:
     """Query rows per block of a sliding-window layer: about one window, fewer when batch × heads × rows ×
-    (rows + window) would pass the budget of scores per block (`budget`, else settings.BLOCK_ELEMENTS)."""
-    budget = budget or settings.BLOCK_ELEMENTS
+    (rows + window) would pass the budget of scores per block (settings.BLOCK_ELEMENTS)."""
     rows = max(16, window)
-    while rows > 16 and batch * heads * rows * (rows + window) > budget:
+    while rows > 16 and batch * heads * rows * (rows + window) > settings.BLOCK_ELEMENTS:
         rows //= 2
     return min(q_len, rows)
 
@@ -109,7 +108,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if sinks is not None:
         sinks = sinks.float().view(1, hkv, h // hkv, 1, 1)  # query head kv·G + g, as in the score layout
 
-    budget = state.block_elements or settings.BLOCK_ELEMENTS
     # The fused path (log-sum-exp merging) serves inference without padding mask, softcap or dropout on CPU;
     # everything else takes the materialised-block path, which autograd can differentiate.
     if window is not None and (attention_mask is not None or call.gapped or call.values or call.memory or dense):
@@ -124,11 +122,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if dense:
         block = q_len
     elif window is not None:  # a block meets at most block + window − 1 keys
-        block = block_rows(b, h, q_len, window, budget)
+        block = block_rows(b, h, q_len, window)
     elif fused:  # only a narrow band is materialised per block: the scheme picks the block that balances the two
         block = min(q_len, settings.FUSED_BLOCK or state.scores.fused_rows(b * h))
     else:
-        block = max(1, min(q_len, budget // max(1, b * h * k_len)))
+        block = max(1, min(q_len, settings.BLOCK_ELEMENTS // max(1, b * h * k_len)))
     out = query.new_empty(b, hkv, h // hkv, q_len, d)
     weights = None  # the dense variant's
     # values rotating with their keys (copies.SPLIT): each query copy's part of the output, from its pairs' key sets

@@ -31,7 +31,6 @@ FA2 = "rope_patch_fa2"
 @dataclasses.dataclass
 class AttnState:
     scores: AttentionRule
-    block_elements: int | None = None  # None: settings.BLOCK_ELEMENTS (read at call time, tests shrink it)
     current: object = None  # during a re-positioned layer's call: its `copies.Current` (rows, true positions, layout)
     positionless: bool = False  # during a call of a layer that no positions reach (`copies.Reentry` runs it as it is)
     recorder: object = None  # during the apply-time check (plumbing.py): what the attention function received
@@ -52,7 +51,7 @@ _FUNCTIONS = {DENSE: (dense_attention, eager_mask), BLOCKED: (blocked_attention,
 
 
 def register() -> None:
-    """Register our functions and their mask functions (idempotent; new keys only)."""
+    """Register our functions and their mask functions (idempotent)."""
     for name, (fn, mask) in _FUNCTIONS.items():
         transformers.AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, mask)

@@ -121,13 +121,11 @@ def _window_only(*, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask
 
 
 def register() -> None:
-    """Register the functions and their mask function under WINDOWED / WINDOWED_BLOCKED (idempotent; new keys only)."""
+    """Register the functions and their mask function under WINDOWED / WINDOWED_BLOCKED (idempotent)."""
     register_blocked()
     for name, fn in ((WINDOWED, windowed_attention), (WINDOWED_BLOCKED, windowed_blocked)):
-        if transformers.AttentionInterface._global_mapping.get(name) is not fn:
-            transformers.AttentionInterface.register(name, fn)
-        if AttentionMaskInterface._global_mapping.get(name) is not windowed_mask:
-            AttentionMaskInterface.register(name, windowed_mask)
+        transformers.AttentionInterface.register(name, fn)  # a dict update: registering again changes nothing
+        AttentionMaskInterface.register(name, windowed_mask)
 
 
 def _attention_modules(model):
