@@ -32,6 +32,7 @@ from .kernels import flash_causal_partial, flash_distance_partial, flash_partial
 from .protocol import AttentionCall, AttentionRule, fit_rows, merge, module_state
 from .rules import PLAIN
 
+EVERY = (Region(),)  # one region over every key, at copy 0 and key set 0
 HIDDEN = torch.finfo(torch.float32).min  # a hidden key's logit: finite, so a row with every key hidden stays finite
 
 
@@ -39,7 +40,7 @@ class Declared(AttentionRule):
     """The attention of `geometry`, on every backend.
 
     Args:
-        geometry: the scheme's regions.
+        geometry: the scheme's regions, and the bias of the distance it adds.
     """
 
     def __init__(self, geometry: Geometry):
@@ -57,8 +58,10 @@ class Declared(AttentionRule):
         """What the apply-time check's verdict depends on (attention/plumbing.py caches it per architecture): the
         rule's class and which copies its regions read, and whether they hide keys (which a layer without positions
         refuses), not the regions' sizes."""
-        return type(self).__qualname__, tuple((r.query, r.keys, r.first is not None, r.chosen)
-                                              for r in self.geometry.regions)
+        bias = self.geometry.bias
+        return (type(self).__qualname__, tuple((r.query, r.keys, r.first is not None, r.chosen)
+                                               for r in self.geometry.regions),
+                None if bias is None else type(bias).__qualname__)
 
     def fused_rows(self, heads):
         if self.geometry.chunk is not None:  # rows split at chunk boundaries: long blocks keep whole chunks together
@@ -86,7 +89,7 @@ class Declared(AttentionRule):
         """The regions this call can reach: a layer handed one copy (one the scheme leaves as it is) runs plain, and
         without gaps no key is more than k − 1 slots back."""
         if len(call.queries) == 1:
-            return (Region(),)
+            return EVERY
         reach = math.inf if call.gapped else call.key.shape[2] - 1
         if self.geometry.chunk is not None and not call.gapped:  # in chunks: the last key's chunk
             reach = max(reach + max(call.scratch["offsets"]), 0) // self.geometry.chunk
@@ -112,11 +115,17 @@ class Declared(AttentionRule):
             return call.queries[region.query], call.keys[region.keys]
         if "chosen" not in call.scratch:
             b, hkv = call.key.shape[:2]
-            sets = self.chosen_sets(call.module.layer_idx, b)  # (b, Hkv)
+            picks = self.chosen_copies(call)
+            sets = self.chosen_sets(call.module.layer_idx, b) - picks.start  # (b, Hkv), into the picks
             rows, heads = torch.arange(b, device=sets.device)[:, None], torch.arange(hkv, device=sets.device)
-            key = call.key if len(call.keys) == 1 else torch.stack(call.keys)[sets, rows, heads]
-            call.scratch["chosen"] = torch.stack(call.queries)[sets, rows, heads], key
+            key = call.key if len(call.keys) == 1 else torch.stack(call.keys[picks.start:picks.stop])[sets, rows, heads]
+            call.scratch["chosen"] = torch.stack(call.queries[picks.start:picks.stop])[sets, rows, heads], key
         return call.scratch["chosen"]
+
+    def chosen_copies(self, call) -> range:
+        """The copies (query copy t with key set t) `chosen_sets` picks among, stacked once per call to gather each
+        head's: by default every one."""
+        return range(len(call.queries))
 
     def _whole(self, call) -> Region | None:
         """The one region over every key (every distance ≥ 0), if that is the call's geometry: a bias's, a chosen
@@ -231,8 +240,7 @@ class Declared(AttentionRule):
         step's row is one (H, keys) lookup). With gapped ids, one per batch row (distances of position ids)."""
         dist = call.distance(rows, start, end)  # (r, w), or (b, 1, 1, r, w) with gapped ids
         heads = call.query.shape[1:3]
-        # future keys (hidden by the mask) read distance 0, as on the fused and flex paths
-        bias = self.geometry.bias.by_distance(call, dist.reshape(-1).clamp(min=0))  # (H, n)
+        bias = self.geometry.bias.by_distance(call, dist.reshape(-1))  # (H, n)
         if not call.gapped:
             return bias.view(1, *heads, *dist.shape)
         b, r, w = dist.shape[0], dist.shape[-2], dist.shape[-1]
@@ -370,14 +378,14 @@ class Declared(AttentionRule):
         return merge(parts) if self.flex_lse else parts[0]
 
     def _flex_bias(self, call):
-        """The bias as a score_mod reading the per-call (H, k) bias-by-distance vector: the lookup costs O(L), not
-        O(L²). Distances in slots; future keys (masked anyway) read distance 0."""
-        k_len = call.key.shape[2]
-        by_distance = self.geometry.bias.by_distance(call, torch.arange(k_len, device=call.key.device))  # (H, k)
-        first = torch.tensor(k_len - call.query.shape[3], device=call.query.device)
+        """The bias as a score_mod reading the per-call (H, q + k − 1) bias-by-distance vector, every distance a call
+        meets (the future's too, where a mask opens it): the lookup costs O(L), not O(L²). Distances in slots."""
+        q_len, k_len = call.query.shape[3], call.key.shape[2]
+        by_distance = self.geometry.bias.by_distance(call, torch.arange(1 - q_len, k_len, device=call.key.device))
+        shift = torch.tensor(k_len - 1, device=call.query.device)  # i − j + q − 1 = qi + (k − 1) − kv
 
         def bias(score, b, h, qi, kv):
-            return score + by_distance[h, (qi + first - kv).clamp(min=0)]
+            return score + by_distance[h, qi + shift - kv]
 
         return bias
 

@@ -64,7 +64,8 @@ class Bias:
     flat_after: int | None = None
 
     def by_distance(self, call, distance):
-        """(H, n) float32: b_h(d) for the distances `distance` (n,) ≥ 0, query heads in the call's order."""
+        """(H, n) float32: b_h(d) for the distances `distance` (n,), query heads in the call's order. A negative
+        distance is a key after the query, which only a mask that opens the future (a prefix-LM's) lets count."""
         raise NotImplementedError
 
     def probe(self) -> Bias:

@@ -1,8 +1,8 @@
 """Additive attention biases: ALiBi (fixed slopes) and T5/Shaw relative-position buckets (learned).
 
 Both remove the rotation and add b_h(i − j) to the logits of query i and key j: a declared geometry of one region
-over every key with a `Bias` (attention/geometry.py), from which attention/declared.py derives every backend. The
-bias is never a (heads, L, L) tensor.
+over every key with a `Bias` (attention/geometry.py), from which attention/declared.py derives every backend. On the
+fused and flex paths the bias is never a (heads, L, L) tensor (the materialised path builds it per query block).
 """
 
 from __future__ import annotations

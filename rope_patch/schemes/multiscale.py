@@ -154,6 +154,9 @@ class MultiScaleScores(attention.Declared):
                 "prompt with an empty cache (model.generate does).")
         return order + 1
 
+    def chosen_copies(self, call):
+        return range(1, call.key.shape[1] + 1)  # the ratio copies (not position 0, nor the check's own)
+
     def logits(self, call, rows, start, end):
         if (len(call.queries) == 1 or len(call.keys) == 1 or call.query.shape[0] > 1
                 or call.query.shape[3] > attention.settings.DECODE_ROWS):
@@ -162,8 +165,7 @@ class MultiScaleScores(attention.Declared):
         # every key set cached (KV sharing), each KV head's scores read its ratio's set in place, where gathering
         # the chosen heads would copy every cached key at every step
         chosen = self.chosen[call.module.layer_idx]
-        q = torch.stack(call.queries)[[1 + s for s in chosen], 0, range(len(chosen))][None]  # (1, Hkv, G, r, d)
-        return torch.cat([call.qk(q[:, g:g + 1, :, rows], call.keys[1 + s][:, g:g + 1, start:end])
+        return torch.cat([call.qk(call.queries[1 + s][:, g:g + 1, :, rows], call.keys[1 + s][:, g:g + 1, start:end])
                           for g, s in enumerate(chosen)], dim=1)
 
 
@@ -227,8 +229,9 @@ class MsPoE(AttentionScheme):
         layers = {m.layer_idx for m in attention_modules(target.model)}
         if any(i < 0 for i in layers):
             raise ValueError(f"{self.name}: {target.model_type} runs one attention module at several depths (layer_idx "
-                             "-1, a shared block), and Ms-PoE keeps the prompt's head order per layer for cached "
-                             "decoding. Use a frequency scheme on this model.")
+                             "-1, a shared block): the prompt's head order is kept per layer, "
+                             "and one module cannot keep one per depth for cached decoding. Ms-PoE is not supported on "
+                             "this model; the frequency schemes are.")
         count = len(layers)
         if not count:  # no layer attends through transformers' interface: the common checks refuse, with the reason
             return self

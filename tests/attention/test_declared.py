@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
 
 from rope_patch import attention
 from rope_patch.attention import Geometry, Region
@@ -32,7 +33,7 @@ class Flat(attention.Bias):
     flat_after = 6
 
     def by_distance(self, call, distance):
-        return torch.linspace(-1.0, 1.0, HKV * G * 7).view(HKV * G, 7)[:, distance.clamp(max=6)]
+        return torch.linspace(-1.0, 1.0, HKV * G * 7).view(HKV * G, 7)[:, distance.clamp(0, 6)]
 
 
 class Picked(attention.Declared):
@@ -87,7 +88,7 @@ def dense(geometry: Geometry, call) -> torch.Tensor:
         scores = torch.einsum("bkgqd,bknd->bkgqn", q, k) * call.scaling
         s = torch.where(inside, scores, s)
     if geometry.bias is not None:
-        s = s + geometry.bias.by_distance(call, (i - j).clamp(min=0).reshape(-1)).view(HKV, G, q_len, k_len)
+        s = s + geometry.bias.by_distance(call, (i - j).reshape(-1)).view(HKV, G, q_len, k_len)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("bkgqn,bknd->bkgqd", p, call.value).reshape(B, HKV * G, q_len, D)
 
@@ -130,3 +131,23 @@ def test_regions_may_not_overlap_or_mix_distances_and_chunks():
         Geometry((Region(hi=8), Region(query=1, lo=6)))
     with pytest.raises(ValueError, match="not both"):
         Geometry((Region(hi=1, chunk=4), Region(query=1, lo=8)))
+
+
+@pytest.mark.parametrize("path", ["materialised", "flex"])
+def test_a_bias_reaches_the_keys_a_mask_opens_after_the_query(path, monkeypatch):
+    """A mask that opens the future (a prefix-LM's) lets the bias count there too: at the negative distance i − j,
+    as ALiBi's −m·(i − j) has it, on the materialised path and flex alike."""
+    call = make_call(16, 16, 0)
+    rule = attention.Declared(Geometry((Region(),), bias=Slopes()))
+    rule.begin(call)
+    distance = call.q_slot[:, None] - torch.arange(16)[None, :]
+    s = torch.einsum("bkgqd,bknd->bkgqn", call.query, call.key) * call.scaling
+    want = s + Slopes().by_distance(call, distance.reshape(-1)).view(HKV, G, 16, 16)  # every key, the future's too
+    if path == "flex":
+        monkeypatch.setattr(attention.settings, "FLEX_COMPILE", False)
+        everything = create_block_mask(lambda b, h, q, k: q >= 0, None, None, 16, 16, device="cpu")
+        got = rule.flex(call, everything)
+        want = torch.einsum("bkgqn,bknd->bkgqd", torch.softmax(want, dim=-1), call.value).flatten(1, 2)
+    else:
+        got = rule.logits(call, slice(0, 16), 0, 16)
+    assert (got - want).abs().max().item() <= 1e-5
