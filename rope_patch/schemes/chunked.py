@@ -157,7 +157,6 @@ class DualChunk(AttentionScheme):
         _check_pair(sizes["chunk_size"], sizes["local_size"], origin)
         return self.replace(**sizes)
 
-
     def copies(self):
         """Copy 0: queries and keys at p mod c; copy 1: queries at min(p mod c + c, s); copy 2: at min(2c − 1, s)."""
         if self.chunk_size is None:
@@ -181,7 +180,6 @@ class DualChunk(AttentionScheme):
         c = self.chunk_size - self.local_size
         return attention.Geometry((attention.Region(hi=1, chunk=c), attention.Region(query=1, lo=1, hi=2, chunk=c),
                                    attention.Region(query=2, lo=2, chunk=c)))
-
 
 
 def _config_values(raw, where: str) -> tuple[dict, int | None]:

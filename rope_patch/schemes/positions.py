@@ -96,7 +96,6 @@ class TwoRegion(AttentionScheme):
         """
         return self.window_size
 
-
     def copies(self) -> attention.Layout:
         """Copies (true, far query[, far key]): the far keys' copy is the last key set."""
         far_q, far_k = self.far_positions()
@@ -128,7 +127,6 @@ class TwoRegion(AttentionScheme):
         w = self.split()
         far_keys = len(self.copies().key_copies) - 1  # the far keys' set: the last one
         return attention.Geometry((attention.Region(hi=w), attention.Region(query=1, keys=far_keys, lo=w)))
-
 
 
 @register_scheme
