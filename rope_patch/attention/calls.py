@@ -93,9 +93,7 @@ def _cached_sets(module, current, key: torch.Tensor, hkv: int) -> tuple:
                          "head, only the key set the storing layer's prompt picked. The apply-time check "
                          "(rope_patch.apply's default, check=True) finds such layers and keeps every key set in the "
                          "cache instead.")
-    if layout.chosen and key.shape[1] == hkv:
-        return (key,)
-    return key.split(hkv, dim=1)[:len(layout.key_copies)]
+    return key.split(hkv, dim=1)[:len(layout.key_copies)]  # one set where the cache keeps each head's pick
 
 
 def _gathered(module, state, current, query, key, value, indices):
