@@ -438,8 +438,7 @@ def describe(findings: list[Finding], tol: float) -> str:
     return f"{first.module} (layer {first.layer}): {first.what}{size}, in {first.step}{more}"
 
 
-def verify(target, name: str, rule, layouts: dict, backend: str, native: str, rotate_reference: bool,
-           install) -> tuple[str, dict]:
+def verify(target, name: str, rule, layouts: dict, backend: str, rotate_reference: bool, install) -> tuple[str, dict]:
     """Run the check; return the cache mode that passed and the layouts to install (`all_sets` of them where a layer
     reads another layer's keys), or raise ValueError naming the layer and the difference.
     `install(log, rule, layouts, mode, wrap)` installs the scheme through `log` (a scratch undo log, undone here)."""

@@ -28,7 +28,6 @@ flash-attention-2 and static caches are refused at apply() time, as for the othe
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -36,7 +35,7 @@ from .. import attention
 from ..discovery import PatchSite
 from ..rotary import PatchedRotaryForward
 from ..undo import UndoLog
-from .common import AttentionScheme, attention_modules, decoder, guard_cache
+from .common import AttentionScheme, allowed_backends, attention_modules, install_rule
 
 NATIVE, CONSISTENT = "native", "consistent"
 MODES = (NATIVE, CONSISTENT)
@@ -107,34 +106,24 @@ def prepare(name: str, target: PatchSite):
     rule = CurrentRotation(helper.rotations(target))
     impl = helper._check_backend(target, rule)
     modules = attention_modules(target.model)  # not empty: `rotations` refuses a model without them
-    model, rotary = target.model, target.rotary
-    native = target.config._attn_implementation
+    rotary = target.rotary
 
     def install(log: UndoLog, masters: dict, update) -> None:
         def put(log: UndoLog, rule, layouts, cache_mode, wrap=None) -> None:
-            during_check = ("eager", attention.plumbing.CAPTURE) if wrap is not None else ()
             # The check holds the frequencies installed at apply time (no length update): it checks where the
             # rotation happens, and its input may pass the window, where a length-dependent scheme's frequencies
             # would change from step to step, and the layer's own cache (the reference) keeps each step's rotation.
             log.setattr(rotary, "forward", PatchedRotaryForward(
                 rotary, masters, identity=True, config=target.config, attn_implementation=impl,
-                allowed=(*attention.BACKENDS.values(), attention.windowed.WINDOWED_BLOCKED, *during_check), scheme=name,
-                update=update if wrap is None else None, tagged=True))
-            attention.register()
-            state = attention.AttnState(rule, rotaries=(rotary,))
-            for m in modules:
-                log.setattr(m, attention.STATE, state)
-                if wrap is not None:
-                    log.setattr(m, "forward", wrap(m, functools.partial(type(m).forward, m)))
-            guard_cache(log, decoder(model), name)
-            model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
+                allowed=allowed_backends(wrap), scheme=name, update=update if wrap is None else None, tagged=True))
+            install_rule(log, target, name, rule, layouts, cache_mode, wrap, impl)
 
         if target.check:
             # The rotation moves inside attention here (the deferred design): a layer that does something after its
             # RoPE (HunYuan's q/k norms, Dory's query scale) or no RoPE at all gets another model. Checked against
             # the layer's own rotation at the frequencies just installed (within the window: one set of them).
-            attention.plumbing.verify(target, name, rule, dict.fromkeys(modules), impl, native,
-                                      rotate_reference=True, install=put)
+            attention.plumbing.verify(target, name, rule, dict.fromkeys(modules), impl, rotate_reference=True,
+                                      install=put)
         put(log, rule, dict.fromkeys(modules), attention.HEADS)
 
     return install

@@ -281,7 +281,6 @@ class AttentionScheme(Scheme):
                                              f"{type(own[0]).__name__} does not call transformers' AttentionInterface),"
                                              " so a registered attention function never runs")
             raise ValueError(f"{self.name}: found no attention modules in {type(target.model).__name__}.")
-        model = target.model
         moves = self.repositions()
         # A layer with memory (attention.memory_rotaries: DeepSeek-V4's compressor) runs through the copies even where
         # the scheme moves no position (ALiBi, T5 bias, NoPE: one copy), so its attention learns where the memory
@@ -289,7 +288,6 @@ class AttentionScheme(Scheme):
         layouts = {m: self.layout(m) if moves else (attention.Layout((attention.Identity(),))
                                                     if scores is not None and attention.memory_rotaries(m) else None)
                    for m in modules}
-        native = target.config._attn_implementation
         # The model's own frequencies, as float32 masters (a cast of the model must not round the angles), of every
         # rotary module (one per block kind or base in some models: each is patched alike).
         names = {r: [f"{lt}_inv_freq" if lt else "inv_freq" for lt in target.site(r).layer_types]
@@ -308,33 +306,18 @@ class AttentionScheme(Scheme):
                 # The re-positioning schemes keep the model's rotation (their layers run at copies of other
                 # positions); the others remove it. Either way the embeddings remember their source, for the copies
                 # and the check.
-                # (the check's reference runs switch a layer to eager or a capturing function for one call: a rotary
-                # inside the layer, as Moshi's, must not take that for a user's backend change)
-                during_check = ("eager", attention.plumbing.CAPTURE) if wrap is not None else ()
                 log.setattr(r, "forward", PatchedRotaryForward(
                     r, masters, identity=not moves, config=target.config, attn_implementation=impl,
-                    allowed=(*attention.BACKENDS.values(), attention.windowed.WINDOWED_BLOCKED, *during_check),
-                    scheme=self.name, tagged=rule is not None,
+                    allowed=allowed_backends(wrap), scheme=self.name, tagged=rule is not None,
                     update=_table_growth(r, table), sin_first=table is not None and table.returns_sin_first))
-            if rule is None:
-                return
-            attention.register()
-            state = attention.AttnState(rule, rotaries=tuple(target.rotaries))
-            for m in modules:
-                log.setattr(m, attention.STATE, state)
-                inner = attention.Reentry(m, layouts[m], cache_mode) if layouts[m] is not None else None
-                if wrap is not None:
-                    inner = wrap(m, inner or functools.partial(type(m).forward, m))
-                if inner is not None:
-                    log.setattr(m, "forward", inner)
-            guard_cache(log, decoder(model), self.name)
-            model.set_attn_implementation(impl)  # writes the model's private config only (api.apply)
+            if rule is not None:
+                install_rule(log, target, self.name, rule, layouts, cache_mode, wrap, impl)
 
         def install(log: UndoLog) -> None:
             mode, chosen = attention.HEADS, layouts
             if scores is not None and target.check:
                 # on the model's private config (api.apply), before anything of the scheme is on the model
-                mode, chosen = attention.plumbing.verify(target, self.name, scores, layouts, impl, native,
+                mode, chosen = attention.plumbing.verify(target, self.name, scores, layouts, impl,
                                                          rotate_reference=False, install=put)
             put(log, scores, chosen, mode)
             if attach is not None:
@@ -360,6 +343,30 @@ class AttentionScheme(Scheme):
                     raise ValueError(f"{self.name}: moves queries or keys to fractional positions, and {table}, which "
                                      "has no rows between them. Use a scheme with integer positions (self_extend, "
                                      "rerope, string, dca) on this architecture.")
+
+
+def allowed_backends(wrap) -> tuple:
+    """The attention implementations a patched rotary accepts: rope_patch's own; during the apply-time check (`wrap`
+    given) also eager and the capturing function, which its reference runs switch a layer to for one call (a rotary
+    inside the layer, as Moshi's, must not take that for a user's backend change)."""
+    during_check = ("eager", attention.plumbing.CAPTURE) if wrap is not None else ()
+    return (*attention.BACKENDS.values(), attention.windowed.WINDOWED_BLOCKED, *during_check)
+
+
+def install_rule(log: UndoLog, target: PatchSite, name: str, rule, layouts: dict, cache_mode: str, wrap, impl: str):
+    """Put `rule` on every attention layer of `layouts` through `log`: the layer's state, its copies (`Reentry`, where
+    it has a layout) and the check's `wrap`; the cache guard; the backend (on the model's private config only)."""
+    attention.register()
+    state = attention.AttnState(rule, rotaries=tuple(target.rotaries))
+    for m, layout in layouts.items():
+        log.setattr(m, attention.STATE, state)
+        inner = attention.Reentry(m, layout, cache_mode) if layout is not None else None
+        if wrap is not None:
+            inner = wrap(m, inner or functools.partial(type(m).forward, m))
+        if inner is not None:
+            log.setattr(m, "forward", inner)
+    guard_cache(log, decoder(target.model), name)
+    target.model.set_attn_implementation(impl)
 
 
 def _table_growth(rotary: nn.Module, table) -> TableGrowth | None:
