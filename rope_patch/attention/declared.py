@@ -273,18 +273,28 @@ class Declared(AttentionRule):
         region, bias = self._whole(call), self.geometry.bias
         if region is None or region.chosen or (region.query, region.keys) != (0, 0):
             return None
-        if "by_distance" not in call.scratch:  # once per call: every distance a block meets, the future at −inf
-            distance = torch.arange(1 - call.query.shape[3], call.key.shape[2], device=call.query.device)
-            by = bias.by_distance(call, distance.clamp(min=0)).masked_fill(distance < 0, float("-inf"))
+        every = self._by_distance(call)
+        if "masked_bias" not in call.scratch:  # once per call: the kernel's vector, the future at −inf
+            q_len = call.query.shape[3]
+            by = every.clone()
+            by[:, :q_len - 1] = float("-inf")
             # float32 for half-precision queries (the kernel adds a float32 mask exactly); float64 queries want theirs
-            call.scratch["by_distance"] = by.to(torch.promote_types(call.query.dtype, torch.float32)).contiguous()
+            call.scratch["masked_bias"] = by.to(torch.promote_types(call.query.dtype, torch.float32)).contiguous()
         start = 0 if bias.flat_after is None else max(0, call.first_slot(rows) - bias.flat_after + 1)
-        near = flash_distance_partial(call, rows, end, call.scratch["by_distance"], start)
+        near = flash_distance_partial(call, rows, end, call.scratch["masked_bias"], start)
         if start == 0:
             return [near]
         out, lse = flash_partial(call, call.query[:, :, :, rows], call.key[:, :, :start], call.value[:, :, :start])
-        flat = bias.by_distance(call, torch.tensor([bias.flat_after], device=call.query.device))  # (H, 1)
+        flat = every[:, call.query.shape[3] - 1 + bias.flat_after]  # (H,): start > 0, so that distance is in reach
         return [(out, lse + flat.view(1, -1, 1)), near]
+
+    def _by_distance(self, call) -> torch.Tensor:
+        """(H, q + k − 1) float32, once per call: the bias at every distance the call meets, 1 − q … k − 1 (column
+        q − 1 + d holds distance d; the future's too, where a mask opens it), for the fused and flex paths."""
+        if "by_distance" not in call.scratch:
+            distance = torch.arange(1 - call.query.shape[3], call.key.shape[2], device=call.query.device)
+            call.scratch["by_distance"] = self.geometry.bias.by_distance(call, distance)
+        return call.scratch["by_distance"]
 
     def _region_parts(self, call, region, rows, end):
         c, r = call.first_slot(rows), rows.stop - rows.start
@@ -380,8 +390,7 @@ class Declared(AttentionRule):
     def _flex_bias(self, call):
         """The bias as a score_mod reading the per-call (H, q + k − 1) bias-by-distance vector, every distance a call
         meets (the future's too, where a mask opens it): the lookup costs O(L), not O(L²). Distances in slots."""
-        q_len, k_len = call.query.shape[3], call.key.shape[2]
-        by_distance = self.geometry.bias.by_distance(call, torch.arange(1 - q_len, k_len, device=call.key.device))
+        by_distance, k_len = self._by_distance(call), call.key.shape[2]
         shift = torch.tensor(k_len - 1, device=call.query.device)  # i − j + q − 1 = qi + (k − 1) − kv
 
         def bias(score, b, h, qi, kv):
