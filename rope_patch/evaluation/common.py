@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +53,22 @@ def read_tokens(tokenizer, path: str | Path | None = None, max_tokens: int | Non
 
 def versions() -> dict:
     return {"rope_patch": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": sys.version.split()[0], "platform": platform.platform(), "threads": torch.get_num_threads()}
+            "python": sys.version.split()[0], "platform": platform.platform(), "threads": torch.get_num_threads(),
+            "commit": source_commit()}
+
+
+def source_commit() -> str | None:
+    """The git commit of the rope_patch source that runs (`+dirty` when tracked files differ from it), or None where
+    the package is not a git checkout (an installed wheel): what a result records of the code that produced it."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", "rope_patch"],
+                               capture_output=True, timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "") if head else None
 
 
 def auto_threads() -> int:

@@ -32,8 +32,10 @@ results` redraws the plots from it):
                    "counts": {"passkey_per_cell", "passkey_cells", "passkey_prompts",
                               "perplexity_windows": {"<length>": n}}},
       "versions": {"rope_patch", "torch", "transformers", "python", "platform", "threads"},
-      "schemes":  [{"spec": "yarn:8", "label": "yarn×8", "name": "yarn", "params": {...}}, ...],
-                  # params: the applied scheme with model-derived defaults filled in (rope_patch.current)
+      "schemes":  [{"spec": "yarn:8", "label": "yarn×8", "name": "yarn", "params": {...}, "commit": ...}, ...],
+                  # params: the applied scheme with model-derived defaults filled in (rope_patch.current);
+                  # commit: the rope_patch git commit that measured the scheme's newest cells (versions["commit"]
+                  # of the run that did; null outside a git checkout or in a file from before 2026-12-07)
       "records":  [{"scheme": "yarn:8", "label", "name", "length", "perplexity", "nll", "n_windows", "n_tokens",
                     "passkey_accuracy" (pooled over depths, null when not run), "passkey_n", "passkey_correct",
                     "passkey_ci_low", "passkey_ci_high" (Wilson 95%)}, ...],
@@ -234,15 +236,16 @@ def _windows(token_count: int, lengths, windows_at_longest: int, ppl_tokens: int
 def _reusable(previous: dict | None, spec: str, params: dict | None = None,
               windows: dict[int, int] | None = None) -> dict:
     """The finished cells of `spec` in `previous`: {"ppl": {L: record}, "passkey": {L: [rows]}, "buckets": {L: rows},
-    "elapsed": s, "other_tokens": {L: n_windows}}; empty when the spec was not run or (given `params`) resolved to
-    other parameters. Given `windows` ({L: n}), a perplexity cell counts only where it read n windows at L, the
-    tokens this run reads there; the others are listed in "other_tokens"."""
-    cells = {"ppl": {}, "passkey": {}, "buckets": {}, "elapsed": 0.0, "other_tokens": {}}
+    "elapsed": s, "other_tokens": {L: n_windows}, "commit": the commit that measured them}; empty when the spec was
+    not run or (given `params`) resolved to other parameters. Given `windows` ({L: n}), a perplexity cell counts only
+    where it read n windows at L, the tokens this run reads there; the others are listed in "other_tokens"."""
+    cells = {"ppl": {}, "passkey": {}, "buckets": {}, "elapsed": 0.0, "other_tokens": {}, "commit": None}
     if not previous:
         return cells
     old = next((s for s in previous.get("schemes", []) if s["spec"] == spec), None)
     if old is None or (params is not None and old.get("params") != json.loads(json.dumps(json_safe(params)))):
         return cells
+    cells["commit"] = old.get("commit")
     for r in previous.get("records", []):
         if r["scheme"] == spec and r.get("n_windows"):
             if windows is not None and r["length"] in windows and r["n_windows"] != windows[r["length"]]:
@@ -404,7 +407,9 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
                     **{r["length"]: r for r in ppl["lengths"]}}
         pk += [r for L in passkey_lengths if L not in todo_pk for r in done["passkey"][L]]
         buckets = ppl["buckets"] if lengths[-1] in todo_ppl else done["buckets"][lengths[-1]]
-        result["schemes"].append({"spec": spec, "label": label, "name": name, "params": params})
+        ran = bool(todo_ppl or todo_pk)  # a scheme whose cells were all reused keeps the commit that measured them
+        result["schemes"].append({"spec": spec, "label": label, "name": name, "params": params,
+                                  "commit": result["versions"]["commit"] if ran else done["commit"]})
         acc = accuracy_by_length(pk)
         n_by_len, k_by_len = {}, {}
         for r in pk:

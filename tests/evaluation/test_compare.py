@@ -14,6 +14,7 @@ from rich.console import Console
 import rope_patch
 from rope_patch import plots
 from rope_patch.cli import main
+from rope_patch.evaluation.common import source_commit
 from rope_patch.evaluation.compare import parse_schemes, resumed_units, run_compare, work_units
 from rope_patch.evaluation.results import FORMAT, load_results, markdown_table, rich_table, spec_cell, write_results
 
@@ -273,6 +274,20 @@ def test_resume_reuses_cells_and_equals_a_fresh_run(setup, evaluations):
     total = work_units(2, len(ids), [32, 64], [128], [0.5], 1, ppl_tokens=128)
     skipped = resumed_units(first, ["default", "yarn:2"], len(ids), [32, 64], [128], [0.5], 1, ppl_tokens=128)
     assert skipped == 128 + 128 and total - skipped > 0
+
+
+def test_each_scheme_records_the_commit_that_measured_it(setup, evaluations):
+    """A scheme measured now gets this source's commit; one whose cells are all reused keeps the commit of the run
+    that measured them (a resumed study over several commits says which cell ran where)."""
+    model, tok, ids = setup
+    kw = dict(passkey_lengths=[], ppl_tokens=128, token_ids=ids)
+    first = run_compare(model, tok, ["default"], [32], **kw)
+    here = source_commit()
+    assert first["versions"]["commit"] == here and first["schemes"][0]["commit"] == here
+    earlier = json.loads(json.dumps(first))
+    earlier["schemes"][0]["commit"] = "0" * 40
+    resumed = run_compare(model, tok, ["default", "yarn:2"], [32], **kw, resume=earlier)
+    assert [s["commit"] for s in resumed["schemes"]] == ["0" * 40, here]
 
 
 def test_a_cell_is_the_same_whatever_the_other_lengths_of_the_run(setup):
