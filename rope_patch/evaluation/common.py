@@ -19,8 +19,10 @@ import transformers
 from .. import resources
 from .._version import __version__
 from ..api import current
+from ..attention.windowed import maybe_windowed
 from ..discovery import find_target
 from ..lengths import fix_length
+from .defaults import WINDOWED_FROM
 
 # Bytes of fp32 logits materialised at once when computing a loss (the full 16k x 49152 logits are 3.2 GB).
 LOGITS_BUDGET_BYTES = 256 << 20
@@ -49,6 +51,12 @@ def read_tokens(tokenizer, path: str | Path | None = None, max_tokens: int | Non
         ids = ids[:max_tokens]
     info = {"path": str(p), "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "tokens": len(ids)}
     return ids, info
+
+
+def windowed_from(model, length: int):
+    """The context a forward of `length` tokens runs in: from WINDOWED_FROM on, a hybrid model's sliding layers over
+    their window only (attention.windowed: no L × L mask), else the model as it is."""
+    return maybe_windowed(model) if length >= WINDOWED_FROM else contextlib.nullcontext(model)
 
 
 def versions() -> dict:

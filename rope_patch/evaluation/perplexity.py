@@ -22,15 +22,13 @@ ran before); see `common.at_length` / `rope_patch.fix_length`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 
-from ..attention.windowed import maybe_windowed
-from .common import at_length, token_nll
-from .defaults import PPL_SHARED_LENGTH, WINDOWED_FROM, WINDOWS_AT_LONGEST
+from .common import at_length, token_nll, windowed_from
+from .defaults import PPL_SHARED_LENGTH, WINDOWS_AT_LONGEST
 
 
 def default_buckets(longest: int, window: int | None) -> list[tuple[int, int]]:
@@ -83,9 +81,7 @@ def window_nll(model, token_ids: Sequence[int], length: int, n_tokens: int, *, t
     """Per-token NLL [n_windows, length-1] over the windows of `length` tokens (see module docstring)."""
     ids = windows(token_ids, length, n_tokens).to(next(model.parameters()).device)
     out = []
-    # a hybrid model's sliding layers over their window only, past the length where the L×L mask starts to cost
-    windowing = maybe_windowed(model) if length >= WINDOWED_FROM else contextlib.nullcontext(model)
-    with at_length(model, length), windowing:
+    with at_length(model, length), windowed_from(model, length):
         for batch in ids.split(batch_size_for(length, tokens_per_batch)):
             out.append(token_nll(model, batch))
             if progress is not None:

@@ -48,7 +48,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..api import current
 from ..discovery import find_target
-from .common import at_length
+from .common import at_length, windowed_from
 from .defaults import DEFAULT_DEPTHS
 from .passkey import LEAD_IN, make_passkey_sample, score_passkey
 
@@ -144,12 +144,18 @@ def prefill_prefix(model, prefix_ids: torch.Tensor, total_length: int, *, fixed_
     """The KV cache of `prefix_ids` [1, p], with a length-dependent RoPE frozen at `total_length` (the final length
     of the prompts it will serve plus their new tokens), for `greedy_generate(..., prefix_cache=)`."""
     mask = torch.ones_like(prefix_ids)
-    with at_length(model, total_length) if fixed_length else contextlib.nullcontext():
+    with at_length(model, total_length) if fixed_length else contextlib.nullcontext(), \
+            windowed_from(model, prefix_ids.shape[1]):
         return getattr(model(input_ids=prefix_ids, attention_mask=mask, use_cache=True, logits_to_keep=1), CACHE)
 
 
 def _greedy(model, prompt_ids: torch.Tensor, max_new_tokens: int, prefix_cache=None,
             prefix_len: int = 0) -> torch.Tensor:
+    with windowed_from(model, prompt_ids.shape[1]):  # a long prompt: sliding layers over their window only
+        return _greedy_steps(model, prompt_ids, max_new_tokens, prefix_cache, prefix_len)
+
+
+def _greedy_steps(model, prompt_ids: torch.Tensor, max_new_tokens: int, prefix_cache, prefix_len: int):
     b, t = prompt_ids.shape
     device = prompt_ids.device
     mask = torch.ones(b, t, dtype=torch.long, device=device)

@@ -120,7 +120,7 @@ def test_prepare_rotary_sets_the_base_of_the_final_length(model):
 def test_long_windows_of_a_hybrid_model_run_its_sliding_layers_windowed(monkeypatch, scheme):
     """From WINDOWED_FROM on, a hybrid model's perplexity windows run through attention.windowed (no L×L mask): the
     same NLL as the default path, which shorter windows keep; the model's own implementation back afterwards."""
-    from rope_patch.evaluation import perplexity
+    from rope_patch.evaluation import common, perplexity
 
     model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, num_hidden_layers=2,
                        layer_types=["sliding_attention", "full_attention"], sliding_window=8)
@@ -133,8 +133,33 @@ def test_long_windows_of_a_hybrid_model_run_its_sliding_layers_windowed(monkeypa
                         or token_nll(m, ids))
     default = perplexity.window_nll(model, stream, 64, 128)
     assert seen == [own]  # shorter than WINDOWED_FROM: the default path
-    monkeypatch.setattr(perplexity, "WINDOWED_FROM", 64)
+    monkeypatch.setattr(common, "WINDOWED_FROM", 64)
     windowed = perplexity.window_nll(model, stream, 64, 128)
     assert seen[1].startswith("rope_patch_windowed")
     assert model.config._attn_implementation == own
     assert (windowed - default).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("scheme", [None, "yarn:2", "self_extend:group_size=4,window_size=16"])
+def test_long_prompts_of_a_hybrid_model_decode_with_its_sliding_layers_windowed(monkeypatch, scheme):
+    """Greedy decoding (passkey, RULER through lm-eval) from WINDOWED_FROM on: the prompt's prefill and the cached
+    steps run windowed, and give the default path's tokens; the model's own implementation is back afterwards."""
+    from rope_patch.evaluation import common, retrieval
+
+    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, num_hidden_layers=2,
+                       layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    if scheme:
+        rope_patch.apply(model, scheme)
+    own = model.config._attn_implementation
+    ids = torch.randint(3, VOCAB, (2, 72), generator=torch.Generator().manual_seed(4))
+    seen = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda m, *a, **k: seen.append(m.config._attn_implementation)
+                        or forward(m, *a, **k))
+    default = retrieval.greedy_generate(model, ids, 6)
+    assert set(seen) == {own}
+    monkeypatch.setattr(common, "WINDOWED_FROM", 64)
+    seen.clear()
+    windowed = retrieval.greedy_generate(model, ids, 6)
+    assert len(seen) == 6 and all(s.startswith("rope_patch_windowed") for s in seen)
+    assert torch.equal(windowed, default) and model.config._attn_implementation == own
