@@ -2,7 +2,7 @@
 (run_ppl16k.sh) and 32k (run_ppl32k.sh), the tuned scheme against the baselines on the acceptance text
 (`rope-patch tune`), passkey by length x depth in prose and in the passkey paper's haystack (run_passkey.sh,
 run_passkey16k.sh), and RULER through lm-eval (`rope-patch sweep`). tables.json beside this file lists each table's mark
-and runs; the tables are computed by rope_patch.evaluation.tables, which tests/evaluation/test_smollm2_results.py also
+and runs; the tables are computed by rope_patch.evaluation.tables, which tests/evaluation/test_study_results.py also
 reads.
 
     python eval/smollm2/table.py            # prints the tables
@@ -16,17 +16,5 @@ from pathlib import Path
 
 from rope_patch.evaluation import tables
 
-STUDY = Path(__file__).resolve().with_name("tables.json")
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    study = tables.load_study(STUDY)
-    if "--write" in argv or "--readme" in argv:  # --readme: the flag's old name
-        print(f"rewrote the tables in {tables.write_document(study)}")
-    else:
-        print("\n\n".join(tables.compute(study).values()))
-
-
 if __name__ == "__main__":
-    main()
+    tables.main(Path(__file__).resolve().with_name("tables.json"), sys.argv[1:])

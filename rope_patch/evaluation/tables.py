@@ -220,3 +220,12 @@ def write_document(study: dict) -> Path:
     document = study["document"]
     document.write_text(replace_tables(document.read_text(encoding="utf-8"), compute(study)), encoding="utf-8")
     return document
+
+
+def main(study_path: str | Path, argv: list[str]) -> None:
+    """A study's `table.py`: print its tables, or (`--write`) rewrite them in its document."""
+    study = load_study(study_path)
+    if "--write" in argv or "--readme" in argv:  # --readme: the flag's old name
+        print(f"rewrote the tables in {write_document(study)}")
+    else:
+        print("\n\n".join(compute(study).values()))

@@ -1,7 +1,7 @@
-"""The SmolLM2 study's tables (docs/studies/smollm2.md) are what rope_patch.evaluation.tables computes from the
-committed result files of the runs eval/smollm2/tables.json lists (perplexity by position at 16k and 32k, the tuned
-scheme's acceptance, passkey by length x depth, RULER), so a re-run that changes a number and forgets the page fails
-here. No model is loaded."""
+"""Each study's tables (docs/studies/*.md) are what rope_patch.evaluation.tables computes from the committed result
+files of the runs its eval/<study>/tables.json lists (SmolLM2: perplexity by position at 16k and 32k, the tuned
+scheme's acceptance, passkey by length x depth, RULER; Gemma 3: perplexity by position at 64k), so a re-run that
+changes a number and forgets the page fails here. No model is loaded."""
 
 from __future__ import annotations
 
@@ -14,24 +14,26 @@ from helpers.scripts import ROOT
 from rope_patch import schema
 from rope_patch.evaluation import tables
 
-STUDY = tables.load_study(ROOT / "eval" / "smollm2" / "tables.json")
-TABLES = tables.compute(STUDY)
-FIX = "run `python eval/smollm2/table.py --write`"
+STUDIES = {path.parent.name: tables.load_study(path) for path in sorted((ROOT / "eval").glob("*/tables.json"))}
+CASES = [(name, mark, table) for name, study in STUDIES.items() for mark, table in tables.compute(study).items()]
 
 
-@pytest.mark.parametrize("mark", list(TABLES))
-def test_the_study_table_is_the_committed_results(mark):
-    found = tables.tables_in(STUDY["document"].read_text(encoding="utf-8"), [mark])[mark]
-    assert found is not None, f"{STUDY['document'].name} lost the mark {mark}"
-    assert found == TABLES[mark], f"{FIX} ({mark})"
+@pytest.mark.parametrize("name, mark, table", CASES, ids=[f"{n}:{m}" for n, m, _ in CASES])
+def test_the_study_table_is_the_committed_results(name, mark, table):
+    study = STUDIES[name]
+    found = tables.tables_in(study["document"].read_text(encoding="utf-8"), [mark])[mark]
+    assert found is not None, f"{study['document'].name} lost the mark {mark}"
+    assert found == table, f"run `python eval/{name}/table.py --write` ({mark})"
 
 
-def test_the_study_covers_every_smollm2_table_of_its_page():
-    marks = [line for line in STUDY["document"].read_text(encoding="utf-8").split("\n")
-             if line.startswith("<!-- smollm2")]
-    assert sorted(marks) == sorted(TABLES)
-    assert STUDY["document"] == ROOT / "docs" / "studies" / "smollm2.md"
-    assert STUDY["results"] == ROOT / "eval" / "results"
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_the_study_covers_every_table_of_its_page(name):
+    study = STUDIES[name]
+    marks = [line for line in study["document"].read_text(encoding="utf-8").split("\n")
+             if line.startswith(f"<!-- {name}")]
+    assert sorted(marks) == sorted(t["mark"] for t in study["tables"])
+    assert study["document"] == ROOT / "docs" / "studies" / f"{name}.md"
+    assert study["results"] == ROOT / "eval" / "results"
 
 
 def test_a_missing_run_names_itself(tmp_path):
@@ -90,10 +92,11 @@ def test_the_readme_headline_is_the_study():
     """README.md's results table is a few cells of the study's: perplexity over the 16k window and in its last bucket
     (the 16k table), RULER's niah_single_1 at 16k (k/n without the interval; '–' where that scheme was not run)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    study = tables.compute(STUDIES["smollm2"])
     mark = next(line for line in readme.split("\n") if line.startswith("<!-- headline:"))
     headline = readme.split(mark + "\n", 1)[1].split("\n\n", 1)[0]
-    ppl = {row[0]: row for row in _rows(TABLES["<!-- smollm2-table -->"])}
-    ruler = {row[1]: row[2].split(" ")[0] for row in _rows(TABLES["<!-- smollm2-ruler -->"]) if row[0] == "16k"}
+    ppl = {row[0]: row for row in _rows(study["<!-- smollm2-table -->"])}
+    ruler = {row[1]: row[2].split(" ")[0] for row in _rows(study["<!-- smollm2-ruler -->"]) if row[0] == "16k"}
     rows = _rows(headline)
     assert len(rows) >= 5
     for scheme, everything, last, needle in rows:
