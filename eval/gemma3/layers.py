@@ -10,6 +10,7 @@ clamped, shifted or hidden). Gemma 3 270M: 15 sliding layers (window 512,
 
 from __future__ import annotations
 
+import itertools
 import shlex
 import sys
 from pathlib import Path
@@ -27,9 +28,7 @@ RUN = Path(__file__).with_name("run_ppl64k.sh")
 def schemes() -> list[str]:
     """The study's scheme specs, as its run script lists them."""
     words = shlex.split(RUN.read_text(encoding="utf-8").replace("\\\n", " "), comments=True)
-    start = words.index("--schemes") + 1
-    return [w for w in words[start:] if not w.startswith("--")][:next(
-        (i for i, w in enumerate(words[start:]) if w.startswith("--")), None)]
+    return list(itertools.takewhile(lambda w: not w.startswith("--"), words[words.index("--schemes") + 1:]))
 
 
 def frequencies(model) -> dict[str, tuple[torch.Tensor, float]]:
