@@ -34,6 +34,7 @@ from .api import SchemeLike, apply, as_scheme, current, original_config, patch_m
 from .discovery import RopeContext, find_target, unwrap
 from .files import sha256_file, write_text_atomic
 from .schemes.base import Scheme, without_native_form
+from .schemes.rotary_install import check_layer_types
 from .specs import parse_scheme_spec
 
 logger = logging.getLogger("rope_patch")
@@ -77,12 +78,21 @@ def to_rope_parameters(scheme: SchemeLike | None, *, model: nn.Module | None = N
         scheme = parse_scheme_spec(scheme)
     scheme = as_scheme(scheme)
     _require_native(scheme)
+    chosen = getattr(scheme, "layer_types", None)
     if model is not None:
         target = find_target(model)
         if target.table is not None:
             _require_native(scheme.resolve(target).on_table(target))
+        if chosen is not None:  # keyed by layer type: the chosen types' entries, the others the model's own
+            check_layer_types(scheme, target)
+            resolved, contexts = scheme.resolve(target), target.contexts()
+            return {lt: None if entry is None else resolved.rope_parameters(contexts[lt]) if lt in chosen
+                    else copy.deepcopy(entry) for lt, entry in target.config.rope_parameters.items()}
         ctx = next(iter(target.contexts().values()))
         return scheme.resolve(target).rope_parameters(ctx)
+    if chosen is not None:
+        raise ValueError(f"{scheme.name}: with layer_types={'/'.join(chosen)} the rope_parameters are keyed by layer "
+                         "type, the other layer types keeping the model's own entries: pass model=.")
     theta = rope_theta or scheme.params().get("rope_theta")
     scheme.check_export(head_dim, theta)  # what the scheme needs that only a model would give
     ctx = RopeContext(head_dim=head_dim or 128, rotary_dim=head_dim or 128, rope_theta=theta or 10000.0,

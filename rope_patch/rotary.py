@@ -138,6 +138,8 @@ class Resonance:
 
     def __call__(self, rotary: nn.Module, x, position_ids, *args, **kwargs):
         layer_type = args[0] if args else kwargs.get("layer_type")
+        if layer_type not in self.wavelengths:  # a layer type the scheme leaves (`layer_types`): the model's own RoPE
+            return type(rotary).forward(rotary, x, position_ids, *args, **kwargs)
         name = self.buffer(layer_type)
         angles = self.angles(rotary._buffers[name], position_ids, layer_type)
         return angle_forward(rotary, x, angles, name, position_ids, *args, **kwargs)

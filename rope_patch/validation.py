@@ -156,6 +156,23 @@ def number_list(scheme: str, key: str, value, *, gt=None, ge=None, lt=None, le=N
     return tuple(number(scheme, f"{key}[{i}]", v, gt=gt, ge=ge, lt=lt, le=le, hint=hint) for i, v in enumerate(items))
 
 
+def name_list(scheme: str, key: str, value, *, hint: str = "") -> tuple[str, ...]:
+    """A non-empty list of names (one name alone is a list of one: the spec `key=full_attention` gives a str), as a
+    tuple without repeats, in the order given (hashable, so schemes stay frozen)."""
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, bytes) or not isinstance(items, (list, tuple)):
+        raise TypeError(f"{_where(scheme, key)} must be a name or a list of names, got {type(value).__name__} "
+                        f"{_shown(value)}.{' ' + hint if hint else ''}")
+    if not items:
+        raise ValueError(f"{_where(scheme, key)} must name at least one, got an empty list."
+                         f"{' ' + hint if hint else ''}")
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or not item.strip():
+            raise TypeError(f"{_where(scheme, key)}[{i}] must be a non-empty name (str), got {type(item).__name__} "
+                            f"{_shown(item)}.{' ' + hint if hint else ''}")
+    return tuple(dict.fromkeys(item.strip() for item in items))
+
+
 def rope_theta(scheme: str, value, key: str = "rope_theta") -> float:
     """A RoPE / sinusoid base b in (1, THETA_MAX]."""
     return number(scheme, key, value, gt=1.0, le=THETA_MAX,

@@ -55,10 +55,28 @@ class FrequencyScheme(Scheme):
     rope_theta: float | None = None  # new base b′ (ABF); None keeps the model's
     # Resonance RoPE (Wang et al. 2024, arXiv:2403.00071): every wavelength the scheme gives rounded to an integer
     resonance: bool | None = None  # None (= False): unrounded
+    # The layer types (keys of a per-layer-type rope_parameters: Gemma 3's "full_attention", "sliding_attention") the
+    # scheme applies to; the others keep the model's own RoPE (Google's Gemma 3 4B+ scale the global layers only).
+    # None: every layer type. A name or a list (spec: `layer_types=full_attention`, several joined by '/').
+    layer_types: tuple | None = None
 
     def __post_init__(self):
         if self.rope_theta is not None:
             self._set("rope_theta", check.rope_theta(self.name, self.rope_theta))
+        if self.layer_types is not None:
+            self._set("layer_types", check.name_list(
+                self.name, "layer_types", self.layer_types,
+                hint="It names the layer types (keys of the model's per-layer-type rope_parameters, e.g. "
+                     "full_attention) the scheme applies to; leave it unset for every layer."))
+            own_update = type(self).rotary_update is not FrequencyScheme.rotary_update
+            if own_update or getattr(self, "cache_rotation", None) == "consistent":
+                what = ("its own per-forward frequency update (no transformers rope type computes it per layer type)"
+                        if own_update else "cache_rotation='consistent' (keys re-rotated inside attention, one "
+                                           "rotation for every layer)")
+                raise ValueError(
+                    f"{self.name}: layer_types cannot be combined with {what}. layer_types works with the schemes "
+                    "whose frequencies transformers' own rope types compute per layer type: default, linear, ntk, "
+                    "yarn, llama3, p_rope, and dynamic / longrope with the default cache_rotation='native'.")
         if self.resonance is not None and not check.boolean(self.name, "resonance", self.resonance):
             self._set("resonance", None)  # off is the default: yarn(resonance=False) is yarn
         if self.resonance:
@@ -77,6 +95,11 @@ class FrequencyScheme(Scheme):
     def rope_parameters(self, ctx: RopeContext) -> dict:
         """The transformers `rope_parameters` (one layer type) that this scheme amounts to."""
         raise NotImplementedError
+
+    def applies_to(self, layer_type: str | None) -> bool:
+        """Whether the scheme changes the RoPE of `layer_type` (None: a model with one RoPE for all its layers, or a
+        context without a layer type) or leaves the model's own (`layer_types` names others)."""
+        return self.layer_types is None or layer_type is None or layer_type in self.layer_types
 
     def window(self, ctx: RopeContext) -> int | None:
         """The extended context window this scheme targets (config.max_position_embeddings), None = unchanged."""
@@ -146,8 +169,9 @@ class FrequencyScheme(Scheme):
         With `seq_len`, the numbers transformers' `dynamic_rope_update` installs for a sequence of that length:
         dynamic NTK rescales once ℓ exceeds its window, LongRoPE switches to its long factors for ℓ > L.
         """
-        params = self.rope_parameters(ctx)
-        window = self.init_window(ctx)
+        own = not self.applies_to(ctx.layer_type)  # a layer type `layer_types` leaves: the model's own RoPE
+        params = dict(ctx.rope_parameters) if own else self.rope_parameters(ctx)
+        window = ctx.max_position_embeddings if own else self.init_window(ctx)
         rope_type = params["rope_type"]
         cfg = StandaloneConfig(rope_parameters=params, head_dim=ctx.head_dim, hidden_size=ctx.head_dim,
                                 num_attention_heads=1, max_position_embeddings=window)
@@ -157,7 +181,7 @@ class FrequencyScheme(Scheme):
         elif seq_len is not None and rope_type == "longrope" and seq_len > params["original_max_position_embeddings"]:
             kwargs["seq_len"] = params["original_max_position_embeddings"] + 1
         inv_freq, scaling = init_fn(rope_type, rotary_cls)(cfg, **kwargs)
-        return self.adjust(inv_freq.float(), ctx), float(scaling)
+        return (inv_freq.float() if own else self.adjust(inv_freq.float(), ctx)), float(scaling)
 
     def prepare(self, target: PatchSite) -> InstallStep:
         """Every rotary module of the model (one in most; one per block kind or base in Blt, Granite-SWA, Moshi,

@@ -22,6 +22,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .. import discovery
 from ..discovery import PatchSite, RopeContext
+from ..registry import did_you_mean
 from ..rotary import RESONANCE, PatchedRotaryForward, Resonance, TableGrowth, angle_forward
 from ..undo import UndoLog
 from .base import InstallStep
@@ -40,6 +41,8 @@ def prepare(scheme: FrequencyScheme, target: PatchSite) -> InstallStep:
     """Every rotary module of the model (one in most; one per block kind or base in Blt, Granite-SWA, Moshi,
     DeepSeek-V4) gets the scheme applied to its own RoPE, as a model built with the patched rope_parameters would
     compute it from its config; the model's config announces the patched form."""
+    if scheme.layer_types is not None:
+        check_layer_types(scheme, target)
     if target.table is not None:
         return _prepare_table(scheme, target)
     if getattr(scheme, "cache_rotation", None) and len(target.rotaries) > 1:
@@ -63,10 +66,13 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
     sub-config; one built from a config derived for it (Granite-SWA's per-theta copies) only its own copy."""
     contexts = target.contexts()
     layered = target.layer_types != [None]
-    params = {lt: scheme.rope_parameters(ctx) for lt, ctx in contexts.items()}
+    # the layer types the scheme applies to (all but those `layer_types` leaves, whose entry stays the model's own)
+    chosen = [lt for lt in contexts if scheme.applies_to(lt)]
+    params = {lt: scheme.rope_parameters(ctx) if lt in chosen else copy.deepcopy(ctx.rope_parameters)
+              for lt, ctx in contexts.items()}
     # per layer type; a layer type whose entry is None uses no RoPE (Beam, Cohere Compass) and keeps its None
     public = {lt: params.get(lt) for lt in target.config.rope_parameters} if layered else params[None]
-    any_ctx = next(iter(contexts.values()))
+    any_ctx = contexts[chosen[0]]
     if layered and _OLD_LONGROPE and any(p["rope_type"] == "longrope" for p in params.values()):
         raise ValueError(
             f"{scheme.name}: transformers {transformers.__version__}'s longrope update fails on a model with RoPE "
@@ -81,6 +87,16 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
     rotary_config = copy.deepcopy(target.config)
     rotary_config.rope_parameters = copy.deepcopy(public)
     rotary_config.max_position_embeddings = scheme.init_window(any_ctx)
+    kept = [lt for lt in contexts if lt not in chosen]
+    moved = rotary_config.max_position_embeddings != target.config.max_position_embeddings
+    for lt in kept:
+        own = params[lt]["rope_type"]
+        if moved and ("dynamic" in own or own == "longrope"):
+            raise ValueError(
+                f"{scheme.name}: the {lt} layers that layer_types leaves keep {target.model_type}'s own {own!r} RoPE, "
+                "which transformers recomputes at run time from the model's window (max_position_embeddings), and "
+                f"{scheme.name} changes that window to {rotary_config.max_position_embeddings}. Apply it to every "
+                "layer type, or use a scheme that keeps the window (default with rope_theta, p_rope).")
     if not getattr(rotary_config, "is_heterogeneous", False) and getattr(rotary_config, "head_dim", None) is None:
         # Mixtral & co. set head_dim=None, which breaks transformers' non-default init functions
         rotary_config.head_dim = any_ctx.head_dim
@@ -101,6 +117,11 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
     # cache_rotation="consistent" (dynamic, dynamic_yarn, longrope): keys cached un-rotated, rotated in attention
     consistent = _prepare_consistent(scheme.name, model_site) if getattr(scheme, "cache_rotation", None) else None
     for lt, ctx in contexts.items():
+        if lt not in chosen:  # the model's own RoPE, as transformers computed it from the unpatched config at init
+            fn = init_fn(params[lt]["rope_type"], type(target.rotary))
+            inv_freq, scaling = fn(discovery.layer_config(copy.deepcopy(target.config), lt), layer_type=lt)
+            buffers[lt], scalings[lt] = inv_freq.float().to(device), float(scaling)
+            continue
         if update is not None:  # the frequencies at ℓ ≤ L, i.e. before the first forward
             inv_freq, scaling = update.start[lt]
             buffers[lt], scalings[lt] = inv_freq.to(device, copy=True), scaling
@@ -163,9 +184,35 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
         _runs(scheme, model_site, rot, device, list(contexts) if layered else [None])
         if wavelengths:  # positions reduced modulo λ̃_i before the multiply, as the authors' code does
             log.setattr(rot, RESONANCE, Resonance(wavelengths))
-            _check_resonance(scheme, model_site, rot, list(contexts) if layered else [None])
+            _check_resonance(scheme, model_site, rot, list(wavelengths))
 
     return install
+
+
+def check_layer_types(scheme: FrequencyScheme, target: PatchSite) -> None:
+    """`layer_types` names layer types of a model whose RoPE is per layer type (config.rope_parameters keyed by layer
+    type, one rotary module): every name one of them, and one that rotates (a None entry is a layer without RoPE)."""
+    names = ", ".join(scheme.layer_types)
+    if target.table is not None or target.layer_types == [None]:
+        raise ValueError(
+            f"{scheme.name}: layer_types={names} picks layer types of a model with RoPE per layer type "
+            "(config.rope_parameters keyed by layer type, as Gemma 3's sliding_attention / full_attention); "
+            f"{target.model_type} has one RoPE (a flat rope_parameters) for all its layers. Leave layer_types unset.")
+    if len(target.rotaries) > 1:
+        raise ValueError(
+            f"{scheme.name}: layer_types is supported on a model with one rotary module; {target.model_type} has "
+            f"{len(target.rotaries)}. Leave layer_types unset.")
+    rotating = target.layer_types
+    without = [lt for lt, entry in target.config.rope_parameters.items() if entry is None]
+    for name in scheme.layer_types:
+        if name in without:
+            raise ValueError(
+                f"{scheme.name}: {target.model_type}'s {name} layers use no RoPE (their rope_parameters entry is "
+                f"None): there is nothing to scale. Its layer types with RoPE: {', '.join(rotating)}.")
+        if name not in rotating:
+            raise ValueError(
+                f"{scheme.name}: layer_types names {name!r}, not a layer type of {target.model_type}, whose RoPE "
+                f"layer types are {', '.join(rotating)}.{did_you_mean(name, rotating)}")
 
 
 def _prepare_table(scheme: FrequencyScheme, target: PatchSite) -> InstallStep:
