@@ -203,6 +203,19 @@ def test_frequencies_equal_the_patched_models_buffers(models, arch):
         assert applied.name == scheme.name and applied.original_window == WINDOW
 
 
+@pytest.mark.parametrize("spec", ["default", "yarn:2", "linear:2", "yarn:2,layer_types=full_attention"])
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_frequencies_of_a_per_layer_type_model_equal_its_buffers(spec, layer_type):
+    """Gemma 3's rotary computes its default RoPE from config.rope_parameters[layer_type]: read for each layer type,
+    the analysis gives the patched model's buffers of that type (it failed with KeyError: None)."""
+    model = tiny_model("gemma3_text", layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    rot = model.model.rotary_emb
+    read = A.frequencies(spec, model=model, layer_type=layer_type)
+    with rope_patch.patched(model, spec):
+        assert torch.equal(read.inv_freq, rot._buffers[f"{layer_type}_inv_freq"].float()), (spec, layer_type)
+        assert read.attention_scaling == getattr(rot, f"{layer_type}_attention_scaling")
+
+
 @pytest.mark.parametrize("spec",
                          ["dynamic:4", "longrope:factor=4,short_factor=1/1/1/1/1/1/1/1,long_factor=1/1/2/2/3/4/8/16"])
 def test_length_dependent_frequencies_equal_the_models_after_a_long_forward(models, spec, ids):

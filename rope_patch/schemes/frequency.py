@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import typing
 from typing import ClassVar
@@ -180,7 +181,12 @@ class FrequencyScheme(Scheme):
             kwargs["seq_len"] = torch.tensor(seq_len, dtype=torch.int64)  # as in the forward pass
         elif seq_len is not None and rope_type == "longrope" and seq_len > params["original_max_position_embeddings"]:
             kwargs["seq_len"] = params["original_max_position_embeddings"] + 1
-        inv_freq, scaling = init_fn(rope_type, rotary_cls)(cfg, **kwargs)
+        fn = init_fn(rope_type, rotary_cls)
+        if rope_type == "default" and "layer_type" in inspect.signature(fn).parameters:
+            # a per-layer-type rotary's own default (Gemma 3's) reads config.rope_parameters[layer_type]
+            layer_type = ctx.layer_type or "default"
+            cfg.rope_parameters, kwargs["layer_type"] = {layer_type: params}, layer_type
+        inv_freq, scaling = fn(cfg, **kwargs)
         return (inv_freq.float() if own else self.adjust(inv_freq.float(), ctx)), float(scaling)
 
     def prepare(self, target: PatchSite) -> InstallStep:
