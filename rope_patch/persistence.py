@@ -86,8 +86,11 @@ def to_rope_parameters(scheme: SchemeLike | None, *, model: nn.Module | None = N
         if chosen is not None:  # keyed by layer type: the chosen types' entries, the others the model's own
             check_layer_types(scheme, target)
             resolved, contexts = scheme.resolve(target), target.contexts()
+            # the kept types' entries as the unpatched model has them, not as a patch on the model may have rewritten
+            # them (apply() removes that patch first)
+            own = original_config(model)["rope_parameters"]
             return {lt: None if entry is None else resolved.rope_parameters(contexts[lt]) if lt in chosen
-                    else copy.deepcopy(entry) for lt, entry in target.config.rope_parameters.items()}
+                    else copy.deepcopy(own[lt]) for lt, entry in target.config.rope_parameters.items()}
         ctx = next(iter(target.contexts().values()))
         return scheme.resolve(target).rope_parameters(ctx)
     if chosen is not None:

@@ -395,7 +395,8 @@ COMPARE = Kind(
                          # the perplexity text rule since 2026-12-06 (evaluation/perplexity.py scored_tokens);
                          # absent: every length read ppl_tokens, windows_at_longest x the run's longest length
                          "ppl_shared_length": Opt(Int(ge=1))}),
-        "schemes": List(Obj({"spec": Str(nonempty=True), "label": Str()}, {"name": Str(), "params": Map()})),
+        "schemes": List(Obj({"spec": Str(nonempty=True), "label": Str()},
+                            {"name": Str(), "params": Map(), "commit": Opt(Str())})),
         "records": List(Obj({"scheme": Str(), "length": Int(ge=1), "perplexity": _PPL, "passkey_accuracy":
                              Opt(Fraction())},
                             {"nll": Opt(Num(special=True)), "n_windows": Opt(Int(ge=0)), "n_tokens": Opt(Int(ge=0)),

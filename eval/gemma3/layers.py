@@ -1,5 +1,6 @@
 """Which layers each scheme of the Gemma 3 study changes, read from the patched model (no forward): per layer type,
-the rotary's frequencies and attention temperature at a 65,536-token forward (a dynamic scheme's frozen there), and,
+the rotary's frequencies and the factor its cos/sin scale puts on the logits (its square) at a 65,536-token forward
+(a dynamic scheme's frozen there), and,
 for an attention-side scheme, the shortest distance within the layer's reach (its sliding window, else the whole
 input) at which the last query's relative position differs from the distance (`Scheme.relative_position`: regrouped,
 clamped, shifted or hidden). Gemma 3 270M: 15 sliding layers (window 512,
@@ -61,8 +62,8 @@ def row(model, spec: str, vanilla: dict) -> str:
             moved = int((~torch.isclose(f1, f0, rtol=1e-6, atol=0)).sum())
             if moved:
                 parts.append(f"{moved}/{f0.numel()} frequencies")
-            if abs(t1 - t0) > 1e-9:
-                parts.append(f"temperature ×{t1:.3f}")
+            if abs(t1 - t0) > 1e-9:  # the cos/sin scale multiplies q and k: the logits by its square
+                parts.append(f"logits ×{t1 * t1:.3f}")
             first = remapped(scheme, window or LENGTH)
             if first is not None:
                 parts.append(f"distances ≥ {first:,} changed")

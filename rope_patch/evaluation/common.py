@@ -65,18 +65,29 @@ def versions() -> dict:
             "commit": source_commit()}
 
 
-def source_commit() -> str | None:
-    """The git commit of the rope_patch source that runs (`+dirty` when tracked files differ from it), or None where
-    the package is not a git checkout (an installed wheel): what a result records of the code that produced it."""
-    root = Path(__file__).resolve().parents[2]
+def source_commit(root: Path | None = None) -> str | None:
+    """The git commit of the rope_patch source that runs (`+dirty` when its files differ from it or it has untracked
+    ones), or None where the package is not the root of a git checkout that tracks it (an installed wheel, also one
+    inside another project's repository): what a result records of the code that produced it. `root`: the folder
+    holding `rope_patch/` (default: this package's)."""
+    root = Path(root).resolve() if root is not None else Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", "rope_patch"],
-                               capture_output=True, timeout=10).returncode != 0
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode or Path(top.stdout.strip()).resolve() != root:
+            return None
+        if git("ls-files", "--error-unmatch", "rope_patch/__init__.py").returncode:
+            return None
+        head = git("rev-parse", "HEAD")
+        changes = git("status", "--porcelain", "--", "rope_patch")
     except (OSError, subprocess.SubprocessError):
         return None
-    return head + ("+dirty" if dirty else "") if head else None
+    if head.returncode or changes.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if changes.stdout.strip() else "")
 
 
 def auto_threads() -> int:

@@ -31,7 +31,7 @@ results` redraws the plots from it):
                    "machine": {"threads", "cpu_count", "loadavg_start": [1, 5, 15 min], "loadavg_end"},
                    "counts": {"passkey_per_cell", "passkey_cells", "passkey_prompts",
                               "perplexity_windows": {"<length>": n}}},
-      "versions": {"rope_patch", "torch", "transformers", "python", "platform", "threads"},
+      "versions": {"rope_patch", "torch", "transformers", "python", "platform", "threads", "commit"},
       "schemes":  [{"spec": "yarn:8", "label": "yarn×8", "name": "yarn", "params": {...}, "commit": ...}, ...],
                   # params: the applied scheme with model-derived defaults filled in (rope_patch.current);
                   # commit: the rope_patch git commit that measured the scheme's newest cells (versions["commit"]

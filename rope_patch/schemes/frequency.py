@@ -112,7 +112,8 @@ class FrequencyScheme(Scheme):
         return self.window(ctx)
 
     def served_window(self, target: PatchSite) -> int | None:
-        return self.window(next(iter(target.contexts().values())))
+        # the window of the first layer type the scheme applies to: the one the install announces (`_prepare_site`)
+        return self.window(next(ctx for lt, ctx in target.contexts().items() if self.applies_to(lt)))
 
     def init_window(self, ctx: RopeContext) -> int:
         """`max_position_embeddings` that transformers' init function must see (dynamic NTK reads L from it)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 
 import pytest
 import torch
@@ -288,6 +289,31 @@ def test_each_scheme_records_the_commit_that_measured_it(setup, evaluations):
     earlier["schemes"][0]["commit"] = "0" * 40
     resumed = run_compare(model, tok, ["default", "yarn:2"], [32], **kw, resume=earlier)
     assert [s["commit"] for s in resumed["schemes"]] == ["0" * 40, here]
+
+
+def test_the_commit_is_the_packages_own_checkout_or_none(tmp_path):
+    """A package inside another project's repository (a venv's site-packages) records no commit; in its own checkout
+    the commit, `+dirty` with a changed or untracked file under rope_patch/."""
+    def git(where, *args):
+        subprocess.run(["git", "-C", str(where), *args], check=True, capture_output=True)
+
+    project = tmp_path / "project"
+    inside = project / "site-packages"
+    (inside / "rope_patch").mkdir(parents=True)
+    (inside / "rope_patch" / "__init__.py").write_text("")
+    git(project, "init", "-q")
+    assert source_commit(inside) is None  # another repository's commit is not rope_patch's
+    checkout = tmp_path / "checkout"
+    (checkout / "rope_patch").mkdir(parents=True)
+    (checkout / "rope_patch" / "__init__.py").write_text("")
+    git(checkout, "init", "-q")
+    assert source_commit(checkout) is None  # not tracked yet
+    git(checkout, "add", "rope_patch/__init__.py")
+    git(checkout, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert source_commit(checkout) == head.strip()
+    (checkout / "rope_patch" / "new.py").write_text("")
+    assert source_commit(checkout) == head.strip() + "+dirty"
 
 
 def test_a_cell_is_the_same_whatever_the_other_lengths_of_the_run(setup):

@@ -26,7 +26,7 @@ def test_the_study_table_is_the_committed_results(name, mark, table):
     assert found == table, f"run `python eval/{name}/table.py --write` ({mark})"
 
 
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("name", list(STUDIES))
 def test_the_study_covers_every_table_of_its_page(name):
     study = STUDIES[name]
     marks = [line for line in study["document"].read_text(encoding="utf-8").split("\n")

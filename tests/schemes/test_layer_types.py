@@ -215,3 +215,26 @@ def test_save_reload_and_export(tmp_path):
         serving.export(tmp_path, "sglang", write=False)
     with pytest.raises(ValueError, match="keyed by layer type.*pass model="):
         rope_patch.to_rope_parameters("yarn:factor=4,layer_types=full_attention")
+
+
+def test_rope_parameters_of_a_patched_model_keep_the_unpatched_entries():
+    """`to_rope_parameters(..., model=)` of a model that already carries a patch: the types the new scheme leaves get
+    the model's unpatched entries, what apply() installs (it removes the earlier patch first)."""
+    spec = "linear:factor=2,layer_types=sliding_attention"
+    fresh = rope_patch.to_rope_parameters(spec, model=tiny_model("gemma3_text", **GEMMA3))
+    model = tiny_model("gemma3_text", **GEMMA3)
+    rope_patch.apply(model, "yarn:factor=4,layer_types=full_attention")
+    assert rope_patch.to_rope_parameters(spec, model=model) == fresh
+    rope_patch.apply(model, spec)
+    assert model.config.rope_parameters == fresh
+
+
+def test_the_served_window_is_the_chosen_types():
+    """A model whose layer types ship different windows (full_attention: YaRN ×4 over 32 of its 128): the window a
+    scheme on the sliding layers announces is theirs, in the config and in `context_window` alike."""
+    shipped = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+               "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                  "original_max_position_embeddings": 32}}
+    model = tiny_model("gemma3_text", **GEMMA3, rope_parameters=shipped, max_position_embeddings=128)
+    rope_patch.apply(model, "linear:factor=2,layer_types=sliding_attention")
+    assert rope_patch.context_window(model) == model.config.max_position_embeddings
