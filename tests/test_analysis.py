@@ -203,6 +203,21 @@ def test_frequencies_equal_the_patched_models_buffers(models, arch):
         assert applied.name == scheme.name and applied.original_window == WINDOW
 
 
+@pytest.mark.parametrize("where, match", [
+    ("gemma3", "not one of this model's RoPE layer types.*Did you mean 'full_attention'"),
+    ("llama", "one for all layers"), ("plain", "one for all layers"), ("gemma3_config", "Did you mean")])
+def test_layer_types_are_checked_as_apply_checks_them(where, match):
+    """An analysis (rope-patch explain) of a scheme whose layer_types the model does not have says so, as apply()
+    does, instead of reporting the layers as unchanged."""
+    gemma3 = tiny_model("gemma3_text", layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    kwargs = {"gemma3": dict(model=gemma3), "llama": dict(model=tiny_model("llama")),
+              "plain": dict(head_dim=64, rope_theta=1e4, max_position_embeddings=4096),
+              "gemma3_config": dict(config=gemma3.config)}[where]
+    spec = "yarn:factor=2,layer_types=" + ("ful_attention" if where.startswith("gemma3") else "full_attention")
+    with pytest.raises(ValueError, match=match):
+        A.frequencies(spec, **kwargs)
+
+
 @pytest.mark.parametrize("spec", ["default", "yarn:2", "linear:2", "yarn:2,layer_types=full_attention"])
 @pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
 def test_frequencies_of_a_per_layer_type_model_equal_its_buffers(spec, layer_type):

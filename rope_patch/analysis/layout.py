@@ -9,6 +9,7 @@ import dataclasses
 from .. import api
 from .. import validation as check
 from ..discovery import PatchSite, RopeContext, find_target
+from ..registry import did_you_mean
 from ..schemes.base import Scheme
 from ..schemes.chunked import DualChunk
 from .spec import AnalysisSpec, as_spec
@@ -104,6 +105,7 @@ def setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_
                 obj = spec.scheme.resolve(target)
                 spec = dataclasses.replace(spec, scheme=obj, params=obj.params())
         heads = num_heads if num_heads is not None else getattr(target.config, "num_attention_heads", None)
+        _check_layer_types(spec, [lt for lt in contexts if lt is not None])
         return Setup(resolve_free(spec, ctx), ctx, type(target.rotary), heads)
     if config is not None:
         if any(v is not None for v in (head_dim, rope_theta, max_position_embeddings, partial_rotary_factor)):
@@ -114,7 +116,22 @@ def setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_
     else:
         ctx = make_context(head_dim, rope_theta, max_position_embeddings, partial_rotary_factor)
     spec = as_spec("default" if scheme is None else scheme, **params)
+    rope = (getattr(config, "rope_parameters", None) or {}) if config is not None else {}
+    _check_layer_types(spec, list(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else [])
     return Setup(resolve_free(spec, ctx), ctx, None, num_heads)
+
+
+def _check_layer_types(spec: AnalysisSpec, types: list[str]) -> None:
+    """A frequency scheme's `layer_types` names layer types of the analysed RoPE (apply() refuses the same)."""
+    chosen = getattr(spec.frequency_scheme, "layer_types", None) or ()
+    if chosen and not types:
+        raise ValueError(f"{spec.name}: layer_types={'/'.join(chosen)} picks layer types of a model with RoPE per "
+                         "layer type; this RoPE has one for all layers (pass model= or config= of such a model, or "
+                         "leave layer_types unset).")
+    for name in chosen:
+        if name not in types:
+            raise ValueError(f"{spec.name}: layer_types names {name!r}, not one of this model's RoPE layer types "
+                             f"({', '.join(types)}).{did_you_mean(name, types)}")
 
 
 def resolve_free(spec: AnalysisSpec, ctx: RopeContext) -> AnalysisSpec:
