@@ -103,3 +103,13 @@ def test_the_readme_headline_is_the_study():
         assert scheme in ppl, f"README's headline row {scheme} is no row of the 16k table"
         assert [everything, last] == [ppl[scheme][1], ppl[scheme][-1]], scheme
         assert needle == ruler.get(scheme, "–"), scheme
+
+
+def test_the_readme_gemma3_headline_is_the_study():
+    """README.md's hybrid-model table is the Gemma 3 study's 64k perplexity table, every row: over the window and in
+    its last bucket."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    mark = next(line for line in readme.split("\n") if line.startswith("<!-- headline-gemma3:"))
+    headline = _rows(readme.split(mark + "\n", 1)[1].split("\n\n", 1)[0])
+    table = _rows(tables.compute(STUDIES["gemma3"])["<!-- gemma3-ppl64k -->"])
+    assert headline == [[row[0], row[1], row[-1]] for row in table]
