@@ -68,7 +68,8 @@ def to_rope_parameters(scheme: SchemeLike | None, *, model: nn.Module | None = N
     """The transformers / vLLM `rope_parameters` dict of a scheme, or a ValueError where none exists.
 
     `scheme` is a Scheme, a name or a spec ("yarn:4"); or pass only `model=` for the scheme applied to it. Without a
-    model, `rope_theta` and `head_dim` fill in what the scheme needs (the result omits rope_theta when unknown).
+    model, `rope_theta` and `head_dim` fill in what the scheme needs (the result omits rope_theta when unknown). For a
+    model with RoPE per layer type (Gemma 3) the dict is keyed by layer type, as `apply()` writes the config.
     """
     if scheme is None:
         if model is None:
@@ -83,9 +84,13 @@ def to_rope_parameters(scheme: SchemeLike | None, *, model: nn.Module | None = N
         target = find_target(model)
         if target.table is not None:
             _require_native(scheme.resolve(target).on_table(target))
-        if chosen is not None:  # keyed by layer type: the chosen types' entries, the others the model's own
+        if chosen is not None:
             check_layer_types(scheme, target)
+        if chosen is not None or (target.layer_types != [None] and len(target.rotaries) == 1):
+            # keyed by layer type, as apply() writes it: the chosen types' entries (all without layer_types), the
+            # others the model's own
             resolved, contexts = scheme.resolve(target), target.contexts()
+            chosen = chosen or tuple(contexts)
             # the kept types' entries as the unpatched model has them, not as a patch on the model may have rewritten
             # them (apply() removes that patch first)
             own = original_config(model)["rope_parameters"]

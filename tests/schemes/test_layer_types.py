@@ -238,3 +238,14 @@ def test_the_served_window_is_the_chosen_types():
     model = tiny_model("gemma3_text", **GEMMA3, rope_parameters=shipped, max_position_embeddings=128)
     rope_patch.apply(model, "linear:factor=2,layer_types=sliding_attention")
     assert rope_patch.context_window(model) == model.config.max_position_embeddings
+
+
+@pytest.mark.parametrize("spec", ["linear:2", "yarn:2", "default:rope_theta=50000", "dynamic:2", "llama3:4",
+                                  "yarn:2,layer_types=full_attention"])
+def test_rope_parameters_of_a_per_layer_type_model_are_what_apply_writes(spec):
+    """`to_rope_parameters(spec, model=)` of a model with RoPE per layer type is keyed by layer type, with or without
+    layer_types: the config apply() writes (it gave a flat entry with one type's θ)."""
+    model = tiny_model("gemma3_text", **GEMMA3)
+    want = rope_patch.to_rope_parameters(spec, model=model)
+    rope_patch.apply(model, spec)
+    assert model.config.rope_parameters == want
