@@ -100,6 +100,10 @@ def _check(parts: list[Scheme]) -> None:
     names = " + ".join(p.name for p in parts)
     freq = [p for p in parts if isinstance(p, FrequencyScheme)]
     attn = [p for p in parts if isinstance(p, AttentionScheme)]
+    if len(freq) > 1 and all(p.layer_types for p in freq):
+        raise ValueError(f"Cannot stack {names}: {' and '.join(p.name for p in freq)} are both frequency schemes; a "
+                         "stack holds one frequency scheme, so giving each layer type its own (layer_types) is not "
+                         f"supported: apply one of them. {ALLOWED}")
     if len(freq) > 1:
         raise ValueError(f"Cannot stack {names}: {' and '.join(p.name for p in freq)} are both frequency schemes, and "
                          "each defines every θ_i (combine a base change with scaling through the scheme's "

@@ -130,6 +130,10 @@ REFUSED = [
         "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
      "yarn:factor=2,layer_types=sliding_attention", ValueError,
      r"the full_attention layers that layer_types leaves keep gemma3_text's own 'dynamic' RoPE"),
+    # one frequency scheme per layer type would need a stack of two: refused, and the message says so
+    ("gemma3_text", GEMMA3, "yarn:factor=2,layer_types=full_attention+linear:factor=2,layer_types=sliding_attention",
+     ValueError, r"a stack holds one frequency scheme, so giving each layer type its own \(layer_types\) is not "
+     r"supported"),
 ]
 
 
