@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.scripts import ROOT
+from helpers.scripts import ROOT, load_script
 
 from rope_patch import schema
 from rope_patch.evaluation import tables
@@ -113,3 +113,19 @@ def test_the_readme_gemma3_headline_is_the_study():
     headline = _rows(readme.split(mark + "\n", 1)[1].split("\n\n", 1)[0])
     table = _rows(tables.compute(STUDIES["gemma3"])["<!-- gemma3-ppl64k -->"])
     assert headline == [[row[0], row[1], row[-1]] for row in table]
+
+
+def test_the_gemma3_ruler_schemes_are_vanilla_and_the_best_extensions():
+    """eval/gemma3/best.py: 'default' and the 3 lowest whole-window perplexities, windows (sink) left out; an
+    unfinished table is refused unless asked for; the run script lists the study's schemes."""
+    best = load_script("eval/gemma3/best.py")
+    records = [{"scheme": s, "name": s.split(":")[0], "perplexity": p}
+               for s, p in [("default", 57.8), ("yarn:factor=2", 50.1), ("sink:window_size=8", 40.0),
+                            ("dca:chunk_size=8", 46.0), ("self_extend:group_size=5", 45.0), ("rerope:w=2", 47.0)]]
+    assert best.best({"records": records}) == ["default", "self_extend:group_size=5", "dca:chunk_size=8",
+                                               "rerope:w=2"]
+    with pytest.raises(SystemExit, match="not finished .1 schemes pending: x."):
+        best.main([], {"records": records, "pending": ["x"]})
+    best.main(["--partial"], {"records": records, "pending": ["x"]})
+    best.main(["--partial"])  # the committed table reads
+    assert load_script("eval/gemma3/layers.py").schemes()[:2] == ["default", "yarn:factor=2"]
