@@ -24,7 +24,8 @@ DOCS = ROOT / "docs"
 
 
 def pytest_collect_file(file_path: Path, parent):
-    if MarkdownTextFile is None or parent.config.option.markdowndocs:  # --markdown-docs given: the plugin collects them itself
+    # --markdown-docs given: the plugin collects them itself
+    if MarkdownTextFile is None or parent.config.option.markdowndocs:
         return None
     path = Path(file_path).resolve()
     if path.suffix == ".md" and (path == ROOT / "README.md" or DOCS in path.parents):

@@ -19,7 +19,8 @@ SCALED = ["default", "linear:8", "ntk:8", "yarn:8", "llama3:8", "dynamic:8"]
 
 FIGURES = {
     # name: (kind, schemes, extra keywords)
-    "frequencies": ("frequencies", ["default", "default:500000", "linear:8", "ntk:8", "yarn:8", "llama3:8", "p_rope:0.75"], {}),
+    "frequencies": ("frequencies", ["default", "default:500000", "linear:8", "ntk:8", "yarn:8", "llama3:8",
+                                    "p_rope:0.75"], {}),
     "wavelengths": ("wavelengths", SCALED, {}),
     "decay": ("decay", ["default", "default:500000", "linear:8", "ntk:8", "yarn:8", "llama3:8"], {}),
     "decay_roformer": ("decay", ["default"], {"max_distance": 256, "log_x": False}),
