@@ -145,3 +145,40 @@ def test_model_info_records_the_patch(assets):
     assert info["rope_patch"]["scheme"] == "yarn"
     assert info["rope_patch"]["params"]["factor"] == 4
     assert info["rope_patch"]["max_length"] == 4 * WINDOW
+
+
+@pytest.mark.parametrize("scheme", [None, "self_extend"])
+def test_lm_evals_own_paths_run_a_hybrid_models_sliding_layers_windowed(assets, monkeypatch, scheme):
+    """Documents without token ids (RULER's tasks, any text task) go through HFLM's generate and model call: from
+    WINDOWED_FROM on, those run the sliding layers windowed too, with the default path's tokens and logits (no L x L
+    mask: at 64k Gemma 3 would need about 21 GB for it)."""
+    from helpers.models import tiny_model
+
+    from rope_patch.evaluation import common
+
+    lm = make(assets)
+    n = len(lm.tokenizer)
+    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, num_hidden_layers=2,
+                       layer_types=["sliding_attention", "full_attention"], sliding_window=8, vocab_size=n,
+                       pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id)
+    if scheme:
+        rope_patch.apply(model, scheme, group_size=2, window_size=16)
+    lm._model = model
+    own = model.config._attn_implementation
+    ids = torch.randint(3, n, (1, 72), generator=torch.Generator().manual_seed(4))
+    seen = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda m, *a, **k: seen.append(m.config._attn_implementation)
+                        or forward(m, *a, **k))
+
+    def run():
+        seen.clear()
+        return lm._model_generate(ids, 72 + 6, [], do_sample=False), lm._model_call(ids)
+
+    tokens, logits = run()
+    assert set(seen) == {own}
+    monkeypatch.setattr(common, "WINDOWED_FROM", 64)
+    windowed_tokens, windowed_logits = run()
+    assert seen and all(s.startswith("rope_patch_windowed") for s in seen)
+    assert torch.equal(windowed_tokens, tokens) and model.config._attn_implementation == own
+    torch.testing.assert_close(windowed_logits, logits, atol=1e-5, rtol=0)

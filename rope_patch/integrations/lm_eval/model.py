@@ -307,6 +307,17 @@ class RopePatchLM(HFLM):
         bs = self.batch_size
         return int(bs) if str(bs).isdigit() and int(bs) > 1 else default
 
+    # ---- lm-eval's own paths (text documents: RULER, any task), windowed as rope_patch's evaluation is ---------------
+    def _model_call(self, inps, attn_mask=None, labels=None):
+        with common.windowed_from(self.model, inps.shape[1]):
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        # a long prompt of a hybrid model: its sliding layers over their window only, where transformers' sdpa path
+        # builds an L x L mask and a float copy of it (about 21 GB at 64k)
+        with common.windowed_from(self.model, context.shape[1]):
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
     def generate_until(self, requests, disable_tqdm: bool = False):
         results: list = [None] * len(requests)
         exact, other = [], []
