@@ -12,6 +12,11 @@ comes from (the paper or reference code; where a paper gives a range, the choice
     string                                              S = N/3, W = min(128, L/32); beyond L only with a frequency
                                                         scheme (`alone=False`)
 
+On a model whose RoPE is per layer type (Gemma 3), a layer type whose every layer attends within a sliding window of
+at most L tokens never meets a distance past L: the frequency schemes are suggested on the other layer types only
+(`layer_types=`), as Google's Gemma 3 4B+ ship their scaling. On Gemma 3 270M at 64k this beat the same YaRN on every
+layer, inside the window and past it (docs/studies/gemma3.md).
+
 A scheme class without a rule (`Scheme.suggestion` returns None) is not suggested: longrope (its per-pair factors
 come from the LongRoPE search), and the schemes that need training (alibi, nope, relative_bias, sinusoidal,
 learned_absolute, p_rope, a new rope_theta). For N ≤ L only STRING is suggested: the model serves N as it was
@@ -74,9 +79,46 @@ def suggest(model: nn.Module, target_length: int) -> list[Suggestion]:
         raise ValueError(f"suggest: target_length {n} is {n / window:g}× the pre-training window L = {window}; the "
                          f"schemes support factors up to {high:g} (N ≤ {int(high * window)}). Choose a smaller target.")
     made = [(cls, s) for cls in _scheme_classes() if (s := cls.suggestion(n, window)) is not None]
+    local, wide = local_layer_types(model, window)
+    if local and wide:
+        made = [(cls, _on_layer_types(cls, s, wide, local) if cls.kind == "frequency" else s) for cls, s in made]
     # the frequency schemes first, then the attention-side ones, then those that need another scheme with them; each
     # group in the order the schemes were registered
     return [s for cls, s in sorted(made, key=lambda m: (m[0].kind != "frequency", not m[1].alone))]
+
+
+def local_layer_types(model: nn.Module, window: int) -> tuple[list[str], list[str]]:
+    """(the RoPE layer types whose every layer attends within a sliding window of at most `window` tokens, the other
+    RoPE layer types) of a model with one rotary module whose RoPE is per layer type; ([], []) for any other model.
+    Read from the attention modules (their `sliding_window` and `layer_idx`) and the config's `layer_types`."""
+    target = find_target(model)
+    types = [t for t in target.layer_types if t is not None]
+    per_layer = list(getattr(target.config, "layer_types", None) or [])
+    if not types or len(target.rotaries) > 1 or not per_layer:
+        return [], []
+    reach = {}  # layer index -> its sliding window (None: attends to everything)
+    for module in target.model.modules():
+        if hasattr(module, "sliding_window") and isinstance(getattr(module, "layer_idx", None), int):
+            reach[module.layer_idx] = module.sliding_window
+
+    def local(t: str) -> bool:
+        layers = [i for i, lt in enumerate(per_layer) if lt == t]
+        return bool(layers) and all(isinstance(reach.get(i), int) and reach[i] <= window for i in layers)
+
+    return [t for t in types if local(t)], [t for t in types if not local(t)]
+
+
+def _on_layer_types(cls, s: Suggestion, wide: list[str], local: list[str]) -> Suggestion:
+    """A frequency scheme's suggestion restricted to the layer types that see past L, where the scheme takes
+    `layer_types` (dynamic_yarn, with its own per-forward update, does not: it stays on every layer)."""
+    params = {**s.params, "layer_types": wide[0] if len(wide) == 1 else list(wide)}
+    try:
+        cls(**params)
+    except (TypeError, ValueError):
+        return s
+    why = (f"; on {'/'.join(wide)} only: the {'/'.join(local)} layers attend within a window inside L and never meet "
+           "a distance past it")
+    return Suggestion.of(s.scheme, params, s.reason + why, s.alone)
 
 
 def _scheme_classes() -> list:

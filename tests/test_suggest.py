@@ -116,6 +116,37 @@ def test_every_suggestion_applies_cleanly_and_remove_is_exact(models, window, n)
     assert torch.equal(logits(model, ids), before)
 
 
+HYBRID = {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+          "max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("arch,sliding,local", [
+    ("gemma3_text", 8, True),  # per-layer-type RoPE, sliding layers inside L: frequency schemes on full_attention only
+    ("gemma3_text", 32, True),  # a window of exactly L still never meets a distance past L
+    ("gemma3_text", 33, False),  # a window past L meets distances past L: every layer
+    ("gemma2", 8, False),  # one RoPE for every layer: layer_types cannot pick, the suggestions stay as they were
+])
+def test_a_hybrid_models_frequency_schemes_are_suggested_on_the_layers_that_see_past_the_window(arch, sliding, local):
+    model = tiny_model(arch, sliding_window=sliding, **HYBRID)
+    ids = torch.randint(3, VOCAB, (1, 40))
+    before = logits(model, ids)
+    found = suggest(model, 128)
+    plain = _by_name(suggest(tiny_model(max_position_embeddings=32), 128))
+    for s in found:
+        picked = s.params.pop("layer_types", None)
+        # dynamic_yarn's own per-forward update takes no layer_types: it stays on every layer
+        want = "full_attention" if local and s.scheme in FACTOR and s.scheme != "dynamic_yarn" else None
+        assert picked == want, s.spec
+        assert (s.spec.endswith(",layer_types=full_attention") and "on full_attention only" in s.reason) == bool(want)
+        if s.scheme in plain:
+            assert s.params == plain[s.scheme].params  # the rule's numbers are the same
+        rope_patch.apply(model, s.spec)
+        assert tuple(getattr(rope_patch.current(model), "layer_types", None) or ()) == ((want,) if want else ())
+        assert torch.isfinite(logits(model, ids)).all()
+        rope_patch.remove(model)
+    assert torch.equal(logits(model, ids), before)
+
+
 def test_the_window_is_the_model_as_loaded_also_under_a_patch_and_with_shipped_scaling():
     model = tiny_model(max_position_embeddings=256)
     rope_patch.apply(model, "yarn", factor=4.0)

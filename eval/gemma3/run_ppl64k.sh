@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Gemma 3 270M base (window 32768; 5 of 6 layers in a 512-token sliding window) at 2x its window: perplexity by 8k
 # position bucket inside one 65,536-token window of Moby-Dick (eval/gemma3/book.py) per scheme, each scheme at
-# rope_patch.suggest's parameters for N = 65536, in the order they are worth running (trim from the end), and YaRN on
+# the parameters rope_patch.suggest gave for N = 65536 before it restricted a hybrid's frequency schemes to the layer
+# types that see past L, in the order they are worth running (trim from the end), and YaRN on
 # the 3 global layers only (layer_types=full_attention: the local layers keep their RoPE, as Gemma 3 4B+ ship it).
 # CPU: ~12 min for vanilla on 2 cores (windowed sliding layers, chunked loss). Resumable (--resume): rerun to go on.
 set -euo pipefail

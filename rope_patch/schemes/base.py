@@ -70,8 +70,11 @@ class Suggestion:
     @classmethod
     def of(cls, scheme: str, params: dict, reason: str, alone: bool = True) -> Suggestion:
         """The suggestion of `scheme` with `params`, its spec written out (`yarn:factor=4,beta_fast=2`)."""
+        def one(x):  # a name bare, as the spec grammar reads it (`layer_types=full_attention`)
+            return x if isinstance(x, str) else repr(x)
+
         def text(v):  # a list as the spec grammar writes it: values separated by '/'
-            return "/".join(repr(x) for x in v) if isinstance(v, (list, tuple)) else repr(v)
+            return "/".join(one(x) for x in v) if isinstance(v, (list, tuple)) else one(v)
 
         spec = f"{scheme}:" + ",".join(f"{k}={text(v)}" for k, v in params.items())
         return cls(scheme, dict(params), spec, reason, alone)
