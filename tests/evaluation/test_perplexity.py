@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.models import VOCAB, WINDOW, tiny_model
+from helpers.models import VOCAB, WINDOW, record_implementations, tiny_hybrid, tiny_model
 
 import rope_patch
 from rope_patch.evaluation import common
@@ -122,8 +122,7 @@ def test_long_windows_of_a_hybrid_model_run_its_sliding_layers_windowed(monkeypa
     same NLL as the default path, which shorter windows keep; the model's own implementation back afterwards."""
     from rope_patch.evaluation import common, perplexity
 
-    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, num_hidden_layers=2,
-                       layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    model = tiny_hybrid()
     if scheme:
         rope_patch.apply(model, scheme)
     own = model.config._attn_implementation
@@ -146,16 +145,12 @@ def test_long_prompts_of_a_hybrid_model_decode_with_its_sliding_layers_windowed(
     steps run windowed, and give the default path's tokens; the model's own implementation is back afterwards."""
     from rope_patch.evaluation import common, retrieval
 
-    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, num_hidden_layers=2,
-                       layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    model = tiny_hybrid()
     if scheme:
         rope_patch.apply(model, scheme)
     own = model.config._attn_implementation
     ids = torch.randint(3, VOCAB, (2, 72), generator=torch.Generator().manual_seed(4))
-    seen = []
-    forward = type(model).forward
-    monkeypatch.setattr(type(model), "forward", lambda m, *a, **k: seen.append(m.config._attn_implementation)
-                        or forward(m, *a, **k))
+    seen = record_implementations(monkeypatch, model)
     default = retrieval.greedy_generate(model, ids, 6)
     assert set(seen) == {own}
     monkeypatch.setattr(common, "WINDOWED_FROM", 64)

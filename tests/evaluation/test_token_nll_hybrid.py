@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.models import VOCAB, tiny_model
+from helpers.models import VOCAB, tiny_hybrid
 
 from rope_patch.attention.windowed import windowed
 from rope_patch.evaluation import common
@@ -17,9 +17,7 @@ from rope_patch.evaluation.common import token_nll
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("windowed_layers", [False, True])
 def test_chunked_nll_equals_the_models_own_loss(monkeypatch, softcap, windowed_layers):
-    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, num_hidden_layers=2,
-                       layer_types=["sliding_attention", "full_attention"], sliding_window=8,
-                       final_logit_softcapping=softcap)
+    model = tiny_hybrid(final_logit_softcapping=softcap)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as Gemma 3 ships
     torch.manual_seed(3)
     ids = torch.randint(3, VOCAB, (2, 60))

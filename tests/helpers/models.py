@@ -115,6 +115,22 @@ def tiny_model(arch: str = "llama", seed: int = 0, attn_implementation: str = "e
     return model
 
 
+def tiny_hybrid(**overrides):
+    """A tiny Gemma 3 as the long-input paths meet it: one sliding layer (window 8) and one global layer, sdpa."""
+    kw = dict(initializer_range=0.1, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+              sliding_window=8)
+    return tiny_model("gemma3_text", attn_implementation="sdpa", **{**kw, **overrides})
+
+
+def record_implementations(monkeypatch, model) -> list[str]:
+    """The list each forward of `model`'s class appends its attention implementation to, from now on."""
+    seen: list[str] = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda m, *a, **k: seen.append(m.config._attn_implementation)
+                        or forward(m, *a, **k))
+    return seen
+
+
 def saved_model(path: Path, tokenizer=None, **kw) -> Path:
     """`tiny_model(**kw)` (and `tokenizer`) written with save_pretrained: the `from_pretrained(local_dir)` path."""
     tiny_model(**kw).save_pretrained(path)

@@ -152,24 +152,19 @@ def test_lm_evals_own_paths_run_a_hybrid_models_sliding_layers_windowed(assets, 
     """Documents without token ids (RULER's tasks, any text task) go through HFLM's generate and model call: from
     WINDOWED_FROM on, those run the sliding layers windowed too, with the default path's tokens and logits (no L x L
     mask: at 64k Gemma 3 would need about 21 GB for it)."""
-    from helpers.models import tiny_model
+    from helpers.models import record_implementations, tiny_hybrid
 
     from rope_patch.evaluation import common
 
     lm = make(assets)
     n = len(lm.tokenizer)
-    model = tiny_model("gemma3_text", attn_implementation="sdpa", initializer_range=0.1, num_hidden_layers=2,
-                       layer_types=["sliding_attention", "full_attention"], sliding_window=8, vocab_size=n,
-                       pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id)
+    model = tiny_hybrid(vocab_size=n, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id)
     if scheme:
         rope_patch.apply(model, scheme, group_size=2, window_size=16)
     lm._model = model
     own = model.config._attn_implementation
     ids = torch.randint(3, n, (1, 72), generator=torch.Generator().manual_seed(4))
-    seen = []
-    forward = type(model).forward
-    monkeypatch.setattr(type(model), "forward", lambda m, *a, **k: seen.append(m.config._attn_implementation)
-                        or forward(m, *a, **k))
+    seen = record_implementations(monkeypatch, model)
 
     def run():
         seen.clear()
