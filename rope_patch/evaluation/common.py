@@ -180,7 +180,7 @@ def prepare_rotary(model, total_length: int) -> None:
     """Make a dynamic RoPE (transformers' `dynamic`, rope_patch's `dynamic`) independent of what ran before, with
     the base of a `total_length`-token sequence; a no-op for every other scheme. The evaluations use `at_length`
     (`rope_patch.fix_length`, which also covers dynamic_yarn and longrope and holds the frequencies when a prompt
-    shorter than the window is decoded past it); this reset serves unpatched models and lm-eval's rolling loglikelihood.
+    shorter than the window is decoded past it); this reset serves unpatched models (through at_length).
 
     transformers' dynamic NTK grows its base with the longest sequence seen and never shrinks it while sequences
     stay beyond the window, so a 1024-token evaluation after a 2048-token one would silently use the 2048 base.

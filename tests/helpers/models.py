@@ -123,10 +123,12 @@ def tiny_hybrid(**overrides):
 
 
 def record_implementations(monkeypatch, model) -> list[str]:
-    """The list each forward of `model`'s class appends its attention implementation to, from now on."""
+    """The list each forward of `model`'s decoder class (every path: generate, logits, chunked loss) appends the
+    model's attention implementation to, from now on."""
     seen: list[str] = []
-    forward = type(model).forward
-    monkeypatch.setattr(type(model), "forward", lambda m, *a, **k: seen.append(m.config._attn_implementation)
+    decoder = type(model.get_decoder())
+    forward = decoder.forward
+    monkeypatch.setattr(decoder, "forward", lambda m, *a, **k: seen.append(model.config._attn_implementation)
                         or forward(m, *a, **k))
     return seen
 

@@ -149,9 +149,12 @@ def test_model_info_records_the_patch(assets):
 
 @pytest.mark.parametrize("scheme", [None, "self_extend"])
 def test_lm_evals_own_paths_run_a_hybrid_models_sliding_layers_windowed(assets, monkeypatch, scheme):
-    """Documents without token ids (RULER's tasks, any text task) go through HFLM's generate and model call: from
-    WINDOWED_FROM on, those run the sliding layers windowed too, with the default path's tokens and logits (no L x L
-    mask: at 64k Gemma 3 would need about 21 GB for it)."""
+    """From WINDOWED_FROM on, every path of the lm-eval model runs the sliding layers windowed, with the default
+    path's tokens, logits and log-likelihoods (no L x L mask: at 64k Gemma 3 would need about 21 GB for it): HFLM's
+    generate and model call (documents without token ids: RULER's tasks, any text task; a left-padded batch too) and
+    the exact-token rolling log-likelihood (rope_ppl_*)."""
+    from types import SimpleNamespace
+
     from helpers.models import record_implementations, tiny_hybrid
 
     from rope_patch.evaluation import common
@@ -161,19 +164,26 @@ def test_lm_evals_own_paths_run_a_hybrid_models_sliding_layers_windowed(assets, 
     model = tiny_hybrid(vocab_size=n, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id)
     if scheme:
         rope_patch.apply(model, scheme, group_size=2, window_size=16)
-    lm._model = model
+    lm._model, lm._max_length = model, 128
     own = model.config._attn_implementation
-    ids = torch.randint(3, n, (1, 72), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, n, (2, 72), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the second prompt is 5 tokens shorter, left-padded
+    ids[1, :5] = lm.tokenizer.pad_token_id
+    doc = lm.tokenizer("the cat sat on the mat " * 20, add_special_tokens=False)["input_ids"][:80]
+    rolling = SimpleNamespace(args=(lm.tokenizer.decode(doc),), doc={"input_ids": doc}, task_name="rope_ppl_test")
     seen = record_implementations(monkeypatch, model)
 
     def run():
         seen.clear()
-        return lm._model_generate(ids, 72 + 6, [], do_sample=False), lm._model_call(ids)
+        return (lm._model_generate(ids, 72 + 6, [], attention_mask=mask, do_sample=False), lm._model_call(ids[:1]),
+                torch.tensor(lm.loglikelihood_rolling([rolling])))
 
-    tokens, logits = run()
+    tokens, logits, ll = run()
     assert set(seen) == {own}
     monkeypatch.setattr(common, "WINDOWED_FROM", 64)
-    windowed_tokens, windowed_logits = run()
-    assert seen and all(s.startswith("rope_patch_windowed") for s in seen)
+    windowed_tokens, windowed_logits, windowed_ll = run()
+    assert len(seen) == 8 and all(s.startswith("rope_patch_windowed") for s in seen)  # 6 generate, 1 call, 1 rolling
     assert torch.equal(windowed_tokens, tokens) and model.config._attn_implementation == own
     torch.testing.assert_close(windowed_logits, logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(windowed_ll, ll, atol=1e-4, rtol=1e-6)

@@ -366,15 +366,15 @@ class RopePatchLM(HFLM):
         for length, items in by_len.items():
             if length > self.max_length:
                 self._warn_long(length, self.max_length, truncated=False)
-            common.prepare_rotary(model, length)
             step = self._chunk_size(perplexity.batch_size_for(length))
-            for s in range(0, len(items), step):
-                chunk = items[s : s + step]
-                ids = torch.tensor([it[2] for it in chunk], dtype=torch.long, device=self.device)
-                nll = common.token_nll(model, ids)
-                for (i, req, _), row in zip(chunk, nll, strict=True):
-                    results[i] = -row.double().sum().item()
-                    self.cache_hook.add_partial("loglikelihood_rolling", req.args, results[i])
+            with common.at_length(model, length), common.windowed_from(model, length):  # as perplexity.window_nll
+                for s in range(0, len(items), step):
+                    chunk = items[s : s + step]
+                    ids = torch.tensor([it[2] for it in chunk], dtype=torch.long, device=self.device)
+                    nll = common.token_nll(model, ids)
+                    for (i, req, _), row in zip(chunk, nll, strict=True):
+                        results[i] = -row.double().sum().item()
+                        self.cache_hook.add_partial("loglikelihood_rolling", req.args, results[i])
         # HFLM's rolling path gathers window counts across ranks: every rank must enter it when any rank does.
         need = bool(other)
         if self.world_size > 1:
