@@ -313,8 +313,8 @@ class NTK(FrequencyScheme):
         self._set("alpha", None)
 
     def rope_parameters(self, ctx):
-        d = ctx.rotary_dim
-        return self._params(ctx, "default") | {"rope_theta": self.theta(ctx) * self.factor ** (d / (d - 2))}
+        exponent = ntk_exponent(self.name, ctx)  # d/(d−2)
+        return self._params(ctx, "default") | {"rope_theta": self.theta(ctx) * self.factor ** exponent}
 
     def window(self, ctx):
         return int(self.factor * ctx.pretraining_window)
@@ -334,6 +334,24 @@ class NTK(FrequencyScheme):
     @classmethod
     def suggestion(cls, n, window):
         return cls.factor_suggestion(n, window)
+
+
+def ntk_exponent(scheme: str, ctx: RopeContext) -> float:
+    """d/(d−2), the exponent of the NTK-aware base change b′ = b·s^(d/(d−2)) (d = rotary dim; bloc97 2023), which
+    `ntk` uses once and transformers' `dynamic` at every length past L. It makes the lowest frequency b^(−(d−2)/d)
+    exactly s times smaller. With one rotated pair (d = 2) the only frequency is θ_0 = b^0 = 1, which no base moves,
+    and the exponent divides by zero (transformers' dynamic NTK raises ZeroDivisionError there): refused, pointing to
+    linear, which divides θ_0 itself by s (YaRN and llama3 leave a pair of wavelength 2π unscaled once L > 2π·β_fast,
+    L > 2π·high_freq_factor)."""
+    d = ctx.rotary_dim
+    if d > 2:
+        return d / (d - 2)
+    where = f" for its {ctx.layer_type} layers" if ctx.layer_type else ""
+    raise ValueError(
+        f"{scheme}: the model's rotary embedding{where} rotates one coordinate pair per head (rotary dim d = {d}), "
+        "whose frequency θ_0 = b^0 = 1 does not depend on the base b. NTK-aware scaling changes only the base "
+        f"(b′ = b·s^(d/(d−2)), which divides by d − 2 = 0 here), so it cannot scale that pair. Use linear, which "
+        "divides θ_0 itself by s.")
 
 
 class _Windowed(FrequencyScheme):
@@ -384,6 +402,7 @@ class Dynamic(_Windowed):
         self._set("cache_rotation", _cache_rotation(self.name, self.cache_rotation))
 
     def rope_parameters(self, ctx):
+        ntk_exponent(self.name, ctx)  # transformers' dynamic NTK computes b·(…)^(d/(d−2)): refused at d = 2
         return self._params(ctx, "dynamic", factor=self.factor)
 
     def init_window(self, ctx):

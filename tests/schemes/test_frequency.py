@@ -433,3 +433,35 @@ def test_a_rotary_that_fails_under_the_patched_config_is_refused_at_apply():
         rope_patch.apply(model, "linear", factor=2.0)
     assert rope_patch.current(model) is None and model.config.to_dict() == config
     assert torch.equal(logits(model, ids), before)
+
+
+# ---- refused at apply where transformers' computation cannot run, read from the model's structure -------------------
+# (folder, spec as suggest(model, 4·L) writes it, the refusal's phrase). Before, each failed with a raw error
+# (ZeroDivisionError at apply) or was refused with a message that did not say why.
+REFUSED_AT_APPLY = [
+    # one rotated pair (the tiny DeepSeek-V4: head_dim 16 × partial 0.125, rotary dim 2): θ_0 = b^0 = 1 whatever the
+    # base, and NTK's b·s^(d/(d−2)) divides by d − 2 = 0 (transformers' dynamic NTK computes the same exponent)
+    ("deepseek_v4", "ntk:factor=4", r"ntk: .*rotates one coordinate pair per head \(rotary dim d = 2\).* Use linear"),
+    ("deepseek_v4", "dynamic:factor=4", r"dynamic: .*rotates one coordinate pair per head \(rotary dim d = 2\)"),
+]
+
+
+@pytest.mark.parametrize("folder,spec,phrase", REFUSED_AT_APPLY, ids=[f"{f}-{s}" for f, s, _ in REFUSED_AT_APPLY])
+def test_refused_at_apply_with_the_model_untouched(folder, spec, phrase):
+    model = tiny_model(folder)
+    ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(9))  # past the window
+    before, config = logits(model, ids), model.config.to_dict()
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    with pytest.raises(ValueError, match=phrase):
+        rope_patch.apply(model, spec)
+    assert rope_patch.current(model) is None and model.config.to_dict() == config
+    assert buffers.keys() == dict(model.named_buffers()).keys()
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert torch.equal(logits(model, ids), before)
+
+
+def test_ntk_export_refuses_one_rotated_pair():
+    """to_rope_parameters without a model: a head_dim of 2 (one pair) is refused as at apply, not divided by zero."""
+    with pytest.raises(ValueError, match=r"ntk: .*one coordinate pair per head \(rotary dim d = 2\)"):
+        rope_patch.to_rope_parameters("ntk:4", head_dim=2, rope_theta=1e4)
+    assert rope_patch.to_rope_parameters("ntk:4", head_dim=4, rope_theta=1e4)["rope_theta"] == pytest.approx(1.6e5)
