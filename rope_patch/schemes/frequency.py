@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
+from .. import discovery
 from .. import validation as check
 from ..discovery import PatchSite, RopeContext
 from ..registry import register_scheme
@@ -540,7 +541,8 @@ class YarnLengthUpdate(LengthUpdate):
             params = self.config.rope_parameters if layer_type is None else self.config.rope_parameters[layer_type]
             params["factor"] = s
             kwargs = {} if layer_type is None else {"layer_type": layer_type}
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](self.config, **kwargs)
+            # a heterogeneous config (Gemma 4) answers per-layer sizes through its layer type's view
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](discovery.layer_config(self.config, layer_type), **kwargs)
             while len(self.cache) >= self.CACHE:
                 self.cache.pop(next(iter(self.cache)))
             self.cache[key] = (inv_freq.float(), float(scaling))
@@ -615,7 +617,8 @@ class DynamicYarn(Yarn):
                 cfg.rope_parameters[lt] = self._params(ctx, "default")
             else:
                 cfg.rope_parameters = self._params(ctx, "default")
-            inv_freq, scaling = init_fn("default", rotary_cls)(cfg, **({"layer_type": lt} if layered else {}))
+            inv_freq, scaling = init_fn("default", rotary_cls)(discovery.layer_config(cfg, lt),
+                                                               **({"layer_type": lt} if layered else {}))
             start[lt] = (inv_freq.float(), float(scaling))
         return YarnLengthUpdate(copy.deepcopy(rotary_config), self.original_max_position_embeddings, self.factor, start)
 

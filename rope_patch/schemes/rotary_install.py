@@ -124,18 +124,20 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
             continue
         if update is not None:  # the frequencies at ℓ ≤ L, i.e. before the first forward
             inv_freq, scaling = update.start[lt]
+            _check_width(scheme, target, lt, inv_freq)
+            # Past L the update computes them per length with transformers' own function (dynamic_yarn: yarn ×s):
+            # computed here once at the cap, so that a config it fails on, or frequencies of another width than the
+            # attention rotates, are refused now and not at the first forward past L (the width and the failures
+            # do not depend on s)
+            longest, _ = _computed(scheme, target, lt, params[lt]["rope_type"], update.frequencies, update.cap, lt,
+                                   at_run_time=True)
+            _check_width(scheme, target, lt, longest)
             buffers[lt], scalings[lt] = inv_freq.to(device, copy=True), scaling
             continue
         fn = init_fn(params[lt]["rope_type"], type(target.rotary))
         kwargs = {"layer_type": lt} if layered else {}
-        try:
-            inv_freq, scaling = fn(discovery.layer_config(rotary_config, lt), **kwargs)
-        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as err:
-            where = f" for its {lt} layers" if lt else ""
-            raise ValueError(
-                f"{scheme.name}: transformers' own {params[lt]['rope_type']!r} RoPE computation fails on "
-                f"{target.model_type}'s config{where} ({type(err).__name__}: {err}), so a model configured with "
-                "this scheme cannot be built either. Use a scheme this architecture's config supports.") from None
+        inv_freq, scaling = _computed(scheme, target, lt, params[lt]["rope_type"], fn,
+                                      discovery.layer_config(rotary_config, lt), **kwargs)
         buffers[lt] = scheme.adjust(inv_freq.float(), ctx).to(device)
         scalings[lt] = float(scaling)
         if scheme.resonance:
@@ -187,6 +189,28 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
             _check_resonance(scheme, model_site, rot, list(wavelengths))
 
     return install
+
+
+def _computed(scheme: FrequencyScheme, target: PatchSite, layer_type, rope_type: str, fn, /, *args,
+              at_run_time: bool = False, **kwargs):
+    """`fn(*args, **kwargs)`, a computation of transformers' own `rope_type` RoPE function on the patched config.
+    Where it fails, a model configured natively with it fails too: refused, naming what failed (`at_run_time`: the
+    scheme runs it for each sequence length past the original window, where the first such forward would fail)."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as err:
+        where = f" for its {layer_type} layers" if layer_type else ""
+        failure = f"{target.model_type}'s config{where} ({type(err).__name__}: {err})"
+        if at_run_time:
+            raise ValueError(
+                f"{scheme.name}: past the original window it computes {rope_type!r} frequencies for each sequence "
+                f"length with transformers' own function, and that RoPE computation fails on {failure}, as it does "
+                f"for a model configured natively with {rope_type!r}. Use a scheme this architecture's config "
+                "supports.") from None
+        raise ValueError(
+            f"{scheme.name}: transformers' own {rope_type!r} RoPE computation fails on {failure}, so a model "
+            "configured with this scheme cannot be built either. Use a scheme this architecture's config "
+            "supports.") from None
 
 
 def check_layer_types(scheme: FrequencyScheme, target: PatchSite) -> None:

@@ -436,13 +436,28 @@ def test_a_rotary_that_fails_under_the_patched_config_is_refused_at_apply():
 
 
 # ---- refused at apply where transformers' computation cannot run, read from the model's structure -------------------
-# (folder, spec as suggest(model, 4·L) writes it, the refusal's phrase). Before, each failed with a raw error
-# (ZeroDivisionError at apply) or was refused with a message that did not say why.
+# (folder, spec as suggest(model, 4·L) writes it, the refusal's phrase). Before, each raised a raw error (at apply a
+# ZeroDivisionError, gemma4's AmbiguousGlobalPerLayerAttributeError; mimo_v2_flash, lfm3: a RuntimeError, shape
+# mismatch, at the first forward) or was refused without saying why (deepseek_v4's dynamic).
 REFUSED_AT_APPLY = [
     # one rotated pair (the tiny DeepSeek-V4: head_dim 16 × partial 0.125, rotary dim 2): θ_0 = b^0 = 1 whatever the
     # base, and NTK's b·s^(d/(d−2)) divides by d − 2 = 0 (transformers' dynamic NTK computes the same exponent)
     ("deepseek_v4", "ntk:factor=4", r"ntk: .*rotates one coordinate pair per head \(rotary dim d = 2\).* Use linear"),
     ("deepseek_v4", "dynamic:factor=4", r"dynamic: .*rotates one coordinate pair per head \(rotary dim d = 2\)"),
+    # dynamic_yarn computes yarn ×s with transformers' function per length past L: that computation is tried at apply
+    # (the tiny MiMo-V2-Flash rotates int(16 × 0.334) = 5 coordinates, where transformers' yarn fails: 3 vs 2 pairs)
+    ("mimo_v2_flash", "dynamic_yarn:factor=4,beta_fast=2",
+     r"dynamic_yarn: past the original window it computes 'yarn' frequencies .*fails on mimo_v2_flash's config for its "
+     r"full_attention layers \(RuntimeError"),
+    ("mimo_v2_flash", "dynamic_yarn:factor=4", r"dynamic_yarn: past the original window .*fails on mimo_v2_flash's"),
+    # and its frequencies' width against what the attention rotates (`proportional` global layers: full-width
+    # frequencies, where yarn gives the partial set)
+    ("lfm3", "dynamic_yarn:factor=4,beta_fast=2",
+     r"dynamic_yarn: lfm3's rotary module for its full_attention layers \('proportional'\) gives 8 frequencies"),
+    ("lfm3", "dynamic_yarn:factor=4", r"dynamic_yarn: lfm3's rotary module .*\('proportional'\) gives 8 frequencies"),
+    # a heterogeneous config (per-layer head_dim) answers through its layer type's view, then the width refuses
+    ("gemma4", "dynamic_yarn:factor=4,beta_fast=2",
+     r"dynamic_yarn: gemma4_text's rotary module for its full_attention layers \('proportional'\) gives 16"),
 ]
 
 
@@ -465,3 +480,25 @@ def test_ntk_export_refuses_one_rotated_pair():
     with pytest.raises(ValueError, match=r"ntk: .*one coordinate pair per head \(rotary dim d = 2\)"):
         rope_patch.to_rope_parameters("ntk:4", head_dim=2, rope_theta=1e4)
     assert rope_patch.to_rope_parameters("ntk:4", head_dim=4, rope_theta=1e4)["rope_theta"] == pytest.approx(1.6e5)
+
+
+@pytest.mark.parametrize("folder", ["deepseek_v4", "gemma4", "lfm3", "mimo_v2_flash"])
+def test_every_suggested_frequency_spec_is_refused_at_apply_or_runs_past_the_window(folder):
+    """suggest(model, 4·L)'s frequency schemes on the folders above: each one is refused at apply() (model untouched)
+    or runs forwards past L and up to the cap; none fails later (the reviewer's sweep, kept as a test)."""
+    model = tiny_model(folder)
+    ids = torch.randint(3, 97, (1, 4 * L + 8), generator=torch.Generator().manual_seed(10))
+    before = logits(model, ids[:, :L])
+    kinds = {"linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "llama3"}
+    specs = [s.spec for s in rope_patch.suggest(model, 4 * L) if s.scheme in kinds]
+    assert {spec.split(":")[0] for spec in specs} == kinds
+    for spec in specs:
+        try:
+            rope_patch.apply(model, spec)
+        except ValueError:
+            assert rope_patch.current(model) is None and torch.equal(logits(model, ids[:, :L]), before), spec
+            continue
+        for n in (L // 2, 3 * L, 4 * L + 8):
+            assert torch.isfinite(logits(model, ids[:, :n])).all(), (spec, n)
+        rope_patch.remove(model)
+    assert torch.equal(logits(model, ids[:, :L]), before)
