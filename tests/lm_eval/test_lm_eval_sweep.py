@@ -66,6 +66,12 @@ def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
         S.sweep(sweep_args(assets, out), log=lambda m: None)
     assert calls == []
     assert json.loads((out / "sweep.json").read_text())["machine"] == machine
+    # a sweep folder made by another checkout (its raw paths, hence its stamp's fingerprint, differ; the settings it
+    # records are the same) resumes too
+    stamp = out / "sweep_settings.json"
+    stamp.write_text(json.dumps({**json.loads(stamp.read_text()), "fingerprint": "made-in-another-checkout"}))
+    S.sweep(sweep_args(assets, out), log=lambda m: None)
+    assert calls == []
     # the timings of the runs that made the cells survive a resume (they travel in the cells)
     first, resumed = state["elapsed_s"], json.loads((out / "sweep.json").read_text())["elapsed_s"]
     assert resumed["default"] == first["default"] > 0 and resumed["yarn:2"] == first["yarn:2"] > 0

@@ -535,7 +535,7 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
     p = plan(args)  # specs, lengths, task names: checked before anything is created or run
     out.mkdir(parents=True, exist_ok=True)
     settings = p["settings"]
-    fp = fingerprint(settings)
+    fp = fingerprint(portable(settings))  # as the stamp records them: the same sweep from another checkout matches
     weights = model_fingerprint(settings["model_path"])
     stamp = out / "sweep_settings.json"
     if stamp.exists():
@@ -545,7 +545,8 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
                              f"in {settings['model_path']} changed since its cells were measured (fingerprint "
                              f"{old['weights'][:19]}... -> {str(weights)[:19]}...). Use another --out, "
                              f"or delete {out}.")
-        if old["fingerprint"] != fp:
+        # the settings the stamp records (its own fingerprint was of the raw ones, which named its checkout's folders)
+        if (fingerprint(old["settings"]) if old.get("settings") else old["fingerprint"]) != fp:
             raise ValueError(f"{out} holds a sweep with other settings (model, metadata, model_args, limit, batch "
                              f"size or task folder differ). Use another --out, or delete {out}.")
         why = layout_mismatch(old.get("settings") or {}, settings)
