@@ -441,7 +441,8 @@ SWEEP_CELL = Kind(
     "a sweep cell", fix="Delete the file: the next run of the same `rope-patch sweep` command evaluates "
                         "that cell again.",
     spec=Obj({"task": Str(), "metrics": Map()}, {"n_samples": Opt(Int(ge=0)), "by_depth": Map(), "run_elapsed_s":
-                                                  Opt(Num(ge=0)), "run_id": Str(), "fingerprint": Str()},
+                                                  Opt(Num(ge=0)), "run_id": Str(), "fingerprint": Str(),
+                                                  "commit": Opt(Str())},
              name="a sweep cell"),
 )
 

@@ -66,6 +66,12 @@ def test_sweep_aggregates_and_resumes(assets, tmp_path, monkeypatch):
         S.sweep(sweep_args(assets, out), log=lambda m: None)
     assert calls == []
     assert json.loads((out / "sweep.json").read_text())["machine"] == machine
+    # each cell, and each scheme of sweep.json, records the commit that measured it (this checkout's)
+    from rope_patch.evaluation.common import source_commit
+
+    summary = json.loads((out / "sweep.json").read_text())
+    assert [s["commit"] for s in summary["schemes"]] == [source_commit()] * 2
+    assert all(json.loads(p.read_text())["commit"] == source_commit() for p in out.glob("schemes/*/cells/*.json"))
     # a sweep folder made by another checkout (its raw paths, hence its stamp's fingerprint, differ; the settings it
     # records are the same) resumes too
     stamp = out / "sweep_settings.json"

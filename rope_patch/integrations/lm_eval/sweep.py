@@ -42,7 +42,8 @@ cells, each run once (`time_spent`), so a resumed sweep keeps them, their `total
 threads and load of the newest run that made a cell), `sweep.md` (scheme x task table of each task's main metric), and,
 when the suite has `rope_ppl` / `rope_passkey` cells, the compare-format files `compare.json/.csv/.md`,
 `perplexity.png`, `passkey.png` (redraw with `rope-patch plot results`). Paths inside the home directory are written
-`~/...` (files.portable).
+`~/...` (files.portable). Each cell records the rope_patch commit that measured it (`commit`, as compare's
+`schemes[].commit`), and each scheme of `sweep.json` the commit of its newest cell.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from ... import plots as figures
 from ... import schema
 from ... import zoo as models
 from ...api import as_scheme
+from ...evaluation.common import source_commit
 from ...evaluation.compare import AS_LOADED, parse_schemes
 from ...evaluation.compare import FORMAT as COMPARE_FORMAT
 from ...evaluation.loading import patch_label
@@ -583,7 +585,7 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
                 if t in missing:
                     # the run's wall time travels with its cells, so a resumed sweep still reports what it cost
                     cell = {**cell, "scheme": sch["spec"], "fingerprint": fp, "run_id": run_id,
-                            "run_elapsed_s": elapsed, "run_machine": _machine()}
+                            "run_elapsed_s": elapsed, "run_machine": _machine(), "commit": source_commit()}
                     tmp = cdir / f".{t}.json.tmp"
                     tmp.write_text(json.dumps(cell, indent=1, default=str) + "\n")
                     os.replace(tmp, cdir / f"{t}.json")
@@ -593,7 +595,9 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
             log(f"[{sch['spec']}] all {len(tasks)} cells done: skipped")
         if (spent := time_spent(done)) is not None:
             state["elapsed_s"][sch["spec"]] = spent
-        state["schemes"].append({**sch, "cells": done})
+        # the rope_patch commit that measured the scheme's newest cell (None: before cells recorded it, or a wheel)
+        newest = max(done.values(), key=lambda c: str(c.get("run_id", "")), default={})
+        state["schemes"].append({**sch, "commit": newest.get("commit"), "cells": done})
     state["elapsed_s"]["wall"] = round(time.perf_counter() - t_all, 2)  # this call's, resumed cells cost nothing here
     state["elapsed_s"]["total"] = round(sum(v for k, v in state["elapsed_s"].items() if k != "wall"), 2)
     state["paths"] = write_outputs(state, out, plots=not args.no_plots)
