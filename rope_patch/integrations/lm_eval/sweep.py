@@ -559,6 +559,7 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
     if on_start is not None:
         on_start(out)
     tasks = settings["tasks"]
+    commit = source_commit()  # the code that measures this call's cells (git, once per call, not per cell)
     state = {"settings": settings, "schemes": [], "elapsed_s": {}}
     t_all = time.perf_counter()
     for sch in p["schemes"]:
@@ -585,7 +586,7 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
                 if t in missing:
                     # the run's wall time travels with its cells, so a resumed sweep still reports what it cost
                     cell = {**cell, "scheme": sch["spec"], "fingerprint": fp, "run_id": run_id,
-                            "run_elapsed_s": elapsed, "run_machine": _machine(), "commit": source_commit()}
+                            "run_elapsed_s": elapsed, "run_machine": _machine(), "commit": commit}
                     tmp = cdir / f".{t}.json.tmp"
                     tmp.write_text(json.dumps(cell, indent=1, default=str) + "\n")
                     os.replace(tmp, cdir / f"{t}.json")
