@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, flex_attention_mask
 
 from .. import resources
 from .._version import __version__
@@ -57,6 +58,14 @@ def windowed_from(model, length: int):
     """The context a forward of `length` tokens runs in: from WINDOWED_FROM on, a hybrid model's sliding layers over
     their window only (attention.windowed: no L × L mask), else the model as it is."""
     return maybe_windowed(model) if length >= WINDOWED_FROM else contextlib.nullcontext(model)
+
+
+def square_masks(model) -> bool:
+    """Whether a padded batch hands `model`'s layers a (b, 1, q, k) mask: under every attention implementation whose
+    mask function is not flash's (a 2-D padding mask) or flex's (a block mask), rope_patch's stand-ins included. At
+    64k that is 4 GB of bool per row, and sdpa's float copy of it 17 GB."""
+    mask = AttentionMaskInterface._global_mapping.get(model.config._attn_implementation)
+    return mask not in (flash_attention_mask, flex_attention_mask)
 
 
 def versions() -> dict:

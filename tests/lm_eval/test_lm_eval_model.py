@@ -183,7 +183,68 @@ def test_lm_evals_own_paths_run_a_hybrid_models_sliding_layers_windowed(assets, 
     assert set(seen) == {own}
     monkeypatch.setattr(common, "WINDOWED_FROM", 64)
     windowed_tokens, windowed_logits, windowed_ll = run()
-    assert len(seen) == 8 and all(s.startswith("rope_patch_windowed") for s in seen)  # 6 generate, 1 call, 1 rolling
+    # the padded batch generates a row at a time (2 × 6 forwards), then 1 call and 1 rolling
+    assert len(seen) == 14 and all(s.startswith("rope_patch_windowed") for s in seen)
     assert torch.equal(windowed_tokens, tokens) and model.config._attn_implementation == own
     torch.testing.assert_close(windowed_logits, logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(windowed_ll, ll, atol=1e-4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("implementation,square", [("eager", True), ("sdpa", True), ("rope_patch_windowed", True),
+                                                   ("rope_patch_blocked", True), ("rope_patch_dense", True),
+                                                   ("flash_attention_2", False), ("flex_attention", False),
+                                                   ("rope_patch_fa2", False), ("rope_patch_flex", False)])
+def test_square_masks_reads_the_implementations_mask_function(implementation, square):
+    from types import SimpleNamespace
+
+    from rope_patch.attention import register
+    from rope_patch.attention.windowed import register as register_windowed
+    from rope_patch.evaluation import common
+
+    register()
+    register_windowed()
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation))
+    assert common.square_masks(model) is square
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_batch_of_long_prompts_generates_a_row_at_a_time(assets, monkeypatch, side):
+    """From WINDOWED_FROM on, a left-padded batch (lm-eval's batches of text prompts of different lengths) is generated
+    one prompt at a time without its padding, since padding hands every layer a (b, 1, L, L) mask: the same greedy
+    tokens, the rows left-padded as they went in and right-padded where one stopped sooner. Padding elsewhere than on
+    the left runs as a batch."""
+    from rope_patch.evaluation import common
+
+    lm = make(assets)
+    model = lm.model
+    pad_id, eos = lm.tokenizer.pad_token_id, lm.tokenizer.eos_token_id
+    ids = torch.randint(3, len(lm.tokenizer), (3, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    for row, pads in ((1, 7), (2, 5)):
+        mask[row, slice(0, pads) if side == "left" else slice(40 - pads, 40)] = 0
+    ids = ids.masked_fill(mask == 0, pad_id)
+    masks: list = []
+    decoder = type(model.get_decoder())
+    forward = decoder.forward
+    monkeypatch.setattr(decoder, "forward", lambda m, *a, **k: masks.append(
+        (k["input_ids"].shape[0], k.get("attention_mask"))) or forward(m, *a, **k))
+
+    def generate():
+        masks.clear()
+        return lm._model_generate(ids.clone(), 40 + 5, [], attention_mask=mask.clone(), do_sample=False)
+
+    batch = generate()
+    assert [b for b, _ in masks] == [3] * 5
+    monkeypatch.setattr(common, "WINDOWED_FROM", 32)
+    rows = generate()
+    if side == "right":
+        assert [b for b, _ in masks] == [3] * 5 and torch.equal(rows, batch)
+        return
+    # one row at a time, none padded (a row stops at its end-of-sequence token)
+    assert len(masks) > 5 and all(b == 1 and (m is None or bool(m.all())) for b, m in masks)
+    assert torch.equal(rows, batch) and rows.shape == (3, 45)
+    # a row that stops sooner (its end-of-sequence token) is right-padded, as generate pads a finished row
+    monkeypatch.setattr(model.generation_config, "eos_token_id", int(batch[1, 40]))
+    early = generate()
+    assert early.shape == (3, 45) and torch.equal(early[1, 41:], torch.full((4,), pad_id))
+    assert torch.equal(early[:, :41], batch[:, :41]) and eos is not None

@@ -313,10 +313,29 @@ class RopePatchLM(HFLM):
             return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        mask = generation_kwargs.get("attention_mask")
+        pads = None if mask is None else (mask == 0).sum(-1)
+        left = pads is not None and bool(pads.any()) and torch.equal(  # some row padded, every row on its left
+            mask.bool(), torch.arange(mask.shape[1], device=mask.device) >= pads[:, None])
+        if left and context.shape[1] >= common.WINDOWED_FROM and common.square_masks(self.model):
+            return self._generate_rows(context, max_length, stop, pads.tolist(), generation_kwargs)
         # a long prompt of a hybrid model: its sliding layers over their window only, where transformers' sdpa path
         # builds an L x L mask and a float copy of it (about 21 GB at 64k)
         with common.windowed_from(self.model, context.shape[1]):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def _generate_rows(self, context, max_length, stop, pads: list[int], generation_kwargs):
+        """A left-padded batch of long prompts, one prompt at a time without its padding: with padding every layer
+        gets a (b, 1, L, L) mask (`common.square_masks`; windowed sliding layers too, transformers' mask sliced per
+        block). The rows come back as generate returns a batch: left-padded as they went in, and right-padded with
+        the pad token where a row stopped sooner. Greedy decoding gives the batch's tokens."""
+        rows = []
+        for ids, pad in zip(context, pads, strict=True):
+            row = dict(generation_kwargs, attention_mask=torch.ones_like(ids[None, pad:]))
+            rows.append(torch.cat([ids[:pad], self._model_generate(ids[None, pad:], max_length - pad, stop, **row)[0]]))
+        width = max(len(r) for r in rows)
+        return torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=self.tokenizer.pad_token_id)
+                            for r in rows])
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         results: list = [None] * len(requests)
