@@ -365,10 +365,15 @@ def _in_effect(root: nn.Module, path: str, recorded: nn.Module) -> nn.Module:
     except AttributeError:
         return recorded
     if hasattr(live, "modules_to_save") and hasattr(live, "original_module"):  # peft ModulesToSaveWrapper
-        if getattr(live, "disable_adapters", False) or not hasattr(live, "unload_and_optionally_merge_module"):
+        # the module its forward runs: the first active adapter's copy, else (adapters disabled, or an active adapter
+        # without a copy here) the original. Not `unload_and_optionally_merge_module(merge=False)`, which returned
+        # the copy up to peft 0.21 and returns the original from 0.22 on.
+        active = list(getattr(live, "active_adapters", None) or [])
+        copies = live.modules_to_save
+        if getattr(live, "disable_adapters", False) or not active or any(a not in copies for a in active):
             live = live.original_module
-        else:  # peft's own choice of the module in effect (the active adapter's copy, else the original)
-            live = live.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
+        else:
+            live = copies[active[0]]
     return live if set(live.state_dict()) == set(recorded.state_dict()) else recorded
 
 
@@ -393,7 +398,42 @@ def patched(model: M, scheme: SchemeLike = "default", **params: Any) -> Iterator
     try:
         yield model
     finally:
-        remove(model)
-        if before is not None:
-            before.redo()
-            _attach(find_target(model), before)
+        _restore(model, before)
+
+
+def _restore(model: nn.Module, before: PatchState | None) -> None:
+    """Take a temporary patch off (`_apply(temporary=True)`) and put back the patch the model carried before it."""
+    remove(model)
+    if before is not None:
+        before.redo()
+        _attach(find_target(model), before)
+
+
+def refusal(model: nn.Module, scheme: SchemeLike, *, check: bool = True) -> ValueError | TypeError | None:
+    """What `apply(model, scheme, check=check)` says of `scheme` on this model, without keeping the patch: the error it
+    raises, or None where it accepts the scheme.
+
+    The scheme is applied for a moment and taken off again: every apply-time check runs as in `apply`, the
+    attention-side schemes' side-by-side check included (its verdict on a scheme that holds is kept for the process,
+    so a later `apply` of the scheme does not run it again). Many refusals come before the model is touched (the
+    scheme's `prepare`); the ones apply can only find on the installed patch (the patched rotary's first call, the
+    side-by-side check) need the moment on the model. The model is left bit for bit as it was (`remove`'s guarantee),
+    a patch it carried back in place with its learned tables. Warnings of the moment are not shown (`apply` shows them).
+
+    Args:
+        model: as for `apply`.
+        scheme: as for `apply` (a name, a spec string, a `Scheme`, a list of them).
+        check: as for `apply`: False skips the side-by-side check.
+
+    Returns:
+        The ValueError or TypeError `apply` would raise, or None.
+    """
+    before = patch_state(find_target(model))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _apply(model, as_scheme(scheme), temporary=True, check=check)
+    except (ValueError, TypeError) as err:  # apply's refusals: the model is as it was (apply's guarantee)
+        return err
+    _restore(model, before)
+    return None

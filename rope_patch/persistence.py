@@ -380,11 +380,15 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
         src = base_model if base_model is not None else recorded
         if src is None:
             raise ValueError(f"{path} holds an adapter without a recorded base model: pass base_model=.")
-        model = PeftModel.from_pretrained(load_base(src), path)
+        base = load_base(src)
+        if manifest and manifest["scheme"]:  # before peft: the tables it keeps a trained copy of (modules_to_save)
+            reapply_manifest(base, manifest, path / MANIFEST)  # must exist when it loads the adapter, as in training
+        model = PeftModel.from_pretrained(base, path)
     else:
         model = load_base(str(path))
+        if manifest and manifest["scheme"]:
+            reapply_manifest(model, manifest, path / MANIFEST)
     if manifest and manifest["scheme"]:
-        reapply_manifest(model, manifest, path / MANIFEST)
         load_patch_weights(model, manifest, path)
     return model
 
