@@ -73,6 +73,7 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
     # per layer type; a layer type whose entry is None uses no RoPE (Beam, Cohere Compass) and keeps its None
     public = {lt: params.get(lt) for lt in target.config.rope_parameters} if layered else params[None]
     any_ctx = contexts[chosen[0]]
+    _check_derived_base(scheme, model_site, target, {lt: params[lt] for lt in chosen}, contexts)
     if layered and _OLD_LONGROPE and any(p["rope_type"] == "longrope" for p in params.values()):
         raise ValueError(
             f"{scheme.name}: transformers {transformers.__version__}'s longrope update fails on a model with RoPE "
@@ -189,6 +190,33 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
             _check_resonance(scheme, model_site, rot, list(wavelengths))
 
     return install
+
+
+def _check_derived_base(scheme: FrequencyScheme, model_site: PatchSite, target: PatchSite, params: dict,
+                        contexts: dict) -> None:
+    """A rotary module built from a config that the model's code derives for it at init (a copy outside the model's
+    config tree: Granite-SWA's one rotary per base of its per-layer base list, each from a copy of the config with
+    that rope_theta) gets its base from the model's code, not from the rope_parameters a patch writes and a save
+    keeps: a model configured natively with the patched rope_parameters gives that rotary the model's own base again,
+    so a new base there has no native form, and the model's code may read the base back from the rotary's config
+    (Granite-SWA looks its rotaries up by it at every forward: a KeyError at the first forward). Refused: the schemes
+    that keep each rotary's base reach it as a natively configured model does."""
+    built_from = vars(target.rotary).get("config")
+    if built_from is None or _in_tree(built_from, model_site.config):
+        return
+    for lt, entry in params.items():
+        own, new = contexts[lt].rope_theta, float(entry["rope_theta"])
+        if new == own:
+            continue
+        where = f" for its {lt} layers" if lt else ""
+        raise ValueError(
+            f"{scheme.name}: changes the RoPE base (rope_theta {own:g} -> {new:g}), and {model_site.model_type}'s "
+            f"{type(target.rotary).__name__}{where} is built from a config the model's code derives for it at init "
+            f"(with its own rope_theta {own:g}), not from the rope_parameters a patch writes: a model configured "
+            "natively with the patched rope_parameters keeps that rotary's base, so the change has no native form, "
+            "and the model's code may look the rotary up by its base. Use a scheme that keeps each rotary's base "
+            "(linear, yarn, dynamic, dynamic_yarn, llama3, longrope, p_rope; without rope_theta=), not default with "
+            "rope_theta= or ntk.")
 
 
 def _computed(scheme: FrequencyScheme, target: PatchSite, layer_type, rope_type: str, fn, /, *args,

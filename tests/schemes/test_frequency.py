@@ -458,6 +458,14 @@ REFUSED_AT_APPLY = [
     # a heterogeneous config (per-layer head_dim) answers through its layer type's view, then the width refuses
     ("gemma4", "dynamic_yarn:factor=4,beta_fast=2",
      r"dynamic_yarn: gemma4_text's rotary module for its full_attention layers \('proportional'\) gives 16"),
+    # Granite-SWA builds one rotary per base of its per-layer base list (layer_rope_theta), each from a copy of the
+    # config with that rope_theta, and looks them up by that base at every forward: a new base has no native form
+    # there (the rope_parameters' rope_theta never reaches those rotaries); before, a KeyError at the first forward
+    *((folder, spec, rf"{spec.split(':')[0]}: changes the RoPE base \(rope_theta 10000 -> .*\), and {folder}'s "
+                     r"\w+RotaryEmbedding is built from a config the model's code derives for it .* Use a scheme that "
+                     r"keeps each rotary's base")
+      for folder in ("granite_swa", "granitemoe_swa")
+      for spec in ("ntk:factor=4", "default:rope_theta=50000", "yarn:factor=4,rope_theta=50000")),
 ]
 # a folder the installed transformers lacks (helpers.models.NEWER_FOLDERS: lfm3 from 5.23) is not collected
 REFUSED_AT_APPLY = [row for row in REFUSED_AT_APPLY if row[0] not in absent_folders()]
@@ -474,6 +482,29 @@ def test_refused_at_apply_with_the_model_untouched(folder, spec, phrase):
     assert rope_patch.current(model) is None and model.config.to_dict() == config
     assert buffers.keys() == dict(model.named_buffers()).keys()
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert torch.equal(logits(model, ids), before)
+
+
+# ---- models with several rotary modules -----------------------------------------------------------------------------
+# Granite-SWA's rotaries, one per base of its per-layer base list (0: a layer without RoPE): every scheme that keeps
+# the bases (a new base is refused above) against the model transformers builds from the patched rope_parameters
+PER_BASE = dict(num_hidden_layers=3, layer_rope_theta=[10_000.0, 0, 500_000.0])
+PER_BASE_CASES = [(f, s, p, w) for f in ("granite_swa", "granitemoe_swa") if f not in absent_folders()
+                  for s, p, w in NATIVE if s != "default"]
+
+
+@pytest.mark.parametrize("folder,scheme,params,native_window", PER_BASE_CASES,
+                         ids=[f"{f}-{s}-{i}" for i, (f, s, _, _) in enumerate(PER_BASE_CASES)])
+def test_rotaries_per_base_match_native_transformers(folder, scheme, params, native_window):
+    model = tiny_model(folder, **PER_BASE)
+    ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(12))
+    before = logits(model, ids)
+    rope_patch.apply(model, scheme, **params)
+    got = logits(model, ids)
+    twin = native_twin(model, model.config.rope_parameters, native_window or model.config.max_position_embeddings)
+    assert (got - logits(twin, ids)).abs().max().item() <= 1e-5
+    assert (got - before).abs().max().item() > 1e-3  # the scheme reached the rotaries the layers use
+    rope_patch.remove(model)
     assert torch.equal(logits(model, ids), before)
 
 
