@@ -98,6 +98,28 @@ class PatchedRotaryForward:
         return {name: self.rotary._buffers.get(name) for name in self.masters}
 
 
+class ForwardLength:
+    """The sequence length ℓ = max(position_ids) + 1 of the current forward, shared by the length updates of one
+    model's rotary modules. The rotaries that rotate the tokens at the position ids the model was handed (the
+    decoder's, called before its layers) record it; those that rotate memory entries at positions of their own making
+    (DeepSeek-V4's compressor and indexer: entry w at w·m, the first token of its block, so their largest position is
+    not the sequence's) read it. So one forward has one ℓ, hence one scale, on every rotary of the model, as a model
+    configured natively with that scale has. A module-level class holding one number: the updates that share it
+    deep-copy and pickle with the model, still sharing it."""
+
+    def __init__(self):
+        self.length: int | None = None  # None: no token rotary has run yet (a follower measures its own positions)
+
+    def measured(self, position_ids: torch.Tensor, follows: bool) -> int:
+        """ℓ for one call: a token rotary's own (recorded), a memory rotary's the recorded one."""
+        own = int(position_ids.max()) + 1
+        if not follows:
+            self.length = own
+        elif self.length is not None:
+            return self.length
+        return own
+
+
 RESONANCE = "rope_patch_resonance"  # the rotary module's attribute holding its `Resonance` (set through the undo log)
 
 

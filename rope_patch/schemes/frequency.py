@@ -28,6 +28,7 @@ from .. import discovery
 from .. import validation as check
 from ..discovery import PatchSite, RopeContext
 from ..registry import register_scheme
+from ..rotary import ForwardLength
 from ..undo import UndoLog  # noqa: F401 (tests patch the undo log the install writes through, by this name)
 from . import rotary_install
 from .base import InstallStep, Scheme, Suggestion, extension_ratio, plain_number
@@ -500,9 +501,19 @@ def yarn_beta_fast(window: int) -> float:
 
 class LengthUpdate:
     """The per-forward step of a length-dependent scheme (`PatchedRotaryForward.update`). `start[layer_type]` holds
-    the (inv_freq fp32, attention_scaling) installed at apply time."""
+    the (inv_freq fp32, attention_scaling) installed at apply time. On a model whose attention layers hold memory
+    rotaries (`attention.memory_rotaries`), the updates of all its rotary modules share one `rotary.ForwardLength`
+    (`shared`): the token rotaries record ℓ, the memory rotaries (`follows`) use it (rotary_install.prepare)."""
 
     start: dict
+    shared: ForwardLength | None = None  # None: ℓ is measured from each call's own position ids
+    follows: bool = False  # a memory rotary: ℓ is the forward's, recorded by the token rotaries
+
+    def length(self, position_ids: torch.Tensor) -> int:
+        """ℓ of the current forward, for a call at `position_ids`."""
+        if self.shared is None:
+            return int(position_ids.max()) + 1
+        return self.shared.measured(position_ids, self.follows)
 
     def __call__(self, rotary, x, position_ids, layer_type=None) -> None:
         raise NotImplementedError
@@ -528,8 +539,9 @@ class YarnLengthUpdate(LengthUpdate):
         self.cache: dict = {}  # (s, layer type) -> (inv_freq fp32 on CPU, attention_scaling)
         self.installed: dict = {}  # layer type -> (s, the tensor put on the rotary module)
 
-    def scale(self, position_ids: torch.Tensor) -> float:
-        length = int(position_ids.max()) + 1
+    def scale(self, position_ids: torch.Tensor, length: int | None = None) -> float:
+        """s for a forward over `position_ids` (or of the sequence length `length`, where given)."""
+        length = int(position_ids.max()) + 1 if length is None else length
         return min(self.cap, max(1.0, length / self.window))
 
     def frequencies(self, s: float, layer_type=None) -> tuple[torch.Tensor, float]:
@@ -549,7 +561,7 @@ class YarnLengthUpdate(LengthUpdate):
         return self.cache[key]
 
     def __call__(self, rotary, x, position_ids, layer_type=None) -> None:
-        s = self.scale(position_ids)
+        s = self.scale(position_ids, self.length(position_ids))
         prefix = "" if layer_type is None else f"{layer_type}_"
         live = rotary._buffers[f"{prefix}inv_freq"]
         done = self.installed.get(layer_type)
@@ -573,7 +585,10 @@ class DynamicYarn(Yarn):
     YaRN's, validated as for `yarn`. For ℓ ≤ L the model runs unscaled RoPE (at `rope_theta`, default the model's),
     bit for bit, also with an `attention_factor` given (it applies once s > 1); at a fixed ℓ > L it is static YaRN
     with factor s(ℓ), computed by transformers' own `ROPE_INIT_FUNCTIONS["yarn"]` (rope_patch/rotary.py: the
-    patched rotary forward runs a `YarnLengthUpdate` before each forward).
+    patched rotary forward runs a `YarnLengthUpdate` before each forward). One s per forward on every rotary module:
+    those that rotate memory entries at positions of their own making (DeepSeek-V4's compressor and indexer) take ℓ
+    from the rotaries that rotate the tokens (`rotary.ForwardLength`); rotaries of separate transformers inside the
+    model (Blt's, whose global one numbers patches) are refused.
 
     transformers has no such rope type, so there is no native `rope_parameters` form: `to_rope_parameters` refuses,
     a plain save_pretrained keeps the unpatched config (the unpatched model), `rope_patch.save_pretrained` records it.

@@ -20,10 +20,10 @@ import transformers
 from packaging.version import Version
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .. import discovery
+from .. import attention, discovery
 from ..discovery import PatchSite, RopeContext
 from ..registry import did_you_mean
-from ..rotary import RESONANCE, PatchedRotaryForward, Resonance, TableGrowth, angle_forward
+from ..rotary import RESONANCE, ForwardLength, PatchedRotaryForward, Resonance, TableGrowth, angle_forward
 from ..undo import UndoLog
 from .base import InstallStep
 from .cached import prepare as _prepare_consistent
@@ -50,7 +50,14 @@ def prepare(scheme: FrequencyScheme, target: PatchSite) -> InstallStep:
             f"{scheme.name}: cache_rotation='consistent' re-rotates cached keys inside attention with the model's one "
             f"rotary module; {target.model_type} has {len(target.rotaries)} rotary modules. Use the default "
             "cache_rotation='native'.")
-    installs = [_prepare_site(scheme, target, target.site(r), primary=r is target.rotary)
+    # Memory rotaries (held by a part of an attention layer: DeepSeek-V4's compressor and indexer) rotate entries at
+    # positions of their own making, whose largest is not the sequence's: a scheme whose frequencies follow the
+    # sequence length (dynamic_yarn) takes ℓ there from the rotaries that rotate the tokens (rotary.ForwardLength)
+    memory = {id(r) for m in attention_modules(target.model) for r in attention.memory_rotaries(m)}
+    shared = ForwardLength()
+    unshared = _unshared_length(target, memory)
+    installs = [_prepare_site(scheme, target, target.site(r), primary=r is target.rotary, shared=shared,
+                              follows=id(r) in memory, unshared=unshared)
                 for r in target.rotaries]
 
     def install(log: UndoLog) -> None:
@@ -60,10 +67,33 @@ def prepare(scheme: FrequencyScheme, target: PatchSite) -> InstallStep:
     return install
 
 
-def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchSite, primary: bool) -> InstallStep:
+def _unshared_length(target: PatchSite, memory: set) -> str | None:
+    """Why the rotaries of the model cannot be shown to run one sequence length ℓ per forward (None: they can): no
+    rotary rotates the tokens (all are memory rotaries, `memory`), or the token rotaries are built from different
+    sub-configs of the model's config, i.e. belong to separate transformers inside the model, which may number other
+    sequences (Blt's global transformer numbers patches, its local encoder and decoder bytes)."""
+    tokens = [r for r in target.rotaries if id(r) not in memory]
+    if not tokens:
+        return (f"every rotary module of {target.model_type} rotates memory entries at positions of its own making "
+                "(inside an attention layer), none the tokens at their position ids, so no rotary measures ℓ")
+    subs = {id(c): type(c).__name__ for r in tokens if (c := vars(r).get("config")) is not None
+            and c is not target.config and _in_tree(c, target.config)}
+    if len(tokens) > 1 and subs:
+        return (f"{target.model_type}'s rotary modules are built from sub-configs of its config "
+                f"({', '.join(sorted(subs.values()))}): separate transformers inside the model, which may number other "
+                "sequences than the tokens (Blt's global transformer numbers patches), so one ℓ per forward cannot be "
+                "shown")
+    return None
+
+
+def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchSite, primary: bool,
+                  shared: ForwardLength | None = None, follows: bool = False,
+                  unshared: str | None = None) -> InstallStep:
     """One rotary module (`target`: its site, `model_site`: the model's). The primary one also writes the model's
     config and the attention scales; a rotary built from a sub-config of the model's (Blt) writes that
-    sub-config; one built from a config derived for it (Granite-SWA's per-theta copies) only its own copy."""
+    sub-config; one built from a config derived for it (Granite-SWA's per-theta copies) only its own copy. A scheme's
+    length update reads ℓ through `shared`, the model's one `rotary.ForwardLength` (`follows`: a memory rotary, which
+    reads the ℓ the token rotaries record); `unshared`: why no ℓ can be shared (`_unshared_length`)."""
     contexts = target.contexts()
     layered = target.layer_types != [None]
     # the layer types the scheme applies to (all but those `layer_types` leaves, whose entry stays the model's own)
@@ -115,6 +145,12 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
     device = next(iter(target.rotary.buffers())).device
     buffers, scalings, wavelengths = {}, {}, {}
     update = scheme.rotary_update(target, rotary_config)
+    if update is not None and unshared is not None:
+        raise ValueError(
+            f"{scheme.name}: its frequencies follow the sequence length ℓ of each forward, one scale for every rotary "
+            f"module of the model, and {unshared}. Use the static yarn with factor = N/L for your length N.")
+    if update is not None and shared is not None:
+        update.shared, update.follows = shared, follows
     # cache_rotation="consistent" (dynamic, dynamic_yarn, longrope): keys cached un-rotated, rotated in attention
     consistent = _prepare_consistent(scheme.name, model_site) if getattr(scheme, "cache_rotation", None) else None
     for lt, ctx in contexts.items():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import transformers
-from helpers.models import ARCHS, PARTIAL, PHI3_ONLY, WINDOW, absent_folders, logits, native_twin, tiny_model
+from helpers.models import ARCHS, INPUTS, PARTIAL, PHI3_ONLY, WINDOW, absent_folders, logits, native_twin, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_older_transformers import OLD, REFUSED_BEFORE_5_21
@@ -466,6 +466,10 @@ REFUSED_AT_APPLY = [
                      r"keeps each rotary's base")
       for folder in ("granite_swa", "granitemoe_swa")
       for spec in ("ntk:factor=4", "default:rope_theta=50000", "yarn:factor=4,rope_theta=50000")),
+    # dynamic_yarn runs one s per forward on every rotary, from the tokens' positions: Blt's rotaries belong to separate
+    # transformers (sub-configs), its global one numbering patches, not bytes (before: yarn ×s of another length there)
+    ("blt", "dynamic_yarn:factor=4", r"dynamic_yarn: .* one scale for every rotary module of the model, and blt's "
+                                     r"rotary modules are built from sub-configs of its config \(Blt\w+Config, "),
 ]
 # a folder the installed transformers lacks (helpers.models.NEWER_FOLDERS: lfm3 from 5.23) is not collected
 REFUSED_AT_APPLY = [row for row in REFUSED_AT_APPLY if row[0] not in absent_folders()]
@@ -475,14 +479,15 @@ REFUSED_AT_APPLY = [row for row in REFUSED_AT_APPLY if row[0] not in absent_fold
 def test_refused_at_apply_with_the_model_untouched(folder, spec, phrase):
     model = tiny_model(folder)
     ids = torch.randint(3, 97, (1, 3 * L), generator=torch.Generator().manual_seed(9))  # past the window
-    before, config = logits(model, ids), model.config.to_dict()
+    kw = INPUTS.get(folder, {})
+    before, config = logits(model, ids, **kw), model.config.to_dict()
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     with pytest.raises(ValueError, match=phrase):
         rope_patch.apply(model, spec)
     assert rope_patch.current(model) is None and model.config.to_dict() == config
     assert buffers.keys() == dict(model.named_buffers()).keys()
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
-    assert torch.equal(logits(model, ids), before)
+    assert torch.equal(logits(model, ids, **kw), before)
 
 
 # ---- models with several rotary modules -----------------------------------------------------------------------------
@@ -506,6 +511,53 @@ def test_rotaries_per_base_match_native_transformers(folder, scheme, params, nat
     assert (got - before).abs().max().item() > 1e-3  # the scheme reached the rotaries the layers use
     rope_patch.remove(model)
     assert torch.equal(logits(model, ids), before)
+
+
+# dynamic_yarn at length ℓ is yarn ×s(ℓ) on every rotary of the model: also where the attention layers hold rotaries of
+# their own that rotate memory entries at positions of their making (DeepSeek-V4's compressor and indexer: entry w at
+# w·m), whose largest position is not ℓ. Before, each of those measured its own ℓ and ran another s (inexact).
+_V4_HALF = {lt: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.5}
+            for lt, theta in (("main", 10_000.0), ("compress", 160_000.0))}
+DYNAMIC_YARN_EVERY_ROTARY = [
+    ("deepseek_v4", {}),  # one rotated pair per head (partial 0.125 of 16)
+    ("deepseek_v4", dict(rope_parameters=_V4_HALF)),  # four pairs
+    ("granite_swa", PER_BASE),  # one rotary per base, all rotating the tokens
+]
+
+
+@pytest.mark.parametrize("folder,overrides", DYNAMIC_YARN_EVERY_ROTARY,
+                         ids=[f"{f}-{i}" for i, (f, _) in enumerate(DYNAMIC_YARN_EVERY_ROTARY)])
+def test_dynamic_yarn_is_static_yarn_of_the_forwards_length_on_every_rotary(folder, overrides):
+    model = tiny_model(folder, **overrides)
+    ids = torch.randint(3, 97, (1, 5 * L), generator=torch.Generator().manual_seed(13))
+    vanilla = logits(model, ids[:, :L])
+    unpatched = dict(model.config.rope_parameters)
+    rope_patch.apply(model, "dynamic_yarn", factor=4.0)
+    assert torch.equal(logits(model, ids[:, :L]), vanilla)  # ℓ ≤ L: s = 1 everywhere, bit for bit
+    for n, s in ((3 * L, 3.0), (L + 8, (L + 8) / L), (5 * L, 4.0)):  # s = ℓ/L, capped at factor
+        yarn = {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L}
+        native = ({lt: {**entry, **yarn} for lt, entry in unpatched.items()} if "main" in unpatched
+                  else {**unpatched, **yarn})
+        twin = native_twin(model, native, model.config.max_position_embeddings)
+        assert (logits(model, ids[:, :n]) - logits(twin, ids[:, :n])).abs().max().item() <= 1e-5, n
+    assert torch.equal(logits(model, ids[:, :L]), vanilla)  # back to s = 1 after longer inputs
+
+
+def test_dynamic_yarn_is_refused_where_no_rotary_rotates_the_tokens(monkeypatch):
+    """Were every rotary a memory one, none would measure ℓ from the tokens' positions and each would run an s of its
+    own: refused at apply, the model untouched (no such model ships: DeepSeek-V4 seen so)."""
+    from rope_patch.schemes import rotary_install
+
+    model = tiny_model("deepseek_v4")
+    every = rope_patch.discovery.find_target(model).rotaries
+    monkeypatch.setattr(rotary_install.attention, "memory_rotaries", lambda module: list(every))
+    before, config = logits(model, torch.ones(1, 3 * L, dtype=torch.long)), model.config.to_dict()
+    with pytest.raises(ValueError, match=r"dynamic_yarn: its frequencies follow the sequence length .* no rotary "
+                                         r"measures ℓ\. Use the static yarn"):
+        rope_patch.apply(model, "dynamic_yarn:4")
+    assert rope_patch.current(model) is None and model.config.to_dict() == config
+    assert torch.equal(logits(model, torch.ones(1, 3 * L, dtype=torch.long)), before)
+    rope_patch.apply(model, "yarn:4")  # a static scheme needs no ℓ
 
 
 def test_ntk_export_refuses_one_rotated_pair():
