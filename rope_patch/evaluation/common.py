@@ -133,6 +133,16 @@ def _head(model):
     return head
 
 
+def _logit_slices(model, hidden: torch.Tensor, start: int, end: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(a, logits [b, n, vocab] float32 of positions a … a + n − 1) over positions [start, end) of `hidden`
+    [b, T, hidden], LOGITS_BUDGET_BYTES of logits at a time."""
+    head = _head(model)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    step = max(1, LOGITS_BUDGET_BYTES // (4 * vocab * hidden.shape[0]))
+    for a in range(start, end, step):
+        yield a, head(hidden[:, a:min(a + step, end)])
+
+
 @torch.no_grad()
 def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Per-token negative log-likelihood [batch, T-1] of `input_ids` [batch, T] (position t predicts t+1).
@@ -140,19 +150,31 @@ def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
     The decoder runs once; the output projection and the loss run over slices of positions so that at most
     LOGITS_BUDGET_BYTES of logits exist at a time.
     """
-    decoder = model.get_decoder()
-    hidden = decoder(input_ids=input_ids).last_hidden_state  # [b, T, hidden]
-    head = _head(model)
+    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [b, T, hidden]
     b, t = input_ids.shape
-    vocab = model.get_output_embeddings().weight.shape[0]
-    step = max(1, LOGITS_BUDGET_BYTES // (4 * vocab * b))
     out = torch.empty(b, t - 1, dtype=torch.float32)
-    for start in range(0, t - 1, step):
-        end = min(start + step, t - 1)
-        logits = head(hidden[:, start:end])  # [b, n, vocab]
-        targets = input_ids[:, start + 1 : end + 1]
-        out[:, start:end] = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").cpu()
+    for a, logits in _logit_slices(model, hidden, 0, t - 1):
+        targets = input_ids[:, a + 1:a + 1 + logits.shape[1]]
+        out[:, a:a + logits.shape[1]] = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").cpu()
     return out
+
+
+@torch.no_grad()
+def continuation_loglikelihood(model, input_ids: torch.Tensor, continuation: list[int],
+                               softmax_dtype: torch.dtype | None = None) -> tuple[float, bool]:
+    """lm-eval's answer to a log-likelihood request: the sum of log p over `continuation`, the tokens the last
+    len(continuation) positions of `input_ids` [1, T] predict, and whether each is the greedy choice. The logits
+    exist LOGITS_BUDGET_BYTES at a time (lm-eval's own path holds all T × vocab: 69 GB at 64k for Gemma 3)."""
+    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
+    t, n = input_ids.shape[1], len(continuation)
+    targets = torch.tensor(continuation, device=hidden.device)[None]
+    total, greedy = 0.0, True
+    for a, logits in _logit_slices(model, hidden, t - n, t):
+        logp = F.log_softmax(logits, dim=-1, dtype=softmax_dtype)
+        want = targets[:, a - (t - n):a - (t - n) + logits.shape[1]]
+        total += float(logp.gather(-1, want[..., None]).sum())
+        greedy = greedy and bool((logp.argmax(-1) == want).all())
+    return total, greedy
 
 
 # ---- length-dependent RoPE --------------------------------------------------------------------------------------

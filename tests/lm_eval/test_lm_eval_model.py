@@ -248,3 +248,42 @@ def test_a_padded_batch_of_long_prompts_generates_a_row_at_a_time(assets, monkey
     early = generate()
     assert early.shape == (3, 45) and torch.equal(early[1, 41:], torch.full((4,), pad_id))
     assert torch.equal(early[:, :41], batch[:, :41]) and eos is not None
+
+
+def test_long_loglikelihood_requests_hold_a_slice_of_logits_at_a_time(assets, monkeypatch):
+    """From WINDOWED_FROM on, a log-likelihood request (a multiple-choice option, a rolling window of a text task)
+    runs one at a time with its logits a slice of positions at a time (`common.continuation_loglikelihood`): lm-eval's
+    own path holds T × vocab logits and their log-softmax. The answers (log p, greedy), their order and the cache
+    hook's entries are lm-eval's; shorter requests still take lm-eval's batched path."""
+    from types import SimpleNamespace
+
+    from rope_patch.evaluation import common
+
+    lm = make(assets, batch_size=2)
+    n = len(lm.tokenizer)
+    rows = torch.randint(3, n, (4, 60), generator=torch.Generator().manual_seed(6)).tolist()
+    greedy = lm._model_call(torch.tensor([rows[3][:40]]))[0, -1].argmax().item()
+    requests = [(("a", "b"), rows[0][:50], rows[0][50:55]), (("c", "d"), rows[1][:10], rows[1][10:12]),
+                ((None, None), [rows[2][0]], rows[2][1:60]), (("e", "f"), rows[3][:40], [greedy])]
+    text = lm.tokenizer.decode(rows[2], skip_special_tokens=True)
+    monkeypatch.setattr(common, "LOGITS_BUDGET_BYTES", 4 * n * 7)  # slices of 7 positions
+
+    def run():
+        calls, cached = [], []
+        monkeypatch.setattr(lm, "_model_call", lambda inps, **k: calls.append(inps.shape) or type(lm)._model_call(
+            lm, inps, **k))
+        monkeypatch.setattr(lm.cache_hook, "add_partial", lambda *a: cached.append(a))
+        answers = lm._loglikelihood_tokens(requests)
+        rolling = lm.loglikelihood_rolling([SimpleNamespace(args=(text,), doc={}, task_name="wikitext")])
+        return answers, rolling, calls, cached
+
+    answers, rolling, calls, cached = run()
+    monkeypatch.setattr(common, "WINDOWED_FROM", 32)
+    long_answers, long_rolling, long_calls, long_cached = run()
+    assert [g for _, g in long_answers] == [g for _, g in answers] and answers[3][1]
+    torch.testing.assert_close(torch.tensor([a for a, _ in long_answers]), torch.tensor([a for a, _ in answers]),
+                               atol=1e-4, rtol=1e-6)
+    torch.testing.assert_close(torch.tensor(long_rolling), torch.tensor(rolling), atol=1e-4, rtol=1e-6)
+    # every keyed request and the rolling document (lm-eval adds them in its own batch order)
+    assert sorted(repr(c[:2]) for c in long_cached) == sorted(repr(c[:2]) for c in cached) and len(cached) == 5
+    assert all(shape[1] < 32 for shape in long_calls) and max(shape[1] for shape in calls) >= 49

@@ -281,11 +281,32 @@ class RopePatchLM(HFLM):
         return ids
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
-        for _, context_enc, continuation_enc in requests:
+        long = {}  # request index -> its model input: from WINDOWED_FROM tokens on, one request at a time
+        for i, (_, context_enc, continuation_enc) in enumerate(requests):
             total = len(context_enc) + len(continuation_enc)
             if total > self.max_length + 1:
                 self._warn_long(total - 1, self.max_length, truncated=True)
-        return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+            if self.backend == "causal" and min(total, self.max_length + 1) - 1 >= common.WINDOWED_FROM:
+                long[i] = (context_enc + continuation_enc)[-(self.max_length + 1):-1]  # lm-eval's input
+        if not long:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        short = [i for i in range(len(requests)) if i not in long]
+        answers = dict(zip(short, super()._loglikelihood_tokens(
+            [requests[i] for i in short], disable_tqdm=disable_tqdm, override_bs=override_bs) if short else [],
+            strict=True))
+        for i, ids in long.items():
+            # lm-eval's answer with its logits a slice of positions at a time: its own path holds every position's
+            # (and their log-softmax), about 69 GB each at 64k for a 262k vocabulary
+            request, _, continuation_enc = requests[i]
+            inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
+            with common.windowed_from(self.model, len(ids)), torch.autocast(
+                    device_type=self.device.type, dtype=getattr(self, "mixed_precision_dtype", None),
+                    enabled=getattr(self, "mixed_precision_dtype", None) is not None):
+                answers[i] = common.continuation_loglikelihood(self.model, inputs, continuation_enc,
+                                                               getattr(self, "softmax_dtype", None))
+            if request is not None:  # as lm-eval's: rolling windows (no key) are cached per document instead
+                self.cache_hook.add_partial("loglikelihood", request, answers[i])
+        return [answers[i] for i in range(len(requests))]
 
     # ---- exact-token documents -------------------------------------------------------------------------------------
     def _exact_ids(self, req, key: str, text: str):
