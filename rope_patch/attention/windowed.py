@@ -128,7 +128,7 @@ def register() -> None:
         AttentionMaskInterface.register(name, windowed_mask)
 
 
-def _attention_modules(model):
+def attention_modules(model):
     """The modules that read the model's attention implementation: the ones with a `sliding_window` attribute or
     a layer type (every decoder attention module of the hybrid families)."""
     return [m for m in model.modules() if hasattr(m, "sliding_window") and hasattr(m, "config")]
@@ -146,7 +146,7 @@ def check(model) -> None:
                 else "a scheme that wraps the attention function (logn) or runs the dense path")
         raise ValueError(f"windowed(): the model's attention implementation is {impl!r}, expected one of "
                          f"{', '.join(SWITCH)} ({hint}). Evaluate it without windowed().")
-    sinks = [type(m).__name__ for m in _attention_modules(model) if getattr(m, "sinks", None) is not None]
+    sinks = [type(m).__name__ for m in attention_modules(model) if getattr(m, "sinks", None) is not None]
     if sinks:  # gpt-oss: a learned sink logit per head joins each softmax
         raise ValueError(f"windowed(): {sinks[0]} adds attention sinks, which the windowed functions do not run. "
                          "Evaluate it without windowed().")
@@ -177,7 +177,7 @@ def windowed(model):
 
 def sliding_layers(model) -> int:
     """How many attention modules of `model` attend within a sliding window (their `sliding_window` is set)."""
-    return sum(getattr(m, "sliding_window", None) is not None for m in _attention_modules(model))
+    return sum(getattr(m, "sliding_window", None) is not None for m in attention_modules(model))
 
 
 def maybe_windowed(model):
