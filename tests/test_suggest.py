@@ -11,6 +11,8 @@ from helpers.reference import logistic_groups
 from helpers.schemes import SCHEMES
 
 import rope_patch
+from rope_patch.api import refusal
+from rope_patch.registry import get_scheme_class
 from rope_patch.suggest import Suggestion, pretraining_window, specs_for_target, suggest
 
 FACTOR = [r.name for r in SCHEMES if r.suggest == "factor"]  # factor s = N/L
@@ -185,3 +187,142 @@ def test_compare_parser_takes_a_target():
     assert args.schemes == ["yarn", "alibi"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["compare", "--target", "4"])
+
+
+# ---- a model whose every RoPE layer is local (sliding RoPE layers, global layers without RoPE) ----------------------
+@pytest.mark.parametrize("arch,sliding,local", [
+    ("beam", 8, True),  # the RoPE layers slide within L; the full_attention layers have no RoPE
+    ("beam", 32, True),  # a window of exactly L still never meets a distance past L
+    ("beam", 33, False),  # a window past L: the RoPE layers meet distances past L, every scheme as on any model
+    ("cohere_compass", 8, True),
+    ("ergo", 8, True),
+])
+def test_a_model_whose_rope_layers_are_all_local_gets_no_frequency_scheme(arch, sliding, local):
+    model = tiny_model(arch, sliding_window=sliding)
+    ids = torch.randint(3, VOCAB, (1, 40))
+    before = logits(model, ids)
+    found = suggest(model, 128, check=False)
+    kinds = {s.scheme: get_scheme_class(s.scheme).kind for s in found}
+    if local:  # only the schemes that hide keys, the one change that reaches the global layers (no positions there)
+        assert set(kinds) == {"sink", "lm_infinite"}, [s.spec for s in found]
+        assert all("changes the full_attention layers, which have no RoPE" in s.reason for s in found)
+        plain = _by_name(suggest(tiny_model(max_position_embeddings=32), 128, check=False))
+        assert all(s.params == plain[s.scheme].params for s in found)  # the rule's numbers are the same
+    else:
+        assert set(FACTOR) <= set(kinds) and "layer_types" not in str(found)
+    assert _by_name(suggest(model, 24, check=False)).keys() <= {"string", "ms_poe"}  # N ≤ L: as on any model
+    for s in found:
+        rope_patch.apply(model, s.spec, check=False)
+        assert torch.isfinite(logits(model, ids)).all()
+        rope_patch.remove(model)
+    assert torch.equal(logits(model, ids), before)
+
+
+# ---- only what apply() accepts -----------------------------------------------------------------------------------
+# folder -> the schemes apply() refuses on its tiny model at 4·L, before or at install (so suggest leaves them out)
+REFUSED = {
+    "phi3": {"linear", "dynamic", "yarn", "dynamic_yarn", "llama3"},  # Phi3Config takes longrope only
+    "gemma4": {"linear", "dynamic", "yarn", "dynamic_yarn", "llama3"},  # proportional RoPE: the width differs
+    "mistral4": {"ntk", "dynamic_yarn"},  # the rotary gives fewer frequencies than those schemes
+    "phimoe": {"linear", "dynamic"},  # the patched rotary fails at its first call (found at install, not prepare)
+    "gpt_neox_japanese": {"rerope", "leaky_rerope", "dca", "lm_infinite", "sink", "string"},  # attention of its own
+    "gptj": {"dynamic", "dynamic_yarn", "leaky_rerope", "dpe"},  # a sin/cos table of integer positions
+}
+
+
+@pytest.mark.parametrize("folder", sorted(REFUSED))
+def test_suggest_leaves_out_what_apply_refuses(folder):
+    from helpers.models import INPUTS
+
+    model = tiny_model(folder)
+    window = pretraining_window(model)
+    ids = torch.randint(3, VOCAB, (1, 12))
+    kw = INPUTS.get(folder, {})
+    before = logits(model, ids, **kw)
+    rules = _by_name(suggest(model, 4 * window, verify=False))  # every rule's suggestion, untried
+    refused = {name for name, s in rules.items() if refusal(model, s.spec, check=False) is not None}
+    assert refused == REFUSED[folder]
+    found = _by_name(suggest(model, 4 * window, check=False))
+    assert set(found) == set(rules) - refused - ({"string"} if not any(n in found for n in FACTOR) else set())
+    assert torch.equal(logits(model, ids, **kw), before)  # the trials left the model bit for bit as it was
+    for s in found.values():
+        rope_patch.apply(model, s.spec, check=False)
+        rope_patch.remove(model)
+
+
+def test_suggest_on_a_patched_model_keeps_its_patch():
+    model = tiny_model("phi3")
+    rope_patch.apply(model, "ntk", factor=2.0)
+    ids = torch.randint(3, VOCAB, (1, 40))
+    before, applied = logits(model, ids), rope_patch.current(model)
+    assert "yarn" not in _by_name(suggest(model, 128, check=False))
+    assert rope_patch.current(model) == applied and torch.equal(logits(model, ids), before)
+    assert isinstance(refusal(model, "yarn:4"), ValueError) and rope_patch.current(model) == applied
+    assert torch.equal(logits(model, ids), before)
+
+
+def test_a_model_on_the_meta_device_gets_the_rules_untried_or_a_clear_error():
+    from helpers.models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config(max_position_embeddings=256))
+    with pytest.raises(ValueError, match=r"meta device.*verify=False"):
+        suggest(meta, 1024)
+    untried = suggest(meta, 1024, verify=False)
+    assert [s.spec for s in untried] == [s.spec for s in suggest(tiny_model(max_position_embeddings=256), 1024)]
+
+
+# ---- every folder: every suggestion at 4·L applies and runs --------------------------------------------------------
+# folder -> (error, phrase): suggest itself refuses the model
+SUGGEST_REFUSES = {
+    "inkling2": (TypeError, "no rotary position embedding module"),
+    "recurrent_gemma": (ValueError, "records no max_position_embeddings"),
+}
+# folders whose every RoPE layer attends within a window inside L (sliding RoPE layers, global layers without RoPE)
+LOCAL_ROPE_ONLY = {"beam", "cohere_compass", "ergo"}
+# (folder, scheme) -> why apply() accepts the suggestion but the patched model fails at its forward (to fix in apply)
+RUNS_BROKEN = {
+    ("codegen", "string"): "the far query copy sits at negative positions, past the start of the sin/cos table",
+    ("gptj", "string"): "the far query copy sits at negative positions, past the start of the sin/cos table",
+}
+
+
+def _rope_folders():
+    from helpers.coverage import folders
+
+    return folders()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", _rope_folders())
+def test_every_suggestion_applies_and_runs_on_every_folder(folder):
+    from helpers.models import INPUTS
+
+    model = tiny_model(folder)
+    if folder in SUGGEST_REFUSES:
+        error, phrase = SUGGEST_REFUSES[folder]
+        with pytest.raises(error, match=phrase):
+            suggest(model, 4 * pretraining_window(model))
+        return
+    window = pretraining_window(model)
+    ids = torch.randint(3, VOCAB, (1, 12))
+    kw = INPUTS.get(folder, {})
+    before = logits(model, ids, **kw)
+    found = suggest(model, 4 * window)
+    assert torch.equal(logits(model, ids, **kw), before)  # the trials left the model as it was
+    kinds = {s.scheme: get_scheme_class(s.scheme).kind for s in found}
+    if folder in LOCAL_ROPE_ONLY:
+        assert set(kinds) == {"sink", "lm_infinite"}
+    else:
+        assert "frequency" in kinds.values()
+    broken = set()
+    for s in found:
+        rope_patch.apply(model, s.spec)
+        try:
+            assert torch.isfinite(logits(model, ids, **kw)).all()
+        except IndexError:
+            broken.add((folder, s.scheme))
+        rope_patch.remove(model)
+    assert broken == {k for k in RUNS_BROKEN if k[0] == folder}
+    assert torch.equal(logits(model, ids, **kw), before)
