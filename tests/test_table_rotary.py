@@ -217,6 +217,22 @@ def test_repositioning_past_the_table_equals_the_reference(folder, scheme, param
     assert table_of(model).shape[0] == ROWS
 
 
+@pytest.mark.parametrize("folder", FOLDERS)
+@pytest.mark.parametrize("n", [16, 100, 180])
+def test_string_with_a_shift_past_the_table_start_equals_the_reference(folder, n):
+    """STRING's far query copy sits at i − S + W: below 0 for the first S − W tokens, which have no far key. With S −
+    W beyond the table's rows (a shift set for a long input, run on a short one) that was an IndexError at the first
+    forward; those positions are floored at 0, and the result is the reference's at every length."""
+    params = {"shift_size": 150, "window_size": 8}
+    model = tiny_model(folder, attn_implementation="sdpa")
+    ids = batch(n)
+    rope_patch.apply(model, "string", **params)
+    got = logits(model, ids)
+    longer = tiny_model(folder, attn_implementation="sdpa", max_position_embeddings=2 * ROWS)
+    longer.load_state_dict(model.state_dict())
+    assert (got - reference_forward(longer, model, ids, "string", params)).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("scheme,params", [("self_extend", {"group_size": 4, "window_size": 16}),
                                            ("yarn:4+self_extend", {})], ids=["self_extend", "yarn+self_extend"])
 def test_cached_decoding_past_the_table_equals_recomputation(scheme, params):

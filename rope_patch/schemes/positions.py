@@ -43,13 +43,15 @@ class Affine:
 
 @dataclasses.dataclass(frozen=True)
 class Shift:
-    """Far positions p ↦ p + offset, integer in, integer out (STRING's query at i − S + W, its keys at j): the far
-    rotation then uses exactly the angles vanilla RoPE uses at those positions."""
+    """Far positions p ↦ max(p + offset, 0), integer in, integer out (STRING's query at i − S + W, its keys at j): the
+    far rotation then uses exactly the angles vanilla RoPE uses at those positions. A query below S − W has no far
+    key (that needs i − j ≥ S), so the floor at 0 changes nothing read; it keeps a sin/cos table rotary (GPT-J,
+    CodeGen), which has no rows before position 0, from indexing past its start."""
 
     offset: int
 
     def __call__(self, p: torch.Tensor) -> torch.Tensor:
-        return p + self.offset if self.offset else p
+        return (p + self.offset).clamp(min=0) if self.offset else p
 
 
 def required(name: str, key: str, value, what: str, bounds: tuple = check.WINDOW_RANGE, hint: str = "",
