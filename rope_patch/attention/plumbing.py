@@ -57,7 +57,9 @@ from .protocol import module_state
 SHIFT = 3  # the extra copy's positions: p + SHIFT
 CAPTURE = "rope_patch_capture"  # an attention function that keeps q, k and v (registered under our own name)
 MIN_LENGTH, MAX_LENGTH = 48, 1040
-CHECKED: dict = {}  # architecture key -> (the cache mode that passed, whether layers read others' keys), this process
+# architecture key -> (the cache mode that passed, whether layers read others' keys), or why the check did not hold
+# (a refusal, said again without running it), in this process
+CHECKED: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,7 +420,8 @@ def run(check: Check, model: nn.Module, inputs: Inputs) -> None:
 def architecture(model: nn.Module, layouts: dict, rule, backend: str, rotate_reference: bool):
     """What the check's verdict depends on: the model class, its attention layer kinds (class and scalar attributes),
     the copies each layer runs in order (which layers a scheme leaves alone matters where layers read each other's
-    keys: Ms-PoE's `skip_layers` on Gemma 3n), the scheme's rule class and the backend."""
+    keys: Ms-PoE's `skip_layers` on Gemma 3n), the scheme's rule class, the backend and the dtype (its tolerance, and
+    kernels that differ by dtype: a float64 eager mask once gave NaN)."""
     kinds = set()
     for m in layouts:
         scalars = tuple(sorted((k, v) for k, v in vars(m).items() if k not in ("layer_idx", "training")
@@ -426,7 +429,8 @@ def architecture(model: nn.Module, layouts: dict, rule, backend: str, rotate_ref
         kinds.add((type(m).__qualname__, scalars))
     copies = tuple(None if v is None else (v.copies, v.key_copies, v.query_copies, v.chosen) for v in layouts.values())
     rule_kind = getattr(rule, "check_key", None) or type(rule).__qualname__  # a declared rule: its regions' kind
-    return (type(model).__qualname__, frozenset(kinds), copies, rule_kind, backend, rotate_reference)
+    dtype = next(model.parameters()).dtype
+    return (type(model).__qualname__, frozenset(kinds), copies, rule_kind, backend, rotate_reference, dtype)
 
 
 def describe(findings: list[Finding], tol: float) -> str:
@@ -445,6 +449,8 @@ def verify(target, name: str, rule, layouts: dict, backend: str, rotate_referenc
     model = target.model
     modules = list(layouts)
     key = architecture(model, layouts, rule, backend, rotate_reference)
+    if isinstance(CHECKED.get(key), str):
+        raise ValueError(f"{name}: {CHECKED[key]}")
     if key in CHECKED:
         mode, shared = CHECKED[key]
         return mode, all_sets(layouts) if shared else layouts
@@ -501,10 +507,11 @@ def verify(target, name: str, rule, layouts: dict, backend: str, rotate_referenc
             break  # the stacked prefill without cache failed: another cache mode will not help
     # reported: the first stacked mode's findings (a sequential failure only says the copies must run stacked)
     failure = next((failures[m] for m in (HEADS, ROWS, SPLIT) if m in failures), failures.get(SEQUENTIAL))
-    raise ValueError(
-        f"{name}: the apply-time check ran the scheme side by side with {target.model_type}'s own attention layers "
+    CHECKED[key] = (
+        f"the apply-time check ran the scheme side by side with {target.model_type}'s own attention layers "
         f"(at an identity setting, which must reproduce the model) and it does not hold: "
         f"{describe(failure.findings, failure.tol)}. rope_patch cannot show this scheme correct on this architecture, "
         "so it is refused and the model is left as it was. The frequency schemes and the schemes that keep the "
         "model's own attention (nope, sinusoidal, learned_absolute) are not affected; rope_patch.apply(..., "
         "check=False) skips the check at your own risk.")
+    raise ValueError(f"{name}: {CHECKED[key]}")

@@ -126,3 +126,20 @@ def test_a_float64_eager_model_with_left_padding_keeps_its_tokens_finite_and_exa
     got = logits(model, ids, **kw)
     assert torch.isfinite(got[real]).all()
     assert (got - want)[real].abs().max() <= 1e-6
+
+
+def test_a_refusal_is_kept_per_architecture_and_dtype_like_a_pass(monkeypatch):
+    """A check that does not hold is not run again for the same architecture, scheme family, backend and dtype (suggest
+    tries each candidate on the model: a refused one cost the whole check on every call); the refusal says the same."""
+    runs = []  # one per check run (its input is made once, whatever modes it tries)
+    original = plumbing.native_inputs
+    monkeypatch.setattr(plumbing, "native_inputs", lambda *a: (runs.append(a), original(*a))[1])
+    monkeypatch.setattr(plumbing, "CHECKED", {})
+    messages = []
+    for dtype in (torch.float32, torch.float32, torch.float64):
+        model = tiny_model("hunyuan_v1_dense", attn_implementation="sdpa").to(dtype)
+        with pytest.raises(ValueError, match="apply-time check") as info:
+            rope_patch.apply(model, "dynamic", factor=2.0, cache_rotation="consistent")
+        messages.append(str(info.value))
+        assert rope_patch.current(model) is None
+    assert len(runs) == 3 - 1 and messages[0] == messages[1]  # the second float32 model: the kept refusal
