@@ -39,12 +39,18 @@ def gapped_ids(position_ids: torch.Tensor | None, offset: torch.Tensor, k_len: i
 
 def _offsets(position_ids: torch.Tensor | None, q_slot: torch.Tensor) -> torch.Tensor:
     """Per row: true position − slot index. Read at the row's largest position id (a real token under left padding,
-    where generate gives pads position 1, and under right padding)."""
+    where generate gives pads position 1, and under right padding).
+
+    The ids are those of the call's last n slots, n their length: the queries' own (n = q_len), or more where a layer
+    runs on its input's last tokens only but is handed every token's ids (Gemma 4's KV-shared layers, which generate's
+    `logits_to_keep` cuts to the last query in a prefill, reading every prompt key from an earlier layer)."""
     if position_ids is None:
         return torch.zeros(1, 1, dtype=torch.long, device=q_slot.device)
     pos = position_ids.long().reshape(-1, position_ids.shape[-1])
+    end = q_slot[-1] + 1
+    slots = torch.arange(end - pos.shape[-1], end, device=q_slot.device)  # = q_slot when the ids are the queries'
     r = pos.argmax(-1, keepdim=True)
-    return pos.gather(-1, r) - q_slot[r]
+    return pos.gather(-1, r) - slots[r]
 
 
 def placeholder(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
@@ -128,6 +134,7 @@ def begin(state, call: AttentionCall) -> None:
 
 
 def make_call(module, query, key, value, scaling, softcap, position_ids, indices=None) -> AttentionCall:
+    handed = position_ids  # as the layer passed them: a re-positioned layer's true ones may be cut to its queries
     queries, keys, value, position_ids = unstack(module, query, key, value, position_ids, indices)
     values = value if isinstance(value, tuple) else ()
     value = values[0] if values else value
@@ -141,6 +148,7 @@ def make_call(module, query, key, value, scaling, softcap, position_ids, indices
     tokens = (current.tokens or q_len) if current is not None and current.memory_layer else k_len
     memory = k_len - tokens
     q_slot = torch.arange(tokens - q_len, tokens, device=query.device)
+    prompt = q_len == tokens or any(p is not None and p.shape[-1] == tokens for p in (handed, position_ids))
     queries = tuple(q.view(b, hkv, h // hkv, q_len, d) if q is not None else None for q in queries)
     offset = _offsets(position_ids, q_slot)
     q_ids = None
@@ -157,10 +165,10 @@ def make_call(module, query, key, value, scaling, softcap, position_ids, indices
     else:
         # gapped ids come without a cache or into an empty one (a cache holding keys is refused before the forward,
         # schemes/common.py CacheGuard): the queries' ids are every key's
-        ids = gapped_ids(position_ids, offset, k_len) if k_len == q_len else None
+        ids = gapped_ids(position_ids, offset, k_len) if prompt else None
     return AttentionCall(module, queries[0], keys[0], value, scaling if scaling is not None else d**-0.5,
                          softcap, q_slot, offset, queries=queries, keys=keys, ids=ids, q_ids=q_ids, values=values,
-                         memory=memory)
+                         memory=memory, prompt=prompt)
 
 
 class NotPlaced(RuntimeError):

@@ -106,6 +106,10 @@ class AttentionCall:
     q_ids: torch.Tensor | None = None
     values: tuple = ()  # per key set, where values rotate with their keys (copies.SPLIT); () otherwise
     memory: int = 0  # keys after the tokens' (memory entries)
+    # The keys are all this forward's tokens (nothing cached before it): the queries are every key, or its last ones
+    # where a layer runs on its input's last tokens but is handed every token's position ids (Gemma 4's KV-shared
+    # layers in a prefill under generate's `logits_to_keep`)
+    prompt: bool = False
 
     @property
     def gapped(self) -> bool:

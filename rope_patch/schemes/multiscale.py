@@ -136,7 +136,7 @@ class MultiScaleScores(attention.Declared):
                 raise attention.NotProven(f"ms_poe: the layer has {hkv} key/value heads but {len(call.queries) - 1} "
                                           "ratio copies (read from its config at apply time)")
             layer = call.module.layer_idx
-            if call.key.shape[2] == call.query.shape[3]:  # a prompt: its order, for this call and the cached ones after
+            if call.prompt:  # its order (from its last query), for this call and the cached ones after
                 self.orders[layer] = head_order(call.queries[0][:, :, :, -1:], call.keys[0], visible_keys(call), call)
                 self.chosen[layer] = self.orders[layer][0].tolist()  # one row's, read by its decoding steps
             self.chosen_sets(layer, call.query.shape[0])  # a cached call without its prompt's order: the error now

@@ -204,6 +204,42 @@ def test_cached_decoding_equals_recomputation(arch, scheme, params):
     assert max((a - b).abs().max().item() for a, b in zip(cached.logits, full.logits, strict=True)) <= 1e-5
 
 
+# Gemma 4's KV-shared layers (the last num_kv_shared_layers) read every key from an earlier layer, so in a prefill
+# under generate's integer `logits_to_keep` the decoder runs them on the prompt's last token only
+# (`_maybe_slice_kv_shared_inputs`), while their position ids stay every token's: one query, 40 keys, 40 ids, and no
+# cached past. Every attention-side scheme at the coverage table's real setting (windows crossed while decoding).
+CUT_PREFILL = [(f, b, s, pad) for f, b in (("gemma4", "sdpa"), ("gemma4_unified", "eager")) for s in coverage.ATTENTION
+               for pad in (True, False)]
+
+
+@pytest.mark.parametrize("folder,backend,scheme,padded", CUT_PREFILL,
+                         ids=[f"{f}-{b}-{s}-{'pad' if p else 'nopad'}" for f, b, s, p in CUT_PREFILL])
+def test_cached_decoding_through_layers_that_prefill_their_last_query_only(folder, backend, scheme, padded):
+    """Greedy generate with the cache, 6 tokens after a 40-token prompt: each step's logits are a forward over the
+    whole sequence without a cache (Ms-PoE: with the prompt's head order, the prompt in the cache and the generated
+    tokens in one call); before, the cut layers' prompt failed (its ids read as the single query's) and Ms-PoE's
+    order was never computed there, so its first decoding step refused."""
+    model = rope_patch.apply(tiny_model(folder, attn_implementation=backend), scheme, **coverage.ATTENTION[scheme][1])
+    ids, kw, _ = coverage.batch(folder)
+    mask = kw["attention_mask"] if padded else torch.ones_like(ids)
+    n, new = ids.shape[1], 6
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        full = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype)], dim=1)
+        pos = (full.cumsum(-1) - 1).masked_fill(full == 0, 0)
+        if scheme == "ms_poe":
+            cache = getattr(model(ids, attention_mask=mask, position_ids=pos[:, :n]), CACHE)
+            rest = model(out.sequences[:, n:-1], attention_mask=full[:, :-1], position_ids=pos[:, n:-1],
+                         **{CACHE: cache}).logits
+            want = torch.cat([model(ids, attention_mask=mask, position_ids=pos[:, :n]).logits[:, -1:], rest], dim=1)
+        else:
+            want = torch.stack([model(out.sequences[:, :n + t], attention_mask=full[:, :n + t], use_cache=False,
+                                      position_ids=pos[:, :n + t]).logits[:, -1] for t in range(new)], dim=1)
+    got = torch.stack(list(out.logits), dim=1)
+    assert ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item() <= coverage.TOL
+
+
 def test_deepseek_scale_survives_plain_save_reload_deepcopy_and_remove(tmp_path):
     """A plain save_pretrained reloads to the patched model (transformers recomputes the scale from the saved
     rope_parameters), and a deep copy's undo log restores the copy's own attention modules."""
