@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/rope-patch compare --model tiny --schemes default linear:4 ntk:8 dynamic:4 yarn:8 llama3:8 \
-		--lengths 256 512 1024 2048 --out results/
+		--lengths 256 512 1024 2048 --out results/ --overwrite
 
 # tests/, README.md and docs/ (pyproject's testpaths): every ```python block of the README and the docs runs as a test,
 # and tests/test_docs.py builds the site with mkdocs build --strict

@@ -365,7 +365,7 @@ MANIFEST = Kind(
 )
 
 _RESULTS_FIX = ("Restore the file, or run `rope-patch compare` again into this --out (with --resume: move the file "
-                "away, or drop --resume to start over).")
+                "away, or --overwrite (not --resume) starts over).")
 
 
 def _refs(data, rows: str, key: str, known: set, what: str) -> None:
@@ -471,7 +471,8 @@ TABLES = Kind(
     }, name="a study's table list"),
 )
 
-_LOG_FIX = ("Move it away (or use another --out) and run `rope-patch tune` again; drop --resume to start over.")
+_LOG_FIX = ("Move it away (or use another --out) and run `rope-patch tune` again; --overwrite (not --resume) "
+            "starts over.")
 
 
 def _log_rules(data) -> None:

@@ -159,8 +159,8 @@ CASES = {
         ("target zero", _set("target", 0), ["'target' must be an integer >= 2, found an integer 0"]),
     ]),
 }
-FIX = {"manifest": "re-save it with rope_patch.save_pretrained", "compare": "drop --resume to start over",
-       "sweep": "rope-patch sweep", "search_log": "drop --resume to start over", "best": "rope-patch tune"}
+FIX = {"manifest": "re-save it with rope_patch.save_pretrained", "compare": "--overwrite (not --resume) starts over",
+       "sweep": "rope-patch sweep", "search_log": "--overwrite (not --resume) starts over", "best": "rope-patch tune"}
 
 
 @pytest.fixture(scope="module")

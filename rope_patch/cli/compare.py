@@ -78,6 +78,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--resume", action="store_true",
                    help="reuse the scheme x length cells already in OUT/compare.json (same model and settings; "
                    "schemes and lengths may be added) and evaluate only the missing ones")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in OUT (without it, or --resume, such a folder is "
+                   "refused before anything runs)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=run)
 
@@ -91,7 +94,7 @@ def run(args) -> int:
     from .. import zoo as models
     from ..evaluation.common import read_tokens
     from ..evaluation.compare import parse_schemes, resumed_units, run_compare, work_units
-    from ..evaluation.results import RESULT_FILES, check_writable, load_results, rich_table, write_results
+    from ..evaluation.results import RESULT_FILES, check_fresh, check_writable, load_results, rich_table, write_results
     from ..suggest import pretraining_window, specs_for_target
 
     console = Console(stderr=True)
@@ -102,6 +105,8 @@ def run(args) -> int:
     # and an unwritable --out, or any one file of those it writes, too
     out = check_writable(args.out, RESULT_FILES + (() if args.no_plots else plots.FIGURE_FILES))
     previous = None
+    if not args.resume and not args.overwrite:
+        check_fresh(out / "compare.json", "add to it (schemes and lengths may be added)")
     if args.resume:
         if (out / "compare.json").is_file():
             try:

@@ -87,6 +87,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", default="tune", help="output folder (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue the search logged in OUT/search_log.json (same "
                    "model, settings and text; --max-evals / --budget-minutes may change)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the search logged in OUT (without it, or --resume, such a folder is refused before "
+                   "anything runs)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
     p.set_defaults(func=run)
 
@@ -128,7 +131,7 @@ def run(args) -> int:
     from ..api import as_scheme
     from ..evaluation.common import read_tokens
     from ..evaluation.loading import loaded_patch
-    from ..evaluation.results import check_writable, json_safe
+    from ..evaluation.results import check_fresh, check_writable, json_safe
     from ..files import write_text_atomic
     from ..fingerprint import model_fingerprint
     from ..tuning import (
@@ -158,6 +161,8 @@ def run(args) -> int:
     out = check_writable(args.out, (LOG, BEST) + (() if args.no_plots else (plots.SEARCH_FIGURE,)))
     log_path = out / LOG
     previous = None
+    if not args.resume and not args.overwrite:
+        check_fresh(log_path, "continue it")
     if args.resume:
         if log_path.is_file():
             previous = load_log(log_path)

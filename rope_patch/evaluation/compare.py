@@ -374,7 +374,7 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         why = resume_mismatch(resume, result)
         if why:
             raise ValueError(f"The earlier results differ from this run ({why}), so their cells cannot be reused. "
-                             "Rerun with the same model and settings, or without --resume to start over.")
+                             "Rerun with the same model and settings, or --overwrite (not --resume) to start over.")
     order = [s for s, _ in parsed]
     depth_order = {float(d): i for i, d in enumerate(depths)}
     t_all = time.perf_counter()

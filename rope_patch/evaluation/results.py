@@ -173,6 +173,15 @@ def write_json(result: dict, path: str | Path) -> None:
 RESULT_FILES = ("compare.json", "compare.csv", "compare.md")  # write_results; the figures: plots.FIGURE_FILES
 
 
+def check_fresh(path: Path, resumed: str) -> None:
+    """FileExistsError unless `path`, the results file a run writes, is absent: a run without --resume or --overwrite
+    does not replace the finished work of an earlier one. `resumed`: what --resume does with it."""
+    if path.exists():
+        raise FileExistsError(f"{path} holds the results of an earlier run, which this run would replace: rerun with "
+                              f"--resume to {resumed}, with --overwrite to replace it, or with another --out. Nothing "
+                              "has been evaluated yet.")
+
+
 def check_writable(out_dir: str | Path, files=()) -> Path:
     """Create `out_dir` and write and remove a probe file there, and check that each of `files` (names inside it)
     can be written: so that an unwritable --out, or one file that cannot be written (a folder, or a read-only file,

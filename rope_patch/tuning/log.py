@@ -108,17 +108,17 @@ def check_resumable(previous: dict, header: dict, path) -> None:
                 raise ValueError(f"cannot resume from {path}: the model's files (weights, config, tokenizer or saved "
                                  f"patch) changed since its evaluations were made (fingerprint "
                                  f"{str(old['fingerprint'])[:19]}... -> {str(new.get('fingerprint'))[:19]}...). Use "
-                                 "another --out, or drop --resume to start over.")
+                                 "another --out, or --overwrite (not --resume) starts over.")
         if old != new:
             raise ValueError(f"cannot resume from {path}: it was written for another {key} ({previous.get(key)}). "
-                             "Use another --out, or drop --resume to start over.")
+                             "Use another --out, or --overwrite (not --resume) starts over.")
     old = _comparable(previous.get("settings") or {})
     new = _comparable(_plain(header.get("settings")))
     if old != new:
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         raise ValueError(f"cannot resume from {path}: its settings differ in {', '.join(changed)} "
                          f"(the log has {', '.join(f'{k}={old.get(k)!r}' for k in changed)}). Rerun with the log's "
-                         "settings, use another --out, or drop --resume to start over.")
+                         "settings, use another --out, or --overwrite (not --resume) starts over.")
 
 
 class SearchLog:
@@ -160,7 +160,7 @@ class SearchLog:
             if rec.get("params") != params or rec.get("spec") != spec:
                 raise ValueError(f"cannot resume: evaluation {k} of the log is {rec.get('spec')!r} but the search now "
                                  f"asks for {spec!r} (the log comes from another search or version). Use another "
-                                 "--out, or drop --resume to start over.")
+                                 "--out, or --overwrite (not --resume) starts over.")
             self.evaluations.append(rec)
             self._update_best(rec)
             if self.on_record:

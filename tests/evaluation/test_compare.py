@@ -250,7 +250,7 @@ def test_resume_refuses_other_settings(saved, tmp_path, capsys):
     assert main(compare_argv(saved, out, "default")) == 0
     assert main(compare_argv(saved, out, "default", extra=["--resume", "--seed", "1"])) == 2
     line = one_line(capsys.readouterr().err)
-    assert "seed 0 -> 1" in line and "without --resume" in line
+    assert "seed 0 -> 1" in line and "--overwrite (not --resume)" in line
 
 
 def test_resume_from_a_broken_file_is_one_line(saved, tmp_path, evaluations, capsys):

@@ -92,3 +92,18 @@ def test_budget_trims_and_says_so(saved, tmp_path, capsys, monkeypatch):
     data = load_results(tmp_path / "out" / "compare.json")
     assert data["settings"]["budget"]["line"] == line and data["settings"]["passkey_samples"] < 5
     assert all(p["n"] == data["settings"]["passkey_samples"] for p in data["passkey"])
+
+
+def test_finished_results_are_not_replaced_without_resume_or_overwrite(saved, tmp_path, capsys):
+    """A second run into a folder that holds compare.json is refused before the model loads (it would replace the
+    finished work); --resume adds to it, --overwrite replaces it."""
+    out = tmp_path / "out"
+    assert main(argv(saved, out)) == 0
+    before = (out / "compare.json").read_bytes()
+    capsys.readouterr()
+    assert main(argv(saved, out, extra=["--lengths", "32"])) == 2
+    line = only_line(capsys.readouterr().err)
+    assert "holds the results of an earlier run" in line and "--resume" in line and "--overwrite" in line
+    assert (out / "compare.json").read_bytes() == before
+    assert main(argv(saved, out, extra=["--lengths", "32", "--overwrite"])) == 0
+    assert load_results(out / "compare.json")["settings"]["lengths"] == [32]

@@ -78,7 +78,8 @@ def test_resume_from_a_file_that_is_not_a_log_is_one_line(saved, tmp_path, capsy
     (tmp_path / "search_log.json").write_text("{not json")
     assert main(argv(saved, tmp_path, "--scheme", "longrope", "--resume")) == 2
     line = error_line(capsys)
-    assert f"{tmp_path / 'search_log.json'}: not valid JSON" in line and "drop --resume to start over" in line
+    assert f"{tmp_path / 'search_log.json'}: not valid JSON" in line
+    assert "--overwrite (not --resume) starts over" in line
     (tmp_path / "search_log.json").write_text(json.dumps({"format": "rope_patch.compare/1"}))
     assert main(argv(saved, tmp_path, "--scheme", "longrope", "--resume")) == 2
     assert "is not a rope-patch tune search log" in error_line(capsys)
@@ -168,3 +169,11 @@ def test_passkey_term_errors_are_one_line(saved, tmp_path, capsys, extra, messag
     errors = [line for line in err.splitlines() if line.startswith("rope-patch tune:")]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
     assert not (tmp_path / "out" / "search_log.json").exists()
+
+
+def test_a_logged_search_is_not_replaced_without_resume_or_overwrite(saved, tmp_path, capsys):
+    (tmp_path / "search_log.json").write_text("{}")
+    assert main(argv(saved, tmp_path, "--scheme", "longrope")) == 2
+    line = error_line(capsys)
+    assert "search_log.json holds the results of an earlier run" in line and "--overwrite" in line
+    assert (tmp_path / "search_log.json").read_text() == "{}"
