@@ -171,10 +171,13 @@ FIGURE_FILES = ("perplexity.png", "passkey.png")  # what write_figures may write
 
 
 def write_figures(result, out_dir) -> dict[str, Path]:
-    """perplexity.png (and passkey.png when passkey ran) for a compare result in `out_dir`; returns {kind: path}."""
+    """perplexity.png (when perplexity ran: a sweep of passkey tasks alone has none) and passkey.png (when passkey
+    ran) for a compare result in `out_dir`; returns {kind: path}."""
     res = _normalised(result)
     out = Path(out_dir)
-    paths = {"perplexity_plot": S.save(perplexity(res), out / FIGURE_FILES[0], dpi=120)}
+    paths = {}
+    if any(r["perplexity"] is not None for r in res["records"]):
+        paths["perplexity_plot"] = S.save(perplexity(res), out / FIGURE_FILES[0], dpi=120)
     if any(p["depth"] is not None for p in res["passkey"]):
         paths["passkey_plot"] = S.save(passkey(res), out / FIGURE_FILES[1], dpi=120)
     return paths

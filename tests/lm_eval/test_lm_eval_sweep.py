@@ -290,3 +290,18 @@ def test_a_sweep_of_an_essay_task_offline_creates_nothing(assets, tmp_path, monk
         S.sweep(args, log=lambda m: None)
     assert not (tmp_path / "s").exists()
     assert S.hub_env({})["HF_HUB_OFFLINE"] == "1" and S.hub_env({"HF_HUB_OFFLINE": "0"})["HF_HUB_OFFLINE"] == "0"
+
+
+def test_a_passkey_only_sweep_writes_its_passkey_figure_and_no_perplexity_figure(tmp_path):
+    """A sweep of rope_passkey tasks alone has no perplexity: its figures are the passkey grid, not an empty
+    perplexity plot (which raised 'Data cannot be log-scaled' after every cell had finished)."""
+    from rope_patch.integrations.lm_eval.sweep import write_outputs
+
+    cell = {"metrics": {"acc": 1.0}, "n_samples": 2, "by_depth": {"0.1": {"n": 2, "correct": 2, "accuracy": 1.0}}}
+    metadata = {"depths": [0.1], "samples": 2, "seed": 0, "windows": 1, "max_seq_lengths": [256]}
+    state = {"settings": {"tasks": ["rope_passkey_256"], "lengths": [256], "model": "m", "model_path": str(tmp_path),
+                          "metadata": metadata},
+             "schemes": [{"spec": "default", "args": {}, "cells": {"rope_passkey_256": cell}}], "elapsed_s": {}}
+    paths = write_outputs(state, tmp_path)
+    assert "compare_passkey_plot" in paths and "compare_perplexity_plot" not in paths
+    assert not (tmp_path / "perplexity.png").exists()
