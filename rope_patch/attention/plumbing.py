@@ -364,7 +364,10 @@ class Inputs:
         if cache is not None:
             kwargs["cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"] = cache
         out = model(self.ids[:, rows], **kwargs, use_cache=use_cache)
-        return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        # by the output class's own field: `past_key_values` is a deprecated alias where the field is `cache` (5.25;
+        # asking for it, or whether the output holds it, logs a warning)
+        fields = getattr(type(out), "__dataclass_fields__", {})
+        return getattr(out, "cache" if "cache" in fields else "past_key_values", None)
 
     def real(self, rows: slice) -> torch.Tensor:
         return (self.mask if self.mask is not None else torch.ones_like(self.ids))[:, rows]

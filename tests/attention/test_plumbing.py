@@ -143,3 +143,25 @@ def test_a_refusal_is_kept_per_architecture_and_dtype_like_a_pass(monkeypatch):
         messages.append(str(info.value))
         assert rope_patch.current(model) is None
     assert len(runs) == 3 - 1 and messages[0] == messages[1]  # the second float32 model: the kept refusal
+
+
+def test_the_check_reads_the_models_cache_without_a_deprecation_warning(monkeypatch):
+    """The check's model calls read the returned cache by the output class's own field name: asking for the
+    deprecated `past_key_values` alias logged transformers' warning on every first attention-side apply."""
+    import logging
+
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.Logger.warning_once.cache_clear()  # transformers logs it once per process
+    handler = Keep()
+    logging.getLogger("transformers").addHandler(handler)
+    monkeypatch.setattr(plumbing, "CHECKED", {})  # the check runs
+    try:
+        rope_patch.apply(tiny_model("llama", attn_implementation="sdpa"), "rerope", window_size=8)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in messages if "deprecated" in m], messages
