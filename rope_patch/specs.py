@@ -40,6 +40,10 @@ class SchemeNames(Protocol):
 _FORMS = "Specs look like `yarn`, `yarn:8` or `yarn:factor=8,beta_fast=16`."
 # `+` between two specs stacks them (yarn:4+logn); a `+` inside a number (default:1e+6) is followed by a digit.
 _JOIN = re.compile(r"\+(?=\s*[A-Za-z_])")
+# A `+` with nothing after it (yarn:4+, yarn:4++logn); not the sign of an exponent (default:1e+).
+_EMPTY_PART = re.compile(r"(?<![0-9][eE])\+\s*(?:$|(?=\+))")
+# Where an item holds another parameter: `a=1;b=2`, `a=1 b=2` (the ',' that should separate them).
+_SEPARATOR = re.compile(r"\s*;\s*|\s+(?=[A-Za-z_]\w*\s*=)")
 
 
 def parse_value(text: str):
@@ -68,6 +72,9 @@ def parse_spec(spec: str, *, names: SchemeNames | None = None) -> tuple[str, dic
     names = registry if names is None else names
     if not isinstance(spec, str):
         raise TypeError(f"A scheme spec must be a str such as 'yarn:8', got {type(spec).__name__} {spec!r}.")
+    if _EMPTY_PART.search(spec):
+        raise ValueError(f"Scheme spec {spec!r} has an empty part after '+': a stack joins whole specs, e.g. "
+                         "`yarn:4+logn`; drop the '+' or add the scheme to stack.")
     parts = _JOIN.split(spec)
     if len(parts) > 1:  # yarn:4+logn: a stack; each part is checked as a spec of its own
         for part in parts:
@@ -85,21 +92,45 @@ def parse_spec(spec: str, *, names: SchemeNames | None = None) -> tuple[str, dic
         raise ValueError(f"Scheme spec {spec!r}: a list is written with '/' between its values and no brackets, e.g. "
                          f"{name + ':' + _slashed(rest)!r} (commas separate parameters). {_FORMS}")
     params: dict = {}
-    for item in (part.strip() for part in rest.split(",")):
+    items = [part.strip() for part in rest.split(",")]
+    previous = None  # the key of the item before, when it was `key=value`: a bare value after it may be a list item
+    for item in items:
         if not item:
             continue
         key, eq, text = (s.strip() for s in item.partition("="))
+        if ";" in item or "=" in text:
+            raise ValueError(f"Scheme spec {spec!r}: parameters are separated by ',', e.g. "
+                             f"{name + ':' + _SEPARATOR.sub(',', rest).strip(',')!r}. {_FORMS}")
         if eq:
             if not key:
                 raise ValueError(f"Scheme spec {spec!r}: {item!r} has no parameter name before '='. {_FORMS}")
             if not text:
                 raise ValueError(f"Scheme spec {spec!r}: parameter {key!r} has no value after '='. {_FORMS}")
+        elif previous is not None and previous == names.bare_param(name):
+            # `dpe:group_sizes=4,4`: the second 4 is the bare value, which sets group_sizes a second time; the user
+            # meant a list, which is written with '/'
+            raise ValueError(f"Scheme spec {spec!r} sets {previous!r} twice: commas separate parameters, so {item!r} "
+                             f"after {previous}=... is read as a value of its own. A list value is joined with '/': "
+                             f"{name + ':' + _joined(items)!r}.")
         else:
             key, text = _bare(spec, name, names), key
         if key in params:
             raise ValueError(f"Scheme spec {spec!r} sets {key!r} twice.")
         params[key] = parse_value(text)
+        previous = key if eq else None
     return name, params
+
+
+def _joined(items: list[str]) -> str:
+    """`['group_sizes=4', '4', 'window_size=64']` -> `group_sizes=4/4,window_size=64`: bare values after a
+    `key=value` item joined to it as list items."""
+    out: list[str] = []
+    for item in filter(None, items):
+        if "=" not in item and out and "=" in out[-1]:
+            out[-1] += f"/{item}"
+        else:
+            out.append(item)
+    return ",".join(out)
 
 
 def _slashed(rest: str) -> str:

@@ -25,6 +25,8 @@ PARSE = [
     ("yarn:factor=4,truncate=false", "yarn", {"factor": 4, "truncate": False}),
     ("longrope:factor=2,short_factor=1/1.5", "longrope", {"factor": 2, "short_factor": [1, 1.5]}),
     ("self_extend:group_size=4,window_size=1024", "self_extend", {"group_size": 4, "window_size": 1024}),
+    ("default:1e+6", "default", {"rope_theta": 1e6}),  # a '+' in an exponent is no stack
+    ("dpe:group_sizes=4/4,window_size=64", "dpe", {"group_sizes": [4, 4], "window_size": 64}),
     # aliases and spelling
     ("pi:4", "linear", {"factor": 4}),
     ("YaRN:8", "yarn", {"factor": 8}),
@@ -73,6 +75,18 @@ ERRORS = [
     ("yarn:4,factor=8", ValueError, "sets 'factor' twice"),
     ("nope:4", TypeError, "takes no positional value; it has no parameters"),
     ("relative_bias:4", TypeError, "name the parameter, e.g. relative_bias:num_buckets="),
+    # what was meant: a list ('/'), a stack with nothing after '+', parameters separated by ','
+    ("dpe:group_sizes=4,4,window_size=64", ValueError,
+     r"sets 'group_sizes' twice: commas separate parameters.*A list value is joined with '/': "
+     r"'dpe:group_sizes=4/4,window_size=64'"),
+    ("dpe:window_size=64,group_sizes=4,4,4", ValueError, r"'dpe:window_size=64,group_sizes=4/4/4'"),
+    ("yarn:4+", ValueError, r"'yarn:4\+' has an empty part after '\+'"),
+    ("yarn:4++logn", ValueError, r"has an empty part after '\+'"),
+    ("yarn:4 + ", ValueError, r"has an empty part after '\+'"),
+    ("self_extend:group_size=4;window_size=1024", ValueError,
+     r"parameters are separated by ',', e.g. 'self_extend:group_size=4,window_size=1024'"),
+    ("self_extend:group_size=4 window_size=1024", ValueError,
+     r"parameters are separated by ',', e.g. 'self_extend:group_size=4,window_size=1024'"),
     # bad numbers: the scheme's own validation
     ("yarn:abc", TypeError, "must be a number"),
     ("yarn:4x", TypeError, "must be a number"),
