@@ -30,11 +30,12 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import transformers
-
 from . import resources
 from .files import sha256_file
+from .registry import did_you_mean
+
+# torch and transformers are imported inside the functions that load a model: the command line reads MODELS, the
+# dtype names and resolve_model_path while it parses its arguments, before anything heavy is imported.
 
 TINY_ENV = "ROPE_PATCH_TINY"
 CACHE_ENV = "ROPE_PATCH_CACHE"
@@ -135,22 +136,39 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json.")
+    if looks_like_path(text):
+        raise FileNotFoundError(f"The model folder {path} does not exist: expected a local save_pretrained folder "
+                                f"(or one of {', '.join(map(repr, MODELS))}); check the path.")
     raise ValueError(f"Unknown model {text!r}: expected one of {', '.join(map(repr, MODELS))}, "
-                     "or a local model folder.")
+                     f"or a local model folder.{did_you_mean(text, MODELS)}")
+
+
+def looks_like_path(text: str) -> bool:
+    """`/x`, `a/b`, `./m`, `~/m`, `..`: a folder the user means, not a misspelt model name."""
+    return any(sep and sep in text for sep in (os.sep, os.altsep, "/")) or text.startswith((".", "~"))
 
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
 
 
+def dtype_name(name: str) -> str:
+    """The torch dtype name of `float32`/`fp32`, `bfloat16`/`bf16`, `float16`/`fp16` (without importing torch: the
+    command line checks --dtype with it while parsing); ValueError with "Did you mean" for any other name."""
+    if name not in _DTYPES:
+        raise ValueError(f"Unknown dtype {name!r}: expected one of {', '.join(sorted(_DTYPES))}."
+                         f"{did_you_mean(name, _DTYPES)}")
+    return _DTYPES[name]
+
+
 def torch_dtype(dtype):
     """A torch dtype from its name (`float32`/`fp32`, `bfloat16`/`bf16`, `float16`/`fp16`) or a torch dtype as is;
     ValueError for any other name."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"Unknown dtype {dtype!r}: expected one of {', '.join(sorted(_DTYPES))}.")
-    return getattr(torch, _DTYPES[dtype])
+    return getattr(torch, dtype_name(dtype))
 
 
 def load_model(spec: str | os.PathLike = "tiny", dtype="float32", device: str = "cpu"):
@@ -158,6 +176,8 @@ def load_model(spec: str | os.PathLike = "tiny", dtype="float32", device: str = 
 
     RoPE frequencies stay fp32 whatever `dtype` (from_pretrained keeps non-persistent buffers in fp32).
     """
+    import transformers
+
     path = resolve_model_path(spec)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -172,6 +192,8 @@ def model_name(spec) -> str:
 
 # ---- fetching SmolLM2 and Gemma 3 -------------------------------------------------------------------------------
 def greedy_continuation(model, tokenizer, prompt: str = VERIFY_PROMPT, new_tokens: int = VERIFY_NEW_TOKENS) -> str:
+    import torch
+
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
@@ -208,6 +230,9 @@ def _check_sha256(path: Path, expected: str) -> str:
 def _convert(gguf_dir: Path, gguf_file: str, staging: Path, expected: str, label: str, log) -> str:
     """Dequantise `gguf_dir/gguf_file` through transformers' GGUF loader, save it as a plain fp32 folder `staging`,
     reload that and check its greedy continuation of VERIFY_PROMPT against `expected`; return the continuation."""
+    import torch
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     # save_pretrained refuses a gguf-loaded (quantizer-tagged) model; the weights are plain fp32 by now.

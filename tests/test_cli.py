@@ -76,6 +76,42 @@ BAD_ARGS = [
     (["plot", "decay", "--dpi", "1e9"], "argument --dpi: must be an integer between 1 and 2,400"),
     (["plot", "nothing"], "argument kind: invalid choice: 'nothing'"),
     ([], "rope-patch: error: the following arguments are required: COMMAND"),
+    # a misspelt option: the subcommand's own error (its prog, its --help) with "Did you mean", from its options
+    (["compare", "--model", "tiny", "--lenghts", "256"],
+     "rope-patch compare: error: unrecognized arguments: --lenghts 256. Did you mean '--lengths'? "
+     "(see `rope-patch compare --help`)"),
+    (["explain", "yarn:8", "--confg", "tiny"], "rope-patch explain: error: unrecognized arguments: --confg tiny. "
+                                                "Did you mean '--config'?"),
+    (["compare", "--lenghts=256", "--passky-samples", "3"], "Did you mean '--lengths' (for --lenghts=256), "
+                                                             "'--passkey-samples' (for --passky-samples)?"),
+    (["tune", "--scheme", "yarn", "--target", "64", "--grid", "factr=2,4"],
+     "rope-patch tune: error: unrecognized arguments: --grid factr=2,4. Did you mean '--method grid'?"),
+    (["models", "list", "--bogus"], "rope-patch models list: error: unrecognized arguments: --bogus (see `rope-patch "
+                                    "models list --help`)"),
+    # an invalid choice: "Did you mean", from the choices
+    (["plot", "decy"], "rope-patch plot: error: argument kind: invalid choice: 'decy' (choose from 'decay', "),
+    (["plot", "decy"], "'results'). Did you mean 'decay'?"),
+    (["tune", "--scheme", "yarn", "--target", "64", "--method", "gird"], "Did you mean 'grid'?"),
+    (["compre"], "rope-patch: error: argument COMMAND: invalid choice: 'compre'"),
+    (["compre"], "Did you mean 'compare'?"),
+    (["models", "fetch", "smolm2"], "rope-patch models fetch: error: argument name: invalid choice: 'smolm2' "
+                                    "(choose from 'smollm2', 'gemma3'). Did you mean 'smollm2'?"),
+    # checked while parsing, before the model loads (the startup probe: nothing heavy imported)
+    (["compare", "--dtype", "flaot16"], "rope-patch compare: error: argument --dtype: Unknown dtype 'flaot16': "
+                                        "expected one of bf16, bfloat16, float16, float32, fp16, fp32. "
+                                        "Did you mean 'float16'?"),
+    (["tune", "--scheme", "yarn", "--target", "64", "--dtype", "bf61"], "Did you mean 'bf16'?"),
+    (["compare", "--heldout", "/nonexist.txt"], "rope-patch compare: error: argument --heldout: /nonexist.txt does "
+                                                "not exist: expected a UTF-8 text file"),
+    (["tune", "--scheme", "yarn", "--target", "64", "--heldout", "/"], "argument --heldout: / is a folder"),
+    (["sweep", "--heldout", "/nonexist.txt"], "rope-patch sweep: error: argument --heldout: /nonexist.txt does"),
+    # spec strings: what was meant
+    (["explain", "dpe:group_sizes=4,4,window_size=64"], "sets 'group_sizes' twice: commas separate parameters, "
+     "so '4' after group_sizes=... is read as a value of its own. A list value is joined with '/': "
+     "'dpe:group_sizes=4/4,window_size=64'"),
+    (["explain", "yarn:4+"], "Scheme spec 'yarn:4+' has an empty part after '+'"),
+    (["explain", "self_extend:group_size=4;window_size=1024"], "parameters are separated by ',', e.g. "
+                                                              "'self_extend:group_size=4,window_size=1024'"),
 ]
 
 
@@ -84,6 +120,59 @@ def test_bad_arguments_are_one_line(capsys, argv, message):
     assert main(argv) == 2
     line = error_line(capsys)
     assert message in line and line.endswith("--help`)")
+
+
+# Errors found once the arguments parsed, before the model loads (one line: no "Loading ..." before it)
+RUN_ERRORS = [
+    (["tune", "--scheme", "yarn", "--target", "64", "--space", "factr=2,4"],
+     "rope-patch tune: error: --space 'factr=2,4': yarn has no parameter 'factr' to search. Did you mean 'factor'? "
+     "Parameters of 'yarn': "),
+    (["tune", "--scheme", "pi", "--target", "64", "--space", "factor=2,4", "fctor=3"], "linear has no parameter "
+                                                                                     "'fctor'"),
+    (["compare", "--model", "/nonexistent"], "rope-patch compare: error: The model folder /nonexistent does not exist"),
+    (["compare", "--model", "./no/such/model"], "The model folder no/such/model does not exist"),
+    (["tune", "--scheme", "yarn", "--target", "64", "--model", "~/no_such_model"], "no_such_model does not exist"),
+    (["compare", "--model", "smolm2"], "Unknown model 'smolm2': expected one of 'tiny', 'smollm2', 'gemma3', or a "
+                                       "local model folder. Did you mean 'smollm2'?"),
+]
+
+
+@pytest.mark.parametrize("argv,message", RUN_ERRORS, ids=[" ".join(a) for a, _ in RUN_ERRORS])
+def test_errors_before_the_model_loads(tmp_path, capsys, argv, message):
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert message in error_line(capsys)
+
+
+def test_models_without_a_subcommand_lists_them(monkeypatch, tmp_path, capsys):
+    """`rope-patch models` is `rope-patch models list` (it said "required: models_command", an internal name)."""
+    monkeypatch.setenv("ROPE_PATCH_CACHE", str(tmp_path))
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert main(["models", "list"]) == 0
+    assert out == capsys.readouterr().out and "rope-patch models fetch smollm2" in out
+
+
+def test_version(capsys):
+    from rope_patch import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"rope-patch {__version__}\n"
+
+
+def test_every_model_option_names_the_zoo_s_models(monkeypatch):
+    """--model / --config help is read from rope_patch.zoo.MODELS in every subcommand (compare's lacked gemma3)."""
+    from rope_patch import zoo
+    from rope_patch.cli import build_parser
+
+    monkeypatch.setitem(zoo.MODELS, "newmodel", zoo.ModelInfo("newmodel", "a model added to the zoo", 1024))
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    helps = {(name, a.dest): a.help for name, p in sub.choices.items() for a in p._actions
+             if a.dest in ("model", "config")}
+    assert {name for name, _ in helps} >= {"compare", "tune", "sweep", "plot", "explain"}
+    for where, text in helps.items():
+        assert all(name in text for name in zoo.MODELS) and "local model folder" in text, (where, text)
+    fetch = next(a for a in sub.choices["models"]._actions if a.dest == "models_command").choices["fetch"]
+    assert next(a for a in fetch._actions if a.dest == "name").choices == tuple(zoo.FETCHED)
 
 
 def test_plot_refuses_a_figure_that_would_not_fit_before_allocating(monkeypatch, capsys):

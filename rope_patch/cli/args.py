@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
-from .. import scheme_names
+from .. import scheme_names, zoo
 from ..evaluation.defaults import AS_LOADED
 
 
@@ -92,6 +93,40 @@ def scheme_name(text: str) -> str:
     except (ValueError, TypeError) as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return text
+
+
+def model_help(default: str | None = "tiny") -> str:
+    """The help of a model argument, from the model zoo (rope_patch.zoo.MODELS): "tiny, smollm2, gemma3, or a local
+    model folder (default: tiny)"."""
+    return (f"{', '.join(zoo.MODELS)}, or a local model folder"
+            + (f" (default: {default})" if default is not None else ""))
+
+
+def dtype(text: str) -> str:
+    """A model dtype name (float32/fp32, bfloat16/bf16, float16/fp16), as given; checked while parsing, with "Did you
+    mean", so that a typo fails before the model loads."""
+    try:
+        zoo.dtype_name(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+DTYPE_HELP = "model dtype: float32, bfloat16 or float16 (fp32, bf16, fp16) (default: %(default)s)"
+
+
+def text_file(text: str) -> str:
+    """An existing file (--heldout), as given; checked while parsing, so that a wrong path fails before the model
+    loads."""
+    path = Path(text).expanduser()
+    if not path.is_file():
+        found = "is a folder" if path.is_dir() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{path} {found}: expected a UTF-8 text file (leave the option out to use "
+                                         "the held-out text shipped with rope_patch).")
+    return text
+
+
+text_file.__name__ = "file"
 
 
 def rope_layout(args) -> dict:

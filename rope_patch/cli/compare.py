@@ -16,7 +16,7 @@ from ..evaluation.defaults import (
     WINDOWS_AT_LONGEST,
 )
 from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS
-from .args import count, fraction, load_model, positive, real, scheme_spec
+from .args import DTYPE_HELP, count, dtype, fraction, load_model, model_help, positive, real, scheme_spec, text_file
 
 
 def add_parser(subparsers) -> None:
@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
         "before the first evaluation; compare.json is rewritten after each finished scheme, so an interrupted run "
         "keeps what finished and --resume completes it. Writes compare.json/.csv/.md and "
         "perplexity.png/passkey.png to --out.")
-    p.add_argument("--model", default="tiny", help="tiny, smollm2, or a local model folder (default: tiny)")
+    p.add_argument("--model", default="tiny", help=model_help())
     p.add_argument("--schemes", nargs="+", type=scheme_spec(loaded=True), default=None, metavar="SPEC",
                    help="scheme specs: name, name:factor, or name:key=value,... (default: "
                    f"{' '.join(DEFAULT_SCHEMES)}; with --target: default + rope_patch.suggest's schemes)")
@@ -69,8 +69,9 @@ def add_parser(subparsers) -> None:
                    help="fit the run into M minutes: from a timed probe forward, trim passkey samples per cell "
                    "first, then perplexity windows, and say so (recorded in compare.json)")
     p.add_argument("--seed", type=int, default=SEED, help="passkey seed (default: %(default)s)")
-    p.add_argument("--heldout", default=None, help="held-out text (default: rope_patch/data/heldout.txt)")
-    p.add_argument("--dtype", default="float32", help="model dtype (default: %(default)s)")
+    p.add_argument("--heldout", type=text_file, default=None,
+                   help="held-out text (default: rope_patch/data/heldout.txt)")
+    p.add_argument("--dtype", type=dtype, default="float32", help=DTYPE_HELP)
     p.add_argument("--threads", type=positive, default=None, metavar="N",
                    help="torch threads, >= 1 (default: the cores not busy with other work, from the load average; "
                    "on a busy machine extra threads wait for cores and slow small models down several-fold)")

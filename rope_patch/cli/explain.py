@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from .args import count, positive, real, rope_layout, scheme_spec
+from .args import count, model_help, positive, real, rope_layout, scheme_spec
 
 
 def add_parser(subparsers) -> None:
@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
     rope.add_argument("--partial-rotary-factor", type=real(maximum=1.0, above=0.0), default=None,
                       help="fraction of the head that rotates")
     rope.add_argument("--config", default=None, metavar="MODEL",
-                      help="read the RoPE layout from a model's config.json: tiny, smollm2, gemma3 or a model folder")
+                      help="read the RoPE layout from a model's config.json: " + model_help(None))
     p.set_defaults(func=run, seq_len=None)
 
 

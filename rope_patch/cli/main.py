@@ -8,10 +8,13 @@ argument error answer in a fraction of a bare `import torch` (bench/cli_startup.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import textwrap
 
 from .. import scheme_names
+from .._version import __version__
+from ..registry import did_you_mean
 from . import compare, explain, export, models, plot, sweep, tune
 
 DESCRIPTION = (
@@ -36,10 +39,53 @@ SUBCOMMANDS = (compare, models, plot, explain, export, sweep, tune)  # each expo
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (argparse prints the whole usage block first)."""
+    """argparse with a one-line error (argparse prints the whole usage block first) that names the (sub)command
+    the arguments belong to, and "Did you mean" for a misspelt option or choice. Every subcommand's parser is one
+    (add_subparsers makes its parsers of the parent's class)."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse hands a subcommand's unknown arguments up to the top parser, whose error then names `rope-patch`
+        # and cannot say which options were meant: the parser that got them refuses them itself. (The command line
+        # has no use for leftovers: parse_args refuses them anyway.)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._meant(extras)}")
+        return namespace, extras
+
+    def _meant(self, extras) -> str:
+        """". Did you mean '--lengths'?" for `--lenghts`; "'--method grid'" for `--grid` (a choice given as an option);
+        "" when nothing is close. The names are compared without their dashes (all options share those)."""
+        hints = []
+        options = {o.lstrip("-"): o for o in self._option_string_actions if o.startswith("--")}
+        flags = [e for e in extras if e.startswith("-") and not e.lstrip("-").replace(".", "", 1).isdigit()]
+        for flag in flags:
+            bare = flag.split("=", 1)[0].lstrip("-")
+            close = difflib.get_close_matches(bare, list(options), n=1, cutoff=0.6)
+            if close:
+                hints.append((flag, options[close[0]]))
+                continue
+            for action in self._actions:
+                if action.option_strings and action.choices and bare in action.choices:
+                    hints.append((flag, f"{action.option_strings[-1]} {bare}"))
+                    break
+        if not hints:
+            return ""
+        if len(hints) == 1:
+            return f". Did you mean {hints[0][1]!r}?"
+        return ". Did you mean " + ", ".join(f"{meant!r} (for {flag})" for flag, meant in hints) + "?"
+
+    def _check_value(self, action, value):
+        """An invalid choice (`plot decy`, `--method gird`, a misspelt subcommand) with "Did you mean"."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as err:
+            hint = did_you_mean(value, action.choices) if isinstance(value, str) else ""
+            if not hint:
+                raise
+            raise argparse.ArgumentError(action, f"{err.message}.{hint}") from None
 
 
 def _add_debug(parser: argparse.ArgumentParser, default=False) -> None:
@@ -51,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="rope-patch", description=textwrap.fill(DESCRIPTION, 100), epilog=EPILOG,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_debug(parser)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the version of rope_patch and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     lst = sub.add_parser("list", help="list the registered schemes and their parameters")
     lst.set_defaults(func=_list)

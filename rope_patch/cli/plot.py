@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .args import count, positive, real, rope_layout, scheme_spec
+from .args import count, model_help, positive, real, rope_layout, scheme_spec
 
 ANALYSIS_KINDS = ("decay", "wavelengths", "frequencies", "angles", "distance", "score")
 DEFAULT_SCHEMES = {"*": ["default", "yarn:8", "linear:8", "ntk:8"],
@@ -45,8 +45,7 @@ def add_parser(subparsers) -> None:
     rope.add_argument("--partial-rotary-factor", type=real(maximum=1.0, above=0.0), default=None,
                       help="fraction of the head that rotates")
     rope.add_argument("--config", default=None, metavar="MODEL",
-                      help="read head_dim, rope_theta, window, heads from a model's config.json: tiny, smollm2, gemma3 "
-                      "or a model folder")
+                      help="read head_dim, rope_theta, window, heads from a model's config.json: " + model_help(None))
     rope.add_argument("--seq-len", type=positive, default=None,
                       help="current length for dynamic NTK / LongRoPE (default: the scheme's extended window)")
     p.add_argument("--max-distance", type=positive, default=None,

@@ -13,7 +13,7 @@ import sys
 
 from ..evaluation.passkey import CHAT_TEMPLATE_MODES
 from ..integrations.lm_eval.options import SweepOptions
-from .args import count, fraction, positive, real, scheme_spec
+from .args import count, fraction, model_help, positive, real, scheme_spec, text_file
 
 
 def add_parser(subparsers) -> None:
@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
         "sweep", help="lm-eval tasks x schemes on one model (one lm-eval run per scheme; resumable)",
         description="`rope-patch sweep`: lm-eval tasks x position-encoding schemes on one model, one lm-eval run "
         "per scheme. Writes sweep.json/.md (+ compare-format files and plots) to --out.")
-    p.add_argument("--model", default=d.model, help="tiny, smollm2, gemma3, or a local model folder (default: tiny)")
+    p.add_argument("--model", default=d.model, help=model_help(d.model))
     p.add_argument("--schemes", nargs="+", type=scheme_spec(loaded=True), default=d.schemes, metavar="SPEC",
                    help="scheme specs as in compare: name, name:factor, name:key=value,... (default: %(default)s)")
     p.add_argument("--tasks", nargs="+", default=d.tasks, metavar="TASK",
@@ -38,7 +38,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--windows", type=positive, default=d.windows, metavar="N",
                    help="perplexity reads N x max(L, 2048) tokens at a length L, as compare (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="passkey / niah seed (default: %(default)s)")
-    p.add_argument("--heldout", default=d.heldout, help="held-out text (default: rope_patch/data/heldout.txt)")
+    p.add_argument("--heldout", type=text_file, default=d.heldout,
+                   help="held-out text (default: rope_patch/data/heldout.txt)")
     p.add_argument("--model-args", nargs="*", default=d.model_args, metavar="KEY=VALUE",
                    help="extra --model_args for every scheme (dtype=..., max_length=..., adapter=...)")
     p.add_argument("--metadata", nargs="*", default=d.metadata, metavar="KEY=VALUE", help="extra lm-eval --metadata")

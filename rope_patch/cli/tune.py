@@ -12,7 +12,18 @@ from typing import TYPE_CHECKING
 from ..evaluation.defaults import AS_LOADED
 from ..evaluation.passkey import CHAT_TEMPLATE_MODES, HAYSTACKS
 from ..schema import SEARCH_METHODS as METHODS
-from .args import count, load_model, positive, real, scheme_name, scheme_spec
+from .args import (
+    DTYPE_HELP,
+    count,
+    dtype,
+    load_model,
+    model_help,
+    positive,
+    real,
+    scheme_name,
+    scheme_spec,
+    text_file,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -29,7 +40,7 @@ def add_parser(subparsers) -> None:
         "evaluation is logged to OUT/search_log.json at once (atomically); --resume continues an interrupted search "
         "and reproduces the log of an uninterrupted one. Writes OUT/search_log.json, OUT/best.json (the best spec, "
         "ready for rope_patch.apply) and OUT/search.png.")
-    p.add_argument("--model", default="tiny", help="tiny, smollm2, gemma3, or a local model folder (default: tiny)")
+    p.add_argument("--model", default="tiny", help=model_help())
     p.add_argument("--scheme", type=scheme_name, required=True, help="the scheme to tune: longrope (evolutionary "
                    "search of its long factors) or a scalar scheme (self_extend, string, rerope, yarn, dynamic, ...)")
     p.add_argument("--target", type=count(8), required=True, metavar="N", help="target length in tokens")
@@ -80,8 +91,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-accept", action="store_true", help="skip the acceptance evaluation")
     p.add_argument("--accept-tokens", type=positive, default=None, metavar="N",
                    help="acceptance tokens per length (default: 16 windows of the target)")
-    p.add_argument("--heldout", default=None, help="held-out text (default: rope_patch/data/heldout.txt)")
-    p.add_argument("--dtype", default="float32", help="model dtype (default: %(default)s)")
+    p.add_argument("--heldout", type=text_file, default=None,
+                   help="held-out text (default: rope_patch/data/heldout.txt)")
+    p.add_argument("--dtype", type=dtype, default="float32", help=DTYPE_HELP)
     p.add_argument("--threads", type=positive, default=None, metavar="N",
                    help="torch threads (default: the cores not busy with other work)")
     p.add_argument("--out", default="tune", help="output folder (default: %(default)s)")
@@ -94,17 +106,25 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def parse_space(items) -> dict | None:
-    """['group_size=2,4,8', 'factor=2..8'] -> {'group_size': [2, 4, 8], 'factor': (2, 8)}."""
+def parse_space(items, scheme: str | None = None) -> dict | None:
+    """['group_size=2,4,8', 'factor=2..8'] -> {'group_size': [2, 4, 8], 'factor': (2, 8)}. With `scheme`, each KEY
+    must be one of its parameters (from the name table, with "Did you mean", as apply() says it)."""
     if items is None:
         return None
+    from .. import scheme_names
+    from ..registry import did_you_mean
     from ..specs import parse_spec
 
+    known = None if scheme is None else scheme_names.param_names(scheme)
     space = {}
     for item in items:
         key, eq, text = (s.strip() for s in item.partition("="))
         if not eq or not key or not text:
             raise ValueError(f"--space {item!r}: expected KEY=V1,V2,... or KEY=LO..HI.")
+        if known is not None and key not in known:
+            name = scheme_names.canonical_name(scheme)
+            raise ValueError(f"--space {item!r}: {name} has no parameter {key!r} to search.{did_you_mean(key, known)}"
+                             f" Parameters of {name!r}: {', '.join(known)}.")
         if key in space:
             raise ValueError(f"--space sets {key!r} twice.")
         value = lambda t: parse_spec(f"default:x={t}")[1]["x"]  # noqa: E731 - the spec grammar's value rules
@@ -149,7 +169,8 @@ def run(args) -> int:
     console = Console(stderr=True)
     evolution = EvolutionSettings(population=args.population, generations=args.generations, parents=args.parents,
                                   mutations=args.mutations, crossovers=args.crossovers, max_factor=args.max_factor)
-    options = TuneOptions(scheme=args.scheme, target=args.target, method=args.method, space=parse_space(args.space),
+    options = TuneOptions(scheme=args.scheme, target=args.target, method=args.method,
+                          space=parse_space(args.space, args.scheme),
                           samples=args.samples, evolution=evolution, n_tokens=args.tokens,
                           passkey_weight=args.passkey_weight, passkey_samples=args.passkey_samples,
                           objective=args.objective, haystack=args.haystack, chat_template=args.chat_template,
