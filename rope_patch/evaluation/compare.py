@@ -136,20 +136,29 @@ def parse_schemes(specs: Sequence[str]) -> list[tuple[str, object]]:
     return out
 
 
-def check_schemes(model, parsed: Sequence[tuple[str, object]]) -> None:
+PASSKEY_ANSWER = 32  # positions past a passkey prompt that its decoding may reach (check_schemes)
+
+
+def check_schemes(model, parsed: Sequence[tuple[str, object]], longest: int | None = None) -> None:
     """Apply and remove each scheme once, so that a scheme this model refuses (a LongRoPE list of the wrong
-    length, a frequency scheme on a model whose config forbids it, ...) fails before the first evaluation instead
-    of after the schemes before it ran. The model is unpatched afterwards, also on error."""
+    length, a frequency scheme on a model whose config forbids it, ...), or one that cannot run `longest` positions
+    (a learned table's rows), fails before the first evaluation instead of after the schemes before it ran. The model
+    is unpatched afterwards, also on error."""
     kind = getattr(model.config, "model_type", None) or type(model).__name__
     for spec, scheme in parsed:
         if scheme is None:  # the model as loaded
             continue
         try:
             with api.patched(model, scheme):
-                pass
+                limit = api.current(model).longest_input()
         except (ValueError, TypeError) as err:
             raise type(err)(f"Scheme {spec!r} cannot be applied to this model ({kind}): {err} "
                             "Fix it or drop it from the schemes.") from None
+        if limit is not None and longest is not None and longest > limit:
+            raise ValueError(f"Scheme {spec!r} runs at most {limit} positions on this model (its table's rows), and "
+                             f"this run's inputs reach {longest} (the longest length; a passkey prompt followed by "
+                             f"its answer): give it a larger table (e.g. max_position_embeddings={longest}), shorter "
+                             "lengths, or drop it from the schemes.")
 
 
 def check_passkey_prompts(tokenizer, token_ids, lengths, depths, seed, chat_template: bool = False,
@@ -320,7 +329,9 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     # the window the model was trained on (a shipped-scaling checkpoint's pre-training window, also under a loaded
     # patch): buckets, stars
     window = pretraining_window(model)
-    check_schemes(model, parsed)
+    # a passkey prompt of L tokens is followed by its generated answer: a 5-digit key, 1 more, and with a chat
+    # template the lead-in, fewer than PASSKEY_ANSWER tokens with any tokenizer
+    check_schemes(model, parsed, max([*lengths, *(L + PASSKEY_ANSWER for L in passkey_lengths)]))
     check_haystack(haystack)
     check_passkey_prompts(tokenizer, token_ids, passkey_lengths, depths, seed, chat, haystack)
     load_start = _loadavg()

@@ -89,7 +89,8 @@ class TableEncoding:
         if top >= self.size:
             raise ValueError(
                 f"learned_absolute: position {top} is beyond the table (max_position_embeddings={self.size}). "
-                "Re-apply with a larger max_position_embeddings."
+                f"Re-apply with a larger table: learned_absolute:max_position_embeddings={top + 1} (a spec), or "
+                f"rope_patch.apply(model, 'learned_absolute', max_position_embeddings={top + 1})."
             )
         table = getattr(self.owner, MODULE_NAME)
         return table(positions.clamp(min=0).to(execution_device(table))).to(like.device)
@@ -150,6 +151,9 @@ class LearnedAbsolute(_Additive):
 
     def served_length(self, window):
         return self.max_position_embeddings  # the table's rows: a position past them has no embedding
+
+    def longest_input(self):
+        return self.max_position_embeddings
 
     def build(self, target):
         if hasattr(target.model, MODULE_NAME):

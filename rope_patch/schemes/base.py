@@ -233,6 +233,11 @@ class Scheme:
         None: the model's own L (the default: a scheme that moves no position, or one that does not extend, Ms-PoE)."""
         return None
 
+    def longest_input(self) -> int | None:
+        """The most positions a model patched with this (resolved) scheme can run at all, past which its forward
+        fails: a learned table's rows. None: no such limit (past its window a scheme degrades, it does not fail)."""
+        return None
+
     def served_window(self, target: PatchSite) -> int | None:
         """The context window this scheme extends the model to (None: unchanged); `target` is unpatched. By default
         `served_length` of the model's `max_position_embeddings`."""

@@ -276,6 +276,10 @@ class Stack(Scheme):
         attn = self.attention
         return i - j if attn is None else attn.relative_position(i, j)
 
+    def longest_input(self) -> int | None:
+        limits = [n for p in self.schemes if (n := p.longest_input()) is not None]
+        return min(limits, default=None)
+
     def served_window(self, target: PatchSite) -> int | None:
         """The frequency part's window, then the attention part's `served_length` on it (yarn ×4 + Self-Extend groups
         positions within yarn's 4·L)."""

@@ -374,3 +374,25 @@ def test_shipped_scaling_baseline_is_the_model_as_loaded(setup):
     plain = run_compare(model, tok, ["loaded"], [32, 64], passkey_lengths=[], windows_at_longest=1, token_ids=ids)
     assert loaded == {r["length"]: r["perplexity"] for r in plain["records"]}
     assert res["schemes"][0]["params"]["rope_type"] == "llama3" and rope_patch.current(model) is None
+
+
+@pytest.mark.parametrize("specs,longest,refused", [
+    (["learned_absolute:max_position_embeddings=64"], 64, False),
+    (["learned_absolute:max_position_embeddings=64"], 65, True),
+    (["default", "learned_absolute:max_position_embeddings=64"], 200, True),
+    (["learned_absolute:max_position_embeddings=64+logn"], 65, True),  # a stack: its part's table
+    (["yarn:2", "rerope:window_size=16"], 10_000, False),  # past the window a scheme degrades, it does not fail
+])
+def test_a_scheme_that_cannot_run_the_longest_input_is_refused_before_any_evaluation(specs, longest, refused):
+    """learned_absolute's table has max_position_embeddings rows: past them its forward fails. compare checks the
+    longest input (the longest length, a passkey prompt plus its answer) against every scheme's `longest_input` before
+    the first evaluation, so no finished cell is lost to a later scheme's failure."""
+    from rope_patch.evaluation.compare import check_schemes
+
+    model = tiny_model("llama")
+    if refused:
+        with pytest.raises(ValueError, match=r"runs at most 64 positions .* max_position_embeddings=" + str(longest)):
+            check_schemes(model, parse_schemes(specs), longest)
+    else:
+        check_schemes(model, parse_schemes(specs), longest)
+    assert rope_patch.current(model) is None
