@@ -157,9 +157,9 @@ def number_list(scheme: str, key: str, value, *, gt=None, ge=None, lt=None, le=N
 
 
 def name_list(scheme: str, key: str, value, *, hint: str = "") -> tuple[str, ...]:
-    """A non-empty list of names (one name alone is a list of one: the spec `key=full_attention` gives a str), as a
-    tuple without repeats, in the order given (hashable, so schemes stay frozen)."""
-    items = [value] if isinstance(value, str) else value
+    """A non-empty list of names (a str is one name, or several joined by '/' as in a spec: `key=a/b`), as a tuple
+    without repeats, in the order given (hashable, so schemes stay frozen)."""
+    items = value.split("/") if isinstance(value, str) else value
     if isinstance(items, bytes) or not isinstance(items, (list, tuple)):
         raise TypeError(f"{_where(scheme, key)} must be a name or a list of names, got {type(value).__name__} "
                         f"{_shown(value)}.{' ' + hint if hint else ''}")

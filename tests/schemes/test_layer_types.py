@@ -107,6 +107,9 @@ def test_spec_and_python_forms():
     rope_patch.apply(model, "yarn:2", layer_types=("full_attention",))
     assert rope_patch.current(model).layer_types == ("full_attention",)
     assert rope_patch.current(model).params()["layer_types"] == ("full_attention",)
+    # a str names several joined by '/', as in the spec (a keyword and the spec give one scheme)
+    rope_patch.apply(model, "yarn", factor=2, layer_types="sliding_attention/full_attention")
+    assert rope_patch.current(model).layer_types == ("sliding_attention", "full_attention")
 
 
 # (arch, overrides, spec or (scheme, params), error, message)
