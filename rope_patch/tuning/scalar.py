@@ -16,7 +16,7 @@ import itertools
 import random
 from collections.abc import Callable
 
-from ..registry import canonical_name, get_scheme_class, list_schemes
+from ..registry import canonical_name, did_you_mean, get_scheme_class, list_schemes
 from .log import SearchLog, StopSearch
 
 Space = dict[str, list | tuple]
@@ -38,7 +38,8 @@ def check_space(scheme: str, space: Space, method: str) -> None:
     known = get_scheme_class(scheme).param_names()
     for key, values in space.items():
         if key not in known:
-            raise ValueError(f"{scheme} has no parameter {key!r} to search (parameters: {', '.join(known)}).")
+            raise ValueError(f"{scheme} has no parameter {key!r} to search (parameters: {', '.join(known)})."
+                             f"{did_you_mean(key, known)}")
         if isinstance(values, tuple):
             if method == "grid":
                 raise ValueError(f"grid search needs a list of values for {key} (KEY=V1,V2,...), got the range "

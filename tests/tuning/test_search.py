@@ -310,3 +310,10 @@ def test_the_command_line_offers_the_search_objectives():
 
     tune_parser = build_parser()._subparsers._group_actions[0].choices["tune"]
     assert next(a for a in tune_parser._actions if a.dest == "objective").choices == OBJECTIVES
+
+
+def test_a_misspelled_space_key_gets_a_did_you_mean():
+    from rope_patch.tuning.scalar import check_space
+
+    with pytest.raises(ValueError, match=r"yarn has no parameter 'factr' to search .* Did you mean 'factor'\?"):
+        check_space("yarn", {"factr": [2, 4]}, "grid")
