@@ -25,8 +25,9 @@ near what they were trained with.
 
 A scheme class without a rule (`Scheme.suggestion` returns None) is not suggested: longrope (its per-pair factors
 come from the LongRoPE search), and the schemes that need training (alibi, nope, relative_bias, sinusoidal,
-learned_absolute, p_rope, a new rope_theta). For N ≤ L only STRING is suggested: the model serves N as it was
-trained, and the extension schemes would only move it away from that.
+learned_absolute, p_rope, a new rope_theta). For N ≤ L only STRING and Ms-PoE are suggested (they help the model
+use its window, the middle of a long context): the model serves N as it was trained, and the extension schemes would
+only move it away from that.
 
 Each suggestion is one `rope_patch.apply` accepts on this model: a scheme it refuses there (a rope type the config
 class rejects, a width the attention does not rotate, an attention the side-by-side check cannot show exact, ...) is
@@ -85,7 +86,7 @@ def suggest(model: nn.Module, target_length: int, *, verify: bool = True, check:
     Returns:
         One `Suggestion` per scheme with a rule that `apply` accepts on this model (its `spec`, `params`, `reason`
             and whether it serves N `alone`): the frequency schemes first, then the attention-side ones, then those
-            that need a frequency scheme with them. For N ≤ L only STRING.
+            that need a frequency scheme with them. For N ≤ L only STRING and Ms-PoE.
 
     Raises:
         ValueError: a target below 2 tokens or beyond 1024 × L; with `verify`, a model whose weights are not loaded
