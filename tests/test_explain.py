@@ -59,3 +59,19 @@ def test_cli_config_takes_a_zoo_name_and_never_the_hub(capsys):
     assert main(["explain", "yarn:4", "--config", "no-such-model"]) == 2  # a name, not a hub download
     err = capsys.readouterr().err
     assert "Unknown model 'no-such-model'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_cli_explains_each_layer_type_of_a_per_layer_type_config(tmp_path, capsys):
+    """`rope-patch explain --config` on a model whose RoPE is per layer type (Gemma 3: θ 1e4 on its sliding layers,
+    1e6 on its full ones) prints each type's layout, named; it showed the full layers' alone, unnamed."""
+    from helpers.models import tiny_model
+
+    from rope_patch.cli import main
+
+    tiny_model("gemma3_text", layer_types=["sliding_attention", "full_attention"], sliding_window=8).config \
+        .save_pretrained(tmp_path)
+    assert main(["explain", "yarn:8", "--config", str(tmp_path)]) == 0
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("yarn")]
+    assert sorted(h.rsplit("(", 1)[1] for h in heads) == ["full_attention layers)", "sliding_attention layers)"]
+    assert main(["explain", "yarn:8", "--config", "tiny"]) == 0
+    assert "layers)" not in capsys.readouterr().out

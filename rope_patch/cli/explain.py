@@ -34,6 +34,13 @@ def run(args) -> int:
     from .. import analysis  # torch: only now, after the arguments parsed
 
     rope = {k: v for k, v in rope_layout(args).items() if not k.startswith("_")}
+    # a config whose RoPE is per layer type (Gemma 3's sliding and full attention layers): each type's layout, named
+    entries = getattr(rope.get("config"), "rope_parameters", None) or {}
+    types = [t for t, entry in entries.items() if isinstance(entry, dict)] or [None]
     for spec in args.schemes:
-        print("\n".join(analysis.explain(spec, **rope).lines()))
+        for layer_type in types:
+            lines = analysis.explain(spec, **rope, **({"layer_type": layer_type} if layer_type else {})).lines()
+            if layer_type:
+                lines[0] += f" ({layer_type} layers)"
+            print("\n".join(lines))
     return 0
