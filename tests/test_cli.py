@@ -350,12 +350,14 @@ def test_list_prints_the_live_registry(capsys):
     for alias, name in registry.aliases().items():
         by_scheme.setdefault(name, []).append(alias)
     expected = []
-    for name in registry.list_schemes():
+    # a test's own scheme, registered in this process, is not listed
+    names = [n for n in registry.list_schemes()
+             if registry.get_scheme_class(n).__module__.startswith("rope_patch.schemes.")]
+    width = max(map(len, names))  # the longest name sets the first column
+    for name in names:
         cls = registry.get_scheme_class(name)
-        if not cls.__module__.startswith("rope_patch.schemes."):  # a test's own scheme, registered in this process
-            continue
         extra = f" (aliases: {', '.join(sorted(by_scheme[name]))})" if name in by_scheme else ""
-        expected.append(f"{name:<16} {cls.kind:<10} {', '.join(cls.param_names()) or '-'}{extra}")
+        expected.append(f"{name:<{width}} {cls.kind:<10} {', '.join(cls.param_names()) or '-'}{extra}")
     assert capsys.readouterr().out.splitlines() == expected
 
 
@@ -369,3 +371,18 @@ def test_the_command_line_starts_without_optional_or_heavy_imports():
             "if m in sys.modules]; assert not heavy, heavy")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_list_aligns_its_columns_and_stops_quietly_when_its_reader_leaves(capsys):
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len({line.index(line.split()[1], len(line.split()[0])) for line in lines}) == 1  # the kind column
+    import subprocess
+    import sys
+
+    # the reader left (`rope-patch list | head -1`): a write raises BrokenPipeError, which ends the command quietly
+    code = ("import importlib\nm = importlib.import_module('rope_patch.cli.main')\n"
+            "def gone(args):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+            "m._list = gone\nraise SystemExit(m.main(['list']))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stderr == "", run.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 import textwrap
 
@@ -123,9 +124,12 @@ def _list(args) -> int:
     by_scheme: dict[str, list[str]] = {}
     for alias, name in scheme_names.aliases().items():
         by_scheme.setdefault(name, []).append(alias)
-    for name in scheme_names.list_schemes():  # the built-in schemes, from the table generated from their classes
+    names = scheme_names.list_schemes()  # the built-in schemes, from the table generated from their classes
+    width = max(map(len, names))
+    for name in names:
         extra = f" (aliases: {', '.join(sorted(by_scheme.get(name, [])))})" if name in by_scheme else ""
-        print(f"{name:<16} {scheme_names.kind(name):<10} {', '.join(scheme_names.param_names(name)) or '-'}{extra}")
+        print(f"{name:<{width}} {scheme_names.kind(name):<10} {', '.join(scheme_names.param_names(name)) or '-'}"
+              f"{extra}")
     return 0
 
 
@@ -161,6 +165,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted.{_kept(args)}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`rope-patch list | head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        return 0
     except Exception as err:  # noqa: BLE001 - the whole point: one line, not a traceback
         print(f"{prog}: error: {describe(err)}{_kept(args)}", file=sys.stderr)
         return 2
