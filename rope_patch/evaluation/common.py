@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import os
 import platform
 import subprocess
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,6 +135,28 @@ def _head(model):
     return head
 
 
+_OWN_LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its logits' dtype, or None
+
+
+def sliced_head(model, input_ids: torch.Tensor) -> torch.dtype | None:
+    """The dtype of `model`'s own logits where its decoder and `_head` give them (checked once per model, on the
+    first 8 tokens of `input_ids`, against the model's forward), else None: an output step `_head` does not know
+    (FalconH1's lm_head_multiplier, RecurrentGemma's logits_soft_cap) or a decoder that does not run alone (Llama 4,
+    Mllama, Blt: wrappers), where the callers run the model's own forward instead."""
+    if model not in _OWN_LOGITS:
+        ids = input_ids[:1, :8]
+        try:
+            with torch.no_grad():
+                want = model(input_ids=ids).logits
+                got = _head(model)(model.get_decoder()(input_ids=ids).last_hidden_state)
+            tol = 1e-4 * max(1.0, float(want.float().abs().max()))
+            same = got.shape == want.shape and bool(((got - want.float()).abs() <= tol).all())
+        except Exception:  # noqa: BLE001 (a decoder that cannot run alone: the model's own forward then)
+            same = False
+        _OWN_LOGITS[model] = want.dtype if same else None
+    return _OWN_LOGITS[model]
+
+
 def _logit_slices(model, hidden: torch.Tensor, start: int, end: int) -> Iterator[tuple[int, torch.Tensor]]:
     """(a, logits [b, n, vocab] float32 of positions a … a + n − 1) over positions [start, end) of `hidden`
     [b, T, hidden], LOGITS_BUDGET_BYTES of logits at a time."""
@@ -143,6 +167,18 @@ def _logit_slices(model, hidden: torch.Tensor, start: int, end: int) -> Iterator
         yield a, head(hidden[:, a:min(a + step, end)])
 
 
+def _positions_logits(model, input_ids: torch.Tensor, start: int, end: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(a, logits) over positions [start, end) of `input_ids`: the decoder once, then the output projection a slice
+    at a time (`_logit_slices`); the model's own forward, all at once, where that differs (`sliced_head`)."""
+    if sliced_head(model, input_ids) is not None:
+        yield from _logit_slices(model, model.get_decoder()(input_ids=input_ids).last_hidden_state, start, end)
+        return
+    keep = {"logits_to_keep": input_ids.shape[1] - start} if "logits_to_keep" in inspect.signature(
+        model.forward).parameters else {}
+    logits = model(input_ids=input_ids, **keep).logits.float()
+    yield start, logits[:, logits.shape[1] - (input_ids.shape[1] - start):][:, :end - start]
+
+
 @torch.no_grad()
 def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Per-token negative log-likelihood [batch, T-1] of `input_ids` [batch, T] (position t predicts t+1).
@@ -150,31 +186,37 @@ def token_nll(model, input_ids: torch.Tensor) -> torch.Tensor:
     The decoder runs once; the output projection and the loss run over slices of positions so that at most
     LOGITS_BUDGET_BYTES of logits exist at a time.
     """
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [b, T, hidden]
     b, t = input_ids.shape
     out = torch.empty(b, t - 1, dtype=torch.float32)
-    for a, logits in _logit_slices(model, hidden, 0, t - 1):
-        targets = input_ids[:, a + 1:a + 1 + logits.shape[1]]
+    for a, logits in _positions_logits(model, input_ids, 0, t - 1):
+        targets = input_ids[:, a + 1:a + 1 + logits.shape[1]].to(logits.device)
         out[:, a:a + logits.shape[1]] = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").cpu()
     return out
 
 
 @torch.no_grad()
-def continuation_loglikelihood(model, input_ids: torch.Tensor, continuation: list[int],
-                               softmax_dtype: torch.dtype | None = None) -> tuple[float, bool]:
-    """lm-eval's answer to a log-likelihood request: the sum of log p over `continuation`, the tokens the last
-    len(continuation) positions of `input_ids` [1, T] predict, and whether each is the greedy choice. The logits
-    exist LOGITS_BUDGET_BYTES at a time (lm-eval's own path holds all T × vocab: 69 GB at 64k for Gemma 3)."""
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state
-    t, n = input_ids.shape[1], len(continuation)
-    targets = torch.tensor(continuation, device=hidden.device)[None]
-    total, greedy = 0.0, True
-    for a, logits in _logit_slices(model, hidden, t - n, t):
-        logp = F.log_softmax(logits, dim=-1, dtype=softmax_dtype)
-        want = targets[:, a - (t - n):a - (t - n) + logits.shape[1]]
-        total += float(logp.gather(-1, want[..., None]).sum())
-        greedy = greedy and bool((logp.argmax(-1) == want).all())
-    return total, greedy
+def continuation_loglikelihoods(model, input_ids: torch.Tensor, continuations: list[list[int]],
+                                softmax_dtype: torch.dtype | None = None) -> list[tuple[float, bool]]:
+    """lm-eval's answers to log-likelihood requests that share their input `input_ids` [1, T] (a one-token option
+    each, after one context; or one request): per continuation, the sum of log p over its tokens, which the last
+    len(continuation) positions predict, and whether each is the greedy choice. The logits exist LOGITS_BUDGET_BYTES
+    at a time (lm-eval's own path holds all T × vocab: 69 GB at 64k for Gemma 3), in the dtype the model's own
+    forward gives them, as lm-eval's log-softmax takes them."""
+    t, longest = input_ids.shape[1], max(map(len, continuations))
+    dtype = sliced_head(model, input_ids) or torch.float32
+    totals, greedy = [0.0] * len(continuations), [True] * len(continuations)
+    for a, logits in _positions_logits(model, input_ids, t - longest, t):
+        logp = F.log_softmax(logits.to(dtype), dim=-1, dtype=softmax_dtype)
+        best = logp.argmax(-1)
+        for k, continuation in enumerate(continuations):
+            first = t - len(continuation)  # the position that predicts its first token
+            lo, hi = max(a, first), min(a + logits.shape[1], t)
+            if lo >= hi:
+                continue
+            want = torch.tensor(continuation[lo - first:hi - first], device=logp.device)[None]
+            totals[k] += float(logp[:, lo - a:hi - a].gather(-1, want[..., None]).sum())
+            greedy[k] = greedy[k] and bool((best[:, lo - a:hi - a] == want).all())
+    return list(zip(totals, greedy, strict=True))
 
 
 # ---- length-dependent RoPE --------------------------------------------------------------------------------------

@@ -32,9 +32,19 @@ def stream():
     return torch.randint(3, VOCAB, (2000,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere", "granite"])
-def test_chunked_nll_equals_full_logits(monkeypatch, arch):
-    m = tiny_model(arch)
+# the output steps `_head` knows (Gemma 2's soft-capping, Cohere's scale, Granite's division), and those it does not,
+# where the model's own forward runs instead: FalconH1's lm_head_multiplier, RecurrentGemma's logits_soft_cap, a
+# decoder that does not run alone (Llama 4's, inside its multimodal wrapper)
+HEADS = [("llama", {}), ("gemma2", {}), ("cohere", {}), ("granite", {}), ("falcon_h1", {"lm_head_multiplier": 0.25}),
+         ("recurrent_gemma", {}), ("llama4", {})]
+
+
+@pytest.mark.parametrize("arch,overrides", HEADS, ids=[a for a, _ in HEADS])
+def test_chunked_nll_and_continuations_equal_the_models_own_logits(monkeypatch, arch, overrides):
+    """token_nll (perplexity) and continuation_loglikelihoods (lm-eval's long requests) give the model's own
+    forward's numbers, a slice of positions at a time where the decoder and the output step reproduce the forward,
+    the forward itself where they do not (checked once per model: `common.sliced_head`)."""
+    m = tiny_model(arch, **overrides)
     ids = torch.randint(3, VOCAB, (2, 50))
     with torch.no_grad():
         full = F.cross_entropy(m(ids).logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
@@ -42,6 +52,17 @@ def test_chunked_nll_equals_full_logits(monkeypatch, arch):
     got = token_nll(m, ids)
     assert got.shape == (2, 49)
     torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+    # two one-token continuations after one input, and a longer one: lm-eval's (sum of log p, greedy) from full logits
+    with torch.no_grad():
+        logp = F.log_softmax(m(ids[:1]).logits.float(), dim=-1)[0]
+    options = [[int(logp[-1].argmax())], [5], ids[0, 40:].tolist()]
+    answers = common.continuation_loglikelihoods(m, ids[:1], options)
+    for (total, greedy), option in zip(answers, options, strict=True):
+        part = logp[50 - len(option):]
+        assert abs(total - float(part.gather(-1, torch.tensor(option)[:, None]).sum())) <= 1e-4
+        assert greedy == bool((part.argmax(-1) == torch.tensor(option)).all())
+    assert answers[0][1] and (common.sliced_head(m, ids) is None) == (arch in ("falcon_h1", "recurrent_gemma",
+                                                                                 "llama4"))
 
 
 def test_windows_are_consecutive_and_non_overlapping(stream):

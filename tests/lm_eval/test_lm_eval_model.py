@@ -264,7 +264,8 @@ def test_long_loglikelihood_requests_hold_a_slice_of_logits_at_a_time(assets, mo
     rows = torch.randint(3, n, (4, 60), generator=torch.Generator().manual_seed(6)).tolist()
     greedy = lm._model_call(torch.tensor([rows[3][:40]]))[0, -1].argmax().item()
     requests = [(("a", "b"), rows[0][:50], rows[0][50:55]), (("c", "d"), rows[1][:10], rows[1][10:12]),
-                ((None, None), [rows[2][0]], rows[2][1:60]), (("e", "f"), rows[3][:40], [greedy])]
+                ((None, None), [rows[2][0]], rows[2][1:60]), (("e", "f"), rows[3][:40], [greedy]),
+                (("g", "h"), rows[3][:40], [7])]  # one input, two one-token options: one forward
     text = lm.tokenizer.decode(rows[2], skip_special_tokens=True)
     monkeypatch.setattr(common, "LOGITS_BUDGET_BYTES", 4 * n * 7)  # slices of 7 positions
 
@@ -285,5 +286,5 @@ def test_long_loglikelihood_requests_hold_a_slice_of_logits_at_a_time(assets, mo
                                atol=1e-4, rtol=1e-6)
     torch.testing.assert_close(torch.tensor(long_rolling), torch.tensor(rolling), atol=1e-4, rtol=1e-6)
     # every keyed request and the rolling document (lm-eval adds them in its own batch order)
-    assert sorted(repr(c[:2]) for c in long_cached) == sorted(repr(c[:2]) for c in cached) and len(cached) == 5
+    assert sorted(repr(c[:2]) for c in long_cached) == sorted(repr(c[:2]) for c in cached) and len(cached) == 6
     assert all(shape[1] < 32 for shape in long_calls) and max(shape[1] for shape in calls) >= 49

@@ -294,18 +294,22 @@ class RopePatchLM(HFLM):
         answers = dict(zip(short, super()._loglikelihood_tokens(
             [requests[i] for i in short], disable_tqdm=disable_tqdm, override_bs=override_bs) if short else [],
             strict=True))
+        groups: dict[tuple, list[int]] = {}  # one input, several continuations (one-token options): one forward
         for i, ids in long.items():
-            # lm-eval's answer with its logits a slice of positions at a time: its own path holds every position's
+            groups.setdefault(tuple(ids), []).append(i)
+        for ids, members in groups.items():
+            # lm-eval's answers with the logits a slice of positions at a time: its own path holds every position's
             # (and their log-softmax), about 69 GB each at 64k for a 262k vocabulary
-            request, _, continuation_enc = requests[i]
             inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
             with common.windowed_from(self.model, len(ids)), torch.autocast(
                     device_type=self.device.type, dtype=getattr(self, "mixed_precision_dtype", None),
                     enabled=getattr(self, "mixed_precision_dtype", None) is not None):
-                answers[i] = common.continuation_loglikelihood(self.model, inputs, continuation_enc,
-                                                               getattr(self, "softmax_dtype", None))
-            if request is not None:  # as lm-eval's: rolling windows (no key) are cached per document instead
-                self.cache_hook.add_partial("loglikelihood", request, answers[i])
+                got = common.continuation_loglikelihoods(self.model, inputs, [requests[i][2] for i in members],
+                                                         getattr(self, "softmax_dtype", None))
+            for i, answer in zip(members, got, strict=True):
+                answers[i] = answer
+                if requests[i][0] is not None:  # as lm-eval's: rolling windows (no key) are cached per document
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         return [answers[i] for i in range(len(requests))]
 
     # ---- exact-token documents -------------------------------------------------------------------------------------
