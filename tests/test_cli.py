@@ -380,9 +380,27 @@ def test_list_aligns_its_columns_and_stops_quietly_when_its_reader_leaves(capsys
     import subprocess
     import sys
 
-    # the reader left (`rope-patch list | head -1`): a write raises BrokenPipeError, which ends the command quietly
-    code = ("import importlib\nm = importlib.import_module('rope_patch.cli.main')\n"
-            "def gone(args):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
-            "m._list = gone\nraise SystemExit(m.main(['list']))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and run.stderr == "", run.stderr
+    # the reader of stdout left (`rope-patch list | head -1`): the write's BrokenPipeError ends the command quietly;
+    # one from another pipe (a worker's) is a failure, said in one line
+    for stdout_gone, what in ((True, "print('x' * 100_000)"), (False, "raise BrokenPipeError(32, 'Broken pipe')")):
+        code = ("import importlib\nm = importlib.import_module('rope_patch.cli.main')\n"
+                f"def gone(args):\n    {what}\n    return 0\n"
+                "m._list = gone\nraise SystemExit(m.main(['list']))")
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        if stdout_gone:
+            child.stdout.close()
+            err = child.stderr.read()
+        else:
+            err = child.communicate(timeout=120)[1]
+        code = child.wait(timeout=120)
+        if stdout_gone:
+            assert code == 0 and err == "", err
+        else:
+            assert code == 2 and err.strip() == "rope-patch list: error: [Errno 32] Broken pipe", err
+
+
+@pytest.mark.parametrize("command", [["compare"], ["tune", "--scheme", "yarn", "--target", "512"]])
+def test_resume_and_overwrite_are_one_or_the_other(command, capsys):
+    assert main([*command, "--resume", "--overwrite"]) == 2
+    assert "argument --overwrite: not allowed with argument --resume" in capsys.readouterr().err

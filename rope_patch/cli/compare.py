@@ -76,12 +76,13 @@ def add_parser(subparsers) -> None:
                    help="torch threads, >= 1 (default: the cores not busy with other work, from the load average; "
                    "on a busy machine extra threads wait for cores and slow small models down several-fold)")
     p.add_argument("--out", default="results", help="output folder (default: %(default)s)")
-    p.add_argument("--resume", action="store_true",
-                   help="reuse the scheme x length cells already in OUT/compare.json (same model and settings; "
-                   "schemes and lengths may be added) and evaluate only the missing ones")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in OUT (without it, or --resume, such a folder is "
-                   "refused before anything runs)")
+    again = p.add_mutually_exclusive_group()  # an earlier run in OUT: go on from it, or replace it
+    again.add_argument("--resume", action="store_true",
+                       help="reuse the scheme x length cells already in OUT/compare.json (same model and settings; "
+                       "schemes and lengths may be added) and evaluate only the missing ones")
+    again.add_argument("--overwrite", action="store_true",
+                       help="replace the results of an earlier run in OUT (without it, or --resume, such a folder is "
+                       "refused before anything runs)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=run)
 

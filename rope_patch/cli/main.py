@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import select
 import sys
 import textwrap
 
@@ -165,12 +166,26 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted.{_kept(args)}", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader left (`rope-patch list | head`): stop quietly, as other tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
-        return 0
+    except BrokenPipeError as err:
+        if _stdout_gone():  # the reader of stdout left (`rope-patch list | head`): stop quietly, as other tools do,
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and let the exit's flush pass
+            return 0
+        print(f"{prog}: error: {describe(err)}{_kept(args)}", file=sys.stderr)  # another pipe: a real failure
+        return 2
     except Exception as err:  # noqa: BLE001 - the whole point: one line, not a traceback
         print(f"{prog}: error: {describe(err)}{_kept(args)}", file=sys.stderr)
         return 2
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll's POLLERR on its write end; Linux says so, elsewhere
+    False: the error is then reported)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or a stdout without a file descriptor
+        return False
 
 
 def _kept(args) -> str:

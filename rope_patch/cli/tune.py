@@ -97,11 +97,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=positive, default=None, metavar="N",
                    help="torch threads (default: the cores not busy with other work)")
     p.add_argument("--out", default="tune", help="output folder (default: %(default)s)")
-    p.add_argument("--resume", action="store_true", help="continue the search logged in OUT/search_log.json (same "
-                   "model, settings and text; --max-evals / --budget-minutes may change)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the search logged in OUT (without it, or --resume, such a folder is refused before "
-                   "anything runs)")
+    again = p.add_mutually_exclusive_group()  # an earlier run in OUT: go on from it, or replace it
+    again.add_argument("--resume", action="store_true", help="continue the search logged in OUT/search_log.json (same "
+                       "model, settings and text; --max-evals / --budget-minutes may change)")
+    again.add_argument("--overwrite", action="store_true",
+                       help="replace the search logged in OUT (without it, or --resume, such a folder is refused "
+                       "before anything runs)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
     p.set_defaults(func=run)
 
