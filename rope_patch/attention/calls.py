@@ -134,7 +134,10 @@ def begin(state, call: AttentionCall) -> None:
 
 
 def make_call(module, query, key, value, scaling, softcap, position_ids, indices=None) -> AttentionCall:
-    handed = position_ids  # as the layer passed them: a re-positioned layer's true ones may be cut to its queries
+    # the ids as the layer passed them to attention: a layer cut to its last queries passes every token's (Gemma 4);
+    # a re-positioned layer's true ones come from its position embeddings, cut alike or, where the model rotates every
+    # cached key again at each step (Qwen4-Exp's indexer), the whole history's, which says nothing of a prompt
+    handed = position_ids
     queries, keys, value, position_ids = unstack(module, query, key, value, position_ids, indices)
     values = value if isinstance(value, tuple) else ()
     value = values[0] if values else value
@@ -148,7 +151,7 @@ def make_call(module, query, key, value, scaling, softcap, position_ids, indices
     tokens = (current.tokens or q_len) if current is not None and current.memory_layer else k_len
     memory = k_len - tokens
     q_slot = torch.arange(tokens - q_len, tokens, device=query.device)
-    prompt = q_len == tokens or any(p is not None and p.shape[-1] == tokens for p in (handed, position_ids))
+    prompt = q_len == k_len or (handed is not None and handed.shape[-1] == k_len)  # memory entries are no tokens
     queries = tuple(q.view(b, hkv, h // hkv, q_len, d) if q is not None else None for q in queries)
     offset = _offsets(position_ids, q_slot)
     q_ids = None

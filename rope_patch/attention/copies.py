@@ -452,6 +452,13 @@ class Reentry:
         positions = made.position_ids if made is not None else call.get("position_ids")
         if positions is None:  # no positions reach the layer (a NoPE layer): nothing to move, it runs as it is
             return self._run(call, None, positionless=True)  # a rule that needs positions can refuse
+        recorder = module_state(module).recorder
+        hidden = call[next(iter(call))]
+        if (recorder is not None and made is not None and isinstance(hidden, torch.Tensor) and hidden.dim() > 1
+                and positions.shape[-1] > hidden.shape[1]):
+            # embeddings for more positions than the layer's tokens (every cached key's, at a decoding step: Qwen4-Exp's
+            # indexer rotates them all again): something in the layer reads every key's position, at copy 0's
+            recorder.rereads.add(module)
         # SEQUENTIAL: a prefill holds the layer's activations once; a decoding step runs stacked as HEADS (one call
         # costs less than c; the cache is laid out alike), and so does a layer with memory entries (DeepSeek-V4)
         if self.cache_mode == SEQUENTIAL and positions.shape[-1] > settings.DECODE_ROWS and not self.memory:

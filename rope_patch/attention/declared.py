@@ -61,7 +61,7 @@ class Declared(AttentionRule):
         bias = self.geometry.bias
         return (type(self).__qualname__, tuple((r.query, r.keys, r.first is not None, r.chosen)
                                                for r in self.geometry.regions),
-                None if bias is None else type(bias).__qualname__)
+                None if bias is None else type(bias).__qualname__, self.geometry.hides)
 
     def fused_rows(self, heads):
         if self.geometry.chunk is not None:  # rows split at chunk boundaries: long blocks keep whole chunks together

@@ -98,6 +98,17 @@ class Geometry:
         """The chunk size the regions count in (None: they count distances)."""
         return self.regions[0].chunk
 
+    @property
+    def hides(self) -> bool:
+        """Whether some causal key is hidden whatever its token: a band of distances (or chunks) that no region open
+        to every key covers (StreamingLLM's and LM-Infinite's middle, where only the first tokens' keys count)."""
+        reach = 0
+        for lo, hi in sorted((r.lo, r.hi) for r in self.regions if r.first is None):
+            if lo > reach:
+                return True
+            reach = max(reach, hi)
+        return reach < math.inf
+
     def reach(self, distance: int) -> tuple[Region, ...]:
         """The regions a key at most `distance` back (in the regions' unit: positions or chunks) can fall in."""
         return tuple(r for r in self.regions if r.lo <= distance)

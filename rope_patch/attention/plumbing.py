@@ -105,6 +105,7 @@ class Recorder:
     def __init__(self):
         self.calls, self.query, self.key, self.value = 0, None, None, None
         self.chooses: set = set()  # layers that hand attention a sparse-attention indexer's choice of keys
+        self.rereads: set = set()  # layers handed every cached key's position embeddings at a decoding step
 
     def seen(self, query, key, value=None, module=None, indices=None):
         self.calls, self.query, self.key, self.value = self.calls + 1, query, key, value
@@ -489,12 +490,28 @@ def verify(target, name: str, rule, layouts: dict, backend: str, rotate_referenc
             for c, impl in backends:  # as it was (set_attn_implementation would re-check e.g. flash_attn)
                 c._attn_implementation_internal = impl
         check.step = "the layers' structure"
+        if recorder.chooses and getattr(getattr(rule, "geometry", None), "hides", False):
+            m = min(recorder.chooses, key=lambda m: getattr(m, "layer_idx", -1))
+            CHECKED[key] = (
+                f"{type(m).__name__} (layer {getattr(m, 'layer_idx', '?')}) attends only to the keys its "
+                "sparse-attention indexer chose for each query, and this scheme hides every key between the first "
+                "tokens and its window: a query whose chosen keys all lie there has no key left, and its output is "
+                "undefined (cached decoding and recomputation differ). The pair is refused and the model is left as it "
+                "was; on this model use a scheme that keeps every key (rerope, self_extend, ...).")
+            raise ValueError(f"{name}: {CHECKED[key]}")
         for m in recorder.chooses:  # a sparse-attention indexer chooses keys at copy 0's positions
             layout = layouts.get(m)
             if layout is not None and not isinstance(layout.maps[0], Identity):
                 check.note(m, "it hands attention a sparse-attention indexer's choice of keys, made at copy 0's "
                               "positions; this scheme moves every copy (DCA: chunk positions), so none is the tokens' "
                               "own for the indexer to choose at")
+        for m in recorder.rereads - recorder.chooses:
+            layout = layouts.get(m)
+            if layout is not None and not isinstance(layout.maps[0], Identity):
+                check.note(m, "at a decoding step it receives the position embeddings of every cached key, not only "
+                              "of its new tokens: something inside it (a sparse-attention indexer: Qwen4-Exp) reads "
+                              "every key's position, at copy 0's; this scheme moves every copy (DCA: chunk positions, "
+                              "Ms-PoE: 0 and p/r), so none is the tokens' own for it to read")
         if not check.findings:
             CHECKED[key] = mode, shared
             return mode, layouts

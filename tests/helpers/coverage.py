@@ -258,10 +258,12 @@ def refused(version: Version = INSTALLED) -> dict[str, dict[str, tuple[str, str]
             "runs without positions",
             "its global layers receive no positions (NoPE), and a scheme that hides keys (StreamingLLM, LM-Infinite) "
             "must hide their middle keys by the tokens' positions too")) if before("5.25", version) else {},
-        "qwen4_exp": dict.fromkeys(REPOSITIONING, ("apply-time check",
-                                                   "its sparse indexer reads position ids stored on the cache, which "
-                                                   "the position copies do not reach (the check's cached decoding "
-                                                   "fails)")),
+        # its indexer rotates every cached key again at each decoding step, from the position embeddings the layer
+        # receives: at copy 0's positions, which DCA and Ms-PoE move
+        "qwen4_exp": dict.fromkeys(("dca", "ms_poe"), (
+            "reads every key's position",
+            "its sparse indexer re-reads every cached key's position at each decoding step, at the layer's first "
+            "position copy, which DCA (chunk positions) and Ms-PoE (0 and p/r) move")),
         # before 5.21 Zaya's layers read their convolution state straight off the cache layer
         # (`layers[i].conv_states`), where the position copies' cache view does not stack it; from 5.21 they ask the
         # cache (`get_conv_state`)
@@ -276,7 +278,11 @@ def refused(version: Version = INSTALLED) -> dict[str, dict[str, tuple[str, str]
         **{f: {"dca": ("sparse-attention indexer's choice of keys",
                        f"{sparse_indexer}; DCA moves every copy, so no copy has them"),
                "ms_poe": ("apply-time check", f"{sparse_indexer}; Ms-PoE moves every copy (to 0 and p/r), so no copy "
-                                              "has them")}
+                                              "has them"),
+               **dict.fromkeys(("sink", "lm_infinite"), (
+                   "hides every key between the first tokens and its window",
+                   "attention reads only the keys a sparse-attention indexer chose; a scheme that hides the middle "
+                   "keys (StreamingLLM, LM-Infinite) leaves a query whose chosen keys all lie there no key at all"))}
            for f in ("axk2", "deepseek_v32", "dots3_note", "glm_moe_dsa", "hy_v4")},
     }
 

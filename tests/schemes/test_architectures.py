@@ -6,6 +6,8 @@ what each cannot serve and why; the frequency schemes run in test_frequency.py o
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -204,21 +206,25 @@ def test_cached_decoding_equals_recomputation(arch, scheme, params):
     assert max((a - b).abs().max().item() for a, b in zip(cached.logits, full.logits, strict=True)) <= 1e-5
 
 
-# Gemma 4's KV-shared layers (the last num_kv_shared_layers) read every key from an earlier layer, so in a prefill
-# under generate's integer `logits_to_keep` the decoder runs them on the prompt's last token only
-# (`_maybe_slice_kv_shared_inputs`), while their position ids stay every token's: one query, 40 keys, 40 ids, and no
-# cached past. Every attention-side scheme at the coverage table's real setting (windows crossed while decoding).
-CUT_PREFILL = [(f, b, s, pad) for f, b in (("gemma4", "sdpa"), ("gemma4_unified", "eager")) for s in coverage.ATTENTION
-               for pad in (True, False)]
+# Layers handed position ids or embeddings for more positions than their queries. Gemma 4's KV-shared layers (the last
+# num_kv_shared_layers) read every key from an earlier layer, so in a prefill under generate's integer `logits_to_keep`
+# the decoder runs them on the prompt's last token only (`_maybe_slice_kv_shared_inputs`), their position ids every
+# token's: one query, 40 keys, 40 ids, no cached past. Qwen4-Exp hands its layers the embeddings of every cached key at
+# each decoding step (its sparse indexer rotates them all again). Every attention-side scheme the coverage table has
+# exact there, at its real setting (windows crossed while decoding), padded and not.
+LONG_IDS = {"gemma4": "sdpa", "gemma4_unified": "eager", "qwen4_exp": "sdpa"}
+LONG_ID_CASES = [(f, b, s, pad) for f, b in LONG_IDS.items() for s in coverage.ATTENTION
+                 if coverage.expected(f, s) is None for pad in (True, False)]
 
 
-@pytest.mark.parametrize("folder,backend,scheme,padded", CUT_PREFILL,
-                         ids=[f"{f}-{b}-{s}-{'pad' if p else 'nopad'}" for f, b, s, p in CUT_PREFILL])
-def test_cached_decoding_through_layers_that_prefill_their_last_query_only(folder, backend, scheme, padded):
+@pytest.mark.parametrize("folder,backend,scheme,padded", LONG_ID_CASES,
+                         ids=[f"{f}-{b}-{s}-{'pad' if p else 'nopad'}" for f, b, s, p in LONG_ID_CASES])
+def test_cached_decoding_where_layers_get_more_positions_than_queries(folder, backend, scheme, padded):
     """Greedy generate with the cache, 6 tokens after a 40-token prompt: each step's logits are a forward over the
     whole sequence without a cache (Ms-PoE: with the prompt's head order, the prompt in the cache and the generated
-    tokens in one call); before, the cut layers' prompt failed (its ids read as the single query's) and Ms-PoE's
-    order was never computed there, so its first decoding step refused."""
+    tokens in one call). Before, the ids were read as the queries' own: an IndexError (Gemma 4's cut prefill; on
+    Qwen4-Exp in the apply-time check's decoding, which refused every re-positioning scheme), and Ms-PoE computed no
+    head order in Gemma 4's cut prefill, so its first decoding step refused."""
     model = rope_patch.apply(tiny_model(folder, attn_implementation=backend), scheme, **coverage.ATTENTION[scheme][1])
     ids, kw, _ = coverage.batch(folder)
     mask = kw["attention_mask"] if padded else torch.ones_like(ids)
@@ -238,6 +244,24 @@ def test_cached_decoding_through_layers_that_prefill_their_last_query_only(folde
                                       position_ids=pos[:, :n + t]).logits[:, -1] for t in range(new)], dim=1)
     got = torch.stack(list(out.logits), dim=1)
     assert ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item() <= coverage.TOL
+
+
+# Refused since the decoding sweep: a scheme that hides the middle keys where attention reads only a sparse indexer's
+# chosen keys (a query whose picks all lie in the middle has no key left: its output differed between cached decoding
+# and recomputation), and DCA / Ms-PoE where a layer re-reads every cached key's position at copy 0's positions
+HIDES, REREADS = "hides every key between the first tokens and its window", "reads every key's position"
+DECODING_REFUSALS = [(f, s, why[0]) for f, row in coverage.REFUSED.items() for s, why in row.items()
+                     if why[0] in (HIDES, REREADS)]
+
+
+@pytest.mark.parametrize("folder,scheme,phrase", DECODING_REFUSALS, ids=[f"{f}-{s}" for f, s, _ in DECODING_REFUSALS])
+def test_schemes_whose_decoding_cannot_be_exact_are_refused_at_apply(folder, scheme, phrase):
+    model = tiny_model(folder, attn_implementation=coverage.backend(folder))
+    ids, kw, _ = coverage.batch(folder)
+    before = logits(model, ids, **kw)
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        rope_patch.apply(model, scheme, **coverage.ATTENTION[scheme][1])
+    assert rope_patch.current(model) is None and torch.equal(logits(model, ids, **kw), before)
 
 
 def test_deepseek_scale_survives_plain_save_reload_deepcopy_and_remove(tmp_path):
