@@ -387,7 +387,7 @@ REFUSED = [  # (what is applied, error type, words the message must hold)
     (["logn", "yarn:4", "logn:llama4"], ValueError, ["logn is given twice"]),
     (["dynamic_yarn:factor=4,cache_rotation=consistent", "rerope:window_size=8"], ValueError,
      ["cache_rotation='consistent' runs its own attention function"]),
-    ("yarn:4+", TypeError, ["factor"]),
+    ("yarn:4+", ValueError, ["empty part after '+'"]),
     ("+logn", ValueError, ["empty part"]),
     ([], ValueError, ["at least two"]),
     ("logn:kind=qwen", ValueError, ["kind", "logn", "llama4"]),

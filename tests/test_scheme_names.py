@@ -69,10 +69,16 @@ def test_the_command_rewrites_the_table_and_checks_it(tmp_path, monkeypatch, cap
     assert scheme_names.main(["--check"]) == 1
 
 
-@pytest.mark.parametrize("spec", ["yarn:", "yarn:4+", "yarn:0.5", "self_extend:4"])
+@pytest.mark.parametrize("spec", ["yarn:", "yarn:0.5", "self_extend:4"])
 def test_values_are_left_to_the_scheme_classes(spec):
     """The table holds names only: a bad or missing value passes the parse-time check and fails when the command
     builds the scheme (before it loads a model)."""
     scheme_names.check_spec(spec)
     with pytest.raises((ValueError, TypeError)):
         parse_scheme_spec(spec)
+
+
+def test_a_stack_with_an_empty_part_fails_the_parse_time_check():
+    """A syntax error, not a value: caught with the names, before the scheme classes load."""
+    with pytest.raises(ValueError, match=r"empty part after '\+'"):
+        scheme_names.check_spec("yarn:4+")

@@ -570,13 +570,14 @@ def test_ntk_export_refuses_one_rotated_pair():
 @pytest.mark.parametrize("folder", [f for f in ("deepseek_v4", "gemma4", "lfm3", "mimo_v2_flash")
                                     if f not in absent_folders()])
 def test_every_suggested_frequency_spec_is_refused_at_apply_or_runs_past_the_window(folder):
-    """suggest(model, 4·L)'s frequency schemes on the folders above: each one is refused at apply() (model untouched)
-    or runs forwards past L and up to the cap; none fails later (the reviewer's sweep, kept as a test)."""
+    """The frequency schemes suggest's rules give for 4·L on the folders above (untried: `verify=False`; suggest itself
+    leaves out what apply refuses): each one is refused at apply() (model untouched) or runs forwards past L and up
+    to the cap; none fails later (the reviewer's sweep, kept as a test)."""
     model = tiny_model(folder)
     ids = torch.randint(3, 97, (1, 4 * L + 8), generator=torch.Generator().manual_seed(10))
     before = logits(model, ids[:, :L])
     kinds = {"linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "llama3"}
-    specs = [s.spec for s in rope_patch.suggest(model, 4 * L) if s.scheme in kinds]
+    specs = [s.spec for s in rope_patch.suggest(model, 4 * L, verify=False) if s.scheme in kinds]
     assert {spec.split(":")[0] for spec in specs} == kinds
     for spec in specs:
         try:
