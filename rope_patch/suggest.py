@@ -37,8 +37,6 @@ needs a frequency scheme (STRING beyond L) is left out where no frequency scheme
 
 from __future__ import annotations
 
-import math
-
 from torch import nn
 
 from . import registry, validation
@@ -187,14 +185,7 @@ def _hides_keys(cls, s: Suggestion) -> bool:
         geometry = cls(**s.params).geometry()
     except (TypeError, ValueError):  # a size the model fills in at apply: not declared without the model
         return False
-    if geometry is None:
-        return False
-    covered = 0
-    for lo, hi in sorted((r.lo, r.hi) for r in geometry.regions if r.first is None):
-        if lo > covered:
-            return True
-        covered = max(covered, hi)
-    return covered != math.inf
+    return geometry is not None and geometry.hides
 
 
 def _on_unrotated(s: Suggestion, unrotated: list[str], local: list[str]) -> Suggestion:

@@ -97,6 +97,7 @@ class Finding:
     step: str
     values: bool = False  # the values move with the positions (K = V): the SPLIT hand-over serves that
     shared: bool = False  # a layer reads keys another layer stored (KV sharing): every key set is kept (`all_sets`)
+    raised: bool = False  # an exception, not a difference: perhaps of the moment (memory), so the refusal is not kept
 
 
 class Recorder:
@@ -153,9 +154,10 @@ class Check:
             self.shadows[(id(obj), run)] = copy.copy(obj) if isinstance(obj, MutableMapping) else copy.deepcopy(obj)
         return self.shadows[(id(obj), run)]
 
-    def note(self, module, what: str, size: float | None = None, values: bool = False, shared: bool = False):
+    def note(self, module, what: str, size: float | None = None, values: bool = False, shared: bool = False,
+             raised: bool = False):
         self.findings.append(Finding(getattr(module, "layer_idx", -1), type(module).__name__, what, size, self.step,
-                                     values, shared))
+                                     values, shared, raised))
 
     def compare(self, module, what: str, got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor | None,
                 values: bool = False):
@@ -214,7 +216,7 @@ class SideBySide:
         except Stop:
             raise
         except Exception as e:  # NotProven, or a layer that cannot run the copies: the run stops, the check refuses
-            check.note(module, _raised(e), shared=isinstance(e, SharedKeys))
+            check.note(module, _raised(e), shared=isinstance(e, SharedKeys), raised=not isinstance(e, NotProven))
             raise Stop from e
         if recorder.calls == before:
             check.note(module, "rope_patch's attention function never ran (the layer computes attention in its own "
@@ -230,7 +232,7 @@ class SideBySide:
         try:
             want = self._native(call, extra)
         except Exception as e:  # the layer's own run with the copies' inputs: what the copies changed, it rejects
-            check.note(module, f"its own forward on the same input {_raised(e)}")
+            check.note(module, f"its own forward on the same input {_raised(e)}", raised=True)
             raise Stop from e
         check.compare(module, "its output", got, want[0] if isinstance(want, tuple) else want, check.rows)
         if self.layout is not None:
@@ -424,8 +426,8 @@ def run(check: Check, model: nn.Module, inputs: Inputs) -> None:
 def architecture(model: nn.Module, layouts: dict, rule, backend: str, rotate_reference: bool):
     """What the check's verdict depends on: the model class, its attention layer kinds (class and scalar attributes),
     the copies each layer runs in order (which layers a scheme leaves alone matters where layers read each other's
-    keys: Ms-PoE's `skip_layers` on Gemma 3n), the scheme's rule class, the backend and the dtype (its tolerance, and
-    kernels that differ by dtype: a float64 eager mask once gave NaN)."""
+    keys: Ms-PoE's `skip_layers` on Gemma 3n), the scheme's rule class, the backend, the dtype (its tolerance, and
+    kernels that differ by dtype: a float64 eager mask once gave NaN) and the device type (kernels differ by device)."""
     kinds = set()
     for m in layouts:
         scalars = tuple(sorted((k, v) for k, v in vars(m).items() if k not in ("layer_idx", "training")
@@ -433,8 +435,9 @@ def architecture(model: nn.Module, layouts: dict, rule, backend: str, rotate_ref
         kinds.add((type(m).__qualname__, scalars))
     copies = tuple(None if v is None else (v.copies, v.key_copies, v.query_copies, v.chosen) for v in layouts.values())
     rule_kind = getattr(rule, "check_key", None) or type(rule).__qualname__  # a declared rule: its regions' kind
-    dtype = next(model.parameters()).dtype
-    return (type(model).__qualname__, frozenset(kinds), copies, rule_kind, backend, rotate_reference, dtype)
+    weight = next(model.parameters())
+    return (type(model).__qualname__, frozenset(kinds), copies, rule_kind, backend, rotate_reference, weight.dtype,
+            weight.device.type)
 
 
 def describe(findings: list[Finding], tol: float) -> str:
@@ -470,6 +473,21 @@ def verify(target, name: str, rule, layouts: dict, backend: str, rotate_referenc
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
                if hasattr(c, "_attn_implementation_internal")}
     backends = [(c, c._attn_implementation_internal) for c in configs.values()]
+    # the check compares two computations of each layer: dropout (a model in training mode) would make them differ
+    training = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        return _modes(target, name, rule, layouts, key, modes, probe, probes, inputs, backends, install, modules,
+                      rotate_reference)
+    finally:
+        for m, was in training:
+            m.training = was
+
+
+def _modes(target, name, rule, layouts, key, modes, probe, probes, inputs, backends, install, modules,
+           rotate_reference):
+    """`verify`'s runs of the check, one per cache mode tried until one holds (module docstring)."""
+    model = target.model
     failures, shared = {}, False
     while modes:
         mode = modes.pop(0)
@@ -484,7 +502,7 @@ def verify(target, name: str, rule, layouts: dict, backend: str, rotate_referenc
         except Stop:
             pass
         except Exception as e:  # outside any attention layer (the decoder, a cache the copies changed, ...)
-            check.note(model, _raised(e))
+            check.note(model, _raised(e), raised=True)
         finally:
             log.undo()
             for c, impl in backends:  # as it was (set_attn_implementation would re-check e.g. flash_attn)
@@ -527,11 +545,13 @@ def verify(target, name: str, rule, layouts: dict, backend: str, rotate_referenc
             break  # the stacked prefill without cache failed: another cache mode will not help
     # reported: the first stacked mode's findings (a sequential failure only says the copies must run stacked)
     failure = next((failures[m] for m in (HEADS, ROWS, SPLIT) if m in failures), failures.get(SEQUENTIAL))
-    CHECKED[key] = (
+    refusal = (
         f"the apply-time check ran the scheme side by side with {target.model_type}'s own attention layers "
         f"(at an identity setting, which must reproduce the model) and it does not hold: "
         f"{describe(failure.findings, failure.tol)}. rope_patch cannot show this scheme correct on this architecture, "
         "so it is refused and the model is left as it was. The frequency schemes and the schemes that keep the "
         "model's own attention (nope, sinusoidal, learned_absolute) are not affected; rope_patch.apply(..., "
         "check=False) skips the check at your own risk.")
-    raise ValueError(f"{name}: {CHECKED[key]}")
+    if not any(f.raised for f in failure.findings):  # differences are the architecture's; an exception may pass
+        CHECKED[key] = refusal
+    raise ValueError(f"{name}: {refusal}")

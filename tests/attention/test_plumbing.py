@@ -165,3 +165,28 @@ def test_the_check_reads_the_models_cache_without_a_deprecation_warning(monkeypa
     finally:
         logging.getLogger("transformers").removeHandler(handler)
     assert not [m for m in messages if "deprecated" in m], messages
+
+
+def test_the_check_runs_in_eval_mode_and_keeps_no_refusal_of_the_moment(monkeypatch):
+    """A model in training mode (dropout) is checked in eval mode and given back in training mode; and a refusal
+    that comes from an exception (here a forced one, as an out-of-memory error would be) is not kept: the next apply
+    runs the check again."""
+    monkeypatch.setattr(plumbing, "CHECKED", {})
+    model = tiny_model("llama", attn_implementation="sdpa", attention_dropout=0.3).train()
+    rope_patch.apply(model, "self_extend", group_size=4, window_size=12)
+    assert all(m.training for m in model.modules())
+    rope_patch.remove(model)
+    monkeypatch.setattr(plumbing, "CHECKED", {})
+    original = plumbing.run
+
+    def tight(*args):
+        raise torch.OutOfMemoryError("CPU out of memory (a test's)")
+
+    monkeypatch.setattr(plumbing, "run", tight)
+    fresh = tiny_model("llama", attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="raised OutOfMemoryError"):
+        rope_patch.apply(fresh, "self_extend", group_size=4, window_size=12)
+    assert not plumbing.CHECKED
+    monkeypatch.setattr(plumbing, "run", original)
+    rope_patch.apply(fresh, "self_extend", group_size=4, window_size=12)
+    assert rope_patch.current(fresh) is not None
