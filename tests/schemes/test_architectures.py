@@ -251,7 +251,7 @@ def test_cached_decoding_where_layers_get_more_positions_than_queries(folder, ba
 # and recomputation), and DCA / Ms-PoE where a layer re-reads every cached key's position at copy 0's positions
 HIDES, REREADS = "hides every key between the first tokens and its window", "reads every key's position"
 DECODING_REFUSALS = [(f, s, why[0]) for f, row in coverage.REFUSED.items() for s, why in row.items()
-                     if why[0] in (HIDES, REREADS)]
+                     if why[0] in (HIDES, REREADS) and f not in absent_folders()]  # rows of newer releases: skipped
 
 
 @pytest.mark.parametrize("folder,scheme,phrase", DECODING_REFUSALS, ids=[f"{f}-{s}" for f, s, _ in DECODING_REFUSALS])
