@@ -475,19 +475,6 @@ def verify(target, name: str, rule, layouts: dict, backend: str, rotate_referenc
     backends = [(c, c._attn_implementation_internal) for c in configs.values()]
     # the check compares two computations of each layer: dropout (a model in training mode) would make them differ
     training = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        return _modes(target, name, rule, layouts, key, modes, probe, probes, inputs, backends, install, modules,
-                      rotate_reference)
-    finally:
-        for m, was in training:
-            m.training = was
-
-
-def _modes(target, name, rule, layouts, key, modes, probe, probes, inputs, backends, install, modules,
-           rotate_reference):
-    """`verify`'s runs of the check, one per cache mode tried until one holds (module docstring)."""
-    model = target.model
     failures, shared = {}, False
     while modes:
         mode = modes.pop(0)
@@ -498,6 +485,7 @@ def _modes(target, name, rule, layouts, key, modes, probe, probes, inputs, backe
             install(log, probe, probes, mode, functools.partial(SideBySide, check, probes))
             for m in modules:
                 module_state(m).recorder = recorder
+            model.eval()
             run(check, model, inputs)
         except Stop:
             pass
@@ -505,6 +493,8 @@ def _modes(target, name, rule, layouts, key, modes, probe, probes, inputs, backe
             check.note(model, _raised(e), raised=True)
         finally:
             log.undo()
+            for m, was in training:
+                m.training = was
             for c, impl in backends:  # as it was (set_attn_implementation would re-check e.g. flash_attn)
                 c._attn_implementation_internal = impl
         check.step = "the layers' structure"
