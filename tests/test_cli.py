@@ -125,8 +125,7 @@ def test_bad_arguments_are_one_line(capsys, argv, message):
 # Errors found once the arguments parsed, before the model loads (one line: no "Loading ..." before it)
 RUN_ERRORS = [
     (["tune", "--scheme", "yarn", "--target", "64", "--space", "factr=2,4"],
-     "rope-patch tune: error: --space 'factr=2,4': yarn has no parameter 'factr' to search. Did you mean 'factor'? "
-     "Parameters of 'yarn': "),
+     "rope-patch tune: error: yarn has no parameter 'factr' to search. Did you mean 'factor'? Parameters of 'yarn': "),
     (["tune", "--scheme", "pi", "--target", "64", "--space", "factor=2,4", "fctor=3"], "linear has no parameter "
                                                                                      "'fctor'"),
     (["compare", "--model", "/nonexistent"], "rope-patch compare: error: The model folder /nonexistent does not exist"),

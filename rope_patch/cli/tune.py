@@ -107,25 +107,18 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def parse_space(items, scheme: str | None = None) -> dict | None:
-    """['group_size=2,4,8', 'factor=2..8'] -> {'group_size': [2, 4, 8], 'factor': (2, 8)}. With `scheme`, each KEY
-    must be one of its parameters (from the name table, with "Did you mean", as apply() says it)."""
+def parse_space(items) -> dict | None:
+    """['group_size=2,4,8', 'factor=2..8'] -> {'group_size': [2, 4, 8], 'factor': (2, 8)}. The keys are checked
+    against the scheme's parameters with the rest of the options (`tuning.search.check_options`), before loading."""
     if items is None:
         return None
-    from .. import scheme_names
-    from ..registry import did_you_mean
     from ..specs import parse_spec
 
-    known = None if scheme is None else scheme_names.param_names(scheme)
     space = {}
     for item in items:
         key, eq, text = (s.strip() for s in item.partition("="))
         if not eq or not key or not text:
             raise ValueError(f"--space {item!r}: expected KEY=V1,V2,... or KEY=LO..HI.")
-        if known is not None and key not in known:
-            name = scheme_names.canonical_name(scheme)
-            raise ValueError(f"--space {item!r}: {name} has no parameter {key!r} to search.{did_you_mean(key, known)}"
-                             f" Parameters of {name!r}: {', '.join(known)}.")
         if key in space:
             raise ValueError(f"--space sets {key!r} twice.")
         value = lambda t: parse_spec(f"default:x={t}")[1]["x"]  # noqa: E731 - the spec grammar's value rules
@@ -171,7 +164,7 @@ def run(args) -> int:
     evolution = EvolutionSettings(population=args.population, generations=args.generations, parents=args.parents,
                                   mutations=args.mutations, crossovers=args.crossovers, max_factor=args.max_factor)
     options = TuneOptions(scheme=args.scheme, target=args.target, method=args.method,
-                          space=parse_space(args.space, args.scheme),
+                          space=parse_space(args.space),
                           samples=args.samples, evolution=evolution, n_tokens=args.tokens,
                           passkey_weight=args.passkey_weight, passkey_samples=args.passkey_samples,
                           objective=args.objective, haystack=args.haystack, chat_template=args.chat_template,

@@ -38,8 +38,8 @@ def check_space(scheme: str, space: Space, method: str) -> None:
     known = get_scheme_class(scheme).param_names()
     for key, values in space.items():
         if key not in known:
-            raise ValueError(f"{scheme} has no parameter {key!r} to search (parameters: {', '.join(known)})."
-                             f"{did_you_mean(key, known)}")
+            raise ValueError(f"{scheme} has no parameter {key!r} to search.{did_you_mean(key, known)} Parameters of "
+                             f"{scheme!r}: {', '.join(known)}.")
         if isinstance(values, tuple):
             if method == "grid":
                 raise ValueError(f"grid search needs a list of values for {key} (KEY=V1,V2,...), got the range "

@@ -315,5 +315,6 @@ def test_the_command_line_offers_the_search_objectives():
 def test_a_misspelled_space_key_gets_a_did_you_mean():
     from rope_patch.tuning.scalar import check_space
 
-    with pytest.raises(ValueError, match=r"yarn has no parameter 'factr' to search .* Did you mean 'factor'\?"):
+    expected = r"yarn has no parameter 'factr' to search\. Did you mean 'factor'\? Parameters of 'yarn': "
+    with pytest.raises(ValueError, match=expected):
         check_space("yarn", {"factr": [2, 4]}, "grid")
