@@ -142,6 +142,11 @@ def apply(model: M, scheme: SchemeLike = "default", *, check: bool = True, **par
             each other, schemes that do not compose, an architecture or backend the scheme cannot run on, a model
             whose rotary module holds no values yet (meta device). The model is left exactly as it was.
         TypeError: an unknown parameter, a value of the wrong type, or a model without a rotary embedding module.
+
+    Warns:
+        UserWarning: a scheme written to extend the context (self_extend, rerope, dca, sink, ...) whose sizes serve no
+            input longer than the model's window (a neighbour window ≥ L, say); a scheme that replaces a shipped
+            scaling with a shorter window; the learned tables of a replaced patch being discarded.
     """
     return _apply(model, as_scheme(scheme, **params), temporary=False, check=check)
 
@@ -163,6 +168,7 @@ def _apply(model: M, new: Scheme, *, temporary: bool, check: bool = True) -> M:
         if target.table is not None:
             resolved = resolved.on_table(target)
         install = resolved.prepare(target)
+        _warn_unserved(target, resolved)
         state = PatchState(resolved, _unpatched_rope_fields(target), resolved.served_window(target), target.table)
         try:
             target.config = state.private_config(target.model)
@@ -181,6 +187,20 @@ def _apply(model: M, new: Scheme, *, temporary: bool, check: bool = True) -> M:
     if trained:
         _carry_tables(model, trained, keep=old.scheme == resolved)
     return model
+
+
+def _warn_unserved(target: PatchSite, scheme: Scheme) -> None:
+    """A scheme written to serve inputs past the model's window (it defines `served_length`) whose parameters serve
+    none on this model (Self-Extend's neighbour window ≥ L, a DCA chunk ≥ L): accepted, since it is exact, but it
+    extends nothing, which the user should hear before a long run says so."""
+    window = getattr(target.config, "max_position_embeddings", None)
+    if not window or type(scheme).served_length is Scheme.served_length or scheme.served_length(int(window)):
+        return
+    params = ", ".join(f"{k}={v}" for k, v in scheme.params().items())
+    warnings.warn(
+        f"rope_patch: {scheme.name} with {params} serves no input longer than {target.model_type}'s window of "
+        f"{window} tokens: past it, the relative positions it rotates with reach ones the model was not trained on. "
+        "Choose sizes below the window (rope_patch.suggest(model, length) gives some).", UserWarning, stacklevel=4)
 
 
 def _carry_tables(model, trained: dict[str, nn.Module], *, keep: bool) -> None:

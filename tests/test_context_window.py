@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -54,6 +55,31 @@ def test_context_window_is_the_length_the_scheme_serves(model, spec):
     with rope_patch.patched(model, spec):
         assert rope_patch.context_window(model) == SERVED[spec]
     assert rope_patch.context_window(model) == L
+
+
+# A scheme written to extend whose sizes reach L within L tokens is accepted (it is exact) and says it extends nothing
+UNSERVED = {
+    "rerope:window_size=40": True,  # W ≥ L
+    "self_extend:group_size=4,window_size=32": True,
+    "sink:window_size=30,sink_size=4": True,  # S + W > L
+    "dca:chunk_size=40": True,
+    "lm_infinite:local_size=40": True,
+    "rerope:window_size=8": False,
+    "self_extend:group_size=4,window_size=8": False,
+    "ms_poe": False,  # does not extend, by design: nothing to say
+    "linear:4": False,
+}
+
+
+@pytest.mark.parametrize("spec", list(UNSERVED))
+def test_sizes_that_extend_nothing_are_said_at_apply(model, spec):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rope_patch.patched(model, spec):
+            pass
+    said = [str(w.message) for w in caught if "serves no input longer than" in str(w.message)]
+    assert bool(said) == UNSERVED[spec], caught
+    assert all(f"window of {L} tokens" in m for m in said)
 
 
 def test_self_extend_logistic_serves_the_longest_length_its_positions_fit():
