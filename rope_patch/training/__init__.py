@@ -10,8 +10,9 @@
   (seed, sample index) (`seeding.py`), so a resumed Trainer run draws exactly what an uninterrupted one does.
 - `RopePatchCallback`: `rope_patch.json` (+ learned tables) in every checkpoint, the patch restored or checked on
   resume; `restore_patch(model, checkpoint)` before building peft / the Trainer; `learned_modules_to_save(model)`
-  for `peft.LoraConfig(modules_to_save=...)`. `CompleteCheckpointCallback` + `last_checkpoint(output_dir)`: resume
-  only from checkpoints every process finished writing (`resume_checkpoint` also checks the config's fingerprint;
+  for `peft.LoraConfig(modules_to_save=...)` (`frozen_tables`: the learned tables a LoRA left frozen, which the
+  callback warns about). `CompleteCheckpointCallback` + `last_checkpoint(output_dir)`: resume only from checkpoints
+  every process finished writing (`resume_checkpoint` also checks the config's fingerprint;
   `discard_checkpoints_after`); `JsonLogCallback`: one JSON line per logged step.
 - `WeightedLossTrainer` + `WeightedCollator`: a per-token weighted loss (passkey answers count more).
 - `config.py`: the fine-tuning recipe's YAML config as dataclasses (`load_config` -> `RecipeConfig`), read with
@@ -43,6 +44,7 @@ __all__ = [
     "checkpoint_step",
     "complete_checkpoints",
     "discard_checkpoints_after",
+    "frozen_tables",
     "last_checkpoint",
     "learned_modules_to_save",
     "load_config",
@@ -61,8 +63,8 @@ __all__ = [
 # and the config stay light.
 _LAZY = {name: module for module, names in {
     "callback": ("RopePatchCallback", "check_patch", "learned_modules_to_save", "restore_patch",
-                 "CompleteCheckpointCallback", "JsonLogCallback", "complete_checkpoints", "last_checkpoint",
-                 "checkpoint_step", "resume_checkpoint", "discard_checkpoints_after"),
+                 "frozen_tables", "CompleteCheckpointCallback", "JsonLogCallback", "complete_checkpoints",
+                 "last_checkpoint", "checkpoint_step", "resume_checkpoint", "discard_checkpoints_after"),
     "trainer": ("WeightedLossTrainer", "weighted_loss"),
 }.items() for name in names}
 

@@ -22,7 +22,9 @@ On `on_train_begin` of a resumed run the callback finds the checkpoint (its `res
 and parameter-free attention schemes); a patched one must carry the same scheme and parameters (ValueError
 otherwise). A scheme with learned tables cannot be re-applied there: Trainer has built the optimizer (and peft its
 `modules_to_save` copies) before `on_train_begin`, so new tables would not train; the callback raises and names
-`restore_patch`, which does it before the model is wrapped.
+`restore_patch`, which does it before the model is wrapped. On every start, resumed or not, it warns when a learned
+table of the patch is frozen (a LoRA built without `modules_to_save=learned_modules_to_save(model)`: peft freezes
+the table, which would then keep its initial values; `frozen_tables`).
 
 Two more callbacks for a run that must survive a kill -9 and say how it went (the fine-tuning recipe uses both):
 `CompleteCheckpointCallback` marks a checkpoint complete (`recipe_state.json`, written last, after every process has
@@ -66,8 +68,38 @@ def learned_modules_to_save(model: nn.Module) -> list[str]:
     (`relative_bias`, `learned_absolute`) train and are saved with the adapter; [] for schemes without any.
 
     Call it on the patched model before `get_peft_model` (peft wraps only modules that exist then). Without these
-    names peft freezes the tables at their initial values (peft freezes every base-model parameter)."""
+    names peft freezes the tables at their initial values (peft freezes every base-model parameter);
+    `RopePatchCallback` warns when training begins with such a frozen table (`frozen_tables`)."""
     return sorted(patch_modules(_unwrap(model)))
+
+
+def frozen_tables(model: nn.Module) -> list[str]:
+    """The names (as `learned_modules_to_save` gives them) of the applied patch's learned tables that will not train:
+    every parameter of the table in effect has `requires_grad=False` (peft froze it: the name was not in
+    `LoraConfig(modules_to_save=...)`). A table whose parameters the module does not hold (FSDP's flat parameters) is
+    not reported."""
+    base = _unwrap(model)
+    if current(base) is None:
+        return []
+    found = []
+    for name, module in patch_modules(base).items():
+        params = list(module.parameters())
+        if params and not any(p.requires_grad for p in params):
+            found.append(name)
+    return sorted(found)
+
+
+def warn_frozen_tables(model: nn.Module, where: str = "RopePatchCallback") -> list[str]:
+    """Log a warning naming the applied patch's frozen learned tables (`frozen_tables`) and the fix; returns them."""
+    frozen = frozen_tables(model)
+    if frozen:
+        logger.warning(
+            "%s: the learned table(s) %s of the %s patch are frozen (requires_grad=False) and will not train: peft "
+            "freezes every base-model parameter that LoraConfig(modules_to_save=...) does not name, so they keep "
+            "their initial values. Build the peft model with peft.LoraConfig(..., modules_to_save="
+            "rope_patch.training.learned_modules_to_save(model)) on the patched model, before get_peft_model "
+            "(or unfreeze them yourself).", where, ", ".join(frozen), current(_unwrap(model)).name)
+    return frozen
 
 
 def restore_patch(model: nn.Module, checkpoint: str | os.PathLike | None) -> Scheme | None:
@@ -132,8 +164,15 @@ class RopePatchCallback(TrainerCallback):
         self.resume_from_checkpoint = resume_from_checkpoint
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            return
+        self._restore_or_check(args, state, model)
+        if getattr(state, "is_world_process_zero", True):  # once per run: every process holds the same model
+            warn_frozen_tables(model)
+
+    def _restore_or_check(self, args, state, model) -> None:
         checkpoint = self._resumed_checkpoint(args, state)
-        if checkpoint is None or model is None:
+        if checkpoint is None:
             return
         manifest = read_manifest(checkpoint)
         if manifest is None:

@@ -26,6 +26,7 @@ from rope_patch.training import (
     RopePatchCallback,
     complete_checkpoints,
     discard_checkpoints_after,
+    frozen_tables,
     last_checkpoint,
     learned_modules_to_save,
     restore_patch,
@@ -188,6 +189,36 @@ def test_on_train_begin_on_resume(recorded, live, outcome, tmp_path):
     else:
         with pytest.raises(ValueError, match=outcome):
             call("on_train_begin", model, tmp_path, 4)
+
+
+FROZEN = [  # (scheme, how the model trains, the tables on_train_begin names as frozen)
+    ("relative_bias", "lora", ["rope_patch_relative_bias"]),
+    ("learned_absolute", "lora", ["rope_patch_position_embeddings"]),
+    ("relative_bias", "lora+modules_to_save", []),
+    ("learned_absolute", "lora+modules_to_save", []),
+    ("relative_bias", "full", []),
+    ("yarn", "lora", []),
+    (None, "lora", []),
+]
+
+
+@pytest.mark.parametrize("scheme,how,frozen", FROZEN)
+def test_on_train_begin_warns_about_a_frozen_learned_table(scheme, how, frozen, tmp_path, caplog):
+    """A LoRA built without modules_to_save=learned_modules_to_save(model) leaves the learned table at its initial
+    values: the run must say so where training begins, naming the fix."""
+    model = patched(scheme)
+    if how != "full":
+        names = learned_modules_to_save(model) if how == "lora+modules_to_save" else []
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                           modules_to_save=names or None))
+    assert frozen_tables(model) == frozen
+    with caplog.at_level(logging.WARNING, logger="rope_patch"):
+        call("on_train_begin", model, tmp_path, 0)
+    if frozen:
+        assert f"the learned table(s) {', '.join(frozen)} of the {scheme} patch are frozen" in caplog.text
+        assert "modules_to_save=rope_patch.training.learned_modules_to_save(model)" in caplog.text
+    else:
+        assert "frozen" not in caplog.text
 
 
 def test_on_train_begin_finds_the_checkpoint(tmp_path, caplog):
