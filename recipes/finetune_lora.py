@@ -217,12 +217,18 @@ class LoRAFinetuneRecipe:
         if e is None or not e.before:
             return {}
         rows, base, scheme = {}, self.model.get_base_model(), rope_patch.current(self.model)
+        # peft's modules_to_save wrappers of the learned tables: remove() detaches them and apply() attaches fresh,
+        # unwrapped tables, which the adapter would then neither train as its own nor save (and --resume could not
+        # load its checkpoints); they go back in place of the fresh ones
+        wrapped = {name: base.get_submodule(name) for name in learned_modules_to_save(base)}
         with self.model.disable_adapter():  # the base weights: before any training
             if scheme is not None:
                 rope_patch.remove(base)
             rows["base (unpatched)"] = e.score(base, self.tokenizer, seed)
             if scheme is not None:
                 rope_patch.apply(base, scheme)
+                for name, module in wrapped.items():
+                    base.set_submodule(name, module)
                 rows[f"{_label(scheme)}, no fine-tuning"] = e.score(base, self.tokenizer, seed)
         self.log(e.table(rows))
         before_path.write_text(json.dumps(rows, indent=2) + "\n")

@@ -30,7 +30,7 @@ from helpers.scripts import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import rope_patch
-from rope_patch.training import complete_checkpoints, last_checkpoint, weighted_loss
+from rope_patch.training import complete_checkpoints, last_checkpoint, learned_modules_to_save, weighted_loss
 from rope_patch.training.config import PoseArgs
 
 ft = load_recipe()
@@ -263,14 +263,29 @@ def test_before_and_after_evaluation(assets, tmp_path):
     assert summary["eval"] == rows and "| yarn + LoRA fine-tuned |" in (tmp_path / "run" / "eval.md").read_text()
 
 
-def test_a_learned_table_trains_through_modules_to_save(assets, tmp_path):
-    """relative_bias owns a learned table: the recipe adds it to the LoRA block's modules_to_save by itself."""
-    cfg = cfg_for(assets, tmp_path, train={"steps": 2, "save_every": 0})
-    cfg["rope_patch"] = {"scheme": "relative_bias", "max_distance": 128, "init": "alibi"}
-    summary = ft.main(cfg)
-    assert [n for n in adapter_weights(tmp_path / "run") if "relative_bias" in n] == [
-        "base_model.model.rope_patch_relative_bias.weight"]
-    assert rope_patch.current(rope_patch.from_pretrained(summary["adapter"])).name == "relative_bias"
+LEARNED = [  # (scheme, evaluate before training): the "before" rows remove and re-apply the patch
+    ({"scheme": "relative_bias", "max_distance": 128, "init": "alibi"}, False),
+    ({"scheme": "relative_bias", "max_distance": 128, "init": "alibi"}, True),
+    ({"scheme": "learned_absolute", "max_position_embeddings": 128}, True),
+]
+
+
+@pytest.mark.parametrize("patch,before", LEARNED, ids=lambda v: v["scheme"] if isinstance(v, dict) else f"eval={v}")
+def test_a_learned_table_trains_through_modules_to_save(patch, before, assets, tmp_path):
+    """relative_bias / learned_absolute own a learned table: the recipe adds it to the LoRA block's modules_to_save
+    by itself, and it stays there through the evaluation before training; a resumed run loads it back."""
+    ev = {"heldout": str(make_text(tmp_path / "heldout.txt", n_words=400, seed=5)), "perplexity_lengths": [32],
+          "perplexity_tokens": 64, "passkey_lengths": [], "passkey_samples": 1, "before": before}
+    cfg = cfg_for(assets, tmp_path, train={"steps": 2, "save_every": 1, "warmup_steps": 0}, eval=ev)
+    cfg["rope_patch"] = patch
+    with pytest.raises(KeyboardInterrupt):
+        ft.main(cfg, callbacks=[Crash(2)])
+    summary = ft.main(cfg, resume=True)
+    assert summary["resumed_from"].endswith("checkpoint-1") and summary["steps"] == 2
+    again = rope_patch.from_pretrained(summary["adapter"])
+    assert rope_patch.current(again).name == patch["scheme"]
+    (table,) = learned_modules_to_save(again)  # peft saved the trained copy: the table was in modules_to_save
+    assert [n for n in adapter_weights(tmp_path / "run") if "rope_patch_" in n] == [f"base_model.model.{table}.weight"]
 
 
 # ---- crash and resume, in process (tests/recipes/test_distributed.py kills a real process with SIGKILL) ------------
