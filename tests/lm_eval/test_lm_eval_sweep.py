@@ -305,3 +305,49 @@ def test_a_passkey_only_sweep_writes_its_passkey_figure_and_no_perplexity_figure
     paths = write_outputs(state, tmp_path)
     assert "compare_passkey_plot" in paths and "compare_perplexity_plot" not in paths
     assert not (tmp_path / "perplexity.png").exists()
+
+
+def _fake_lm_eval(calls):
+    """A stand-in for one scheme's lm-eval run: writes the results file lm-eval would, a RULER-like task's score
+    named by each length it ran (metadata max_seq_lengths), a rope_* task's by its metric."""
+    import datetime
+
+    def run(settings, scheme, tasks, sdir, log):
+        ran = settings["metadata"]["max_seq_lengths"]
+        calls.append((scheme["spec"], list(tasks), list(ran)))
+        results = {t: ({"acc,none": 0.5} if t.startswith("rope_") else {f"{L},none": L / 10_000 for L in ran})
+                   for t in tasks}
+        date = datetime.datetime.now().strftime("%Y-%m-%dT%H-%M-%S.%f")
+        (sdir / "lm_eval").mkdir(parents=True, exist_ok=True)
+        (sdir / "lm_eval" / f"results_{date}.json").write_text(json.dumps({"results": results}))
+
+    return run
+
+
+@pytest.mark.parametrize("tasks, first, second, runs", [
+    # a shorter length added: the RULER cell of 4096 alone must not stand for 2048 and 4096
+    (["niah_single_1"], ["4096"], ["2048", "4096"], [("default", ["niah_single_1"], [2048, 4096])]),
+    # with rope_* tasks the whole list runs again (RULER): its new RULER cell must replace the old one
+    (["rope_ppl", "niah_single_1"], ["128"], ["64", "128"],
+     [("default", ["rope_ppl_64", "rope_ppl_128", "niah_single_1"], [64, 128])]),
+    # the same lengths: nothing to run
+    (["niah_single_1"], ["4096"], ["4096"], []),
+])
+def test_a_cell_of_a_length_read_task_is_reused_only_at_its_lengths(assets, tmp_path, monkeypatch, tasks, first,
+                                                                      second, runs):
+    """A task that reads the lengths (RULER's max_seq_lengths) measured at other lengths is measured again on resume,
+    not kept under the new lengths (sweep.json then claimed lengths that never ran)."""
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    calls = []
+    monkeypatch.setattr(S, "run_in_process", _fake_lm_eval(calls))
+    monkeypatch.setattr(S, "check_task_names", lambda tasks, include: None)  # lm-eval's task index: slow
+    out = tmp_path / "sweep"
+    kw = dict(schemes=["default"], tasks=tasks, model_args=["max_length=5000"])
+    S.sweep(sweep_args(assets, out, lengths=first, **kw), log=lambda m: None)
+    calls.clear()
+    S.sweep(sweep_args(assets, out, lengths=second, **kw), log=lambda m: None)
+    assert calls == runs
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    (ruler,) = [r for r in rows if r["task"] == "niah_single_1"]
+    assert ruler["metrics"] == {L: int(L) / 10_000 for L in second}

@@ -30,7 +30,9 @@ default), so the numbers equal compare's and do not depend on the other `--lengt
 lm-eval runs offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE = 1 unless the environment sets them): RULER's tasks
 whose haystack is the Hub's essays are refused at plan time unless the dataset is cached (`check_offline_data`).
 
-Resume: a (scheme, task) cell whose result is in `<out>/schemes/<scheme>/cells/` is skipped. A scheme with
+Resume: a (scheme, task) cell whose result is in `<out>/schemes/<scheme>/cells/` is skipped; one of lm-eval's own tasks
+(RULER), which runs every length of `max_seq_lengths` in one cell, only where it ran the lengths asked now (its
+`max_seq_lengths`), else it is measured again. A scheme with
 missing cells runs only those when every task is a self-seeded `rope_*` task, and its whole task list when any
 other task is present (RULER's samples depend on what ran before them in the run).
 
@@ -540,8 +542,10 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
     fp = fingerprint(portable(settings))  # as the stamp records them: the same sweep from another checkout matches
     weights = model_fingerprint(settings["model_path"])
     stamp = out / "sweep_settings.json"
+    earlier_lengths = None  # the lengths the cells of an earlier run without a record of their own were measured at
     if stamp.exists():
         old = schema.read(stamp, schema.SWEEP_STAMP)
+        earlier_lengths = ((old.get("settings") or {}).get("metadata") or {}).get("max_seq_lengths")
         if old.get("weights") and old["weights"] != weights:  # stamps from before fingerprints: matched on the rest
             raise ValueError(f"{out} holds a sweep of other model files: the weights, config, tokenizer or saved patch "
                              f"in {settings['model_path']} changed since its cells were measured (fingerprint "
@@ -559,6 +563,7 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
     if on_start is not None:
         on_start(out)
     tasks = settings["tasks"]
+    lengths_read = settings["metadata"].get("max_seq_lengths")  # what lm-eval's own tasks (RULER) run at
     commit = source_commit()  # the code that measures this call's cells (git, once per call, not per cell)
     state = {"settings": settings, "schemes": [], "elapsed_s": {}}
     t_all = time.perf_counter()
@@ -567,6 +572,13 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
         cdir = sdir / "cells"
         cdir.mkdir(parents=True, exist_ok=True)
         done = {t: schema.read(cdir / f"{t}.json", schema.SWEEP_CELL) for t in tasks if (cdir / f"{t}.json").exists()}
+        stale = [t for t, cell in done.items() if not family(t)[0]
+                 and cell.get("max_seq_lengths", earlier_lengths) != lengths_read]
+        if stale:
+            # lm-eval's own tasks (RULER) run at every length of max_seq_lengths in one cell: a cell of other
+            # lengths would stand for lengths it never ran, and a new run's cell of these lengths was thrown away
+            log(f"[{sch['spec']}] {', '.join(stale)}: measured at other lengths than {lengths_read}; measured again")
+            done = {t: cell for t, cell in done.items() if t not in stale}
         missing = [t for t in tasks if t not in done]
         if missing:
             # rope_* tasks seed themselves; anything else (RULER) depends on the whole list: keep it whole then.
@@ -586,7 +598,8 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
                 if t in missing:
                     # the run's wall time travels with its cells, so a resumed sweep still reports what it cost
                     cell = {**cell, "scheme": sch["spec"], "fingerprint": fp, "run_id": run_id,
-                            "run_elapsed_s": elapsed, "run_machine": _machine(), "commit": commit}
+                            "run_elapsed_s": elapsed, "run_machine": _machine(), "commit": commit,
+                            "max_seq_lengths": lengths_read}
                     tmp = cdir / f".{t}.json.tmp"
                     tmp.write_text(json.dumps(cell, indent=1, default=str) + "\n")
                     os.replace(tmp, cdir / f"{t}.json")
