@@ -349,5 +349,51 @@ def test_a_cell_of_a_length_read_task_is_reused_only_at_its_lengths(assets, tmp_
     S.sweep(sweep_args(assets, out, lengths=second, **kw), log=lambda m: None)
     assert calls == runs
     rows = json.loads((out / "sweep.json").read_text())["rows"]
-    (ruler,) = [r for r in rows if r["task"] == "niah_single_1"]
-    assert ruler["metrics"] == {L: int(L) / 10_000 for L in second}
+    ruler = [r for r in rows if r["task"] == "niah_single_1"]
+    assert all(r["metrics"] == {L: int(L) / 10_000 for L in second} for r in ruler)
+    assert {r["length"]: r["value"] for r in ruler} == {int(L): int(L) / 10_000 for L in second}
+
+
+@pytest.mark.parametrize("metrics, n_samples, expected", [
+    # RULER at two lengths in one cell: a row each, with its own length and its share of the documents
+    ({"4096": -1, "2048": 0.5, "8192": 0.25}, 10, [(2048, 0.5, 5), (8192, 0.25, 5)]),
+    # one of them ran: one row, as before
+    ({"4096": -1, "2048": 0.5}, 5, [(2048, 0.5, 5)]),
+])
+def test_a_ruler_cell_of_several_lengths_is_a_row_per_length(tmp_path, metrics, n_samples, expected):
+    """sweep.md and tasks.png showed the shortest length's score alone (one row per cell)."""
+    from rope_patch.integrations.lm_eval.sweep import aggregate, markdown
+
+    state = {"settings": {"tasks": ["niah_single_1"], "lengths": [2048, 8192], "model": "m"},
+             "schemes": [{"spec": "default", "cells": {"niah_single_1": {"metrics": metrics,
+                                                                         "n_samples": n_samples}}}]}
+    result = aggregate(state)
+    assert [(r["length"], r["value"], r["n_samples"]) for r in result["rows"]] == expected
+    assert [r["metric"] for r in result["rows"]] == [str(L) for L, _, _ in expected]
+    table = markdown(result)
+    for L, value, _ in expected:
+        assert f"{value:.4g}" in table and (len(expected) == 1 or f"niah_single_1 ({L})" in table)
+
+
+@pytest.mark.parametrize("tasks, lengths, limit, refused", [
+    (["niah_single_1"], ["2048", "4096"], "20", True),  # RULER lists its documents length by length
+    (["ruler"], ["2048", "4096"], "0.5", True),  # its group too; a fraction keeps the first ones as well
+    (["rope_passkey", "niah_multikey_2"], ["2048", "4096"], "5", True),
+    (["niah_single_1"], ["4096"], "20", False),  # one length: the limit takes that length's first documents
+    (["niah_single_1"], ["2048", "4096"], None, False),  # no limit: every length runs
+    (["rope_passkey", "rope_ppl"], ["128", "256"], "2", False),  # rope_* tasks: one task per length
+])
+def test_a_limit_with_several_ruler_lengths_is_refused_at_plan_time(assets, tmp_path, monkeypatch, tasks, lengths,
+                                                                     limit, refused):
+    """With --limit and several --lengths, RULER ran only the shortest length, and the others were missing from the
+    sweep's results without a word."""
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    monkeypatch.setattr(S, "check_task_names", lambda tasks, include: None)  # lm-eval's task index: slow
+    args = sweep_args(assets, tmp_path / "s", tasks=tasks, lengths=lengths, **({"limit": limit} if limit else {}))
+    if refused:
+        with pytest.raises(ValueError, match=f"only length {lengths[0]} would run.*one length per call"):
+            S.plan(args)
+    else:
+        S.plan(args)
+    assert not (tmp_path / "s").exists()

@@ -187,6 +187,7 @@ def plan(args) -> dict:
                              "64, 128, ..., 131072 (powers of two); add others to LADDER in "
                              "rope_patch/data/tasks/rope/rope_tasks_utils.py and run "
                              "rope_patch/data/tasks/rope/make_tasks.py.")
+    check_ruler_limit(tasks, lengths, args.limit)
     check_task_names([t for t in tasks if not family(t)[0]], include)
     check_offline_data([t for t in tasks if not family(t)[0]], in_process=getattr(args, "in_process", False))
     chat = chat_template_for(model_args.get("tokenizer") or metadata["tokenizer"], args.chat_template)
@@ -259,6 +260,18 @@ HUB_DATA = {t: ESSAYS for t in ("niah_single_2", "niah_single_3", "niah_multikey
 GROUPS = {"ruler": ("niah_single_1", *HUB_DATA, "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe",
                     "ruler_fwe", "ruler_qa_squad", "ruler_qa_hotpot")}
 RULER_OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+
+
+def check_ruler_limit(tasks, lengths, limit) -> None:
+    """RULER lists its documents length by length (all of `max_seq_lengths`' first length, then the next), and lm-eval's
+    --limit keeps the first of them: with several lengths only the shortest would run, and the others would be missing
+    from the results without a word. Refused here, before anything runs."""
+    ruler = [t for t in tasks if t in GROUPS or any(t in members for members in GROUPS.values())]
+    if limit is not None and len(lengths) > 1 and ruler:
+        raise ValueError(f"--limit {limit:g} with several --lengths ({', '.join(map(str, lengths))}): RULER's "
+                         f"{', '.join(ruler)} list their documents length by length and --limit keeps the first, so "
+                         f"only length {min(lengths)} would run. Sweep one length per call (each with its own --out), "
+                         "or drop --limit.")
 
 
 def hub_env(environ=None) -> dict:
@@ -386,13 +399,31 @@ def main_metric(task: str, metrics: dict, lengths=()):
     return None, None
 
 
+def length_scores(task: str, metrics: dict, lengths) -> list[tuple[int, float]]:
+    """[(length, score)] of a task that scores each length it ran under the length's name (RULER, run at several
+    `max_seq_lengths` in one cell; -1: a length that did not run); [] for the rope_* tasks, whose name is the length."""
+    if family(task)[0]:
+        return []
+    return [(int(L), metrics[str(L)]) for L in lengths
+            if isinstance(metrics.get(str(L)), (int, float)) and metrics[str(L)] != -1]
+
+
 def aggregate(state: dict) -> dict:
-    """sweep.json: settings, schemes, rows (scheme x task with every metric)."""
+    """sweep.json: settings, schemes, rows (scheme x task with every metric; a task that ran several lengths in one
+    cell, RULER's, one row per length, its `n_samples` the cell's shared out equally: RULER makes as many documents
+    at each length)."""
     rows = []
     for sch in state["schemes"]:
         for task in state["settings"]["tasks"]:
             cell = sch["cells"].get(task)
             if cell is None:
+                continue
+            scores = length_scores(task, cell["metrics"], state["settings"]["lengths"])
+            if len(scores) > 1:
+                n = cell.get("n_samples")
+                rows += [{"scheme": sch["spec"], "task": task, "family": None, "length": L, "metric": str(L),
+                          "value": v, "metrics": cell["metrics"], "n_samples": None if n is None else n // len(scores)}
+                         for L, v in scores]
                 continue
             fam, length = family(task)
             metric, value = main_metric(task, cell["metrics"], state["settings"]["lengths"])
@@ -424,15 +455,22 @@ def _machine() -> dict:
 
 def markdown(result: dict) -> str:
     tasks = result["settings"]["tasks"]
-    by = {(r["scheme"], r["task"]): r for r in result["rows"]}
+    at: dict[str, set] = {}  # the lengths of each task's rows: a column per length where a task ran several
+    for r in result["rows"]:
+        at.setdefault(r["task"], set()).add(r.get("length"))
+    split = {t for t, ls in at.items() if len(ls) > 1}
+    columns = [(t, L) for t in tasks
+               for L in (sorted(at[t], key=lambda x: (x is None, x or 0)) if t in split else [None])]
+    by = {(r["scheme"], r["task"], r.get("length") if r["task"] in split else None): r for r in result["rows"]}
     patch = result["settings"].get("patch")
     lines = [f"Model `{result['settings'].get('name', result['settings']['model'])}`{patch_note({'patch': patch})}; "
              "lm-eval tasks x schemes (main metric of each task).", "",
-             "| scheme | " + " | ".join(tasks) + " |", "| --- | " + " | ".join("---:" for _ in tasks) + " |"]
+             "| scheme | " + " | ".join(t if L is None else f"{t} ({L})" for t, L in columns) + " |",
+             "| --- | " + " | ".join("---:" for _ in columns) + " |"]
     for sch in result["schemes"]:
         cells = []
-        for t in tasks:
-            r = by.get((sch["spec"], t))
+        for t, L in columns:
+            r = by.get((sch["spec"], t, L))
             v = None if r is None else r["value"]
             cells.append("-" if v is None else (f"{100 * v:.0f}%" if r["metric"] == "acc" else f"{v:.4g}"))
         lines.append(f"| {_label(sch['spec'], patch)} | " + " | ".join(cells) + " |")
