@@ -217,7 +217,12 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, toke
         tokenizer: the model's tokenizer (anything with `save_pretrained`, e.g. a transformers tokenizer or
             processor), saved into the same folder: a serving engine (`vllm serve DIR`, SGLang) loads it from there
             and cannot start without one, and `rope-patch export DIR --engine ...` refuses a folder that lacks it.
-        **kwargs: passed to transformers' (or peft's) `save_pretrained`.
+        **kwargs: passed to transformers' (or peft's) `save_pretrained`. Two of them matter here, as in accelerate's
+            distributed save (`save_pretrained(dir, is_main_process=..., state_dict=accelerator.get_state_dict(m))`):
+            `state_dict` (a full model's: the learned tables are taken from it where it holds them, gathered under
+            DeepSpeed ZeRO-3, and written to `rope_patch.safetensors` rather than beside the model's weights) and
+            `is_main_process=False` (transformers' save is still called, for its collectives; rope_patch writes
+            nothing on that process).
 
     Order: everything is computed first (a failure leaves the folder as it was); then the previous manifest is
     removed, the model, config, tokenizer and learned parameters are written, and the manifest comes last. A crash
@@ -227,17 +232,25 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, toke
         raise TypeError(f"rope_patch.save_pretrained: tokenizer= takes a tokenizer with a save_pretrained method (a "
                         f"transformers tokenizer or processor); got {type(tokenizer).__name__}. Nothing was written.")
     base, manifest, tables = _patch_record(model)
+    main = kwargs.get("is_main_process", True)
+    given = kwargs.pop("state_dict", None) if not manifest["adapter"] else None  # peft takes its own state_dict=
+    if given is not None:
+        tables = {k: given[k].detach().contiguous().cpu() if k in given else v for k, v in tables.items()}
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # a manifest describes one complete save: the old one goes first
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MANIFEST).unlink(missing_ok=True)  # a manifest describes one complete save: the old one goes first
     if manifest["adapter"]:
         model.save_pretrained(out, **kwargs)
     else:
-        state = {k: v for k, v in base.state_dict().items() if k not in tables}
+        state = {k: v for k, v in (base.state_dict() if given is None else given).items() if k not in tables}
         # transformers' own method: the instance's NoticedSave (undo.py) would log the plain-save notice, which says
         # to save with rope_patch instead
         type(base).save_pretrained(base, out, state_dict=state, **kwargs)
-        _rewrite_config(out / "config.json", saved_config(base))
+        if main:
+            _rewrite_config(out / "config.json", saved_config(base))
+    if not main:
+        return out
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     _write_patch_files(out, manifest, tables)

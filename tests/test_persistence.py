@@ -445,3 +445,43 @@ def test_save_pretrained_refuses_a_tokenizer_without_save_pretrained(tmp_path):
                                         "Nothing was written"):
         rope_patch.save_pretrained(model, tmp_path / "m", tokenizer="gpt2")
     assert not (tmp_path / "m").exists()
+
+
+SAVE_KWARGS = [  # (scheme, the argument of accelerate's distributed save the caller passes)
+    ("yarn", "state_dict"),
+    ("relative_bias", "state_dict"),
+    ("learned_absolute", "state_dict"),
+    ("yarn", "is_main_process=False"),
+    ("relative_bias", "is_main_process=False"),
+]
+
+
+@pytest.mark.parametrize("scheme,how", SAVE_KWARGS)
+def test_save_pretrained_takes_the_arguments_of_a_distributed_save(scheme, how, saved, tmp_path, ids):
+    """`save_pretrained(model, dir, is_main_process=..., state_dict=accelerator.get_state_dict(model))`: the learned
+    tables come from the state_dict (ZeRO-3 gathers them there; the live ones are partitioned), and only the main
+    process writes rope_patch's files (another process's call leaves a previous save as it was)."""
+    model, folder = saved[scheme]
+    if how == "state_dict":
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        live = [p for m in patch_modules(model).values() for p in m.parameters()]
+        before = [p.detach().clone() for p in live]
+        with torch.no_grad():  # what a process holds of a partitioned table: not its values
+            for p in live:
+                p.zero_()
+        try:
+            rope_patch.save_pretrained(model, tmp_path / "m", state_dict=state)
+        finally:
+            with torch.no_grad():
+                for p, v in zip(live, before, strict=True):
+                    p.copy_(v)
+        assert not set(load_file(tmp_path / "m" / "model.safetensors")) & set(LEARNED.values())  # in PATCH_WEIGHTS
+        again = rope_patch.from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
+        assert (logits(again, ids) - logits(model.eval(), ids)).abs().max().item() <= 1e-6
+    else:
+        target = shutil.copytree(folder, tmp_path / "m")
+        files = {p.name: p.read_bytes() for p in target.iterdir() if p.name in (MANIFEST, PATCH_WEIGHTS)}
+        rope_patch.save_pretrained(model, target, is_main_process=False)
+        assert {p.name: p.read_bytes() for p in target.iterdir() if p.name in (MANIFEST, PATCH_WEIGHTS)} == files
+        rope_patch.save_pretrained(model, tmp_path / "other", is_main_process=False)
+        assert not (tmp_path / "other" / MANIFEST).exists()
