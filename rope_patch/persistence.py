@@ -46,6 +46,7 @@ PATCH_WEIGHTS = "rope_patch.safetensors"
 FORMAT = schema.MANIFEST_FORMAT
 SINGLE_FORMAT = schema.MANIFEST_SINGLE_FORMAT  # what a save of one scheme (or none) writes
 _FIX = schema.MANIFEST_FIX
+PEFT_KWARGS = ("is_trainable", "adapter_name")  # what from_pretrained passes to PeftModel.from_pretrained
 
 
 def native_config(model: nn.Module) -> dict:
@@ -346,7 +347,9 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     """Rebuild what `save_pretrained` wrote: base model (+ adapter) + patch (+ the patch's learned parameters).
 
     `base_model` (a path or a loaded model) overrides the adapter's recorded base. `kwargs` go to transformers'
-    `from_pretrained` (dtype, device_map, ...). A folder without rope_patch.json loads as the plain model.
+    `from_pretrained` (dtype, device_map, ...), except peft's `is_trainable` and `adapter_name`, which go to
+    `PeftModel.from_pretrained` for an adapter folder (`is_trainable=True` to train the adapter further: peft loads
+    it frozen, for inference, by default). A folder without rope_patch.json loads as the plain model.
     Raises FileNotFoundError for a missing config.json / adapter_config.json / rope_patch.safetensors and
     ValueError for a corrupt, mismatched or future-format file (see `read_manifest`), naming the file.
     """
@@ -354,6 +357,7 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     if not path.is_dir():
         raise FileNotFoundError(f"rope_patch.from_pretrained: {str(path)!r} is not a directory saved by "
                                 "rope_patch.save_pretrained.")
+    peft_kwargs = {k: kwargs.pop(k) for k in PEFT_KWARGS if k in kwargs}
     manifest = read_manifest(path)
     if manifest is None and (path / PATCH_WEIGHTS).is_file():
         raise FileNotFoundError(f"{path / MANIFEST} is missing, though {path / PATCH_WEIGHTS} is there: the save was "
@@ -363,6 +367,10 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     if manifest is not None and manifest.get("adapter") and not is_adapter:
         raise FileNotFoundError(f"{path / 'adapter_config.json'} is missing, though {path / MANIFEST} "
                                 f"records an adapter: the save is incomplete or the folder was copied in part. {_FIX}")
+    if peft_kwargs and not is_adapter:
+        raise TypeError(f"rope_patch.from_pretrained: {', '.join(f'{k}=' for k in peft_kwargs)} applies to an "
+                        f"adapter folder (with adapter_config.json), but {path} holds a full model, whose parameters "
+                        "all load trainable: leave it out.")
     if not is_adapter and not (path / "config.json").is_file():
         if manifest is not None:
             raise FileNotFoundError(f"{path / 'config.json'} is missing, though {path / MANIFEST} is "
@@ -396,7 +404,7 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
         base = load_base(src)
         if manifest and manifest["scheme"]:  # before peft: the tables it keeps a trained copy of (modules_to_save)
             reapply_manifest(base, manifest, path / MANIFEST)  # must exist when it loads the adapter, as in training
-        model = PeftModel.from_pretrained(base, path)
+        model = PeftModel.from_pretrained(base, path, **peft_kwargs)
     else:
         model = load_base(str(path))
         if manifest and manifest["scheme"]:

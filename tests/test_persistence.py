@@ -485,3 +485,36 @@ def test_save_pretrained_takes_the_arguments_of_a_distributed_save(scheme, how, 
         assert {p.name: p.read_bytes() for p in target.iterdir() if p.name in (MANIFEST, PATCH_WEIGHTS)} == files
         rope_patch.save_pretrained(model, tmp_path / "other", is_main_process=False)
         assert not (tmp_path / "other" / MANIFEST).exists()
+
+
+RELOAD_KWARGS = [  # (folder, from_pretrained's peft keywords, trainable parameters after loading or the error)
+    ("adapter", {}, set()),  # peft's default: loaded for inference
+    ("adapter", {"is_trainable": True}, {"lora_A", "lora_B", "modules_to_save"}),
+    ("adapter", {"is_trainable": True, "adapter_name": "long"}, {"lora_A", "lora_B", "modules_to_save"}),
+    ("full", {"is_trainable": True}, "is_trainable= applies to an adapter folder"),
+]
+
+
+@pytest.mark.parametrize("folder,kwargs,expected", RELOAD_KWARGS)
+def test_from_pretrained_passes_peft_keywords_to_the_adapter(folder, kwargs, expected, saved, tmp_path, ids):
+    """To train a saved adapter further it is reloaded with is_trainable=True (transformers' from_pretrained took the
+    keyword and failed); the trained tables come back as they were saved."""
+    import peft
+    full = saved["relative_bias"][1]
+    if folder == "full":
+        with pytest.raises(TypeError, match=expected):
+            rope_patch.from_pretrained(full, **kwargs)
+        return
+    tiny_model().save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
+    rope_patch.apply(base, "relative_bias")
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False,
+                                                     modules_to_save=["rope_patch_relative_bias"]))
+    with torch.no_grad():
+        base.rope_patch_relative_bias.modules_to_save["default"].weight.add_(0.5)
+    rope_patch.save_pretrained(lora, tmp_path / "adapter")
+    again = rope_patch.from_pretrained(tmp_path / "adapter", attn_implementation="eager", **kwargs).eval()
+    trainable = {part for n, p in again.named_parameters() if p.requires_grad
+                 for part in ("lora_A", "lora_B", "modules_to_save") if part in n}
+    assert trainable == expected
+    assert (logits(again, ids) - logits(lora.eval(), ids)).abs().max().item() <= 1e-6

@@ -92,13 +92,21 @@ def frozen_tables(model: nn.Module) -> list[str]:
 def warn_frozen_tables(model: nn.Module, where: str = "RopePatchCallback") -> list[str]:
     """Log a warning naming the applied patch's frozen learned tables (`frozen_tables`) and the fix; returns them."""
     frozen = frozen_tables(model)
-    if frozen:
+    base = _unwrap(model)
+    loaded = [n for n in frozen if _peft_copy(base, n)]
+    if loaded:
+        logger.warning(
+            "%s: the learned table(s) %s of the %s patch are in peft's modules_to_save but frozen "
+            "(requires_grad=False): the adapter was loaded for inference, which freezes all of it. Load it with "
+            "rope_patch.from_pretrained(dir, is_trainable=True) (or PeftModel.from_pretrained(..., is_trainable=True)) "
+            "to train it further.", where, ", ".join(loaded), current(base).name)
+    elif frozen:
         logger.warning(
             "%s: the learned table(s) %s of the %s patch are frozen (requires_grad=False) and will not train: peft "
             "freezes every base-model parameter that LoraConfig(modules_to_save=...) does not name, so they keep "
             "their initial values. Build the peft model with peft.LoraConfig(..., modules_to_save="
             "rope_patch.training.learned_modules_to_save(model)) on the patched model, before get_peft_model "
-            "(or unfreeze them yourself).", where, ", ".join(frozen), current(_unwrap(model)).name)
+            "(or unfreeze them yourself).", where, ", ".join(frozen), current(base).name)
     return frozen
 
 
@@ -309,6 +317,14 @@ class JsonLogCallback(TrainerCallback):
                   f"{record['tokens_per_s']:,.0f} tok/s  elapsed {record['elapsed_s'] / 60:.1f} min", flush=True)
         self.last_step, self.last_time = state.global_step, now
 
+
+
+def _peft_copy(base: nn.Module, name: str) -> bool:
+    """Whether the table `name` of `base` is wrapped by peft (`modules_to_save`)."""
+    try:
+        return hasattr(base.get_submodule(name), "modules_to_save")
+    except AttributeError:
+        return False
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -199,6 +199,8 @@ FROZEN = [  # (scheme, how the model trains, the tables on_train_begin names as 
     ("relative_bias", "full", []),
     ("yarn", "lora", []),
     (None, "lora", []),
+    ("relative_bias", "reloaded", ["rope_patch_relative_bias"]),  # an adapter loaded for inference
+    ("relative_bias", "reloaded, is_trainable", []),
 ]
 
 
@@ -208,13 +210,20 @@ def test_on_train_begin_warns_about_a_frozen_learned_table(scheme, how, frozen, 
     values: the run must say so where training begins, naming the fix."""
     model = patched(scheme)
     if how != "full":
-        names = learned_modules_to_save(model) if how == "lora+modules_to_save" else []
+        names = learned_modules_to_save(model) if how != "lora" else []
         model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"],
                                                            modules_to_save=names or None))
+    if how.startswith("reloaded"):
+        tiny_model(seed=0).save_pretrained(tmp_path / "base")
+        rope_patch.save_pretrained(model, tmp_path / "adapter")
+        model = rope_patch.from_pretrained(tmp_path / "adapter", base_model=str(tmp_path / "base"),
+                                           **({"is_trainable": True} if "is_trainable" in how else {}))
     assert frozen_tables(model) == frozen
     with caplog.at_level(logging.WARNING, logger="rope_patch"):
         call("on_train_begin", model, tmp_path, 0)
-    if frozen:
+    if how == "reloaded":
+        assert "the adapter was loaded for inference" in caplog.text and "is_trainable=True" in caplog.text
+    elif frozen:
         assert f"the learned table(s) {', '.join(frozen)} of the {scheme} patch are frozen" in caplog.text
         assert "modules_to_save=rope_patch.training.learned_modules_to_save(model)" in caplog.text
     else:
