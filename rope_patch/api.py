@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from . import notices
 from .discovery import NoRotary, PatchSite, find_target
 from .registry import get_scheme_class
 from .schemes.base import UNBOUNDED, Scheme
@@ -197,10 +198,10 @@ def _warn_unserved(target: PatchSite, scheme: Scheme) -> None:
     if not window or type(scheme).served_length is Scheme.served_length or scheme.served_length(int(window)):
         return
     params = ", ".join(f"{k}={v}" for k, v in scheme.params().items())
-    warnings.warn(
+    notices.warn(
         f"rope_patch: {scheme.name} with {params} serves no input longer than {target.model_type}'s window of "
         f"{window} tokens: past it, the relative positions it rotates with reach ones the model was not trained on. "
-        "Choose sizes below the window (rope_patch.suggest(model, length) gives some).", UserWarning, stacklevel=4)
+        "Choose sizes below the window (rope_patch.suggest(model, length) gives some).")
 
 
 def _carry_tables(model, trained: dict[str, nn.Module], *, keep: bool) -> None:
@@ -211,12 +212,10 @@ def _carry_tables(model, trained: dict[str, nn.Module], *, keep: bool) -> None:
         for path, table in fresh.items():
             table.load_state_dict(trained[path].state_dict())
         return
-    warnings.warn(
+    notices.warn(
         f"rope_patch: the learned tables of the previous patch ({', '.join(sorted(trained))}) were discarded; the "
         f"new patch starts from {'fresh tables' if fresh else 'none'}. Save them first with "
-        "rope_patch.save_pretrained, or re-apply the same scheme and parameters to keep them.",
-        UserWarning, stacklevel=3,
-    )
+        "rope_patch.save_pretrained, or re-apply the same scheme and parameters to keep them.")
 
 
 def _materialised(target: PatchSite) -> None:

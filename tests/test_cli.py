@@ -211,6 +211,24 @@ def test_errors_are_one_line(monkeypatch, capsys, exc, code, message):
     assert message in error_line(capsys)
 
 
+def test_warnings_are_one_line_once(monkeypatch, capsys):
+    import warnings
+
+    import rope_patch.scheme_names
+
+    listed = rope_patch.scheme_names.list_schemes
+
+    def warn_twice():
+        for _ in range(2):  # as a comparison that applies a scheme at every length
+            warnings.warn("rope_patch: these sizes serve nothing\nlonger", UserWarning, stacklevel=1)
+        return listed()
+
+    monkeypatch.setattr(rope_patch.scheme_names, "list_schemes", warn_twice)
+    assert main(["list"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "rope-patch list: warning: rope_patch: these sizes serve nothing longer\n"
+
+
 @pytest.mark.parametrize("argv", [["--debug", "plot", "results", "nowhere.json"],
                                   ["plot", "results", "nowhere.json", "--debug"]])
 def test_debug_raises_the_error(tmp_path, monkeypatch, argv):

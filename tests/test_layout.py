@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rope_patch"
 # draws this).
 LAYERS = [
     ("foundation", ["_version", "files", "resources", "registry", "scheme_names", "undo", "rotary", "validation",
-                    "discovery", "specs", "zoo", "schema", "fingerprint", "engines"]),
+                    "discovery", "specs", "zoo", "schema", "fingerprint", "engines", "notices"]),
     ("attention", ["attention"]),
     ("schemes", ["schemes"]),
     ("api", ["api", "lengths", "persistence", "suggest", "serving"]),

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import os
 import select
 import sys
 import textwrap
+import warnings
 
 from .. import scheme_names
 from .._version import __version__
@@ -162,7 +164,9 @@ def main(argv=None) -> int:
         return args.func(args) or 0
     prog = getattr(args, "prog", parser.prog)
     try:
-        return args.func(args) or 0
+        with warnings.catch_warnings():  # a warning on the way is one line too (the library's name the user's line)
+            warnings.showwarning = functools.partial(_warning_line, prog, set())
+            return args.func(args) or 0
     except KeyboardInterrupt:
         print(f"{prog}: interrupted.{_kept(args)}", file=sys.stderr)
         return 130
@@ -175,6 +179,15 @@ def main(argv=None) -> int:
     except Exception as err:  # noqa: BLE001 - the whole point: one line, not a traceback
         print(f"{prog}: error: {describe(err)}{_kept(args)}", file=sys.stderr)
         return 2
+
+
+def _warning_line(prog: str, said: set, message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line, once per run (a comparison applies a scheme once per length, and libraries reset
+    Python's once-per-line registry as they go)."""
+    text = " ".join(str(message).split("\n"))
+    if text not in said:
+        said.add(text)
+        print(f"{prog}: warning: {text}", file=sys.stderr)
 
 
 def _stdout_gone() -> bool:

@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import inspect
 import math
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +19,7 @@ import transformers
 from packaging.version import Version
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .. import attention, discovery
+from .. import attention, discovery, notices
 from ..discovery import PatchSite, RopeContext
 from ..registry import did_you_mean
 from ..rotary import RESONANCE, ForwardLength, PatchedRotaryForward, Resonance, TableGrowth, angle_forward
@@ -134,12 +133,10 @@ def _prepare_site(scheme: FrequencyScheme, model_site: PatchSite, target: PatchS
     _validate_with_transformers(scheme, target, rotary_config)
     shipped, new_window = any_ctx.shipped_scaling, scheme.public_window(any_ctx)
     if primary and shipped and new_window is not None and new_window < any_ctx.max_position_embeddings:
-        warnings.warn(
+        notices.warn(
             f"rope_patch: {scheme.name} replaces the {shipped!r} scaling this checkpoint ships with and serves "
             f"{new_window} tokens, fewer than the shipped window of {any_ctx.max_position_embeddings} "
-            f"(factors are relative to the pre-training window {any_ctx.pretraining_window}).",
-            UserWarning, stacklevel=5,
-        )
+            f"(factors are relative to the pre-training window {any_ctx.pretraining_window}).")
 
     scales = _attention_scales(scheme, model_site, public) if primary else []
     device = next(iter(target.rotary.buffers())).device
