@@ -388,6 +388,20 @@ class RecipeConfig:
                     f"`rope_patch`: {scheme.name} with factor={factor} x original_max_position_embeddings={window} "
                     f"covers {factor * window:g} positions, fewer than the target length {target}: raise the factor to "
                     f"at least {math.ceil(target / window)}.")
+            # a learned position table has a row per position: a longer training row or evaluation length would fail
+            # in its forward (after loading the model; for an evaluation length, after training)
+            longest = scheme.longest_input()
+            uses = {"the training rows (" + ("`pose.target_length`" if self.pose is not None else "`train.seq_len`")
+                    + ")": target}
+            if self.eval is not None:
+                uses["the evaluation (`eval.perplexity_lengths` / `eval.passkey_lengths`)"] = max(
+                    [*self.eval.perplexity_lengths, *self.eval.passkey_lengths], default=0)
+            over = {what: n for what, n in uses.items() if longest is not None and n > longest}
+            if over:
+                raise ConfigError(
+                    f"`rope_patch`: {scheme.name} runs at most {longest} positions (its learned table's rows), fewer "
+                    f"than {' and '.join(f'{what}: {n}' for what, n in over.items())}. Raise its "
+                    f"max_position_embeddings to at least {max(over.values())}.")
         self.run.model_path()  # a missing model folder is a config error too
         return {"accumulation_steps": t.global_batch_size // per_step, "target_length": target}
 

@@ -74,6 +74,15 @@ BAD = [
     (dict(lora={"r": 4, "target_modules": ["q_proj"], "alpha": 3}), r"lora.*'alpha' \(did you mean 'lora_alpha'\?\)"),
     (dict(model="/nonexistent/model"), "model"),
     (dict(eval={"heldout": "/nonexistent.txt", "perplexity_lengths": [64]}), "eval.heldout"),
+    # a learned position table shorter than the rows or the evaluation: its forward would fail mid-run
+    (dict(rope_patch={"scheme": "learned_absolute", "max_position_embeddings": 64}),
+     r"learned_absolute runs at most 64 positions .*fewer than the training rows \(`train.seq_len`\): 128\. Raise "
+     r"its max_position_embeddings to at least 128"),
+    (dict(rope_patch={"scheme": "learned_absolute", "max_position_embeddings": 128},
+          pose={"target_length": 256}), r"at most 128 positions .*\(`pose.target_length`\): 256"),
+    (dict(rope_patch={"scheme": "learned_absolute", "max_position_embeddings": 128},
+          eval={"heldout": str(ROOT / "rope_patch" / "data" / "heldout.txt"), "passkey_lengths": [512]}),
+     r"at most 128 positions .*fewer than the evaluation .*: 512\. Raise its max_position_embeddings to at least 512"),
 ]
 
 
