@@ -278,6 +278,8 @@ def _label(scheme) -> str:
     tiny_yarn_4x.yaml and tiny_yarn_4x_resonance.yaml must not share a label)."""
     if scheme is None:
         return "unpatched"
+    if scheme.kind == "stack":  # its parts, not "stack": two runs of different stacks must not share a label
+        return " + ".join(_label(part) for part in scheme.schemes)
     return scheme.name + ("+resonance" if getattr(scheme, "resonance", False) else "")
 
 

@@ -272,6 +272,21 @@ def test_before_and_after_evaluation(assets, tmp_path):
     assert summary["eval"] == rows and "| yarn + LoRA fine-tuned |" in (tmp_path / "run" / "eval.md").read_text()
 
 
+LABELS = [  # (rope_patch: section, the evaluation table's label of the patched model)
+    (None, "unpatched"),
+    ({"scheme": "yarn", "factor": 4}, "yarn"),
+    ({"scheme": "yarn", "factor": 4, "resonance": True}, "yarn+resonance"),
+    ({"scheme": "yarn:4+logn"}, "yarn + logn"),
+    ({"scheme": "relative_bias+logn"}, "relative_bias + logn"),
+]
+
+
+@pytest.mark.parametrize("patch,label", LABELS)
+def test_evaluation_rows_name_the_scheme(patch, label):
+    scheme = None if patch is None else rope_patch.api.as_scheme(**patch)
+    assert ft._label(scheme) == label
+
+
 LEARNED = [  # (scheme, evaluate before training): the "before" rows remove and re-apply the patch
     ({"scheme": "relative_bias", "max_distance": 128, "init": "alibi"}, False),
     ({"scheme": "relative_bias", "max_distance": 128, "init": "alibi"}, True),
