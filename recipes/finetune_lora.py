@@ -33,13 +33,13 @@ short rows with skipped position ids (rope_patch/training/pose.py, including the
 
 Determinism and resume: every draw of the collators is a pure function of (seed, sample index)
 (rope_patch/training/seeding.py), because Trainer resumes by skipping the batches already seen without calling the
-collator. A checkpoint is complete once recipe_state.json (written last, after every process saved, with the
-config's fingerprint) exists; --resume continues from the newest complete one, refuses one of another training
-config and removes newer incomplete ones. The dataset is cut to whole global batches, so one process with
-accumulation and N processes see the same rows per step (tests/recipes/test_distributed.py: identical losses and
-weights). On CPU use torchrun: `accelerate launch` with ddp_cpu.yaml needs MPI, else it starts ONE process; FSDP
-runs only on GPUs (accelerate would silently fall back to DDP on CPU: the recipe refuses). The GPU configs in
-recipes/accelerate/ are parsed by the tests but were never run here.
+collator. A checkpoint is complete once recipe_state.json (written last, after every process saved, with the config's
+fingerprint) exists; --resume continues from the newest complete one, refuses one of another training config and removes
+newer incomplete ones; a run without --resume refuses an output_dir that holds checkpoints. The dataset is cut to whole
+global batches, so one process with accumulation and N processes see the same rows per step
+(tests/recipes/test_distributed.py: identical losses and weights). On CPU use torchrun: `accelerate launch` with
+ddp_cpu.yaml needs MPI, else it starts ONE process; FSDP runs only on GPUs (accelerate would silently fall back to DDP
+on CPU: the recipe refuses). The GPU configs in recipes/accelerate/ are parsed by the tests but were never run here.
 """
 
 from __future__ import annotations
@@ -114,6 +114,14 @@ class LoRAFinetuneRecipe:
         self.main_process = self.args.process_index == 0
         self.path = cfg.run.model_path()
         self.checkpoint = resume_checkpoint(self.out / CHECKPOINTS, cfg.fingerprint()) if self.resume else None
+        earlier = sorted((p for p in (self.out / CHECKPOINTS).glob("checkpoint-*") if checkpoint_step(p) is not None),
+                         key=checkpoint_step)
+        if not self.resume and earlier:
+            # a fresh run would overwrite some of them and leave the others, and a later --resume could take one
+            # of the earlier run's newer checkpoints for its own
+            raise ConfigError(f"{self.out / CHECKPOINTS} holds checkpoints of an earlier run "
+                              f"({', '.join(p.name for p in earlier)}): pass --resume to continue that run, or "
+                              "delete them (or set another output_dir) to start over.")
         if self.resume and self.checkpoint is None:
             self.log(f"--resume: no complete checkpoint in {self.out / CHECKPOINTS}; starting from step 0")
         self.resumed_step = checkpoint_step(self.checkpoint) if self.checkpoint is not None else 0
@@ -134,7 +142,7 @@ class LoRAFinetuneRecipe:
         self.log_path, self.elapsed_before = self.out / "train_log.jsonl", 0.0
         if self.main_process:
             self.out.mkdir(parents=True, exist_ok=True)
-            if self.checkpoint is not None:  # a killed run's newer, incomplete checkpoints go
+            if self.resume:  # a killed run's newer, incomplete checkpoints go (all of them when none is complete)
                 discard_checkpoints_after(self.out / CHECKPOINTS, self.resumed_step)
             self.elapsed_before = trim_log(self.log_path, self.resumed_step)  # the log lines of lost steps go
 

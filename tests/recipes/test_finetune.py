@@ -349,6 +349,21 @@ def test_resume_after_crashes_gives_the_uninterrupted_run(assets, tmp_path):
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["checkpoint-4", "checkpoint-6"]
 
 
+def test_a_fresh_run_refuses_the_checkpoints_of_an_earlier_run(assets, tmp_path):
+    """A fresh run into the same output_dir would overwrite some of the earlier run's checkpoints and keep the newer
+    ones, which a later --resume would take for its own."""
+    cfg = cfg_for(assets, tmp_path, train={"steps": 2, "save_every": 1})
+    ft.main(cfg)
+    with pytest.raises(ft.ConfigError, match=r"checkpoints holds checkpoints of an earlier run \(.*checkpoint-2\): "
+                                             r"pass --resume to continue that run, or delete them"):
+        ft.main(cfg)
+    assert ft.main(cfg, resume=True)["resumed_from"].endswith("checkpoint-2")  # finished: nothing left to train
+    for folder in complete_checkpoints(tmp_path / "run" / "checkpoints"):  # a run killed inside its first save
+        (folder / "recipe_state.json").unlink()
+    assert ft.main(cfg, resume=True)["resumed_from"] is None
+    assert [p.name for p in complete_checkpoints(tmp_path / "run" / "checkpoints")][-1] == "checkpoint-2"
+
+
 def test_trim_log_keeps_the_lines_up_to_the_resumed_step(tmp_path):
     path = tmp_path / "log.jsonl"
     assert ft.trim_log(path, 0) == 0.0 and path.read_text() == ""  # a fresh run: an empty log
