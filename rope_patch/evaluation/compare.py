@@ -337,6 +337,11 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     load_start = _loadavg()
     plan = None
     if budget_minutes is not None or on_plan is not None:
+        # a resumed run that its budget trimmed goes on with what it ran: re-fitted to the cells left alone, the budget
+        # would give back samples (then the earlier cells are refused as other settings) or windows (measured again)
+        kept = _trimmed_before(resume, passkey_samples, windows_at_longest) if budget_minutes is not None else None
+        if kept is not None:
+            passkey_samples, windows_at_longest = kept
         cost = probe_cost(model, token_ids, [*lengths, *passkey_lengths])
         planned = _windows(len(token_ids), lengths, windows_at_longest, ppl_tokens)
         left = [_cells_left(resume, spec, lengths, passkey_lengths, planned) for spec, _ in parsed]
@@ -348,6 +353,10 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         plan = fit_budget(estimate, None if budget_minutes is None else 60.0 * budget_minutes, passkey_samples,
                           windows_at_longest, has_passkey=bool(passkey_lengths))
         plan["minutes"] = budget_minutes
+        if kept is not None:  # still below what was asked: a further resume keeps them too
+            plan["trimmed"] = True
+            plan["line"] += (f" Resumed with the earlier run's trimmed settings (passkey samples per cell {kept[0]}, "
+                             f"perplexity windows {kept[1]}).")
         first = cost.probed[0] if cost.probed else (None, cost.a)
         plan["probe"] = {"tokens": first[0], "s_per_token": first[1], "a": cost.a, "b": cost.b,
                          "probes": [list(p) for p in cost.probed]}
@@ -456,6 +465,16 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     result["elapsed_s"]["total"] = round(time.perf_counter() - t_all, 2)
     result["settings"]["machine"]["loadavg_end"] = _loadavg()
     return result
+
+
+def _trimmed_before(resume: dict | None, passkey_samples: int, windows_at_longest: int) -> tuple[int, int] | None:
+    """(passkey samples, windows) of an earlier result whose budget trimmed them below these, else None."""
+    settings = (resume or {}).get("settings") or {}
+    if not (settings.get("budget") or {}).get("trimmed"):
+        return None
+    samples = min(passkey_samples, settings.get("passkey_samples", passkey_samples))
+    windows = min(windows_at_longest, settings.get("windows_at_longest", windows_at_longest))
+    return None if (samples, windows) == (passkey_samples, windows_at_longest) else (samples, windows)
 
 
 def _warn_other_tokens(spec: str, earlier: dict[int, int], windows: dict[int, int]) -> None:

@@ -178,6 +178,55 @@ def test_a_resumed_run_estimates_only_the_cells_left(setup, monkeypatch):
     assert plans[0]["estimate_s"] == 0  # nothing left
 
 
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("samples, windows, budget_s, later, kept", [
+    # 1 ms a token: 2 schemes fit with 2 samples; the scheme left alone would fit with 6
+    (6, 3, 26.4, 1e-3, (2, 3)),
+    # 2 schemes fit with 2 windows; on a less busy machine (0.7 ms a token) the resumed run would fit with 3
+    (1, 3, 20.0, 0.7e-3, (1, 2)),
+])
+def test_a_run_trimmed_to_its_budget_resumes_with_what_it_ran(setup, monkeypatch, samples, windows, budget_s, later,
+                                                              kept):
+    """The same command with --resume after an interruption: fitted to the cells left alone (or to a less busy
+    machine), the budget gave back the samples (the earlier cells were then refused as other settings) or the windows
+    (the earlier perplexity cells were measured again)."""
+    monkeypatch.setattr(compare_mod, "probe_cost", lambda model, ids, lengths: Cost(a=1e-3))
+    model, tok, ids = setup
+    kw = {**KW, "passkey_samples": samples, "windows_at_longest": windows, "budget_minutes": budget_s / 60,
+          "token_ids": ids}
+    saved = []
+
+    def interrupt(result):
+        saved.append(result)
+        raise _Interrupted
+
+    with pytest.raises(_Interrupted):
+        run_compare(model, tok, ["default", "yarn:2"], [32, 64], on_scheme=interrupt, **kw)
+    (first,) = saved
+    assert (first["settings"]["passkey_samples"], first["settings"]["windows_at_longest"]) == kept
+    monkeypatch.setattr(compare_mod, "probe_cost", lambda model, ids, lengths: Cost(a=later))
+    measured = []
+    real = compare_mod.evaluate_scheme_perplexity
+
+    def measure(m, t, lengths, *a, **k):
+        measured.append(list(lengths))
+        return real(m, t, lengths, *a, **k)
+
+    monkeypatch.setattr(compare_mod, "evaluate_scheme_perplexity", measure)
+    plans = []
+    res = run_compare(model, tok, ["default", "yarn:2"], [32, 64], resume=first, on_plan=plans.append, **kw)
+    assert (res["settings"]["passkey_samples"], res["settings"]["windows_at_longest"]) == kept
+    assert measured == [[], [32, 64]]  # the finished scheme's cells are reused, the other one is measured
+    assert [r for r in res["records"] if r["scheme"] == "default"] == [r for r in first["records"]]
+    assert plans[0]["trimmed"] and "Resumed with the earlier run's trimmed settings" in plans[0]["line"]
+    # resumed again (the second run interrupted too): the same settings
+    again = run_compare(model, tok, ["default", "yarn:2"], [32, 64], resume=res, **kw)
+    assert (again["settings"]["passkey_samples"], again["settings"]["windows_at_longest"]) == kept
+
+
 @pytest.mark.parametrize("minutes", [0, -1.0])
 def test_budget_must_be_positive(setup, minutes):
     with pytest.raises(ValueError, match="positive number of minutes"):
