@@ -155,6 +155,29 @@ def check_patch(model: nn.Module, manifest: dict, file: str | os.PathLike = MANI
                          f"this model's is {original_config(base)}: it is another base model.")
 
 
+def refuse_fsdp_tables(args, model: nn.Module) -> None:
+    """ValueError when FSDP shards the run (`args.fsdp`, accelerate's ACCELERATE_USE_FSDP, or FSDP modules or
+    DTensor tables in the model) and the applied patch owns learned tables: each process holds a shard of them, and
+    the checkpoints' `rope_patch.safetensors` would hold the saving process's shard, not the tables (a reload fails
+    on their shapes, after training)."""
+    base = _unwrap(model)
+    tables = patch_modules(base) if current(base) is not None else {}
+    if not tables:
+        return
+    names = sorted(tables)
+    fsdp = (bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+            # FSDP1's wrapper, FSDP2's fully_shard (a subclass of FSDPModule), their DTensor parameters
+            or any(c.__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in base.modules()
+                   for c in type(m).__mro__)
+            or any(type(p).__name__ == "DTensor" for t in tables.values() for p in t.parameters()))
+    if fsdp:
+        raise ValueError(
+            f"RopePatchCallback: the {current(base).name} patch owns learned tables ({', '.join(names)}), which "
+            "rope_patch cannot gather under FSDP: every checkpoint's rope_patch.safetensors would hold one process's "
+            "shard of them, not the trained tables. Train it with DDP or DeepSpeed ZeRO-3 "
+            "(recipes/accelerate/deepspeed_zero3.yaml), or use a scheme without learned tables under FSDP.")
+
+
 class RopePatchCallback(TrainerCallback):
     """Writes the patch into every Trainer checkpoint (`on_save`) and restores / checks it on resume
     (`on_train_begin`); see the module docstring.
@@ -164,8 +187,9 @@ class RopePatchCallback(TrainerCallback):
             `output_dir/checkpoint-{global_step}` (Trainer does not tell callbacks which folder it resumed from).
 
     Distributed runs: every process calls the callback; only the process that saves (`args.should_save`) writes.
-    Under DeepSpeed ZeRO-3 the learned tables are gathered for the write (a collective, on every process); FSDP is
-    not handled (frequency schemes, which own no tables, are unaffected).
+    Under DeepSpeed ZeRO-3 the learned tables are gathered for the write (a collective, on every process); under FSDP
+    they are not, so a patch with learned tables is refused when training begins (`refuse_fsdp_tables`; frequency and
+    parameter-free schemes, which own no tables, are unaffected).
     """
 
     def __init__(self, resume_from_checkpoint: str | os.PathLike | None = None):
@@ -174,6 +198,7 @@ class RopePatchCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
+        refuse_fsdp_tables(args, model)
         self._restore_or_check(args, state, model)
         if getattr(state, "is_world_process_zero", True):  # once per run: every process holds the same model
             warn_frozen_tables(model)

@@ -230,6 +230,38 @@ def test_on_train_begin_warns_about_a_frozen_learned_table(scheme, how, frozen, 
         assert "frozen" not in caplog.text
 
 
+FSDP = [  # (scheme, how FSDP shows, refused)
+    ("relative_bias", "args.fsdp", True),
+    ("learned_absolute", "ACCELERATE_USE_FSDP", True),
+    ("relative_bias", "DTensor", True),
+    ("yarn", "args.fsdp", False),  # no tables: nothing to gather
+    ("self_extend", "ACCELERATE_USE_FSDP", False),
+    ("relative_bias", None, False),
+]
+
+
+@pytest.mark.parametrize("scheme,how,refused", FSDP)
+def test_on_train_begin_refuses_learned_tables_under_fsdp(scheme, how, refused, tmp_path, monkeypatch):
+    """FSDP shards the tables and rope_patch does not gather them there: every checkpoint would hold one process's
+    shard (a reload fails on the shapes, after training), so training does not begin."""
+    model = patched(scheme) if scheme != "self_extend" else tiny_model()
+    if scheme == "self_extend":
+        rope_patch.apply(model, "self_extend", group_size=2, window_size=8)
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, resume_from_checkpoint=None,
+                           fsdp=how == "args.fsdp")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true" if how == "ACCELERATE_USE_FSDP" else "false")
+    if how == "DTensor":  # what FSDP2's fully_shard makes of a parameter
+        monkeypatch.setattr(patch_modules(model)["rope_patch_relative_bias"], "weight",
+                            type("DTensor", (torch.nn.Parameter,), {})(torch.zeros(1)))
+    callback = RopePatchCallback()
+    if refused:
+        with pytest.raises(ValueError, match=r"owns learned tables \(rope_patch_.*\), which rope_patch cannot gather "
+                                             r"under FSDP.*DDP or DeepSpeed ZeRO-3"):
+            callback.on_train_begin(args, SimpleNamespace(global_step=0), SimpleNamespace(), model=model)
+    else:
+        callback.on_train_begin(args, SimpleNamespace(global_step=0), SimpleNamespace(), model=model)
+
+
 def test_on_train_begin_finds_the_checkpoint(tmp_path, caplog):
     elsewhere = tmp_path / "elsewhere"
     rope_patch.save_pretrained(patched("yarn"), elsewhere)
