@@ -45,6 +45,9 @@ def test_templated_prompts_reach_the_model(assets, chat_model, monkeypatch, appl
         lead = "The pass key is" if "passkey" in task else "The special magic number for "
         assert all(p.startswith("<|bos|>user\n") and f"<|bos|>assistant\n{lead}" in p for p in prompts)
         assert all(p.endswith(" is") and p.count("<|bos|>assistant") == 1 for p in prompts)  # the lead-in opens it
+        # the documents' BOS (their text is their ids', BOS first) is not put inside the user turn: the template has
+        # its own opening (two <|bos|>: the user's turn and the assistant's)
+        assert all(not p.startswith("<|bos|>user\n<|bos|>") and p.count("<|bos|>") == 2 for p in prompts)
         assert texts == prompts and exact == []
     else:  # plain prompts: the documents' exact ids, as rope-patch compare
         assert not any("assistant" in p for p in prompts)

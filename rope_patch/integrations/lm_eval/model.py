@@ -312,6 +312,19 @@ class RopePatchLM(HFLM):
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         return [answers[i] for i in range(len(requests))]
 
+    # ---- chat templates ----------------------------------------------------------------------------------------
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        """lm-eval's templated prompt, with no BOS inside a turn: the text of a rope_* document is its token ids', BOS
+        first (so that a plain prompt is exactly compare's), and a template opens each turn with its own tokens; a BOS
+        left at the start of the user's turn (SmolLM2: `<|im_start|>user\n<|im_start|>...`) is no prompt a chat model
+        was trained on."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if bos:
+            chat_history = [{**m, "content": m["content"][len(bos):]}
+                            if isinstance(m.get("content"), str) and m["content"].startswith(bos) else m
+                            for m in chat_history]
+        return super().apply_chat_template(chat_history, add_generation_prompt)
+
     # ---- exact-token documents -------------------------------------------------------------------------------------
     def _exact_ids(self, req, key: str, text: str):
         """The document's token ids when this request can be evaluated from them, else None."""
