@@ -349,7 +349,8 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     `base_model` (a path or a loaded model) overrides the adapter's recorded base. `kwargs` go to transformers'
     `from_pretrained` (dtype, device_map, ...), except peft's `is_trainable` and `adapter_name`, which go to
     `PeftModel.from_pretrained` for an adapter folder (`is_trainable=True` to train the adapter further: peft loads
-    it frozen, for inference, by default). A folder without rope_patch.json loads as the plain model.
+    it frozen, for inference, by default). A folder without rope_patch.json loads as the plain model (an adapter whose
+    modules_to_save trains a rope_patch table is refused instead: its patch was not recorded).
     Raises FileNotFoundError for a missing config.json / adapter_config.json / rope_patch.safetensors and
     ValueError for a corrupt, mismatched or future-format file (see `read_manifest`), naming the file.
     """
@@ -397,7 +398,10 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     if is_adapter:
         from peft import PeftModel  # peft (~1.5 s to import) only for adapters
 
-        recorded = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        adapter_config = json.loads((path / "adapter_config.json").read_text())
+        if manifest is None:
+            _refuse_adapter_of_a_lost_patch(path, adapter_config)
+        recorded = adapter_config.get("base_model_name_or_path")
         src = base_model if base_model is not None else recorded
         if src is None:
             raise ValueError(f"{path} holds an adapter without a recorded base model: pass base_model=.")
@@ -412,6 +416,22 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     if manifest and manifest["scheme"]:
         load_patch_weights(model, manifest, path)
     return model
+
+
+def _refuse_adapter_of_a_lost_patch(path: Path, adapter_config: dict) -> None:
+    """An adapter folder without rope_patch.json whose `modules_to_save` trains a rope_patch table (the attribute
+    names of the tables begin with "rope_patch_") was trained under a patch that its save did not record: loading it
+    as a plain adapter would drop the patch and its trained table (peft only warns of "unexpected adapter keys")."""
+    saved = adapter_config.get("modules_to_save") or []
+    tables = sorted({name for name in ([saved] if isinstance(saved, str) else saved)
+                     if str(name).split(".")[-1].startswith("rope_patch_")})
+    if tables:
+        raise FileNotFoundError(
+            f"{path / MANIFEST} is missing, though {path / 'adapter_config.json'} trains the rope_patch table(s) "
+            f"{', '.join(tables)}: the adapter was saved by peft's save_pretrained (or Trainer.save_model), which does "
+            "not record the patch it was trained with, and loading it would drop the patch and its trained table. "
+            "Apply that scheme to the base model (rope_patch.apply(base, scheme, ...), as in training) and load the "
+            "adapter with peft.PeftModel.from_pretrained(base, dir); save with rope_patch.save_pretrained next time.")
 
 
 def reapply_manifest(model, manifest: dict, file: Path) -> None:

@@ -518,3 +518,31 @@ def test_from_pretrained_passes_peft_keywords_to_the_adapter(folder, kwargs, exp
                  for part in ("lora_A", "lora_B", "modules_to_save") if part in n}
     assert trainable == expected
     assert (logits(again, ids) - logits(lora.eval(), ids)).abs().max().item() <= 1e-6
+
+
+PEFT_SAVED = [  # (the LoRA's modules_to_save, saved by peft alone: what rope_patch.from_pretrained does)
+    (["rope_patch_relative_bias"], "refused"),
+    (["rope_patch_relative_bias", "lm_head"], "refused"),
+    (["lm_head"], "plain"),
+    (None, "plain"),
+]
+
+
+@pytest.mark.parametrize("modules_to_save,outcome", PEFT_SAVED)
+def test_an_adapter_saved_without_its_patch_is_refused_where_it_trains_a_table(modules_to_save, outcome, tmp_path):
+    """peft's own save_pretrained (Trainer.save_model) writes no rope_patch.json: an adapter that trains a rope_patch
+    table then loaded as a plain adapter, the patch and the trained table dropped with only peft's "unexpected adapter
+    keys" warning."""
+    import peft
+    tiny_model().save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
+    rope_patch.apply(base, "relative_bias")
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=modules_to_save))
+    lora.save_pretrained(tmp_path / "adapter")  # peft's, not rope_patch's
+    if outcome == "refused":
+        with pytest.raises(FileNotFoundError, match=r"rope_patch.json is missing, though .*adapter_config.json trains "
+                                                    r"the rope_patch table\(s\) rope_patch_relative_bias: .*"
+                                                    r"peft.PeftModel.from_pretrained\(base, dir\)"):
+            rope_patch.from_pretrained(tmp_path / "adapter")
+    else:
+        assert rope_patch.current(rope_patch.from_pretrained(tmp_path / "adapter")) is None
