@@ -79,6 +79,7 @@ from rope_patch.training import (
     resume_checkpoint,
     training_samples,
 )
+from rope_patch.training.callback import gathered_tables
 from rope_patch.training.config import CHECKPOINTS, ConfigError, RecipeConfig, load_config
 from rope_patch.training.trainer import refuse_fsdp_on_cpu, torch_settings, weighted_loss  # noqa: F401 (bench/finetune.py)
 
@@ -251,8 +252,12 @@ class LoRAFinetuneRecipe:
         summary = {"steps": trainer.state.global_step, "final_loss": losses[-1],  # the last logged loss
                    "adapter": str(adapter), "merged": None, "log": str(self.log_path), "eval": self.results,
                    "resumed_from": str(self.checkpoint) if self.checkpoint is not None else None}
+        # rope_patch.json (+ learned tables): the adapter reloads with its patch. ZeRO-3 partitions the tables: they
+        # are gathered on every process (a collective) for the main process to write
+        with gathered_tables(self.model):
+            if self.main_process:
+                save_patch(self.model, adapter)
         if self.main_process:
-            save_patch(self.model, adapter)  # rope_patch.json (+ learned tables): the adapter reloads with its patch
             self.tokenizer.save_pretrained(adapter)
             # Sharded parameters cannot be used by one process alone: evaluate and merge a copy rebuilt from the saved
             # adapter (which also exercises the save/reload round trip); otherwise use the trained model itself.

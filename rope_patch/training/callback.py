@@ -231,7 +231,7 @@ class RopePatchCallback(TrainerCallback):
         if model is None:
             return
         folder = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{state.global_step}"
-        with _gathered_tables(model):  # every process: the ZeRO-3 gather is a collective
+        with gathered_tables(model):  # every process: the ZeRO-3 gather is a collective
             if not args.should_save:
                 return
             if not folder.is_dir():
@@ -360,8 +360,9 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _gathered_tables(model: nn.Module):
-    """Full learned tables inside the block under DeepSpeed ZeRO-3 (partitioned parameters carry `ds_id`)."""
+def gathered_tables(model: nn.Module):
+    """Full learned tables inside the block under DeepSpeed ZeRO-3 (partitioned parameters carry `ds_id`), for a
+    `save_patch` of them; a collective there, so every process enters it (only the saving one need write)."""
     base = _unwrap(model)
     params = [p for m in patch_modules(base).values() for p in m.parameters()] if current(base) is not None else []
     if any(hasattr(p, "ds_id") for p in params):

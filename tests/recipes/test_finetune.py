@@ -312,6 +312,53 @@ def test_a_learned_table_trains_through_modules_to_save(patch, before, assets, t
     assert [n for n in adapter_weights(tmp_path / "run") if "rope_patch_" in n] == [f"base_model.model.{table}.weight"]
 
 
+class Partition(TrainerCallback):
+    """What DeepSpeed ZeRO-3 leaves of the learned tables after training: each parameter's data is an empty tensor
+    (the process's shard lives elsewhere), `ds_id` marks it, and `deepspeed.zero.GatheredParameters` (a stand-in
+    module here) puts the full values back inside its block."""
+
+    def __init__(self, monkeypatch):
+        self.full, self.monkeypatch = {}, monkeypatch
+
+    def on_train_end(self, args, state, control, model=None, **kw):
+        self.monkeypatch.setitem(sys.modules, "deepspeed", self.deepspeed())  # from here on: the save
+        for module in rope_patch.api.patch_modules(rope_patch.discovery.unwrap(model)).values():
+            for p in module.parameters():
+                self.full[p] = p.data.clone()
+                p.ds_id, p.data = 1, torch.empty(0, dtype=p.dtype)
+
+    def deepspeed(self):
+        import contextlib
+        import importlib.machinery
+        import types
+
+        @contextlib.contextmanager
+        def gathered(params, modifier_rank=None):
+            for p in params:
+                p.data = self.full[p]
+            yield
+            for p in params:
+                p.data = torch.empty(0, dtype=p.dtype)
+        module = types.ModuleType("deepspeed")
+        module.__spec__ = importlib.machinery.ModuleSpec("deepspeed", None)
+        module.zero = types.SimpleNamespace(GatheredParameters=gathered)
+        return module
+
+
+def test_the_adapter_gets_the_gathered_tables_under_zero3(assets, tmp_path, monkeypatch):
+    """The recipe writes rope_patch.safetensors beside the adapter after training: under ZeRO-3 from the gathered
+    tables, not from the process's empty shard."""
+    partition = Partition(monkeypatch)
+    cfg = cfg_for(assets, tmp_path, train={"steps": 1, "save_every": 0, "warmup_steps": 0})
+    cfg["rope_patch"] = {"scheme": "relative_bias", "init": "alibi"}
+    summary = ft.main(cfg, callbacks=[partition])
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(summary["adapter"]) / "rope_patch.safetensors"))["rope_patch_relative_bias.weight"]
+    (trained,) = partition.full.values()
+    assert saved.shape == trained.shape and torch.equal(saved, trained)
+
+
 # ---- crash and resume, in process (tests/recipes/test_distributed.py kills a real process with SIGKILL) ------------
 class Crash(TrainerCallback):
     """Raises at the end of step `step`, or inside the checkpoint save of `step` (before the recipe marks it
