@@ -89,7 +89,7 @@ from .defaults import (
 )
 from .loading import loaded_patch
 from .passkey import PROMPT_FORMS, check_haystack, haystack_filler, prompt_form, use_chat_template
-from .perplexity import evaluate_perplexity, fixed_buckets, perplexity_work, scored_tokens
+from .perplexity import check_lengths, evaluate_perplexity, fixed_buckets, perplexity_work, scored_tokens
 from .results import FORMAT, json_safe
 from .retrieval import DEFAULT_DEPTHS, accuracy_by_length, evaluate_passkey, make_cell, wilson_interval
 
@@ -326,6 +326,7 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         raise ValueError(f"The held-out text has {len(token_ids)} tokens; {windows_at_longest} perplexity windows at "
                          f"length {lengths[-1]} need {windows_at_longest * lengths[-1]}. Pass fewer windows or a "
                          "longer held-out text.")
+    check_lengths(len(token_ids), lengths, windows_at_longest, ppl_tokens)  # ppl_tokens below the longest length
     # the window the model was trained on (a shipped-scaling checkpoint's pre-training window, also under a loaded
     # patch): buckets, stars
     window = pretraining_window(model)

@@ -62,6 +62,28 @@ def scored_tokens(length: int, token_count: int, windows_at_longest: int = WINDO
     return min(n, token_count) // length * length
 
 
+def check_lengths(token_count: int, lengths: Sequence[int], windows_at_longest: int = WINDOWS_AT_LONGEST,
+                  n_tokens: int | None = None) -> None:
+    """ValueError, before any forward, when a length gets no whole window of the tokens read (`scored_tokens`): it
+    would fail after the shorter lengths had run."""
+    short = [L for L in sorted(set(lengths)) if scored_tokens(L, token_count, windows_at_longest, n_tokens) < L]
+    if short:
+        have = min(token_count, n_tokens) if n_tokens is not None else token_count
+        raise ValueError(f"Perplexity at length {', '.join(map(str, short))} needs at least one window of that many "
+                         f"tokens, and {have} are read" + (" (n_tokens / ppl_tokens)" if n_tokens is not None else
+                                                           " (the held-out text)")
+                         + ": pass shorter lengths, more tokens or a longer held-out text.")
+
+
+def check_buckets(buckets: Sequence[tuple[int, int]], longest: int) -> None:
+    """ValueError for a bucket that is empty or reaches outside [0, longest]: its row would be labelled with
+    positions the longest window does not have."""
+    bad = [(a, b) for a, b in buckets if not 0 <= a < b <= longest]
+    if bad:
+        raise ValueError(f"Buckets must lie inside the longest length's positions, 0 <= start < end <= {longest}; got "
+                         f"{', '.join(f'({a}, {b})' for a, b in bad)}.")
+
+
 def windows(token_ids: Sequence[int], length: int, n_tokens: int) -> torch.Tensor:
     """[n_windows, length] consecutive non-overlapping windows from the first `n_tokens` tokens."""
     n = min(n_tokens, len(token_ids)) // length
@@ -124,6 +146,9 @@ def evaluate_perplexity(model, token_ids: Sequence[int], lengths: Sequence[int],
         if buckets is not None:
             raise ValueError("Pass either buckets or bucket_size, not both.")
         buckets = fixed_buckets(longest, bucket_size)
+    if buckets is not None:
+        check_buckets(buckets, longest)
+    check_lengths(len(token_ids), lengths, windows_at_longest, n_tokens)
     rows, longest_nll = [], None
     for length in lengths:
         n = n_tokens if n_tokens is not None else scored_tokens(length, len(token_ids), windows_at_longest)

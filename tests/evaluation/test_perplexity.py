@@ -179,3 +179,18 @@ def test_long_prompts_of_a_hybrid_model_decode_with_its_sliding_layers_windowed(
     windowed = retrieval.greedy_generate(model, ids, 6)
     assert len(seen) == 6 and all(s.startswith("rope_patch_windowed") for s in seen)
     assert torch.equal(windowed, default) and model.config._attn_implementation == own
+
+
+@pytest.mark.parametrize("kw, message", [
+    # a bucket beyond the longest length: its row said positions 32-100 for what was 32-64
+    ({"buckets": [(0, 32), (32, 100)]}, r"0 <= start < end <= 64; got \(32, 100\)"),
+    ({"buckets": [(16, 16)]}, r"got \(16, 16\)"),
+    # too few tokens for one window at the longest length: it failed after the shorter lengths had run
+    ({"n_tokens": 48}, "length 64 needs at least one window.*48 are read"),
+])
+def test_bad_buckets_and_lengths_without_a_window_fail_before_any_forward(model, stream, monkeypatch, kw, message):
+    from rope_patch.evaluation import perplexity
+
+    monkeypatch.setattr(perplexity, "window_nll", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(ValueError, match=message):
+        evaluate_perplexity(model, stream, [32, 64], **kw)
