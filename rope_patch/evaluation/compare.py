@@ -314,6 +314,11 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         parsed.insert(0, (AS_LOADED, None))
     lengths = sorted(set(int(x) for x in lengths))
     passkey_lengths = lengths if passkey_lengths is None else sorted(set(int(x) for x in passkey_lengths))
+    left_out = _left_out(resume, [spec for spec, _ in parsed], lengths, passkey_lengths)
+    if left_out:
+        raise ValueError(f"The earlier results hold {left_out} that this run leaves out, and the results it writes "
+                         "would hold this run's alone: list them again (schemes and lengths may be added, not "
+                         "dropped), or write to another --out. Nothing has been evaluated yet.")
     if token_ids is None:
         token_ids, held = read_tokens(tokenizer, heldout)
     else:
@@ -466,6 +471,23 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
     result["elapsed_s"]["total"] = round(time.perf_counter() - t_all, 2)
     result["settings"]["machine"]["loadavg_end"] = _loadavg()
     return result
+
+
+def _left_out(resume: dict | None, specs: Sequence[str], lengths: Sequence[int],
+              passkey_lengths: Sequence[int]) -> str | None:
+    """The schemes, perplexity lengths and passkey lengths of an earlier result that a resumed run leaves out, in
+    words (None: none): the result of the resumed run holds its own schemes and lengths only."""
+    if not resume:
+        return None
+    settings = resume.get("settings") or {}
+    parts = []
+    for what, old, new in (("scheme(s)", [s["spec"] for s in resume.get("schemes", [])], specs),
+                           ("perplexity length(s)", settings.get("lengths") or [], lengths),
+                           ("passkey length(s)", settings.get("passkey_lengths") or [], passkey_lengths)):
+        gone = [x for x in old if x not in new]
+        if gone:
+            parts.append(f"{what} {', '.join(map(str, gone))}")
+    return "; ".join(parts) or None
 
 
 def _trimmed_before(resume: dict | None, passkey_samples: int, windows_at_longest: int) -> tuple[int, int] | None:

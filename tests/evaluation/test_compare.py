@@ -396,3 +396,29 @@ def test_a_scheme_that_cannot_run_the_longest_input_is_refused_before_any_evalua
     else:
         check_schemes(model, parse_schemes(specs), longest)
     assert rope_patch.current(model) is None
+
+
+@pytest.mark.parametrize("schemes, lengths, passkey_lengths, left_out", [
+    (["default"], [32, 64], [128, 160], "scheme.s. yarn:2, dynamic:factor=2"),  # one scheme added to: the rest lost
+    (SCHEMES, [64], [128, 160], r"perplexity length.s. 32"),
+    (SCHEMES, [32, 64], [], r"passkey length.s. 128, 160"),
+    (["default", "yarn:2", "dynamic:factor=2", "ntk:2"], [32, 64, 128], [128, 160, 200], None),  # added: reused
+])
+def test_resume_refuses_to_leave_out_earlier_cells(result, setup, evaluations, schemes, lengths, passkey_lengths,
+                                                  left_out):
+    """A resumed run writes its own schemes and lengths alone: resumed with fewer than the earlier run (to add one
+    scheme, say), the rewritten compare.json lost every other finished cell without a word."""
+    model, tok, ids = setup
+    earlier = json.loads(json.dumps({k: v for k, v in result.items() if k != "_done"}))
+    kw = dict(passkey_lengths=passkey_lengths, depths=[0.2, 0.8], passkey_samples=2, windows_at_longest=2,
+              token_ids=ids, model_spec="random", resume=earlier)
+    if left_out is None:
+        evaluations[0].clear()
+        resumed = run_compare(model, tok, schemes, lengths, **kw)
+        assert ("default", "ppl", [32]) not in evaluations[0] and {r["scheme"] for r in resumed["records"]} == set(
+            schemes)
+        return
+    evaluations[1].update(default=AssertionError("evaluated"))
+    with pytest.raises(ValueError, match=f"earlier results hold {left_out} that this run leaves out.*Nothing has "
+                                         "been evaluated"):
+        run_compare(model, tok, schemes, lengths, **kw)
