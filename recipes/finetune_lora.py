@@ -198,7 +198,7 @@ class LoRAFinetuneRecipe:
         self.trainer = WeightedLossTrainer(
             model=self.model, args=self.args, train_dataset=self.dataset, data_collator=self.collator,
             callbacks=[*self.extra_callbacks, RopePatchCallback(resume_from_checkpoint=self.checkpoint),
-                       CompleteCheckpointCallback(self.cfg.fingerprint()),
+                       CompleteCheckpointCallback(self.cfg.fingerprint(), keep=t.keep_checkpoints),
                        JsonLogCallback(self.log_path, t.global_batch_size * t.seq_len,
                                        elapsed_before=self.elapsed_before, last_step=self.resumed_step)])
         if self.args.disable_tqdm:  # JsonLogCallback prints one line per log; Trainer's printer would repeat it

@@ -259,10 +259,15 @@ class RopePatchCallback(TrainerCallback):
 class CompleteCheckpointCallback(TrainerCallback):
     """After every process has written its part of `checkpoint-N`, the saving process writes `recipe_state.json`
     ({"step": N, "config": fingerprint}) into it: `complete_checkpoints` / `last_checkpoint` only trust checkpoints
-    that have it (a run killed inside a save leaves a folder without it)."""
+    that have it (a run killed inside a save leaves a folder without it).
 
-    def __init__(self, fingerprint: str | None = None):
-        self.fingerprint = fingerprint
+    `keep`: how many complete checkpoints to keep (None or 0: all); the older ones are removed once the new one is
+    marked. Use it instead of `TrainingArguments(save_total_limit=...)`: Trainer removes old checkpoints before the
+    callbacks' `on_save`, so a run killed between the two is left with no complete checkpoint at all where the limit
+    is 1 (every step is then trained again)."""
+
+    def __init__(self, fingerprint: str | None = None, keep: int | None = None):
+        self.fingerprint, self.keep = fingerprint, keep
 
     def on_save(self, args, state, control, **kwargs):
         from accelerate import PartialState
@@ -272,6 +277,9 @@ class CompleteCheckpointCallback(TrainerCallback):
         if args.should_save and folder.is_dir():
             write_text_atomic(folder / COMPLETE,
                               json.dumps({"step": state.global_step, "config": self.fingerprint}) + "\n")
+            if self.keep:
+                for old in complete_checkpoints(args.output_dir)[:-self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
 
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:

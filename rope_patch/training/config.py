@@ -428,8 +428,9 @@ class RecipeConfig:
             adam_beta2=t.betas[1], max_grad_norm=t.grad_clip or 0.0, bf16=t.mixed_precision == "bf16",
             fp16=t.mixed_precision == "fp16", logging_steps=t.log_every,
             save_strategy="steps" if t.save_every else "no",
-            save_steps=t.save_every or 500, save_total_limit=t.keep_checkpoints or None, seed=self.run.seed,
-            data_seed=self.run.seed, remove_unused_columns=False, dataloader_num_workers=0, report_to=[],
+            # no save_total_limit: train.keep_checkpoints is CompleteCheckpointCallback's `keep` (the recipe's)
+            save_steps=t.save_every or 500, seed=self.run.seed, data_seed=self.run.seed, remove_unused_columns=False,
+            dataloader_num_workers=0, report_to=[],
             disable_tqdm=not sys.stderr.isatty(), use_cpu=not torch.cuda.is_available(),
             ddp_find_unused_parameters=False,
             save_only_model=False)

@@ -148,7 +148,8 @@ def test_training_arguments_come_from_the_recipe_keys(assets, tmp_path):
     args = cfg.training_arguments(4)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_steps) == (2, 4, 6)
     assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.25}
-    assert args.remove_unused_columns is False and args.save_steps == 3 and args.save_total_limit == 1
+    assert args.remove_unused_columns is False and args.save_steps == 3
+    assert args.save_total_limit is None  # keep_checkpoints: the recipe removes old checkpoints once marked
     assert Path(args.output_dir) == tmp_path / "run" / "checkpoints"
 
 
@@ -409,6 +410,21 @@ def test_a_fresh_run_refuses_the_checkpoints_of_an_earlier_run(assets, tmp_path)
         (folder / "recipe_state.json").unlink()
     assert ft.main(cfg, resume=True)["resumed_from"] is None
     assert [p.name for p in complete_checkpoints(tmp_path / "run" / "checkpoints")][-1] == "checkpoint-2"
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_kill_inside_a_save_leaves_a_complete_checkpoint_whatever_is_kept(keep, assets, tmp_path):
+    """Trainer's save_total_limit removed the older checkpoints before the new one was marked complete: with
+    keep_checkpoints 1, a run killed inside the save of checkpoint-4 was left with none, and --resume trained every
+    step again. The recipe removes them itself, once the new one is complete."""
+    cfg = cfg_for(assets, tmp_path, train={"keep_checkpoints": keep})
+    checkpoints = tmp_path / "run" / "checkpoints"
+    with pytest.raises(KeyboardInterrupt):
+        ft.main(cfg, callbacks=[Crash(4, "save")])
+    assert [p.name for p in complete_checkpoints(checkpoints)] == ["checkpoint-2"]
+    assert ft.main(cfg, resume=True)["resumed_from"].endswith("checkpoint-2")
+    assert [p.name for p in complete_checkpoints(checkpoints)] == ["checkpoint-4", "checkpoint-6"][-keep:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-4", "checkpoint-6"][-keep:]
 
 
 def test_trim_log_keeps_the_lines_up_to_the_resumed_step(tmp_path):
