@@ -36,16 +36,16 @@ Resume: a (scheme, task) cell whose result is in `<out>/schemes/<scheme>/cells/`
 missing cells runs only those when every task is a self-seeded `rope_*` task, and its whole task list when any
 other task is present (RULER's samples depend on what ran before them in the run).
 
-Output (`<out>/`): per scheme, `schemes/<scheme>/cells/<task>.json` (one finished cell each), `samples.json` (one
-line per sample: prompt hash, target, answer, scores; outputs.py) and lm-eval's own files in `lm_eval/` (regenerable
-and big: the repository ignores them under eval/results); `sweep.json` (format "rope_patch.sweep/1": settings,
-schemes, one row per cell with all of lm-eval's metrics, `elapsed_s`: each scheme's lm-eval runs as recorded in its
-cells, each run once (`time_spent`), so a resumed sweep keeps them, their `total`, and this call's `wall`; `machine`:
-threads and load of the newest run that made a cell), `sweep.md` (scheme x task table of each task's main metric), and,
-when the suite has `rope_ppl` / `rope_passkey` cells, the compare-format files `compare.json/.csv/.md`,
-`perplexity.png`, `passkey.png` (redraw with `rope-patch plot results`). Paths inside the home directory are written
-`~/...` (files.portable). Each cell records the rope_patch commit that measured it (`commit`, as compare's
-`schemes[].commit`), and each scheme of `sweep.json` the commit of its newest cell.
+Output (`<out>/`): per scheme, `schemes/<scheme>/cells/<task>.json` (one finished cell each), `samples.json` (one line
+per sample: prompt hash, target, answer, scores; outputs.py) and lm-eval's own files in `lm_eval/` (regenerable and big:
+the repository ignores them under eval/results); `sweep.json` (format "rope_patch.sweep/1": settings, schemes, one row
+per cell with all of lm-eval's metrics (per length, for RULER run at several), `elapsed_s`: each scheme's lm-eval runs
+as recorded in its cells, each run once (`time_spent`), so a resumed sweep keeps them, their `total`, and this call's
+`wall`; `machine`: threads and load of the newest run that made a cell), `sweep.md` (scheme x task table of each task's
+main metric), and, when the suite has `rope_ppl` / `rope_passkey` cells, the compare-format files
+`compare.json/.csv/.md`, `perplexity.png`, `passkey.png` (redraw with `rope-patch plot results`). Paths inside the home
+directory are written `~/...` (files.portable). Each cell records the rope_patch commit that measured it (`commit`, as
+compare's `schemes[].commit`), and each scheme of `sweep.json` the commit of its newest cell.
 """
 
 from __future__ import annotations
