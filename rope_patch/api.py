@@ -191,17 +191,24 @@ def _apply(model: M, new: Scheme, *, temporary: bool, check: bool = True) -> M:
 
 
 def _warn_unserved(target: PatchSite, scheme: Scheme) -> None:
-    """A scheme written to serve inputs past the model's window (it defines `served_length`) whose parameters serve
-    none on this model (Self-Extend's neighbour window ≥ L, a DCA chunk ≥ L): accepted, since it is exact, but it
-    extends nothing, which the user should hear before a long run says so."""
-    window = getattr(target.config, "max_position_embeddings", None)
-    if not window or type(scheme).served_length is Scheme.served_length or scheme.served_length(int(window)):
+    """A scheme written to serve inputs past the window (it defines `served_length`) whose parameters serve none on
+    this model (Self-Extend's neighbour window ≥ L, a DCA chunk ≥ L; in a stack, the frequency part's window): accepted,
+    since it is exact, but it extends nothing, which the user should hear before a long run says so."""
+    stacked = isinstance(scheme, Stack)
+    part = scheme.attention if stacked else scheme
+    if part is None or type(part).served_length is Scheme.served_length:
         return
-    params = ", ".join(f"{k}={v}" for k, v in scheme.params().items())
+    frequency = scheme.frequency if stacked else None
+    extended = frequency.served_window(target) if frequency is not None else None
+    window = extended or getattr(target.config, "max_position_embeddings", None)
+    if not window or part.served_length(int(window)):
+        return
+    params = ", ".join(f"{k}={v}" for k, v in part.params().items())
+    whose = f"{frequency.name}'s" if extended else f"{target.model_type}'s"
     notices.warn(
-        f"rope_patch: {scheme.name} with {params} serves no input longer than {target.model_type}'s window of "
-        f"{window} tokens: past it, the relative positions it rotates with reach ones the model was not trained on. "
-        "Choose sizes below the window (rope_patch.suggest(model, length) gives some).")
+        f"rope_patch: {part.name} with {params} serves no input longer than {whose} window of {window} tokens: past "
+        "it, the relative positions it rotates with reach ones the model was not trained on. Choose sizes below the "
+        "window (rope_patch.suggest(model, length) gives some).")
 
 
 def _carry_tables(model, trained: dict[str, nn.Module], *, keep: bool) -> None:

@@ -68,6 +68,8 @@ UNSERVED = {
     "self_extend:group_size=4,window_size=8": False,
     "ms_poe": False,  # does not extend, by design: nothing to say
     "linear:4": False,
+    "yarn:4+self_extend:group_size=4,window_size=40": False,  # W < yarn's 4·L
+    "yarn:4+self_extend:group_size=4,window_size=128": True,  # W ≥ yarn's 4·L
 }
 
 
@@ -79,7 +81,8 @@ def test_sizes_that_extend_nothing_are_said_at_apply(model, spec):
             pass
     said = [str(w.message) for w in caught if "serves no input longer than" in str(w.message)]
     assert bool(said) == UNSERVED[spec], caught
-    assert all(f"window of {L} tokens" in m for m in said)
+    window = 4 * L if spec.startswith("yarn:4+") else L
+    assert all(f"window of {window} tokens" in m for m in said)
 
 
 def test_self_extend_logistic_serves_the_longest_length_its_positions_fit():
