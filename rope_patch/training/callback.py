@@ -130,6 +130,14 @@ def restore_patch(model: nn.Module, checkpoint: str | os.PathLike | None) -> Sch
                                 "trained with. Apply the scheme yourself with rope_patch.apply, as in the run that "
                                 "wrote the checkpoint.")
     if current(_unwrap(model)) is None:
+        if (manifest.get("weights") or {}).get("keys") and _unwrap(model) is not model:
+            # applied now, the tables would not be peft's modules_to_save (nor the adapter's keys, which the resumed
+            # Trainer then fails to load)
+            raise ValueError(
+                f"restore_patch: {path / MANIFEST} records {manifest['scheme']} with learned tables "
+                f"({', '.join(manifest['weights']['keys'])}), but the model is already wrapped "
+                f"({type(model).__name__}) and unpatched: call restore_patch(model, {str(path)!r}) on the base model, "
+                "before get_peft_model, so that peft wraps the restored tables.")
         if manifest["scheme"] is not None:
             reapply_manifest(model, manifest, path / MANIFEST)
     else:

@@ -117,6 +117,25 @@ def test_restore_patch(scheme, prepatch, saved, ids):
     assert (logits(model, ids) - logits(trained, ids)).abs().max().item() <= 1e-6  # tables loaded too
 
 
+WRAPPED = [  # (checkpoint's scheme, restore_patch on an unpatched model already wrapped by peft)
+    ("relative_bias", "before get_peft_model"),
+    ("yarn", None),  # no tables: re-applied under the wrapper as well
+]
+
+
+@pytest.mark.parametrize("scheme,refused", WRAPPED)
+def test_restore_patch_after_get_peft_model(scheme, refused, saved):
+    """Learned tables restored under peft's wrapper would not be its modules_to_save: refused, naming the order."""
+    model = peft.get_peft_model(patched(None), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    if refused:
+        with pytest.raises(ValueError, match=rf"records relative_bias with learned tables .*already wrapped "
+                                             rf"\(PeftModel\) and unpatched: .*{refused}"):
+            restore_patch(model, saved[scheme][0])
+        assert rope_patch.current(model) is None
+    else:
+        assert restore_patch(model, saved[scheme][0]).name == scheme
+
+
 def test_restore_patch_refuses_another_patch(saved):
     with pytest.raises(ValueError, match=r"records the patch relative_bias\(.*carries yarn\(factor=4"):
         restore_patch(patched("yarn"), saved["relative_bias"][0])
