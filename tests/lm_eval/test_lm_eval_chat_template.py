@@ -4,7 +4,9 @@ no NIAH measurement of its own: NIAH runs through these lm-eval tasks, so lm-eva
 
 from __future__ import annotations
 
+import re
 import sys
+import warnings
 
 import pytest
 from helpers.lm_eval import by_doc, evaluate
@@ -23,13 +25,13 @@ def test_the_flag_passes_through(monkeypatch, assets):
         assert bool(getattr(args, "apply_chat_template", False)) is expected  # absent when not given
 
 
-@pytest.mark.parametrize("task", ["rope_passkey_128", "rope_niah_256"])
-@pytest.mark.parametrize("apply", [True, False])
-def test_templated_prompts_reach_the_model(assets, chat_model, monkeypatch, apply, task):
+def _run(assets, chat_model, monkeypatch, task, apply, built):
+    """(lm-eval's prompts, the ids the exact-token path generated from, the texts HFLM's text path got) of a run with
+    --apply_chat_template `apply` on documents built with metadata chat_template `built`."""
     import rope_patch.evaluation.retrieval as retrieval
 
     exact, texts = [], []
-    monkeypatch.setattr(retrieval, "greedy_generate", lambda m, ids, new: exact.append(ids) or ids[:, :new])
+    monkeypatch.setattr(retrieval, "greedy_generate", lambda m, ids, new: exact.extend(ids.tolist()) or ids[:, :new])
     from lm_eval.models.huggingface import HFLM
 
     def text_path(self, requests, disable_tqdm=False):
@@ -38,17 +40,77 @@ def test_templated_prompts_reach_the_model(assets, chat_model, monkeypatch, appl
 
     monkeypatch.setattr(HFLM, "generate_until", text_path)
     res = evaluate("rope_patch", [task], assets, model_args={"pretrained": str(chat_model)},
-                   apply_chat_template=apply, meta={"samples": 1, "tokenizer": str(chat_model)})
-    prompts = [s["arguments"][0][0] for s in by_doc(res["samples"][task])]
+                   apply_chat_template=apply, meta={"samples": 1, "tokenizer": str(chat_model), "chat_template": built})
+    return [s["arguments"][0][0] for s in by_doc(res["samples"][task])], exact, texts
+
+
+@pytest.mark.parametrize("task", ["rope_passkey_128", "rope_niah_256"])
+@pytest.mark.parametrize("apply", [True, False])
+def test_templated_prompts_reach_the_model(assets, chat_model, monkeypatch, apply, task):
+    """Documents built for the way they are read (metadata chat_template = --apply_chat_template, as
+    rope-patch-lm-eval and the sweep set it): the model reads the documents' exact ids, which spell lm-eval's
+    prompt, templated or not."""
+    prompts, exact, texts = _run(assets, chat_model, monkeypatch, task, apply, apply)
     assert len(prompts) == 3
-    if apply:  # lm-eval templated the text: the raw ids no longer match it, so the model reads the templated text
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(chat_model))
+    assert texts == [] and [tok.decode(ids, skip_special_tokens=False) for ids in exact] == prompts
+    if apply:
         lead = "The pass key is" if "passkey" in task else "The special magic number for "
         assert all(p.startswith("<|bos|>user\n") and f"<|bos|>assistant\n{lead}" in p for p in prompts)
         assert all(p.endswith(" is") and p.count("<|bos|>assistant") == 1 for p in prompts)  # the lead-in opens it
-        # the documents' BOS (their text is their ids', BOS first) is not put inside the user turn: the template has
-        # its own opening (two <|bos|>: the user's turn and the assistant's)
+        # no BOS inside the user turn: the template has its own opening (two <|bos|>: the user's and the assistant's)
         assert all(not p.startswith("<|bos|>user\n<|bos|>") and p.count("<|bos|>") == 2 for p in prompts)
-        assert texts == prompts and exact == []
     else:  # plain prompts: the documents' exact ids, as rope-patch compare
         assert not any("assistant" in p for p in prompts)
-        assert texts == [] and len(exact) == 3
+
+
+@pytest.mark.parametrize("task, length", [("rope_passkey_128", 128), ("rope_niah_256", 256)])
+@pytest.mark.parametrize("apply, built, exact_path", [
+    (True, True, True),     # rope-patch-lm-eval / sweep with --apply_chat_template: the template's tokens counted
+    (False, False, True),   # plain
+    (True, False, False),   # plain documents under a template (lm-eval alone): longer than stated, said loudly
+    (False, True, False),   # chat documents without a template: shorter than stated, said loudly
+])
+def test_a_templated_prompt_is_the_length_in_the_task_name(assets, chat_model, monkeypatch, task, length, apply,
+                                                          built, exact_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(chat_model))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prompts, exact, texts = _run(assets, chat_model, monkeypatch, task, apply, built)
+    lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    said = [str(w.message) for w in caught if re.search(rf"prompt is ({'|'.join(map(str, lengths))}) tokens, not the "
+                                                         rf"task's {length}:", str(w.message))]
+    if exact_path:
+        assert lengths == [length] * 3 and [len(ids) for ids in exact] == [length] * 3 and texts == []
+        assert said == []
+    else:
+        assert all(n != length for n in lengths) and exact == [] and texts == prompts
+        assert len(said) == 1 and "--metadata chat_template=true exactly when you pass --apply_chat_template" in said[0]
+
+
+@pytest.mark.parametrize("argv, metadata, expected", [
+    (["--apply_chat_template"], None, True),
+    ([], None, False),
+    (["--apply_chat_template"], "chat_template=true", True),
+    (["--apply_chat_template"], "chat_template=false", "with --apply_chat_template"),
+    ([], "chat_template=true", "without --apply_chat_template"),
+])
+def test_the_entry_point_builds_documents_for_the_flag(monkeypatch, assets, argv, metadata, expected):
+    from lm_eval._cli import HarnessCLI
+
+    from rope_patch.integrations.lm_eval.cli import adjust, check_chat_layout
+
+    monkeypatch.setattr(sys, "argv", ["rope-patch-lm-eval", "--model", "rope_patch", "--model_args",
+                                      f"pretrained={assets['model']}", "--tasks", "rope_passkey_128,rope_ppl_128",
+                                      *argv, *(["--metadata", metadata] if metadata else [])])
+    args = HarnessCLI().parse_args()
+    adjust(args)
+    error = check_chat_layout(args)
+    if isinstance(expected, bool):
+        assert error is None and str(args.metadata["chat_template"]).lower() == str(expected).lower()
+    else:
+        assert expected in error and "rope_passkey_128" in error and "rope_ppl" not in error

@@ -136,9 +136,19 @@ def test_chat_template_resolves_as_in_compare(assets, chat_model, tmp_path, temp
     model = chat_model if templated else assets["model"]
     p = S.plan(sweep_args(assets, tmp_path / "s", model=str(model), chat_template=mode))
     assert p["settings"]["apply_chat_template"] is expected
+    # the rope_* documents are built for the flag: a templated prompt is the length in the task's name
+    assert p["settings"]["metadata"].get("chat_template", False) is expected
     argv = S.lm_eval_argv(p["settings"], p["schemes"][0], p["settings"]["tasks"], tmp_path)
     assert ("--apply_chat_template" in argv) is expected
     assert not (tmp_path / "s").exists()  # planning creates nothing
+
+
+@pytest.mark.parametrize("mode, given", [("auto", "chat_template=false"), ("off", "chat_template=true")])
+def test_a_chat_template_metadata_against_the_flag_is_refused_at_plan_time(assets, chat_model, tmp_path, mode, given):
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    with pytest.raises(ValueError, match="would not be the length in their names"):
+        S.plan(sweep_args(assets, tmp_path / "s", model=str(chat_model), chat_template=mode, metadata=[given]))
 
 
 def test_chat_template_on_without_a_template_fails_before_anything_runs(assets, tmp_path):
@@ -163,11 +173,22 @@ def test_a_templated_sweep_prompts_with_the_template(assets, chat_model, tmp_pat
     # the question closes the user turn, the answer's lead-in opens the assistant turn
     assert prompts[0].startswith("<|bos|>user\n") and prompts[0].endswith("?<|eos|><|bos|>assistant\nThe pass key is")
     assert stamp["settings"]["rope_prompt"] == "chat"
+    # the template's tokens are counted in the task's length, as compare --chat-template on counts them
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(str(chat_model))(prompts[0], add_special_tokens=False)["input_ids"]) == 128
+    assert stamp["settings"]["metadata"]["chat_template"] is True
     # a directory of 1.0 templated rope_passkey cells (no rope_prompt in its stamp) is not resumed into
     args = sweep_args(assets, out, model=str(chat_model), schemes=["default"], tasks=["rope_passkey"], lengths=["128"])
     old = {**stamp, "settings": {k: v for k, v in stamp["settings"].items() if k != "rope_prompt"}}
     (out / "sweep_settings.json").write_text(json.dumps(old))
     with pytest.raises(ValueError, match="rope_passkey_128 cells were measured with the templated prompts of"):
+        S.sweep(args, log=lambda m: None)
+    # ... nor one of 2.0 templated cells, whose prompts had the template's tokens on top of their length
+    meta = {k: v for k, v in stamp["settings"]["metadata"].items() if k != "chat_template"}
+    older = {**stamp, "settings": {**stamp["settings"], "metadata": meta}}
+    (out / "sweep_settings.json").write_text(json.dumps(older))
+    with pytest.raises(ValueError, match="rope_passkey_128 cells were measured with prompts longer than their length"):
         S.sweep(args, log=lambda m: None)
     # one without rope_* retrieval cells (RULER, perplexity) has nothing of the old layout: it resumes
     (out / "sweep_settings.json").write_text(json.dumps({**old,

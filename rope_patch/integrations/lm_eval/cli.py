@@ -18,7 +18,11 @@ Three conveniences, each only when it cannot change the meaning of a plain lm-ev
 - when a `rope_*` task is asked for and no `--include_path` is given, the packaged tasks (rope_patch/data/tasks) are
   included;
 - with `--model rope_patch` and `pretrained=tiny|smollm2|gemma3`, `--metadata tokenizer=<its folder>` is added unless
-  a tokenizer is given, so that tokenizer-sized tasks (RULER) find the tokenizer offline.
+  a tokenizer is given, so that tokenizer-sized tasks (RULER) find the tokenizer offline;
+- with `rope_passkey` / `rope_niah` tasks, `--metadata chat_template=true|false` follows `--apply_chat_template`, so
+  that a templated prompt is the length in the task's name, the template's tokens included, as `rope-patch compare
+  --chat-template on` builds it (plain lm-eval wraps the template around a prompt that already has that length).
+  A `chat_template` given that disagrees with the flag is an error.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ def adjust(args) -> None:
         found = tasks_dir()
         if found is not None:
             args.include_path = str(found)
+    if _retrieval_tasks(args) and "chat_template" not in metadata:
+        metadata["chat_template"] = bool(getattr(args, "apply_chat_template", False))
+        args.metadata = metadata
     model_args = args.model_args or {}
     if args.model in ("rope_patch", "rope-patch") and isinstance(model_args, dict):
         spec = model_args.get("pretrained", "tiny")
@@ -66,12 +73,36 @@ def main(argv: list[str] | None = None) -> None:
     parser._parser.prog = "rope-patch-lm-eval"
     args = parser.parse_args()
     adjust(args)
+    error = check_chat_layout(args)
+    if error:
+        print(f"rope-patch-lm-eval: error: {error}", file=sys.stderr)
+        sys.exit(2)
     if getattr(args, "command", None) == "run" and args.model in ("rope_patch", "rope-patch"):
         error = check_model_args(args.model_args)
         if error:
             print(f"rope-patch-lm-eval: error: {error}", file=sys.stderr)
             sys.exit(2)
     parser.execute(args)
+
+
+def _retrieval_tasks(args) -> list[str]:
+    return [t for t in args.tasks or [] if t.startswith(("rope_passkey", "rope_niah"))]
+
+
+def check_chat_layout(args) -> str | None:
+    """The error of a `--metadata chat_template` that disagrees with `--apply_chat_template` for rope_passkey /
+    rope_niah: the prompts would be the template's tokens longer (or shorter) than the length in the task's name."""
+    if getattr(args, "command", None) != "run" or not _retrieval_tasks(args):
+        return None
+    value = dict(args.metadata or {}).get("chat_template", False)
+    built = value.strip().lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)
+    applied = bool(getattr(args, "apply_chat_template", False))
+    if built == applied:
+        return None
+    return (f"--metadata chat_template={value} with{'' if applied else 'out'} --apply_chat_template: the "
+            f"{', '.join(_retrieval_tasks(args))} prompts would not be the length in their names (chat_template "
+            "builds them with the template's tokens counted). Leave chat_template out (it follows the flag), or "
+            "give both or neither.")
 
 
 def check_model_args(model_args) -> str | None:

@@ -192,6 +192,7 @@ class RopePatchLM(HFLM):
         self._spec = pretrained
         self.exact_tokens = bool(_value(exact_tokens))
         self._warned: set = set()
+        self._templated = False  # set once lm-eval renders a prompt with the chat template (apply_chat_template)
         if isinstance(pretrained, str):
             pretrained = str(resolve_model_path(pretrained))
             self._pretrained_manifest = _manifest(pretrained)
@@ -318,6 +319,7 @@ class RopePatchLM(HFLM):
         first (so that a plain prompt is exactly compare's), and a template opens each turn with its own tokens; a BOS
         left at the start of the user's turn (SmolLM2: `<|im_start|>user\n<|im_start|>...`) is no prompt a chat model
         was trained on."""
+        self._templated = True  # lm-eval renders every prompt through here under --apply_chat_template
         bos = getattr(self.tokenizer, "bos_token", None)
         if bos:
             chat_history = [{**m, "content": m["content"][len(bos):]}
@@ -329,7 +331,11 @@ class RopePatchLM(HFLM):
     def _exact_ids(self, req, key: str, text: str):
         """The document's token ids when this request can be evaluated from them, else None."""
         doc = getattr(req, "doc", None)
-        if not self.exact_tokens or not isinstance(doc, dict) or key not in doc:
+        if not isinstance(doc, dict) or key not in doc:
+            return None
+        if key == "prompt_ids":
+            self._check_chat_layout(req, text)
+        if not self.exact_tokens:
             return None
         ids = list(doc[key])
         if self.tokenizer.decode(ids, skip_special_tokens=False) != text:
@@ -340,6 +346,27 @@ class RopePatchLM(HFLM):
                                "examples); evaluating the prompt text instead of the ids.", req.task_name)
             return None
         return ids
+
+    def _check_chat_layout(self, req, text: str) -> None:
+        """A loud warning when a rope_* prompt is not the length in its task's name because the documents were
+        built for the other layout: plain documents under --apply_chat_template (the template's tokens come on top
+        of the stated length), or documents built with metadata chat_template=true read without a template."""
+        doc = req.doc
+        if bool(doc.get("chat_template")) == self._templated or "length" not in doc:
+            return
+        key = ("chat-layout", req.task_name)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        what = ("was built without the chat template (metadata chat_template) and lm-eval wrapped it in one"
+                if self._templated else
+                "was built for a chat template (metadata chat_template=true) and lm-eval applied none")
+        msg = (f"rope_patch: a {req.task_name} prompt is {n} tokens, not the task's {doc['length']}: the document "
+               f"{what}. Pass --metadata chat_template=true exactly when you pass --apply_chat_template "
+               "(rope-patch-lm-eval and rope-patch sweep do it for you).")
+        logger.warning("\n%s\n%s\n%s", _BANNER, msg, _BANNER)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     def _chunk_size(self, default: int) -> int:
         bs = self.batch_size

@@ -18,7 +18,10 @@ process, or under `--launcher "torchrun --nproc_per_node 2"` / `"accelerate laun
 - `--output_path <out>/schemes/<scheme>/lm_eval/results.json`: lm-eval's files land in that folder, not in one it
   would name after the model path (outputs.py);
 - lm-eval's `--apply_chat_template` when `--chat-template` resolves to on (auto: when the tokenizer has a template,
-  as `rope-patch compare` decides): every task's prompt is then the tokenizer's chat turn (RULER's too).
+  as `rope-patch compare` decides): every task's prompt is then the tokenizer's chat turn (RULER's too), and
+  `--metadata chat_template=true` builds the rope_passkey / rope_niah prompts as compare's chat prompts, exactly the
+  length in the task's name with the template's tokens counted (without it lm-eval adds them on top: 1,053 tokens at
+  1024 on SmolLM2).
 
 `rope_passkey`, `rope_ppl`, `rope_niah` expand to one task per `--lengths` entry (`rope_passkey_256`, ...); other
 names (lm-eval's own tasks, `niah_single_1`, ...) run as they are, with `--metadata max_seq_lengths=[lengths]` and
@@ -191,12 +194,19 @@ def plan(args) -> dict:
     check_task_names([t for t in tasks if not family(t)[0]], include)
     check_offline_data([t for t in tasks if not family(t)[0]], in_process=getattr(args, "in_process", False))
     chat = chat_template_for(model_args.get("tokenizer") or metadata["tokenizer"], args.chat_template)
+    given = metadata.pop("chat_template", None)
+    if given is not None and (str(given).strip().lower() in ("1", "true", "yes", "on")) != chat:
+        raise ValueError(f"--metadata chat_template={given} with --chat-template {args.chat_template} (templated: "
+                         f"{'yes' if chat else 'no'}): the rope_passkey / rope_niah prompts would not be the length in "
+                         "their names. Leave chat_template out of --metadata: it follows --chat-template.")
     settings = {"model": args.model, "name": models.model_name(args.model), "model_path": path, "tasks": tasks,
                 "lengths": lengths, "metadata": metadata,
                 "model_args": model_args, "limit": args.limit, "batch_size": str(args.batch_size),
                 "apply_chat_template": chat, "include_path": include}
     if chat:  # rope_passkey / rope_niah 2.0 open the assistant turn with the answer's lead-in (`layout_mismatch`)
         settings["rope_prompt"] = prompt_form(True)
+        # ... and are built with the template's tokens counted in their length (rope_tasks_utils, `layout_mismatch`)
+        metadata["chat_template"] = True
     if patch:  # (absent without one: an unpatched folder's settings, hence its resume fingerprint, stay as they were)
         settings["patch"] = patch
     return {"settings": settings, "schemes": [{"spec": s, "slug": slug(s), "args": scheme_args(s)} for s in schemes]}
@@ -314,19 +324,25 @@ def check_offline_data(tasks, in_process: bool = False, environ=None) -> None:
 
 def layout_mismatch(old: dict, settings: dict) -> str | None:
     """Why a sweep directory stamped with `old` settings cannot take today's templated rope_passkey / rope_niah cells:
-    its own were measured with the 1.0 prompts (no `rope_prompt`), whose lead-in closed the user turn. Other tasks'
-    cells, and untemplated ones, are the same in both."""
+    its own were measured with the 1.0 prompts (no `rope_prompt`), whose lead-in closed the user turn, or with the
+    template's tokens on top of the task's length (no metadata `chat_template`). Other tasks' cells, and untemplated
+    ones, are the same in all."""
     own = [t for t in old.get("tasks", ()) if family(t)[0] in ("rope_passkey", "rope_niah")]
     if settings.get("rope_prompt") and not old.get("rope_prompt") and own:
         return (f"its {', '.join(own)} cells were measured with the templated prompts of rope_passkey / rope_niah "
                 "1.0, whose answer lead-in closed the user turn (2.0 opens the assistant turn with it)")
+    if (settings["metadata"].get("chat_template") and not (old.get("metadata") or {}).get("chat_template")
+            and old.get("apply_chat_template") and own):
+        return (f"its templated {', '.join(own)} cells were measured with prompts longer than their length (the chat "
+                "template's tokens added to it; now they are counted in it, as rope-patch compare counts them)")
     return None
 
 
 def fingerprint(settings: dict) -> str:
     """What makes two runs of a cell comparable (the task list itself may grow between resumed runs)."""
     keep = {k: v for k, v in settings.items() if k not in ("tasks", "lengths", "rope_prompt")}
-    keep["metadata"] = {k: v for k, v in settings["metadata"].items() if k != "max_seq_lengths"}
+    # chat_template follows apply_chat_template (kept above); an older stamp without it is `layout_mismatch`'s
+    keep["metadata"] = {k: v for k, v in settings["metadata"].items() if k not in ("max_seq_lengths", "chat_template")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

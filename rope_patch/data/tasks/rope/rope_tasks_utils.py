@@ -16,6 +16,7 @@ Settings (`--metadata key=value ...` or a JSON object; defaults are those of `ro
 | `ppl_tokens` | `windows` x max(L, 2048) | tokens of the text read at length L, as `rope-patch compare` reads them (`perplexity.scored_tokens`) |
 | `windows` | compare's `windows_at_longest` | perplexity windows (of 2048 tokens' worth, or of L beyond) when `ppl_tokens` is not given |
 | `niah_keys` | 4 | needles per niah prompt (one asked, the others distractors) |
+| `chat_template` | false | passkey / niah prompts framed by the tokenizer's chat template, the template's tokens counted in the length, as `rope-patch compare --chat-template on`; for lm-eval's `--apply_chat_template` (`rope-patch-lm-eval` and `rope-patch sweep` set it with the flag) |
 | `lengths` | - | only read by `rope-patch-lm-eval`, which expands `rope_passkey` / `rope_ppl` / `rope_niah` into these lengths |
 
 Passkey prompts come from `rope_patch.evaluation.passkey.make_passkey_sample` through `retrieval.make_cell`: the
@@ -27,6 +28,12 @@ The answer's lead-in ("The pass key is", "The special magic number for KEY is") 
 `lead_in` field), not part of `text`: lm-eval joins them with a space in a plain prompt, which gives back exactly the
 prompt the ids spell, and with `--apply_chat_template` opens the assistant turn with it, where RULER's tasks put
 theirs and where `rope-patch compare --chat-template on` puts it (`rope_patch.evaluation.passkey`).
+
+Chat templates: lm-eval renders the template around `text` after the documents are built, so a plain document
+(`chat_template` false) read under `--apply_chat_template` is the length in the task's name *plus* the template's
+tokens (about 29 more on SmolLM2). With `chat_template` true the documents are compare's chat prompts: `prompt_ids`
+is the whole templated prompt, exactly the stated length (the haystack is shortened by the template's tokens), and
+`text` is its user turn, so lm-eval's templated prompt is the text of those ids. Give both or neither.
 """  # noqa: E501 (markdown table rows cannot wrap)
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ from pathlib import Path
 
 import datasets
 
-from rope_patch.evaluation.passkey import LEAD_IN, haystack_filler, score_passkey
-from rope_patch.evaluation.retrieval import cell_seed, make_cell
+from rope_patch.evaluation.passkey import LEAD_IN, chat_wrap, haystack_filler, score_passkey, use_chat_template
+from rope_patch.evaluation.retrieval import cell_seed, make_cell, new_tokens
 
 NIAH_KEYS = ("apple", "river", "garden", "window", "letter", "carriage", "horse", "candle", "mirror", "ribbon",
              "orchard", "compass", "lantern", "meadow", "violin", "harbour", "feather", "teacup", "bonnet", "saddle")
@@ -110,6 +117,27 @@ def _dataset(rows: list[dict]) -> dict:
     return {"test": datasets.Dataset.from_list(rows, split=datasets.Split.TEST)}
 
 
+def _chat(kw: dict, tokenizer) -> bool:
+    """metadata `chat_template`: build chat prompts (module docstring). "on" without a template is a ValueError."""
+    value = kw.get("chat_template", False)
+    if isinstance(value, str):
+        value = value.strip().lower() in ("1", "true", "yes", "on")
+    return use_chat_template(tokenizer, "on") if value else False
+
+
+def _prompt_text(tokenizer, ids: list[int], lead_in: str, chat: bool) -> tuple[str, str | None]:
+    """(`text`, `lead_in`) of a prompt: `split_lead_in` for a plain one; for a chat one (the template's opening, the
+    user turn, the template's assistant prefix, the lead-in without its space), the user turn's text."""
+    if not chat:
+        return split_lead_in(tokenizer, ids, lead_in)
+    before, header = chat_wrap(tokenizer)
+    tail = header + tokenizer.encode(lead_in.lstrip(), add_special_tokens=False)
+    if ids[: len(before)] != before or ids[len(ids) - len(tail):] != tail:
+        raise ValueError("a chat prompt does not start with the template's opening and end with its assistant "
+                         "prefix and the lead-in")
+    return tokenizer.decode(ids[len(before): len(ids) - len(tail)], skip_special_tokens=False), lead_in.lstrip()
+
+
 def _length(kw: dict) -> int:
     if "length" not in kw:
         raise ValueError("rope_* task YAMLs set metadata.length; this one does not.")
@@ -124,14 +152,16 @@ def passkey_dataset(**kw) -> dict:
     d = compare_defaults()
     depths = _list(kw.get("depths", d["depths"]), float)
     n, seed = int(kw.get("samples", d["samples"])), int(kw.get("seed", d["seed"]))
+    chat = _chat(kw, tokenizer)
     rows = []
     for depth in depths:
-        cell = make_cell(tokenizer, filler, length, depth, n, seed)
-        new = max(len(s["answer_ids"]) for s in cell) + 1  # as rope-patch compare: the key's tokens + 1
+        cell = make_cell(tokenizer, filler, length, depth, n, seed, chat_template=chat)
+        new = new_tokens(tokenizer, cell, chat)  # as rope-patch compare: the key's tokens + 1 (+ the lead-in's)
         for k, s in enumerate(cell):
-            text, lead_in = split_lead_in(tokenizer, s["prompt_ids"], LEAD_IN)
+            text, lead_in = _prompt_text(tokenizer, s["prompt_ids"], LEAD_IN, chat)
             rows.append({"text": text, "lead_in": lead_in, "prompt_ids": s["prompt_ids"], "answer": s["answer"],
-                         "length": length, "depth": float(depth), "sample": k, "seed": seed, "max_new_tokens": new})
+                         "length": length, "depth": float(depth), "sample": k, "seed": seed, "max_new_tokens": new,
+                         "chat_template": chat})
     return _dataset(rows)
 
 
@@ -187,10 +217,13 @@ def ppl_results(doc: dict, results) -> dict:
 
 
 # ---- multi-key needle in a haystack ---------------------------------------------------------------------------------
-def make_niah_sample(tokenizer, filler_ids, length: int, depth: float, rng: random.Random, n_keys: int = 4) -> dict:
+def make_niah_sample(tokenizer, filler_ids, length: int, depth: float, rng: random.Random, n_keys: int = 4,
+                     chat_template: bool = False) -> dict:
     """One prompt of exactly `length` tokens: BOS, prose with `n_keys` needles "The special magic number for KEY is
     N." (distinct keys, 7-digit values), and a question about one of them, whose needle sits at `depth`; the others
-    (distractors) at random depths."""
+    (distractors) at random depths. `chat_template`: the prose and the question are the user turn of the tokenizer's
+    chat template and the lead-in opens the assistant turn, the template's tokens counted in `length` (as
+    `passkey.make_passkey_sample`); the same draws from `rng`."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth!r}")
     if not 1 <= n_keys <= len(NIAH_KEYS):
@@ -201,8 +234,13 @@ def make_niah_sample(tokenizer, filler_ids, length: int, depth: float, rng: rand
     asked = rng.randrange(n_keys)
     depths = [depth if j == asked else rng.random() for j in range(n_keys)]
     needles = [enc(NIAH_NEEDLE.format(key=k, value=v)) for k, v in zip(keys, values, strict=True)]
-    question = enc(NIAH_QUESTION.format(key=keys[asked]) + NIAH_LEAD_IN.format(key=keys[asked]))
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    if chat_template:
+        bos, header = chat_wrap(tokenizer)
+        question = enc(NIAH_QUESTION.format(key=keys[asked]))
+        question += header + enc(NIAH_LEAD_IN.format(key=keys[asked]).lstrip())
+    else:
+        question = enc(NIAH_QUESTION.format(key=keys[asked]) + NIAH_LEAD_IN.format(key=keys[asked]))
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     n_filler = length - len(bos) - sum(map(len, needles)) - len(question)
     if n_filler < 0:
         raise ValueError(f"length {length} is too short for {n_keys} needles and the question "
@@ -229,16 +267,20 @@ def niah_dataset(**kw) -> dict:
     d = compare_defaults()
     depths = _list(kw.get("depths", d["depths"]), float)
     n, seed, n_keys = int(kw.get("samples", d["samples"])), int(kw.get("seed", d["seed"])), int(kw.get("niah_keys", 4))
+    chat = _chat(kw, tokenizer)
     rows = []
     for depth in depths:
         rng = random.Random(cell_seed(seed, length, depth) * _NIAH_SALT + 1)
-        cell = [make_niah_sample(tokenizer, filler, length, depth, rng, n_keys) for _ in range(n)]
+        cell = [make_niah_sample(tokenizer, filler, length, depth, rng, n_keys, chat) for _ in range(n)]
         new = max(len(s["answer_ids"]) for s in cell) + 1
+        if chat:  # as passkey's (retrieval.new_tokens): room for a chat model that restates the lead-in
+            new += max(len(tokenizer.encode(NIAH_LEAD_IN.format(key=s["key"]), add_special_tokens=False))
+                       for s in cell)
         for k, s in enumerate(cell):
-            text, lead_in = split_lead_in(tokenizer, s["prompt_ids"], NIAH_LEAD_IN.format(key=s["key"]))
+            text, lead_in = _prompt_text(tokenizer, s["prompt_ids"], NIAH_LEAD_IN.format(key=s["key"]), chat)
             rows.append({"text": text, "lead_in": lead_in, "prompt_ids": s["prompt_ids"], "answer": s["answer"],
                          "key": s["key"], "distractors": s["distractors"], "length": length, "depth": float(depth),
-                         "sample": k, "seed": seed, "max_new_tokens": new})
+                         "sample": k, "seed": seed, "max_new_tokens": new, "chat_template": chat})
     return _dataset(rows)
 
 
