@@ -3,6 +3,7 @@ determinism."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
@@ -222,6 +223,46 @@ def test_ppl_metrics_are_consistent(assets):
     r = res["results"]["rope_ppl_64"]
     assert r["token_perplexity,none"] == pytest.approx(math.exp(r["nll,none"]), rel=1e-9)
     assert r["bits_per_byte,none"] == pytest.approx(math.log2(r["byte_perplexity,none"]), rel=1e-9)
+
+
+@functools.cache
+def _ppl_run(assets_root: str, task: str):
+    """(lm-eval's rope_ppl results, its documents) of the rope_patch model on the tiny assets."""
+    from pathlib import Path
+
+    assets = {"model": Path(assets_root) / "model", "heldout": Path(assets_root) / "heldout.txt"}
+    res = evaluate("rope_patch", [task], assets, model_args={"pretrained": str(assets["model"])},
+                   meta={"ppl_tokens": 512})
+    return res["results"][task], [s["doc"] for s in by_doc(res["samples"][task])]
+
+
+@pytest.mark.parametrize("task", ["rope_ppl_64", "rope_ppl_128"])
+@pytest.mark.parametrize("metric, formula", [
+    ("token_perplexity", lambda nll, n, words, n_bytes: math.exp(nll / n)),
+    ("word_perplexity", lambda nll, n, words, n_bytes: math.exp(nll / words)),
+    ("byte_perplexity", lambda nll, n, words, n_bytes: math.exp(nll / n_bytes)),
+    ("bits_per_byte", lambda nll, n, words, n_bytes: nll / n_bytes / math.log(2)),
+])
+def test_ppl_metrics_equal_a_direct_computation(assets, task, metric, formula):
+    """Each window's log-likelihood covers its tokens after the first (scored from position 0, as compare): the
+    word and byte counts are of that same text, the window's decoded tokens 1..L-1 (not of its whole text, which
+    made word perplexity and bits per byte low by up to 1/L)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    got, docs = _ppl_run(str(assets["root"]), task)
+    tok = AutoTokenizer.from_pretrained(str(assets["model"]))
+    model = AutoModelForCausalLM.from_pretrained(str(assets["model"]), dtype=torch.float32).eval()
+    nll = n = words = n_bytes = 0
+    for doc in docs:
+        ids = torch.tensor([doc["input_ids"]])
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1].double()
+        nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+        text = tok.decode(doc["input_ids"][1:])  # what the L-1 predictions spell
+        n, words, n_bytes = n + ids.shape[1] - 1, words + len(text.split()), n_bytes + len(text.encode("utf-8"))
+    assert len(docs) == 512 // int(task.rsplit("_", 1)[1])
+    assert got[f"{metric},none"] == pytest.approx(formula(nll, n, words, n_bytes), rel=1e-5)
 
 
 RULER_OFFLINE = ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe"]

@@ -200,17 +200,28 @@ def ppl_dataset(**kw) -> dict:
                                                                                      compare_defaults()["windows"]))))
     rows = []
     for k, window in enumerate(windows(ids, length, n_tokens).tolist()):
+        predicted = predicted_text(tokenizer, window)
         rows.append({"text": tokenizer.decode(window, skip_special_tokens=False), "input_ids": window,
-                     "length": length, "window": k, "n_predicted": length - 1})
+                     "length": length, "window": k, "n_predicted": length - 1,
+                     "n_words": len(predicted.split()), "n_bytes": len(predicted.encode("utf-8"))})
     return _dataset(rows)
+
+
+def predicted_text(tokenizer, window: list[int]) -> str:
+    """The text of the tokens a window's log-likelihood covers: every token but the first (scored from position 0,
+    as `rope-patch compare`, the first token is context only), i.e. the window's text after its first token's."""
+    text = tokenizer.decode(window, skip_special_tokens=False)
+    first = tokenizer.decode(window[:1], skip_special_tokens=False)
+    return text[len(first):] if text.startswith(first) else tokenizer.decode(window[1:], skip_special_tokens=False)
 
 
 def ppl_results(doc: dict, results) -> dict:
     """`token_perplexity` = exp(mean NLL per predicted token), as `rope-patch compare` (windows scored from
-    position 0: L-1 predictions each); word/byte perplexity and bits per byte as lm-eval's wikitext."""
+    position 0: L-1 predictions each); word/byte perplexity and bits per byte as lm-eval's wikitext, over the words
+    and bytes of the text those L-1 predictions cover (`predicted_text`: all but the first token's), so that the
+    counts and the log-likelihood are of the same text."""
     (loglik,) = results
-    text = doc["text"]
-    words, n_bytes = len(text.split()), len(text.encode("utf-8"))
+    words, n_bytes = doc["n_words"], doc["n_bytes"]
     return {"token_perplexity": (loglik, doc["n_predicted"]), "nll": -loglik / doc["n_predicted"],
             "word_perplexity": (loglik, words), "byte_perplexity": (loglik, n_bytes),
             "bits_per_byte": (loglik, n_bytes)}
