@@ -14,11 +14,14 @@ sys.path.insert(0, str(HERE))
 from rope_tasks_utils import DEFAULT_GROUP_LENGTHS, LADDER  # noqa: E402
 
 # version 2.0 of passkey / niah: the answer's lead-in is lm-eval's gen_prefix (with a chat template it opens the
-# assistant turn; 1.0 closed the user turn with it). Plain prompts are the same in both.
+# assistant turn; 1.0 closed the user turn with it). 3.0: with metadata chat_template=true (which rope-patch-lm-eval
+# and the sweep set with --apply_chat_template) the template's tokens are counted in the length (2.0 added them on
+# top). Plain prompts are the same in all. ppl 2.0: word / byte counts of the predicted text (all but the first
+# token of a window, which 1.0 counted too).
 FAMILIES = {
-    "passkey": ("_passkey_template_yaml", "acc", "passkey retrieval (exact match of the first number)", "2.0"),
-    "ppl": ("_ppl_template_yaml", None, "perplexity in non-overlapping windows", "1.0"),
-    "niah": ("_niah_template_yaml", "acc", "multi-key needle in a haystack over prose", "2.0"),
+    "passkey": ("_passkey_template_yaml", "acc", "passkey retrieval (exact match of the first number)", "3.0"),
+    "ppl": ("_ppl_template_yaml", None, "perplexity in non-overlapping windows", "2.0"),
+    "niah": ("_niah_template_yaml", "acc", "multi-key needle in a haystack over prose", "3.0"),
 }
 
 
