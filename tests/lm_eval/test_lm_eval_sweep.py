@@ -418,3 +418,38 @@ def test_a_limit_with_several_ruler_lengths_is_refused_at_plan_time(assets, tmp_
     else:
         S.plan(args)
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("task, recorded, expected", [
+    ("rope_ppl_128", None, True),        # before cells recorded it: rope_ppl 1.0's word / byte counts
+    ("rope_ppl_128", 1.0, True),
+    ("rope_ppl_128", "2.0", False),      # today's
+    ("rope_passkey_128", None, False),   # plain prompts are the same in every version
+    ("rope_passkey_128", 2.0, True),
+    ("rope_passkey_128", 3.0, False),
+    ("niah_single_1", None, False),      # lm-eval's own tasks: not ours to version
+])
+def test_a_cell_of_an_earlier_task_version_is_outdated(task, recorded, expected):
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    cell = {"task": task, "metrics": {}, **({} if recorded is None else {"task_version": recorded})}
+    assert S.outdated(cell, task, str(TASKS)) is expected
+
+
+def test_a_resumed_sweep_measures_an_earlier_ppl_cell_again(assets, tmp_path):
+    import rope_patch.integrations.lm_eval.sweep as S
+
+    out, lines = tmp_path / "v", []
+    args = sweep_args(assets, out, schemes=["default"], tasks=["rope_ppl"], lengths=["128"])
+    S.sweep(args, log=lines.append)
+    path = out / "schemes" / "default" / "cells" / "rope_ppl_128.json"
+    cell = json.loads(path.read_text())
+    assert cell["task_version"] == S.task_version(str(TASKS), "rope_ppl_128") == 2.0
+    path.write_text(json.dumps({k: v for k, v in cell.items() if k != "task_version"}))  # a cell of rope_ppl 1.0
+    lines.clear()
+    S.sweep(args, log=lines.append)
+    assert any("rope_ppl_128: measured by an earlier version of the task; measured again" in x for x in lines)
+    assert json.loads(path.read_text())["task_version"] == 2.0
+    lines.clear()
+    S.sweep(args, log=lines.append)  # today's cell is kept
+    assert any("all 1 cells done: skipped" in x for x in lines)

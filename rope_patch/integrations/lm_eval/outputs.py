@@ -86,7 +86,7 @@ def read_cells(out_dir: Path, tasks: list[str]) -> dict[str, dict]:
             continue
         metrics = {k.split(",")[0]: v for k, v in metrics.items() if "," in k and "_stderr" not in k}
         cell = {"task": task, "metrics": metrics, "n_samples": data.get("n-samples", {}).get(task, {}).get("effective"),
-                "results_file": results_name(results)}
+                "results_file": results_name(results), "task_version": (data.get("versions") or {}).get(task)}
         samples = samples_file(results, task)
         if task.startswith(("rope_passkey_", "rope_niah_")) and samples.is_file():
             by_depth: dict[float, list[float]] = {}

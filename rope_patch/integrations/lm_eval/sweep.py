@@ -35,7 +35,8 @@ whose haystack is the Hub's essays are refused at plan time unless the dataset i
 
 Resume: a (scheme, task) cell whose result is in `<out>/schemes/<scheme>/cells/` is skipped; one of lm-eval's own tasks
 (RULER), which runs every length of `max_seq_lengths` in one cell, only where it ran the lengths asked now (its
-`max_seq_lengths`), else it is measured again. A scheme with
+`max_seq_lengths`), else it is measured again; a rope_* cell of an earlier version of its task (`outdated`) is
+measured again too. A scheme with
 missing cells runs only those when every task is a self-seeded `rope_*` task, and its whole task list when any
 other task is present (RULER's samples depend on what ran before them in the run).
 
@@ -338,6 +339,29 @@ def layout_mismatch(old: dict, settings: dict) -> str | None:
     return None
 
 
+def task_version(include, task: str) -> float | None:
+    """The `metadata.version` of a rope_* task's YAML in the task folder (None: not found)."""
+    for path in Path(include).rglob(f"{task}.yaml") if include else ():
+        found = re.search(r"^\s*version:\s*([0-9.]+)\s*$", path.read_text(encoding="utf-8"), re.MULTILINE)
+        return float(found.group(1)) if found else None
+    return None
+
+
+def outdated(cell: dict, task: str, include) -> bool:
+    """Whether a finished rope_* cell was measured by another version of its task than the folder's (then it is
+    measured again, not mixed into this sweep's table). A cell from before cells recorded the version
+    (`task_version`) is outdated only for rope_ppl: its word / byte counts were 1.0's (the whole window's text, one
+    token more than its log-likelihood covers); the passkey / niah prompts such a cell read are today's plain ones
+    (templated ones are `layout_mismatch`'s)."""
+    if not family(task)[0]:
+        return False
+    recorded = cell.get("task_version")
+    if recorded is None:
+        return family(task)[0] == "rope_ppl"
+    current = task_version(include, task)
+    return current is not None and float(recorded) != current
+
+
 def fingerprint(settings: dict) -> str:
     """What makes two runs of a cell comparable (the task list itself may grow between resumed runs)."""
     keep = {k: v for k, v in settings.items() if k not in ("tasks", "lengths", "rope_prompt")}
@@ -633,6 +657,10 @@ def sweep(args, log: Callable[[str], object] = print, on_start: Callable[[Path],
             # lengths would stand for lengths it never ran, and a new run's cell of these lengths was thrown away
             log(f"[{sch['spec']}] {', '.join(stale)}: measured at other lengths than {lengths_read}; measured again")
             done = {t: cell for t, cell in done.items() if t not in stale}
+        old_version = [t for t, cell in done.items() if outdated(cell, t, settings["include_path"])]
+        if old_version:
+            log(f"[{sch['spec']}] {', '.join(old_version)}: measured by an earlier version of the task; measured again")
+            done = {t: cell for t, cell in done.items() if t not in old_version}
         missing = [t for t in tasks if t not in done]
         if missing:
             # rope_* tasks seed themselves; anything else (RULER) depends on the whole list: keep it whole then.
