@@ -27,7 +27,11 @@ model evaluates those documents from the ids themselves, with exactly the proced
 for the final length, and non-overlapping windows scored from position 0. That makes the numbers equal to
 `rope-patch compare` on the same samples. Such documents are evaluated at their full length even beyond
 `max_length` (they are length tests: truncating would delete the needle), with a loud warning. Any other model
-(`hf`, vLLM, ...) reads the `text` field like any lm-eval task. `exact_tokens=false` turns this off.
+(`hf`, vLLM, ...) reads the `text` field like any lm-eval task. `exact_tokens=false` turns this off. Under
+`--apply_chat_template` the passkey / niah documents built with `--metadata chat_template=true` (which
+`rope-patch-lm-eval` and `rope-patch sweep` set with the flag) spell the templated prompt, the template's tokens
+counted in the task's length, and are read from their ids too; documents built for the other layout get a loud
+warning naming the prompt's length.
 
 Prompts longer than `max_length` on the ordinary (text) path are truncated from the left by HFLM, as always, but
 with a loud warning here instead of a silent cut.
