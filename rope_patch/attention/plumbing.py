@@ -364,11 +364,8 @@ class Inputs:
         the model returned (None: none)."""
         kwargs = {"attention_mask": self.mask[:, : rows.stop] if self.mask is not None else None,
                   "position_ids": self.positions[:, rows]}
-        params = inspect.signature(model.forward).parameters
         if cache is not None:
-            kwargs["cache" if "cache" in params else "past_key_values"] = cache
-        if "logits_to_keep" in params:  # the check compares the layers, not the logits: one row of the head, not all
-            kwargs["logits_to_keep"] = 1  # (Gemma 3's 262k-token head was most of the check's cost)
+            kwargs["cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"] = cache
         out = model(self.ids[:, rows], **kwargs, use_cache=use_cache)
         # by the output class's own field: `past_key_values` is a deprecated alias where the field is `cache` (5.25;
         # asking for it, or whether the output holds it, logs a warning)
