@@ -169,11 +169,11 @@ def _apply(model: M, new: Scheme, *, temporary: bool, check: bool = True) -> M:
         if target.table is not None:
             resolved = resolved.on_table(target)
         install = resolved.prepare(target)
-        _warn_unserved(target, resolved)
         state = PatchState(resolved, _unpatched_rope_fields(target), resolved.served_window(target), target.table)
         try:
             target.config = state.private_config(target.model)
-            install(state)
+            install(state)  # the apply-time check runs here: a refused patch says nothing more
+            _warn_unserved(target, resolved)
             _announce_window(target.model, state)
             state.seal()
         except BaseException:

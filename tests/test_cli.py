@@ -219,6 +219,7 @@ def test_warnings_are_one_line_once(monkeypatch, capsys):
     listed = rope_patch.scheme_names.list_schemes
 
     def warn_twice():
+        warnings.simplefilter("always")  # as libraries that reset Python's once-per-line registry on the way
         for _ in range(2):  # as a comparison that applies a scheme at every length
             warnings.warn("rope_patch: these sizes serve nothing\nlonger", UserWarning, stacklevel=1)
         return listed()

@@ -85,6 +85,20 @@ def test_sizes_that_extend_nothing_are_said_at_apply(model, spec):
     assert all(f"window of {window} tokens" in m for m in said)
 
 
+def test_a_refused_patch_says_only_why(monkeypatch):
+    from rope_patch.attention import plumbing
+
+    def refuse(*args, **kwargs):
+        raise ValueError("rerope: the apply-time check does not hold")
+
+    monkeypatch.setattr(plumbing, "verify", refuse)
+    model = tiny_model("llama", attn_implementation="sdpa")
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="does not hold"):
+        warnings.simplefilter("always")
+        rope_patch.apply(model, "rerope", window_size=999)
+    assert not [w for w in caught if "serves no input longer than" in str(w.message)]
+
+
 def test_self_extend_logistic_serves_the_longest_length_its_positions_fit():
     from rope_patch.schemes.positions import _reach
 
