@@ -114,3 +114,56 @@ def test_the_entry_point_builds_documents_for_the_flag(monkeypatch, assets, argv
         assert error is None and str(args.metadata["chat_template"]).lower() == str(expected).lower()
     else:
         assert expected in error and "rope_passkey_128" in error and "rope_ppl" not in error
+
+
+def _request(tok, doc: dict, templated: bool, task: str):
+    """lm-eval's generate_until request for `doc`, its prompt rendered with the chat template or not, as
+    --cache_requests gives it back: built elsewhere, no apply_chat_template call on the model reading it."""
+    from lm_eval.api.instance import Instance
+
+    if templated:
+        turn = doc["text"][len(tok.bos_token):] if doc["text"].startswith(tok.bos_token) else doc["text"]
+        context = tok.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
+                                          tokenize=False) + doc["lead_in"]
+    else:
+        context = f"{doc['text']} {doc['lead_in']}"
+    return Instance(request_type="generate_until", doc=doc, arguments=(context, {}), idx=0, metadata=(task, 0, 1))
+
+
+@pytest.mark.parametrize("build", ["passkey_dataset", "niah_dataset"])
+@pytest.mark.parametrize("built, templated, earlier_template, warns", [
+    (True, True, False, False),   # --cache_requests: templated prompts loaded without apply_chat_template
+    (False, True, False, True),   # cached plain documents under a template (lm-eval's cache key ignores metadata)
+    (False, False, True, False),  # one model object, a templated run before a plain one
+    (True, False, True, True),    # ... and chat documents read without a template after a templated run
+    (True, True, True, False),
+    (False, False, False, False),
+])
+def test_the_layout_warning_is_read_from_each_prompt(assets, chat_model, monkeypatch, build, built, templated,
+                                                     earlier_template, warns):
+    """The chat-layout warning follows the prompt it is about, not whether this model object ever rendered a
+    template: with --cache_requests lm-eval loads rendered prompts without calling apply_chat_template."""
+    import rope_patch.evaluation.retrieval as retrieval
+    from rope_patch.data.tasks.rope import rope_tasks_utils as U
+    from rope_patch.integrations.lm_eval.model import RopePatchLM
+
+    exact = []
+    monkeypatch.setattr(retrieval, "greedy_generate", lambda m, ids, new: exact.extend(ids.tolist()) or ids[:, :new])
+    from lm_eval.models.huggingface import HFLM
+
+    monkeypatch.setattr(HFLM, "generate_until", lambda self, requests, disable_tqdm=False: ["" for _ in requests])
+    length = 128 if build == "passkey_dataset" else 256
+    doc = getattr(U, build)(tokenizer=str(chat_model), heldout=str(assets["heldout"]), length=length, samples=1,
+                            depths=[0.5], chat_template=built)["test"][0]
+    lm = RopePatchLM(pretrained=str(chat_model))
+    if earlier_template:
+        lm.apply_chat_template([{"role": "user", "content": "an earlier run's prompt"}])
+    req = _request(lm.tokenizer, doc, templated, "rope_task")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm.generate_until([req])
+    said = [str(w.message) for w in caught if f"not the task's {length}:" in str(w.message)]
+    assert len(said) == int(warns)
+    assert exact == ([doc["prompt_ids"]] if built == templated else [])  # the prompt is the ids' text: read from them
+    if warns:
+        assert ("lm-eval wrapped it in one" if templated else "lm-eval applied none") in said[0]

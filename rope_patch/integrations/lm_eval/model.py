@@ -44,6 +44,7 @@ than one GPU is visible; this class takes them from the accelerator in every cas
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
 import warnings
@@ -60,6 +61,7 @@ import rope_patch
 from ...api import context_window
 from ...discovery import unwrap
 from ...evaluation import common, perplexity, retrieval
+from ...evaluation.passkey import chat_wrap, has_chat_template
 from ...persistence import read_manifest
 from ...registry import canonical_name, did_you_mean, get_scheme_class, list_schemes
 from ...schemes.base import UNBOUNDED
@@ -196,7 +198,6 @@ class RopePatchLM(HFLM):
         self._spec = pretrained
         self.exact_tokens = bool(_value(exact_tokens))
         self._warned: set = set()
-        self._templated = False  # set once lm-eval renders a prompt with the chat template (apply_chat_template)
         if isinstance(pretrained, str):
             pretrained = str(resolve_model_path(pretrained))
             self._pretrained_manifest = _manifest(pretrained)
@@ -323,7 +324,6 @@ class RopePatchLM(HFLM):
         first (so that a plain prompt is exactly compare's), and a template opens each turn with its own tokens; a BOS
         left at the start of the user's turn (SmolLM2: `<|im_start|>user\n<|im_start|>...`) is no prompt a chat model
         was trained on."""
-        self._templated = True  # lm-eval renders every prompt through here under --apply_chat_template
         bos = getattr(self.tokenizer, "bos_token", None)
         if bos:
             chat_history = [{**m, "content": m["content"][len(bos):]}
@@ -351,24 +351,55 @@ class RopePatchLM(HFLM):
             return None
         return ids
 
+    def _chat_marks(self) -> tuple[str, str]:
+        """The text of the chat template's opening and of its assistant prefix (`passkey.chat_wrap`); ("", "") for a
+        tokenizer without a template. Read from the tokenizer, which a model object keeps."""
+        if getattr(self, "_marks", None) is None:
+            marks = ("", "")
+            if has_chat_template(self.tokenizer):
+                try:
+                    before, after = chat_wrap(self.tokenizer)
+                except ValueError:  # a template that cannot frame one user turn: no prompt is read as templated
+                    pass
+                else:
+                    decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+                    marks = (decode(before), decode(after))
+            self._marks = marks
+        return self._marks
+
+    def _is_templated(self, text: str) -> bool:
+        """Whether lm-eval rendered this prompt with the chat template, read from the prompt itself (not from a call
+        of `apply_chat_template`: `--cache_requests` loads rendered prompts without one, and one model object may
+        serve several runs): it opens with the template's opening, or holds its assistant prefix. A mark that is
+        blank or the bare BOS would match plain prompts too, and is not used."""
+        opening, header = self._chat_marks()
+        bos = getattr(self.tokenizer, "bos_token", None) or ""
+        return bool((opening.strip() and opening != bos and text.startswith(opening))
+                    or (header.strip() and header != bos and header in text))
+
     def _check_chat_layout(self, req, text: str) -> None:
         """A loud warning when a rope_* prompt is not the length in its task's name because the documents were
         built for the other layout: plain documents under --apply_chat_template (the template's tokens come on top
-        of the stated length), or documents built with metadata chat_template=true read without a template."""
+        of the stated length), or documents built with metadata chat_template=true read without a template. Decided
+        per prompt (`_is_templated`)."""
         doc = req.doc
-        if bool(doc.get("chat_template")) == self._templated or "length" not in doc:
+        if "length" not in doc:
             return
-        key = ("chat-layout", req.task_name)
+        templated = self._is_templated(text)
+        if bool(doc.get("chat_template")) == templated:
+            return
+        key = ("chat-layout", req.task_name, templated)
         if key in self._warned:
             return
         self._warned.add(key)
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         what = ("was built without the chat template (metadata chat_template) and lm-eval wrapped it in one"
-                if self._templated else
+                if templated else
                 "was built for a chat template (metadata chat_template=true) and lm-eval applied none")
         msg = (f"rope_patch: a {req.task_name} prompt is {n} tokens, not the task's {doc['length']}: the document "
                f"{what}. Pass --metadata chat_template=true exactly when you pass --apply_chat_template "
-               "(rope-patch-lm-eval and rope-patch sweep do it for you).")
+               "(rope-patch-lm-eval and rope-patch sweep do it for you; lm-eval's --cache_requests keys ignore "
+               "--metadata: pass --cache_requests refresh after changing it).")
         logger.warning("\n%s\n%s\n%s", _BANNER, msg, _BANNER)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
