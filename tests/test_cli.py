@@ -124,6 +124,9 @@ def test_bad_arguments_are_one_line(capsys, argv, message):
 
 # Errors found once the arguments parsed, before the model loads (one line: no "Loading ..." before it)
 RUN_ERRORS = [
+    (["tune", "--scheme", "longrope", "--target", "64", "--space", "factor=2,4"],
+     "rope-patch tune: error: --space is the grid or random search's (KEY=V1,V2,...); the evolutionary search of "
+     "longrope searches its long factors"),
     (["tune", "--scheme", "yarn", "--target", "64", "--space", "factr=2,4"],
      "rope-patch tune: error: yarn has no parameter 'factr' to search. Did you mean 'factor'? Parameters of 'yarn': "),
     (["tune", "--scheme", "pi", "--target", "64", "--space", "factor=2,4", "fctor=3"], "linear has no parameter "

@@ -101,6 +101,10 @@ def check_options(options: TuneOptions) -> tuple[str, str]:
     if options.budget_minutes is not None and not options.budget_minutes > 0:
         raise ValueError(f"--budget-minutes must be > 0, got {options.budget_minutes}.")
     if method == "evolution":
+        if options.space is not None:
+            raise ValueError(f"--space is the grid or random search's (KEY=V1,V2,...); the evolutionary search of "
+                             f"{name} searches its long factors, shaped by --max-factor and --init. Leave --space out, "
+                             "or give --method grid / random to search scalar parameters.")
         for spec in options.init or ():
             if as_scheme(spec).kind != "frequency":
                 raise ValueError(f"--init {spec!r}: the initial factors come from a frequency scheme (linear, ntk, "
