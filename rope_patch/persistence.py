@@ -368,8 +368,9 @@ def from_pretrained(path: str | os.PathLike, *, base_model: str | os.PathLike | 
     if manifest is not None and manifest.get("adapter") and not is_adapter:
         raise FileNotFoundError(f"{path / 'adapter_config.json'} is missing, though {path / MANIFEST} "
                                 f"records an adapter: the save is incomplete or the folder was copied in part. {_FIX}")
-    if peft_kwargs and not is_adapter:
-        raise TypeError(f"rope_patch.from_pretrained: {', '.join(f'{k}=' for k in peft_kwargs)} applies to an "
+    asked = [k for k, v in peft_kwargs.items() if v not in (None, False)]  # is_trainable=False: as a full model is
+    if asked and not is_adapter:
+        raise TypeError(f"rope_patch.from_pretrained: {', '.join(f'{k}=' for k in asked)} applies to an "
                         f"adapter folder (with adapter_config.json), but {path} holds a full model, whose parameters "
                         "all load trainable: leave it out.")
     if not is_adapter and not (path / "config.json").is_file():

@@ -137,7 +137,7 @@ def restore_patch(model: nn.Module, checkpoint: str | os.PathLike | None) -> Sch
                 f"restore_patch: {path / MANIFEST} records {manifest['scheme']} with learned tables "
                 f"({', '.join(manifest['weights']['keys'])}), but the model is already wrapped "
                 f"({type(model).__name__}) and unpatched: call restore_patch(model, {str(path)!r}) on the base model, "
-                "before get_peft_model, so that peft wraps the restored tables.")
+                "before wrapping it (get_peft_model, ...), so that the wrapper holds the restored tables.")
         if manifest["scheme"] is not None:
             reapply_manifest(model, manifest, path / MANIFEST)
     else:

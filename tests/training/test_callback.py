@@ -118,7 +118,7 @@ def test_restore_patch(scheme, prepatch, saved, ids):
 
 
 WRAPPED = [  # (checkpoint's scheme, restore_patch on an unpatched model already wrapped by peft)
-    ("relative_bias", "before get_peft_model"),
+    ("relative_bias", r"before wrapping it \(get_peft_model"),
     ("yarn", None),  # no tables: re-applied under the wrapper as well
 ]
 
