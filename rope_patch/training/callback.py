@@ -286,8 +286,18 @@ class CompleteCheckpointCallback(TrainerCallback):
             write_text_atomic(folder / COMPLETE,
                               json.dumps({"step": state.global_step, "config": self.fingerprint}) + "\n")
             if self.keep:
+                # Trainer's own rotation keeps its best checkpoint (load_best_model_at_end reads it at the end)
+                best = getattr(state, "best_model_checkpoint", None)
                 for old in complete_checkpoints(args.output_dir)[:-self.keep]:
-                    shutil.rmtree(old, ignore_errors=True)
+                    if best is None or Path(best).resolve() != old.resolve():
+                        _remove_checkpoint(old)
+
+
+def _remove_checkpoint(folder: Path) -> None:
+    """Its completion mark first: a kill during the removal leaves an incomplete folder (skipped on resume, cleared by
+    `discard_checkpoints_after`), never a 'complete' one whose weights are gone."""
+    (folder / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:

@@ -348,6 +348,27 @@ def test_complete_checkpoints_are_the_marked_ones_in_step_order(tmp_path):
     assert not (tmp_path / "checkpoint-12" / COMPLETE).exists()  # only the saving process writes
 
 
+KEPT = [  # (Trainer's best checkpoint, the folders left after checkpoint-6 is marked with keep=1)
+    (None, ["checkpoint-6"]),
+    ("checkpoint-2", ["checkpoint-2", "checkpoint-6"]),  # load_best_model_at_end reads it at the end
+]
+
+
+@pytest.mark.parametrize("best,left", KEPT)
+def test_keep_removes_older_checkpoints_mark_first_and_never_the_best(best, left, tmp_path, monkeypatch):
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)
+    removed = []
+    real = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda p, **k: (removed.append((p.name, (p / COMPLETE).exists())),
+                                                            real(p, **k)))
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        state = SimpleNamespace(global_step=step, best_model_checkpoint=best and str(tmp_path / best))
+        CompleteCheckpointCallback("abc", keep=1).on_save(args, state, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == left
+    assert removed and not any(marked for _, marked in removed)  # a kill inside rmtree leaves no 'complete' folder
+
+
 def test_resume_takes_the_newest_complete_checkpoint_of_the_same_config(tmp_path):
     args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)
     for step in (2, 4, 6):
