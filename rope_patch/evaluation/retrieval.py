@@ -94,10 +94,15 @@ def make_cell(tokenizer, filler_ids: Sequence[int], length: int, depth: float, n
                                 filler_start=start) for _ in range(n_samples)]
 
 
-def new_tokens(tokenizer, samples: Sequence[dict], chat_template: bool = False) -> int:
+def new_tokens(tokenizer, samples: Sequence[dict], chat_template: bool = False,
+               lead_in: str | Callable[[dict], str] = LEAD_IN) -> int:
     """Tokens to generate for a cell: the key's tokens + 1 (catches "482130" for "48213"), plus the lead-in's
-    (" The pass key is") with a chat template, for a chat model that restates it."""
-    extra = len(tokenizer.encode(LEAD_IN, add_special_tokens=False)) if chat_template else 0
+    (" The pass key is") with a chat template, for a chat model that restates it. `lead_in`: the answer's lead-in,
+    or a function of a sample giving its own (the niah tasks': one per asked key); the longest counts."""
+    extra = 0
+    if chat_template:
+        lead = lead_in if callable(lead_in) else lambda s: lead_in
+        extra = max(len(tokenizer.encode(lead(s), add_special_tokens=False)) for s in samples)
     return max(len(s["answer_ids"]) for s in samples) + 1 + extra
 
 

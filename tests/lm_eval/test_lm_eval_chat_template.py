@@ -96,8 +96,8 @@ def test_a_templated_prompt_is_the_length_in_the_task_name(assets, chat_model, m
     (["--apply_chat_template"], None, True),
     ([], None, False),
     (["--apply_chat_template"], "chat_template=true", True),
-    (["--apply_chat_template"], "chat_template=false", "with --apply_chat_template"),
-    ([], "chat_template=true", "without --apply_chat_template"),
+    (["--apply_chat_template"], "chat_template=false", "disagrees with --apply_chat_template given"),
+    ([], "chat_template=true", "disagrees with --apply_chat_template not given"),
 ])
 def test_the_entry_point_builds_documents_for_the_flag(monkeypatch, assets, argv, metadata, expected):
     from lm_eval._cli import HarnessCLI
@@ -167,3 +167,50 @@ def test_the_layout_warning_is_read_from_each_prompt(assets, chat_model, monkeyp
     assert exact == ([doc["prompt_ids"]] if built == templated else [])  # the prompt is the ids' text: read from them
     if warns:
         assert ("lm-eval wrapped it in one" if templated else "lm-eval applied none") in said[0]
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1", True), ("true", True), (" TRUE ", True), ("yes", True), ("On", True), (True, True), (1, True),
+    ("0", False), ("false", False), ("off", False), ("no", False), ("", False), (False, False), (0, False),
+])
+def test_one_reading_of_the_chat_template_metadata(chat_model, value, expected):
+    """The tasks, rope-patch-lm-eval and the sweep read metadata chat_template the same way (`metadata_flag`), and
+    refuse a disagreeing one with the same message (`chat_layout_error`)."""
+    from types import SimpleNamespace
+
+    import rope_patch.integrations.lm_eval.sweep as S
+    from rope_patch.data.tasks.rope import rope_tasks_utils as U
+    from rope_patch.integrations.lm_eval.cli import check_chat_layout
+    from rope_patch.integrations.lm_eval.tasks import chat_layout_error, metadata_flag
+
+    assert metadata_flag(value) is expected
+    assert U._chat({"chat_template": value}, U.load_tokenizer(str(chat_model))) is expected
+    for applied in (True, False):
+        args = SimpleNamespace(command="run", tasks=["rope_passkey_128"], metadata={"chat_template": value},
+                               apply_chat_template=applied)
+        error = check_chat_layout(args)
+        assert (error is None) is (expected is applied)
+        swept = chat_layout_error(value, applied, "--chat-template x", "rope_passkey_128")
+        assert (swept is None) is (expected is applied)
+        if error:  # one message: only the flag's name differs
+            assert error.split(" (prompts ")[1] == swept.split(" (prompts ")[1]
+    assert S.chat_layout_error is chat_layout_error
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_niah_new_tokens_are_retrievals(assets, chat_model, chat):
+    """rope_niah's max_new_tokens are `retrieval.new_tokens` with the niah lead-ins (one per asked key): the answer's
+    tokens + 1, plus the longest lead-in's with a chat template."""
+    from rope_patch.data.tasks.rope import rope_tasks_utils as U
+    from rope_patch.evaluation.retrieval import new_tokens
+
+    tok = U.load_tokenizer(str(chat_model))
+    rows = U.niah_dataset(tokenizer=str(chat_model), heldout=str(assets["heldout"]), length=256, samples=3,
+                          depths=[0.5], chat_template=chat)["test"]
+    answers = max(len(tok.encode(f" {r['answer']}", add_special_tokens=False)) for r in rows)
+    leads = max(len(tok.encode(U.NIAH_LEAD_IN.format(key=r["key"]), add_special_tokens=False)) for r in rows)
+    assert {r["max_new_tokens"] for r in rows} == {answers + 1 + (leads if chat else 0)}
+    cell = [{"answer_ids": tok.encode(f" {r['answer']}", add_special_tokens=False), "key": r["key"]} for r in rows]
+    assert new_tokens(tok, cell, chat, lambda s: U.NIAH_LEAD_IN.format(key=s["key"])) == answers + 1 + (
+        leads if chat else 0)
+    assert new_tokens(tok, cell, chat, " The pass key is") == new_tokens(tok, cell, chat)  # a string: passkey's

@@ -34,7 +34,7 @@ from lm_eval.utils import setup_logging
 
 from ...zoo import MODELS, resolve_model_path
 from .model import validate_model_args  # importing .model registers the `rope_patch` model with lm-eval
-from .tasks import expand_tasks, tasks_dir
+from .tasks import chat_layout_error, expand_tasks, tasks_dir
 
 
 def adjust(args) -> None:
@@ -94,15 +94,10 @@ def check_chat_layout(args) -> str | None:
     rope_niah: the prompts would be the template's tokens longer (or shorter) than the length in the task's name."""
     if getattr(args, "command", None) != "run" or not _retrieval_tasks(args):
         return None
-    value = dict(args.metadata or {}).get("chat_template", False)
-    built = value.strip().lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)
     applied = bool(getattr(args, "apply_chat_template", False))
-    if built == applied:
-        return None
-    return (f"--metadata chat_template={value} with{'' if applied else 'out'} --apply_chat_template: the "
-            f"{', '.join(_retrieval_tasks(args))} prompts would not be the length in their names (chat_template "
-            "builds them with the template's tokens counted). Leave chat_template out (it follows the flag), or "
-            "give both or neither.")
+    return chat_layout_error(dict(args.metadata or {}).get("chat_template", False), applied,
+                             f"--apply_chat_template {'given' if applied else 'not given'}",
+                             ", ".join(_retrieval_tasks(args)))
 
 
 def check_model_args(model_args) -> str | None:

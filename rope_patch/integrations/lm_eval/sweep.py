@@ -89,7 +89,7 @@ from ...registry import did_you_mean
 from ...specs import scheme_label
 from .options import SweepOptions  # noqa: F401  (defined apart: the CLI reads it without torch)
 from .outputs import OUTPUT, latest_results, read_cells, write_samples
-from .tasks import tasks_dir
+from .tasks import chat_layout_error, tasks_dir
 
 FORMAT = SWEEP_FORMAT  # defined with its figure (rope_patch.plots.tasks), which the CLI imports without torch
 FAMILIES = ("rope_passkey", "rope_ppl", "rope_niah")
@@ -196,10 +196,9 @@ def plan(args) -> dict:
     check_offline_data([t for t in tasks if not family(t)[0]], in_process=getattr(args, "in_process", False))
     chat = chat_template_for(model_args.get("tokenizer") or metadata["tokenizer"], args.chat_template)
     given = metadata.pop("chat_template", None)
-    if given is not None and (str(given).strip().lower() in ("1", "true", "yes", "on")) != chat:
-        raise ValueError(f"--metadata chat_template={given} with --chat-template {args.chat_template} (templated: "
-                         f"{'yes' if chat else 'no'}): the rope_passkey / rope_niah prompts would not be the length in "
-                         "their names. Leave chat_template out of --metadata: it follows --chat-template.")
+    error = chat_layout_error(given, chat, f"--chat-template {args.chat_template}")
+    if error:
+        raise ValueError(error)
     settings = {"model": args.model, "name": models.model_name(args.model), "model_path": path, "tasks": tasks,
                 "lengths": lengths, "metadata": metadata,
                 "model_args": model_args, "limit": args.limit, "batch_size": str(args.batch_size),

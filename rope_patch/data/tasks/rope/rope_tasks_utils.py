@@ -46,6 +46,7 @@ import datasets
 
 from rope_patch.evaluation.passkey import LEAD_IN, chat_wrap, haystack_filler, score_passkey, use_chat_template
 from rope_patch.evaluation.retrieval import cell_seed, make_cell, new_tokens
+from rope_patch.integrations.lm_eval.tasks import metadata_flag
 
 NIAH_KEYS = ("apple", "river", "garden", "window", "letter", "carriage", "horse", "candle", "mirror", "ribbon",
              "orchard", "compass", "lantern", "meadow", "violin", "harbour", "feather", "teacup", "bonnet", "saddle")
@@ -119,10 +120,7 @@ def _dataset(rows: list[dict]) -> dict:
 
 def _chat(kw: dict, tokenizer) -> bool:
     """metadata `chat_template`: build chat prompts (module docstring). "on" without a template is a ValueError."""
-    value = kw.get("chat_template", False)
-    if isinstance(value, str):
-        value = value.strip().lower() in ("1", "true", "yes", "on")
-    return use_chat_template(tokenizer, "on") if value else False
+    return use_chat_template(tokenizer, "on") if metadata_flag(kw.get("chat_template", False)) else False
 
 
 def _prompt_text(tokenizer, ids: list[int], lead_in: str, chat: bool) -> tuple[str, str | None]:
@@ -283,10 +281,7 @@ def niah_dataset(**kw) -> dict:
     for depth in depths:
         rng = random.Random(cell_seed(seed, length, depth) * _NIAH_SALT + 1)
         cell = [make_niah_sample(tokenizer, filler, length, depth, rng, n_keys, chat) for _ in range(n)]
-        new = max(len(s["answer_ids"]) for s in cell) + 1
-        if chat:  # as passkey's (retrieval.new_tokens): room for a chat model that restates the lead-in
-            new += max(len(tokenizer.encode(NIAH_LEAD_IN.format(key=s["key"]), add_special_tokens=False))
-                       for s in cell)
+        new = new_tokens(tokenizer, cell, chat, lambda s: NIAH_LEAD_IN.format(key=s["key"]))  # as passkey's
         for k, s in enumerate(cell):
             text, lead_in = _prompt_text(tokenizer, s["prompt_ids"], NIAH_LEAD_IN.format(key=s["key"]), chat)
             rows.append({"text": text, "lead_in": lead_in, "prompt_ids": s["prompt_ids"], "answer": s["answer"],
