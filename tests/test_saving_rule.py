@@ -112,3 +112,24 @@ def test_copies_keep_the_notice_and_point_it_at_themselves(how, tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="rope_patch"):
         copy.save_pretrained(tmp_path)
     assert any("logn has no native transformers form" in r.getMessage() for r in caplog.records)
+
+
+def test_checkpoints_of_one_run_warn_once(tmp_path, caplog):
+    """A Trainer's checkpoints (one parent folder) warn once, later saves there at info level; another folder, and a
+    copy of the model, warn again."""
+    from helpers.models import roundtrip
+
+    model = tiny_model()
+    rope_patch.apply(model, "yarn:4+logn")
+
+    def warned(folder, who=model):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="rope_patch"):
+            who.save_pretrained(folder)
+        said = [r for r in caplog.records if "no native transformers form" in r.getMessage()]
+        assert len(said) == 1, said
+        return said[0].levelno == logging.WARNING
+
+    assert [warned(tmp_path / "run" / f"checkpoint-{n}") for n in (1, 2, 3)] == [True, False, False]
+    assert warned(tmp_path / "other" / "checkpoint-1")
+    assert warned(tmp_path / "run" / "checkpoint-4", roundtrip(model, "deepcopy"))
