@@ -68,28 +68,11 @@ from .. import validation as check
 from ..registry import register_scheme
 from .base import Suggestion
 from .common import AttentionScheme, attention_modules
+from .positions import Affine
 
 RATIO_RANGE = (1.0, 64.0)
 DEFAULT_SKIP = 2  # the authors' scripts: `--apply_layers 2,...,31` on Vicuna-7B's 32 layers
 OUTLIER = 3.0  # a weight above 3× the row's mean weight is an outlier (the authors' `_calculate_outlier`)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scaled:
-    """p ↦ p / ratio (fractional positions): a ratio copy of the layer."""
-
-    ratio: float
-
-    def __call__(self, p: torch.Tensor) -> torch.Tensor:
-        return p / self.ratio
-
-
-@dataclasses.dataclass(frozen=True)
-class AtZero:
-    """p ↦ 0: q and k as the layer computes them at position 0 (un-rotated on a plain RoPE layer), for the score."""
-
-    def __call__(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(p)
 
 
 def ratios(min_ratio: float, max_ratio: float, n: int) -> list[float]:
@@ -247,7 +230,8 @@ class MsPoE(AttentionScheme):
         if module.layer_idx < (DEFAULT_SKIP if self.skip_layers is None else self.skip_layers):
             return None
         n = _kv_heads(module)
-        return attention.Layout((AtZero(), *(Scaled(r) for r in ratios(self.min_ratio, self.max_ratio, n))),
+        # copy 0 at position 0 (un-rotated q and k on a plain RoPE layer, for the outlier score), then p ↦ p / r_k
+        return attention.Layout((Affine(0, 0), *(Affine(r, 0) for r in ratios(self.min_ratio, self.max_ratio, n))),
                                 key_copies=tuple(range(n + 1)), chosen=True)
 
     def build(self, target):
