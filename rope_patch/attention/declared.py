@@ -30,7 +30,7 @@ from .flex import band_block_mask, flex_call
 from .geometry import Geometry, Region
 from .kernels import flash_causal_partial, flash_distance_partial, flash_partial
 from .protocol import AttentionCall, AttentionRule, fit_rows, merge, module_state
-from .rules import PLAIN
+from .rotation import floor_div
 
 EVERY = (Region(),)  # one region over every key, at copy 0 and key set 0
 HIDDEN = torch.finfo(torch.float32).min  # a hidden key's logit: finite, so a row with every key hidden stays finite
@@ -79,8 +79,7 @@ class Declared(AttentionRule):
                             "by their positions")
         if self.geometry.chunk is not None:  # chunk boundaries in slots differ per row: the offsets, read once
             call.scratch["offsets"] = call.offset.reshape(-1).tolist()
-        regions = self._active(call)
-        call.scratch["regions"] = regions
+        call.scratch["regions"] = regions = self._active(call)
         call.scratch["first"] = {r.first: self.first_slots(call, r.first) for r in regions if r.first is not None}
         # their smallest and largest over the batch, read once per call (not once per block: a device sync each)
         call.scratch["first_range"] = {f: (int(t.min()), int(t.max())) for f, t in call.scratch["first"].items()}
@@ -102,10 +101,6 @@ class Declared(AttentionRule):
         """(b|1, 1): the slots before which keys are among the first `first` tokens (slot j holds position
         j + offset)."""
         return (first - call.offset).clamp(min=0)
-
-    def _plain(self, call) -> bool:
-        regions = call.scratch["regions"]
-        return len(regions) == 1 and regions[0].plain and self.geometry.bias is None
 
     def _pair(self, call, region) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries (b, Hkv, G, q, d) and keys (b, Hkv, k, d) `region` reads: its query copy and key set, or with
@@ -161,9 +156,8 @@ class Declared(AttentionRule):
         else:
             q_pos = call.q_slot[rows] + call.offset
             k_pos = torch.arange(start, end, device=call.q_slot.device) + call.offset
-        c = region.chunk
-        return (torch.div(q_pos.clamp(min=0), c, rounding_mode="floor")[:, :, None]
-                - torch.div(k_pos.clamp(min=0), c, rounding_mode="floor")[:, None, :])[:, None, None]
+        q_n, k_n = floor_div(q_pos.clamp(min=0), region.chunk), floor_div(k_pos.clamp(min=0), region.chunk)
+        return (q_n[:, :, None] - k_n[:, None, :])[:, None, None]
 
     def _chunk_slot(self, region, n: int, offset: int) -> int:
         """The first key slot of chunk n in a row whose positions are slot + offset."""
@@ -203,8 +197,6 @@ class Declared(AttentionRule):
         return (a, z) if a < z else (start, start)
 
     def logits(self, call, rows, start, end):
-        if self._plain(call):
-            return PLAIN.logits(call, rows, start, end)
         whole = self._whole(call)
         if whole is not None:  # every key at one pair of copies: the future left to the mask, as the model's own
             q, k = self._pair(call, whole)
@@ -247,19 +239,16 @@ class Declared(AttentionRule):
         return bias.view(-1, b, r, w).transpose(0, 1).reshape(b, *heads, r, w)
 
     def regions(self, call, rows, start, end):
-        if self._plain(call):
-            return [(0, 0, None)]
-        return [(r.query, r.keys, self._where(call, r, rows, start, end)) for r in call.scratch["regions"]]
+        return [(r.query, r.keys, None if r.plain else self._where(call, r, rows, start, end))
+                for r in call.scratch["regions"]]
 
     # ---- fused -----------------------------------------------------------------------------------------------------
     def fused(self, call, rows, end):
-        if self._plain(call):
-            return PLAIN.fused(call, rows, end)
         if any(low != high for low, high in call.scratch["first_range"].values()):  # rows' first keys differ
             return None
         if self.geometry.bias is not None:
             return self._bias_parts(call, rows, end)
-        if self.geometry.chunk is not None:
+        if any(r.chunk is not None for r in call.scratch["regions"]):  # (not a call within one chunk: plain)
             return self._chunk_parts(call, rows, end)
         parts = []
         for region in call.scratch["regions"]:
@@ -297,40 +286,34 @@ class Declared(AttentionRule):
         return call.scratch["by_distance"]
 
     def _region_parts(self, call, region, rows, end):
+        """The block's keys in `region` (module docstring): its far edge, its middle through one kernel call without a
+        mask, its near edge; a band narrower than the block through one masked call."""
         c, r = call.first_slot(rows), rows.stop - rows.start
         limit = end if region.first is None else min(end, call.scratch["first_range"][region.first][0])
         (q, k), v = self._pair(call, region), call.value
         q = q[:, :, :, rows]
 
-        def masked(kind, lo, hi):  # keys [lo, hi) of an edge starting at slot `lo0`
-            lo0 = c - (region.lo if kind == "near" else int(region.hi))
-            a, z = max(lo, 0, lo0), min(hi, limit)
+        def span(a, z, mask=None, dead=None):  # one kernel call over key slots [a, z)
+            return flash_partial(call, q, k[:, :, a:z], v[:, :, a:z], mask=mask, dead=dead)
+
+        def edge(kind, lo0):  # the keys of an edge, [lo0, lo0 + r), that exist
+            a, z = max(lo0, 0), min(lo0 + r, limit)
             if a >= z:
                 return []
             if kind == "near" and (a, z) == (lo0, lo0 + r):
                 return [flash_causal_partial(call, q, k[:, :, a:z], v[:, :, a:z])]
-            mask, dead = self._triangle(call, r, a - lo0, z - lo0, kind)
-            return [flash_partial(call, q, k[:, :, a:z], v[:, :, a:z], mask=mask, dead=dead)]
+            return [span(a, z, *self._triangle(call, r, a - lo0, z - lo0, kind))]
 
-        near = c - region.lo
-        if region.hi == math.inf:
-            middle = (0, near)
-        elif region.hi - region.lo < r:  # a narrow band: one masked call over every key it reaches
+        if region.hi - region.lo < r:  # a narrow band: one masked call over every key it reaches
             a, z = max(0, c - int(region.hi) + 1), min(limit, c + r - region.lo)
             if a >= z:
                 return []
             where = self._where(call, region, rows, a, z).reshape(-1, r, z - a)[0]  # one row's first keys: all's
-            mask = torch.zeros(where.shape, dtype=q.dtype, device=q.device).masked_fill(~where, float("-inf"))
-            return [flash_partial(call, q, k[:, :, a:z], v[:, :, a:z], mask=mask.view(1, 1, 1, r, z - a),
-                                  dead=~where.any(-1))]
-        else:
-            far = c - int(region.hi)
-            middle = (far + r, near)
-        parts = [] if region.hi == math.inf else masked("far", far, far + r)
-        a, z = max(0, middle[0]), min(limit, middle[1])
-        if a < z:
-            parts.append(flash_partial(call, q, k[:, :, a:z], v[:, :, a:z]))
-        return parts + masked("near", near, near + r)
+            return [span(a, z, *_kernel_mask(where, q.dtype))]
+        # without an end, the far edge lies before slot 0 (empty) and the middle starts at slot 0
+        near, far = c - region.lo, (-r if region.hi == math.inf else c - int(region.hi))
+        a, z = max(0, far + r), min(limit, near)
+        return edge("far", far) + ([span(a, z)] if a < z else []) + edge("near", near)
 
     def _chunk_parts(self, call, rows, end):
         """Regions by chunk: the rows split at chunk boundaries; a group of rows in one chunk meets each region's keys
@@ -366,16 +349,13 @@ class Declared(AttentionRule):
         key = ("declared_edge", r, a, z, kind)
         if key not in call.scratch:
             i, j = torch.arange(r, device=call.query.device)[:, None], torch.arange(a, z, device=call.query.device)
-            inside = (j <= i) if kind == "near" else (j > i)
-            mask = torch.zeros(inside.shape, dtype=call.query.dtype, device=inside.device)
-            call.scratch[key] = mask.masked_fill(~inside, float("-inf")).view(1, 1, 1, r, z - a), ~inside.any(-1)
+            call.scratch[key] = _kernel_mask((j <= i) if kind == "near" else (j > i), call.query.dtype)
         return call.scratch[key]
 
     # ---- flex_attention ---------------------------------------------------------------------------------------------
     def flex(self, call, block_mask):
-        if self._plain(call):
-            return PLAIN.flex(call, block_mask)
         score_mod = None if self.geometry.bias is None else self._flex_bias(call)
+        lse = len(call.scratch["regions"]) > 1  # regions merge by log-sum-exp
         parts = []
         for region in call.scratch["regions"]:
             first = call.scratch["first"].get(region.first)
@@ -384,8 +364,8 @@ class Declared(AttentionRule):
             else:
                 mask = block_mask
             q, k = self._pair(call, region)
-            parts.append(flex_call(call, q.flatten(1, 2), k, call.value, mask, score_mod, lse=self.flex_lse))
-        return merge(parts) if self.flex_lse else parts[0]
+            parts.append(flex_call(call, q.flatten(1, 2), k, call.value, mask, score_mod, lse=lse))
+        return merge(parts) if lse else parts[0]
 
     def _flex_bias(self, call):
         """The bias as a score_mod reading the per-call (H, q + k − 1) bias-by-distance vector, every distance a call
@@ -398,3 +378,9 @@ class Declared(AttentionRule):
 
         return bias
 
+
+def _kernel_mask(inside: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's additive mask (1, 1, 1, r, n) of `inside` (r, n) bool, −inf outside; and its rows that see no
+    key."""
+    mask = torch.zeros(inside.shape, dtype=dtype, device=inside.device).masked_fill(~inside, float("-inf"))
+    return mask.view(1, 1, 1, *inside.shape), ~inside.any(-1)

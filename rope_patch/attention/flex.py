@@ -13,6 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from . import settings
 from .protocol import AttentionCall
+from .rotation import floor_div
 
 
 def flex_available() -> bool:
@@ -119,8 +120,7 @@ def band_block_mask(block_mask, call: AttentionCall, lo: int, hi: float, first: 
     def back(i, j, off):  # i − j, in slots or in chunks of the true positions
         if chunk is None:
             return i - j
-        return torch.div((i + off).clamp(min=0), chunk, rounding_mode="floor") - torch.div(
-            (j + off).clamp(min=0), chunk, rounding_mode="floor")
+        return floor_div((i + off).clamp(min=0), chunk) - floor_div((j + off).clamp(min=0), chunk)
 
     def mask_mod(bi, h, qi, kv):
         d = back(qi + shift, kv, offsets[bi])

@@ -51,8 +51,7 @@ class Region:
     @property
     def plain(self) -> bool:
         """Whether the region is attention as the model has it: copy 0 against key set 0, every causal key."""
-        return (self.query, self.keys, self.lo, self.hi, self.first, self.chunk, self.chosen) == (
-            0, 0, 0, math.inf, None, None, False)
+        return self == Region()
 
 
 class Bias:
