@@ -21,36 +21,31 @@ def _padded(v: torch.Tensor, d: int) -> torch.Tensor:
     return v if v.shape[-1] == d else nn.functional.pad(v, (0, d - v.shape[-1]))
 
 
-def flash_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+def flash_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None = None, dead: torch.Tensor | None = None) -> Partial:
     """Fused attention of q (b, Hkv, G, r, d) over all of k (b, Hkv, n, d), v (b, Hkv, n, dv): torch's CPU flash
     kernel, which also returns the log-sum-exp. The rows are independent, so the G query heads of a kv head are folded
     into the rows: GQA without repeating K/V. `mask`: additive float (1, Hkv|1, G|1, r, n) (−inf = excluded; the
-    kernel broadcasts a mask of one head over the heads); a row it excludes entirely comes back with lse = −inf,
-    i.e. weight 0 in `merge`. `dead`: those rows, (r,) bool, when the caller knows them (else read from the mask)."""
+    kernel broadcasts a mask of one head over the heads), with `dead`, (r,) bool, the rows it excludes entirely: they
+    come back with lse = −inf, i.e. weight 0 in `merge`."""
     b, hkv, g, r, dq = q.shape
     dv = v.shape[-1]
     if mask is not None:
-        if dead is None:
-            dead = torch.isneginf(mask).all(-1)
         mask = mask.expand(*mask.shape[:2], g, r, mask.shape[-1]).reshape(mask.shape[0], mask.shape[1], g * r, -1)
-    out, lse = _flash_lse_op()(q.reshape(b, hkv, g * r, dq), k, _padded(v, dq), attn_mask=mask,
-                               scale=call.scaling if scale is None else scale)[:2]
+    out, lse = _flash_lse_op()(q.reshape(b, hkv, g * r, dq), k, _padded(v, dq), attn_mask=mask, scale=call.scaling)[:2]
     out, lse = out[..., :dv].float().reshape(b, hkv * g, r, -1), lse.float().reshape(b, hkv * g, r)
     if mask is not None:  # the kernel reports a fully excluded row as lse = 0, out = 0: make its weight 0
-        lse = lse.masked_fill(dead.expand(-1, hkv, g, r).reshape(-1, hkv * g, r) if dead.dim() > 1 else dead,
-                              float("-inf"))
+        lse = lse.masked_fill(dead, float("-inf"))
     return out, lse
 
 
-def flash_causal_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None) -> Partial:
+def flash_causal_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Partial:
     """As `flash_partial` for the diagonal block (queries and keys are the same r slots): causal, square; the
     kernel's causal mask needs one row per query, so K/V are repeated here (r keys only)."""
     b, hkv, g, r, dq = q.shape
     dv = v.shape[-1]
     k, v = _repeat(k, g), _repeat(_padded(v, dq), g)
-    out, lse = _flash_lse_op()(q.reshape(b, hkv * g, r, dq), k, v, is_causal=True,
-                               scale=call.scaling if scale is None else scale)[:2]
+    out, lse = _flash_lse_op()(q.reshape(b, hkv * g, r, dq), k, v, is_causal=True, scale=call.scaling)[:2]
     return out[..., :dv].float(), lse.float()
 
 
