@@ -52,11 +52,9 @@ def _mask_block(attention_mask, call: AttentionCall, rows: slice, lo: int, e: in
     else:
         m = None
     same = call.segments(rows, lo, e)
-    if same is None:
-        return m
-    if m is None or m.dtype == torch.bool:
-        return same if m is None else m & same
-    return m.masked_fill(~same, torch.finfo(m.dtype).min)
+    if same is None or m is None:
+        return m if same is None else same
+    return m & same if m.dtype == torch.bool else m.masked_fill(~same, torch.finfo(m.dtype).min)
 
 
 def with_indices(attention_mask, indices: torch.Tensor, k_len: int, dtype) -> torch.Tensor:

@@ -110,11 +110,8 @@ def _window_only(*, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask
     attention; no packing or overlays, which make the pattern richer; no static cache, whose offsets are tensors)
     whose keys are contiguous in position and end with the queries (no cache, a dynamic or sliding cache layer),
     without padding."""
-    if local_size is None or not allow_is_causal_skip:
-        return False
-    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
-        return False
-    if kv_length - q_length != q_offset - kv_offset:
+    static = not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor)
+    if local_size is None or not allow_is_causal_skip or not static or kv_length - q_length != q_offset - kv_offset:
         return False
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     return padding is None or bool(fast_all(padding[:, kv_offset:kv_offset + kv_length]))
