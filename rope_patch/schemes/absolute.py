@@ -26,7 +26,6 @@ class NoPE(AttentionScheme):
     Information", arXiv:2203.16634; Kazemnejad et al. 2023, arXiv:2305.19466): no position encoding at all; the
     causal mask alone carries order. score(i, j) = q_i·k_j / √d."""
 
-    keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
     name = "nope"
     aliases = ("none", "no_pe", "no_position_encoding")
 
@@ -96,15 +95,9 @@ class TableEncoding:
         return table(positions.clamp(min=0).to(execution_device(table))).to(like.device)
 
 
-class _Additive(AttentionScheme):
-    """Adds pe(position) to the input embeddings through an `EmbeddingHook` on the decoder (removed by the undo log)."""
-
-    keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
-
-
 @register_scheme
 @dataclasses.dataclass(frozen=True)
-class Sinusoidal(_Additive):
+class Sinusoidal(AttentionScheme):
     """Sinusoidal absolute encoding (Vaswani et al. 2017, "Attention Is All You Need", arXiv:1706.03762, §3.5):
     PE(pos, 2t) = sin(pos / θ^(2t/d_model)), PE(pos, 2t+1) = cos(pos / θ^(2t/d_model)), θ = `rope_theta` (10000),
     added to the input embeddings; no rotation. Computed from the positions on the fly: no length limit."""
@@ -126,7 +119,7 @@ class Sinusoidal(_Additive):
 
 @register_scheme
 @dataclasses.dataclass(frozen=True)
-class LearnedAbsolute(_Additive):
+class LearnedAbsolute(AttentionScheme):
     """Learned absolute position embeddings (GPT/BERT style; Gehring et al. 2017, arXiv:1705.03122): a trainable
     table P[pos] (nn.Embedding(`max_position_embeddings`, hidden), default the model's window) added to the input
     embeddings, initialised with the sinusoidal table of Vaswani et al. 2017 (θ = 10000) so the untrained patch is

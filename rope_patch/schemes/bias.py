@@ -18,7 +18,7 @@ from .. import validation as check
 from ..discovery import PatchSite
 from ..registry import register_scheme
 from .base import UNBOUNDED
-from .common import AttachModule, AttentionScheme, DeviceTables, attention_modules, execution_device, table_dtype
+from .common import AttentionScheme, DeviceTables, attention_modules, execution_device, table_dtype
 
 MODULE_NAME = "rope_patch_relative_bias"  # attribute under which relative_bias attaches its table to the model
 
@@ -28,13 +28,11 @@ def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
     m_h = 2^(−max_bias·h/n), h = 1..n. Otherwise take the n′ = 2^⌊log2 n⌋ slopes of n′ heads, then every other slope
     of the 2n′-head sequence (the ones that interleave with them) until n heads have one."""
 
-    def power_of_two(n):
-        return [2.0 ** (-max_bias * h / n) for h in range(1, n + 1)]
-
-    if math.log2(n_heads).is_integer():
-        return power_of_two(n_heads)
     closest = 2 ** math.floor(math.log2(n_heads))
-    return power_of_two(closest) + alibi_slopes(2 * closest, max_bias)[0::2][: n_heads - closest]
+    slopes = [2.0 ** (-max_bias * h / closest) for h in range(1, closest + 1)]
+    if closest == n_heads:
+        return slopes
+    return slopes + alibi_slopes(2 * closest, max_bias)[0::2][: n_heads - closest]
 
 
 class AlibiBias(attention.Bias):
@@ -75,7 +73,6 @@ class Alibi(AttentionScheme):
     head h adds −m_h·(i − j) to the logit of query i and key j, with geometric slopes m_h = 2^(−8h/n) (`max_bias`
     = 8) and the paper's rule for head counts that are not a power of two (`alibi_slopes`)."""
 
-    keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
     name = "alibi"
     aliases = ("attention_linear_bias",)
     bare_param = "max_bias"
@@ -185,7 +182,6 @@ class RelativeBiasScheme(AttentionScheme):
     ALiBi exactly for distances < num_buckets/2). The table is a trainable module `rope_patch_relative_bias` on the
     model; `remove` detaches it."""
 
-    keeps_rotation = False  # position-free: no rotation (analysis: θ′ = 0)
     name = "relative_bias"
     aliases = ("t5_bias", "relative_position_bias", "shaw")
     num_buckets: int = 32
@@ -207,12 +203,11 @@ class RelativeBiasScheme(AttentionScheme):
         self._set("init", check.choice(n, "init", self.init, ("zeros", "alibi")))
 
     def _table(self, target: PatchSite) -> RelativeBias:
-        cfg = target.config
         # one row per layer index (the table is looked up by `layer_idx`): hybrid models (qwen3_next) have attention
         # modules on some layers only, and their rows for the other (linear-attention) layers stay unused
         modules = attention_modules(target.model)
         layers = 1 + max((m.layer_idx for m in modules), default=-1)
-        heads = discovery.query_heads(cfg)
+        heads = discovery.query_heads(target.config)
         table = RelativeBias(layers, heads, self.num_buckets, self.max_distance)
         if self.init == "alibi":
             slopes = torch.tensor(alibi_slopes(heads))
@@ -231,5 +226,5 @@ class RelativeBiasScheme(AttentionScheme):
             raise ValueError(f"{self.name}: the model already has an attribute {MODULE_NAME!r}.")
         table = self._table(target)  # one object: the scores read it, the model owns it (optimizer, state_dict)
         bias = BucketBias(target.model, self.num_buckets, self.max_distance)
-        return attention.Declared(attention.Geometry((attention.Region(),), bias=bias)), AttachModule(
-            target.model, MODULE_NAME, table)
+        scores = attention.Declared(attention.Geometry((attention.Region(),), bias=bias))
+        return scores, lambda log: log.add_module(target.model, MODULE_NAME, table)

@@ -140,6 +140,12 @@ class AttentionScheme(Scheme):
         gives layers position copies, i.e. defines `layout`."""
         return type(self).layout is not AttentionScheme.layout
 
+    @property
+    def keeps_rotation(self) -> bool:  # type: ignore[override]  # a ClassVar on Scheme
+        """Whether queries and keys are still rotated (the analysis's θ′): the schemes that re-position do, the
+        position-free ones (ALiBi, NoPE, T5 bias, additive absolute encodings) do not."""
+        return self.repositions()
+
     def geometry(self) -> attention.Geometry | None:
         """The scheme's attention, declared (attention/geometry.py), with `copies` the position maps its regions
         read; None for a scheme whose rule is its own."""
@@ -189,11 +195,9 @@ class AttentionScheme(Scheme):
                 f"`layer_types` ({layer_types!r}) or its rotary forward does not say which layer uses which; "
                 "supported per-layer-type models: gemma3_text."
             )
-        rotations = {}
-        for m in modules:
-            kind = None if kinds == [None] else layer_types[m.layer_idx]
-            rotations[m.layer_idx] = attention.Rotation(target.rotary, apply_rotary, kind)
-        return rotations
+        return {m.layer_idx: attention.Rotation(target.rotary, apply_rotary,
+                                                None if kinds == [None] else layer_types[m.layer_idx])
+                for m in modules}
 
     def _check_attention_function(self, target: PatchSite, modules: list[nn.Module]) -> None:
         """Refuse models whose attention a registered attention function cannot reproduce (attention sinks, MLA's
@@ -365,7 +369,8 @@ def install_rule(log: UndoLog, target: PatchSite, name: str, rule, layouts: dict
             inner = wrap(m, inner or functools.partial(type(m).forward, m))
         if inner is not None:
             log.setattr(m, "forward", inner)
-    guard_cache(log, decoder(target.model), name)
+    log.add_hook(decoder(target.model), CacheGuard(name), with_kwargs=True)
+    log.add_hook(decoder(target.model), CacheMark(), with_kwargs=True, after=True)
     target.model.set_attn_implementation(impl)
 
 
@@ -379,18 +384,6 @@ def _table_growth(rotary: nn.Module, table) -> TableGrowth | None:
         return installed
     inv_freq = discovery.default_inv_freq(table.rope_theta, 2 * table.pairs)
     return TableGrowth(table, inv_freq, 1.0)
-
-
-@dataclasses.dataclass
-class AttachModule:
-    """An `attach` install step: attach a learned table to the model."""
-
-    parent: nn.Module
-    name: str
-    child: nn.Module
-
-    def __call__(self, log: UndoLog) -> None:
-        log.add_module(self.parent, self.name, self.child)
 
 
 def _gapped(position_ids, attention_mask) -> bool:
@@ -480,12 +473,6 @@ class CacheMark:
         cache = next((c for c in found if isinstance(c, Cache)), cache_arg(kwargs))
         if cache is not None:
             setattr(cache, GAPPED, True)
-
-
-def guard_cache(log: UndoLog, decoder_module: nn.Module, scheme: str) -> None:
-    """`CacheGuard` and `CacheMark` on the decoder, through the undo log."""
-    log.add_hook(decoder_module, CacheGuard(scheme), with_kwargs=True)
-    log.add_hook(decoder_module, CacheMark(), with_kwargs=True, after=True)
 
 
 def sinusoid(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
