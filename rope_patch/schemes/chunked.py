@@ -73,15 +73,15 @@ _SIZES = {
 
 @dataclasses.dataclass(frozen=True)
 class InChunk:
-    """p ↦ p mod c (+ c, capped at s, for the query of a successive-chunk pair): a position copy of the layer."""
+    """p ↦ p mod c (+ c, capped at `cap` = s, for the query of a successive-chunk pair): a position copy of the
+    layer."""
 
     chunk: int
-    successive: bool = False
-    cap: int = 0
+    cap: int | None = None
 
     def __call__(self, p: torch.Tensor) -> torch.Tensor:
         q = torch.remainder(p, self.chunk)
-        return (q + self.chunk).clamp(max=self.cap) if self.successive else q
+        return q if self.cap is None else (q + self.chunk).clamp(max=self.cap)
 
 
 def _sizes(values: dict, where: str = "") -> dict:
@@ -140,10 +140,9 @@ class DualChunk(AttentionScheme):
         return UNBOUNDED if self.chunk_size is not None and self.chunk_size < window else None
 
     def with_window(self, window: int) -> DualChunk:
-        """The authors' defaults for a pre-training window L where a size is not given: ¾·L and L/8."""
-        sizes = {**_defaults(window), **self.params()}
-        _check_pair(sizes["chunk_size"], sizes["local_size"])
-        return self.replace(**sizes)
+        """The authors' defaults for a pre-training window L where a size is not given: ¾·L and L/8 (`replace` checks
+        the pair)."""
+        return self.replace(**{**_defaults(window), **self.params()})
 
     def resolve(self, target):
         raw = getattr(target.config, CONFIG_KEY, None)
@@ -163,7 +162,7 @@ class DualChunk(AttentionScheme):
             raise TypeError("dca: chunk_size and local_size are needed (they default to ¾·L and L/8 of a "
                             "model's window).")
         s, c = self.chunk_size, self.chunk_size - self.local_size
-        return attention.Layout((InChunk(c), InChunk(c, True, s), Affine(0, min(2 * c - 1, s))))
+        return attention.Layout((InChunk(c), InChunk(c, cap=s), Affine(0, min(2 * c - 1, s))))
 
     def layout(self, module):
         # every layer alike: sliding windows only hide pairs, the regions are per pair

@@ -98,13 +98,12 @@ class GroupPositions:
 
     def embed(self, embeddings, p: torch.Tensor):
         groups = frequency_groups(embeddings, len(self.maps))
-        out = None
-        for m in dict.fromkeys(self.maps):  # one rotary call per distinct group size
+        first, *others = dict.fromkeys(self.maps)  # one rotary call per distinct group size
+        out = embed(embeddings, first(p))
+        for m in others:
             part = embed(embeddings, m(p))
             chosen = torch.tensor([g == m for g in self.maps], device=groups.device)[groups]  # (E,)
-            if out is None:
-                out = part
-            elif isinstance(part, tuple):
+            if isinstance(part, tuple):
                 out = tuple(torch.where(chosen, a, b) for a, b in zip(part, out, strict=True))
             else:  # Llama 4: one complex tensor
                 out = torch.where(chosen, part, out)

@@ -46,12 +46,13 @@ class Shift:
     """Far positions p ↦ max(p + offset, 0), integer in, integer out (STRING's query at i − S + W, its keys at j): the
     far rotation then uses exactly the angles vanilla RoPE uses at those positions. A query below S − W has no far
     key (that needs i − j ≥ S), so the floor at 0 changes nothing read; it keeps a sin/cos table rotary (GPT-J,
-    CodeGen), which has no rows before position 0, from indexing past its start."""
+    CodeGen), which has no rows before position 0, from indexing past its start. The offset W − S is negative (STRING
+    checks S > W)."""
 
     offset: int
 
     def __call__(self, p: torch.Tensor) -> torch.Tensor:
-        return (p + self.offset).clamp(min=0) if self.offset else p
+        return (p + self.offset).clamp(min=0)
 
 
 def required(name: str, key: str, value, what: str, bounds: tuple = check.WINDOW_RANGE, hint: str = "",
@@ -113,9 +114,8 @@ class TwoRegion(AttentionScheme):
         # its window: the far region applies there. A scheme that hides keys (sink, LM-Infinite) changes a full layer
         # that carries its model's `sliding_window` without using it (exaone4's global NoPE layers, `is_sliding` False).
         sliding = getattr(module, "sliding_window", None)
-        hides = any(r.first is not None for r in self.geometry().regions)
         if (isinstance(sliding, int) and sliding <= self.split() and not attention.memory_rotaries(module)
-                and not (hides and getattr(module, "is_sliding", None) is False)):
+                and not (self.geometry().hides and getattr(module, "is_sliding", None) is False)):
             return None
         return self.copies()
 
@@ -211,19 +211,16 @@ class LogisticGroups(DeviceTables):
         c, r = self.capacity, self.rate
         # ⌈x_s⌉, written as the kernel's (log(s·C − s) − log(C − s))/rate so the class bounds are the same doubles
         first = [math.ceil((math.log(s * c - s) - math.log(c - s)) / r) for s in range(1, c)]
-        tokens, groups, sizes, token = [], [], [], 0
+        classes, token = [], 0  # (first token, first group, size) of each non-empty class
         for s in range(1, c):
             end = first[s] if s < c - 1 else None  # the last class (size C − 1) never ends
             if end is not None and end <= first[s - 1]:
                 continue  # no integer x has ⌊g(x)⌋ = s: the curve jumps over this size
-            tokens.append(token)
-            groups.append(first[s - 1])
-            sizes.append(s)
+            classes.append((token, first[s - 1], s))
             if end is not None:
                 token += s * (end - first[s - 1])
-        object.__setattr__(self, "tokens", tuple(tokens))
-        object.__setattr__(self, "groups", tuple(groups))
-        object.__setattr__(self, "sizes", tuple(sizes))
+        for name, column in zip(("tokens", "groups", "sizes"), zip(*classes, strict=True), strict=True):
+            object.__setattr__(self, name, column)
 
     def __call__(self, p: torch.Tensor) -> torch.Tensor:
         t = (p.long() - self.shift - 1).clamp(min=0)  # the kernel counts tokens from 1: t − 1, token 0 with token 1
