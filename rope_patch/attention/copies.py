@@ -221,7 +221,7 @@ class MemoryPositions:
         self.hooks = [r.register_forward_pre_hook(self, with_kwargs=True) for r in rotaries]
 
     def __call__(self, rotary, args, kwargs):
-        arguments = dict(_signature(type(rotary)).bind(rotary, *args, **kwargs).arguments)
+        arguments = dict(forward_signature(type(rotary)).bind(rotary, *args, **kwargs).arguments)
         arguments.pop("self")
         ids = arguments.get("position_ids")
         if ids is None or ids is self.given:
@@ -389,7 +389,8 @@ class MemoryLayerView:
 
 
 @functools.cache
-def _signature(cls: type) -> inspect.Signature:
+def forward_signature(cls: type) -> inspect.Signature:
+    """The signature of a module class's `forward` (read on every call of a re-positioned or checked layer)."""
     return inspect.signature(cls.forward)
 
 
@@ -442,7 +443,7 @@ class Reentry:
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        call = dict(_signature(type(module)).bind(module, *args, **kwargs).arguments)
+        call = dict(forward_signature(type(module)).bind(module, *args, **kwargs).arguments)
         call.pop("self", None)
         call.update(call.pop("kwargs", {}))  # the layer's **kwargs: passed on as keywords like its other arguments
         embeddings = call.get("position_embeddings")
@@ -521,7 +522,6 @@ class Reentry:
         module, layout = self.module, self.layout
         hidden = call[next(iter(call))]
         stash = Stash(everything=module_state(module).recorder is not None)
-        out = None
         with _projections_once(module, hidden):
             for t in reversed(range(layout.copies)):
                 at, one = layout.maps[t], dict(call)

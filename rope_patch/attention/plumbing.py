@@ -50,6 +50,7 @@ from .copies import (
     MemoryPositions,
     NotProven,
     SharedKeys,
+    forward_signature,
     memory_rotaries,
 )
 from .protocol import module_state
@@ -62,20 +63,15 @@ MIN_LENGTH, MAX_LENGTH = 48, 1040
 CHECKED: dict = {}
 
 
-@dataclasses.dataclass(frozen=True)
-class Shifted:
-    """p ↦ p + SHIFT: the extra copy of the check."""
-
-    def __call__(self, p: torch.Tensor) -> torch.Tensor:
-        return p + SHIFT
+SHIFTED = functools.partial(torch.add, other=SHIFT)  # p ↦ p + SHIFT: the extra copy's position map
 
 
 def length(model: nn.Module, modules: list[nn.Module]) -> int:
     """Input length of the check: past every window-like size the config or the layers declare (sliding windows,
     attention chunks, sparse-attention top-k), so the paths that only run beyond them run."""
     sizes = [MIN_LENGTH - 16]
-    for obj in [getattr(model, "config", None), *modules]:
-        for key, value in vars(obj or object()).items():
+    for obj in [model.config, *modules]:
+        for key, value in vars(obj).items():
             if isinstance(value, int) and not isinstance(value, bool) and "expert" not in key and any(
                     w in key for w in ("window", "chunk", "topk", "top_k")):
                 sizes.append(value)
@@ -108,10 +104,10 @@ class Recorder:
         self.chooses: set = set()  # layers that hand attention a sparse-attention indexer's choice of keys
         self.rereads: set = set()  # layers handed every cached key's position embeddings at a decoding step
 
-    def seen(self, query, key, value=None, module=None, indices=None):
+    def seen(self, query, key, value, module=None, indices=None):
         self.calls, self.query, self.key, self.value = self.calls + 1, query, key, value
         self.placed = False  # keys beyond the tokens (memory entries) placed at the positions the layer made them at
-        if indices is not None and module is not None:
+        if indices is not None:  # (a call that hands indices names its module)
             self.chooses.add(module)
 
 
@@ -134,7 +130,7 @@ def _raised(e: Exception) -> str:
 class Check:
     """One run of the check on a model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, rotate_reference: bool, mode: str = HEADS):
+    def __init__(self, model: nn.Module, rotate_reference: bool, mode: str):
         self.rotate_reference, self.mode = rotate_reference, mode
         self.dtype = next(model.parameters()).dtype
         # the relative max difference allowed between two computations of one layer: kernels differ in summation order
@@ -199,10 +195,9 @@ class SideBySide:
 
     def __call__(self, *args, **kwargs):
         check, module = self.check, self.module
-        signature = inspect.signature(type(module).forward)
-        call = dict(signature.bind(module, *args, **kwargs).arguments)
+        call = dict(forward_signature(type(module)).bind(module, *args, **kwargs).arguments)
         call.pop("self", None)
-        extra = call.pop("kwargs", {}) if "kwargs" in signature.parameters else {}
+        extra = call.pop("kwargs", {})  # the layer's **kwargs, passed on as keywords beside its other arguments
         for where, name in _held(call, extra):  # the layer's state as it was before the scheme's run wrote to it
             check.shadow(where[name])
             check.shadow(where[name], "moved")
@@ -276,7 +271,7 @@ class SideBySide:
         # memory entries the layer rotates at positions of its own making move with the positions too (the copies
         # make them at map_t(p): copies.MemoryPositions)
         given = call.get("position_ids", extra.get("position_ids"))
-        memory = MemoryPositions(memory_rotaries(module), (Shifted(),), b, given, [])
+        memory = MemoryPositions(memory_rotaries(module), (SHIFTED,), b, given, [])
         try:
             self._with_backend(CAPTURE, call, extra)
         except Exception as e:
@@ -312,8 +307,7 @@ class SideBySide:
         before = config._attn_implementation_internal
         config._attn_implementation_internal = backend
         try:
-            with torch.no_grad():
-                return type(self.module).forward(self.module, **call, **extra)
+            return type(self.module).forward(self.module, **call, **extra)  # under run's no_grad
         finally:
             config._attn_implementation_internal = before
 
@@ -466,11 +460,11 @@ def verify(target, name: str, rule, layouts: dict, backend: str, rotate_referenc
     inputs = native_inputs(model, n)
     probe = rule.probe(n)
     # every copy at the true positions, plus the extra copy at p + SHIFT (which no rule reads)
-    probes = {m: None if v is None else Layout((Identity(),) * v.copies + (Shifted(),), v.key_copies, chosen=v.chosen)
+    probes = {m: None if v is None else Layout((Identity(),) * v.copies + (SHIFTED,), v.key_copies, chosen=v.chosen)
               for m, v in layouts.items()}
     # the copies one after another first (the layer's activations held once), stacked where they must share state
     modes = [SEQUENTIAL, HEADS, ROWS] if any(v is not None for v in layouts.values()) else [HEADS]
-    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())  # the model's own first
                if hasattr(c, "_attn_implementation_internal")}
     backends = [(c, c._attn_implementation_internal) for c in configs.values()]
     # the check compares two computations of each layer: dropout (a model in training mode) would make them differ
