@@ -29,12 +29,11 @@ Genes are integers k_i (λ_i = 1 + k_i·step), so equality and the constraint ar
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Callable, Sequence
 
-import torch
-
-from ..api import patched
+from ..analysis.frequencies import frequencies
 from ..discovery import find_target
 from .log import SearchLog, StopSearch
 
@@ -192,16 +191,30 @@ def evolve(log: SearchLog, objective: Callable[[list[float]], dict], initial: di
     return None
 
 
-def initial_factors(model, scale: float, specs: Sequence[str] | None = None) -> dict[str, list[float]]:
+def initial_factors(model, scale: float, specs: Sequence[str] | None = None, *,
+                    seq_len: int | None = None) -> dict[str, list[float]]:
     """λ_i of PI, NTK-aware and YaRN ×`scale` on this model (or of the frequency scheme `specs` given, keyed by
-    spec): θ_i / θ′_i, read from the model's rotary module patched with each scheme (so YaRN's ramp is
-    transformers' own for this head size and window)."""
-
-    def inv_freq(spec: str) -> torch.Tensor:
-        with patched(model, spec):
-            return find_target(model).rotary.inv_freq.detach().double().cpu().clone()
-
-    base = inv_freq("default")
-    if specs is None:
-        return {name: (base / inv_freq(f"{name}:{scale:g}")).tolist() for name in ("linear", "ntk", "yarn")}
-    return {spec: (base / inv_freq(spec)).tolist() for spec in specs}
+    spec): θ_i / θ′_i, the frequencies the model's rotary holds when patched with each scheme (rope_patch.analysis:
+    transformers' own init functions, so YaRN's ramp is the one for this head size, base and window). A rotary with
+    RoPE per layer type (Gemma 3's sliding / full attention bases) gives one seed per layer type where they differ,
+    keyed "SPEC (LAYER_TYPE layers)"; a sin/cos-table rotary (GPT-J) is read the same way. A length-dependent spec
+    (dynamic) is read at `seq_len` (the target: the long factors serve it); a spec that stops some pairs rotating
+    (p_rope: θ′_i = 0, no finite factor) is refused with a ValueError."""
+    layer_types = list(find_target(model).contexts())
+    out: dict[str, list[float]] = {}
+    for spec in specs if specs is not None else [f"{name}:{scale:g}" for name in ("linear", "ntk", "yarn")]:
+        key = spec.split(":")[0] if specs is None else spec
+        seeds = {lt: frequencies(spec, model=model, layer_type=lt, seq_len=seq_len).interpolation.tolist()
+                 for lt in layer_types}
+        for lt, f in seeds.items():
+            if not all(math.isfinite(x) for x in f):
+                where = f" on the {lt} layers" if lt else ""
+                raise ValueError(f"--init {spec!r} stops {sum(not math.isfinite(x) for x in f)} of {len(f)} pairs "
+                                 f"rotating{where} (θ′ = 0): no LongRoPE rescale factor expresses that. Seed with "
+                                 "schemes that keep every pair rotating (linear, ntk, yarn, llama3, ...).")
+        first = next(iter(seeds.values()))  # equal up to float32 rounding: one seed (to_genes rounds to the grid)
+        if all(max(abs(a / b - 1) for a, b in zip(f, first, strict=True)) < 1e-6 for f in seeds.values()):
+            out[key] = first
+        else:
+            out.update({f"{key} ({lt} layers)": f for lt, f in seeds.items()})
+    return out

@@ -195,8 +195,9 @@ def tune(model, tokenizer, token_ids: Sequence[int], options: TuneOptions, *, lo
         def params(factors):
             return longrope_params(factors, scale, window)
 
-        stopped = evolve(log, lambda f: objective(name, params(f)), initial_factors(model, scale, options.init),
-                         options.evolution, scale, seed=options.seed, spec=lambda f: spec_of(name, params(f)))
+        seeds = initial_factors(model, scale, options.init, seq_len=options.target)
+        stopped = evolve(log, lambda f: objective(name, params(f)), seeds, options.evolution, scale,
+                         seed=options.seed, spec=lambda f: spec_of(name, params(f)))
         if log.data["best"] is not None:  # the log records the searched long factors; the spec is the whole scheme
             log.data["best"]["params"] = params(log.data["best"]["params"]["long_factor"])
     else:

@@ -138,3 +138,63 @@ def test_the_searched_spec_is_a_longrope_scheme_apply_accepts():
     assert scheme.factor == 4.0 and scheme.original_max_position_embeddings == WINDOW
     scale = rope_patch.discovery.find_target(model).rotary.attention_scaling
     assert scale == pytest.approx(math.sqrt(1 + math.log(4.0) / math.log(WINDOW)))  # LongRoPE's attention factor kept
+
+
+def _patched_ratio(model, spec: str, layer_type: str | None) -> list[float]:
+    """θ_i / θ′_i as the model's rotary holds them under `spec` (its `inv_freq` or `<layer type>_inv_freq` buffer)."""
+    name = f"{layer_type}_inv_freq" if layer_type else "inv_freq"
+    rotary = rope_patch.discovery.find_target(model).rotary
+    base = getattr(rotary, name).double().clone()
+    with rope_patch.patched(model, spec):
+        return (base / getattr(rotary, name).double()).tolist()
+
+
+# (arch, {seed key: (spec, layer type)}): a rotary per layer type (Gemma 3: bases 1e6 / 1e4) gets YaRN's seed of
+# each layer type, its ramp depending on the base; PI's and NTK's do not depend on it and stay one seed each
+SEEDS = [("gemma3", {"linear": ("linear:4", "full_attention"), "ntk": ("ntk:4", "full_attention"),
+                     "yarn (full_attention layers)": ("yarn:4", "full_attention"),
+                     "yarn (sliding_attention layers)": ("yarn:4", "sliding_attention")}),
+         ("llama", {"linear": ("linear:4", None), "ntk": ("ntk:4", None), "yarn": ("yarn:4", None)})]
+
+
+@pytest.mark.parametrize(("arch", "seeds"), SEEDS, ids=[a for a, _ in SEEDS])
+def test_initial_factors_per_layer_type(arch, seeds):
+    """Before: initial_factors read `rotary.inv_freq`, which a per-layer-type rotary (Gemma 3) does not have, so
+    `rope-patch tune --scheme longrope` on Gemma 3 failed with an AttributeError before its first evaluation."""
+    model = tiny_model(arch)
+    got = initial_factors(model, 4.0)
+    assert list(got) == list(seeds)
+    for key, (spec, layer_type) in seeds.items():
+        assert got[key] == pytest.approx(_patched_ratio(model, spec, layer_type), rel=1e-6), key
+    assert rope_patch.current(model) is None
+
+
+def test_initial_factors_of_a_sin_cos_table_rotary():
+    """GPT-J's rotary is a sin/cos table (no inv_freq buffer): PI's factors are s, NTK-aware's s^(2i/(d−2)) over the
+    rotary dimensions d, YaRN's between 1 and s (before: AttributeError)."""
+    model = tiny_model("gptj")
+    d = model.config.rotary_dim
+    got = initial_factors(model, 4.0)
+    assert got["linear"] == pytest.approx([4.0] * (d // 2))
+    assert got["ntk"] == pytest.approx([4 ** (2 * i / (d - 2)) for i in range(d // 2)], rel=1e-5)
+    assert got["yarn"][0] == pytest.approx(1.0) and got["yarn"][-1] == pytest.approx(4.0)
+
+
+def test_a_length_dependent_seed_is_read_at_the_target():
+    """dynamic NTK is vanilla up to the window and rescales past it: seeding long factors (which serve the target)
+    with it reads its frequencies at the target (before: at load time, all factors 1, PI-free vanilla RoPE)."""
+    model = tiny_model("llama", head_dim=16)
+    got = initial_factors(model, 4.0, ["dynamic:4"], seq_len=4 * WINDOW)["dynamic:4"]
+    with rope_patch.patched(model, "dynamic:4"):
+        rotary = rope_patch.discovery.find_target(model).rotary
+        base = rotary.original_inv_freq.double()
+        model(torch.zeros(1, 4 * WINDOW, dtype=torch.long))  # transformers rescales for this length
+        want = (base / rotary.inv_freq.double()).tolist()
+    assert got == pytest.approx(want, rel=1e-6) and got[-1] > 1.5
+
+
+def test_a_seed_that_stops_pairs_rotating_is_refused():
+    """p_rope zeroes θ′ of the low-frequency pairs: θ/θ′ is infinite and no rescale factor expresses it (before:
+    OverflowError from to_genes, reported as an unexpected error)."""
+    with pytest.raises(ValueError, match=r"--init 'p_rope:0.5' stops 4 of 8 pairs rotating .*Seed with schemes"):
+        initial_factors(tiny_model("llama", head_dim=16), 4.0, ["p_rope:0.5"])

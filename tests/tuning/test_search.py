@@ -4,6 +4,7 @@ finds a known optimum, the real objective on a tiny random model, and the held-o
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 
@@ -13,6 +14,7 @@ from helpers.text import char_tokenizer, filler_text
 
 import rope_patch
 from rope_patch.evaluation.passkey import noise_filler
+from rope_patch.evaluation.perplexity import window_nll
 from rope_patch.tuning import (
     EvolutionSettings,
     SearchLog,
@@ -318,3 +320,18 @@ def test_a_misspelled_space_key_gets_a_did_you_mean():
     expected = r"yarn has no parameter 'factr' to search\. Did you mean 'factor'\? Parameters of 'yarn': "
     with pytest.raises(ValueError, match=expected):
         check_space("yarn", {"factr": [2, 4]}, "grid")
+
+
+def test_longrope_search_on_a_per_layer_type_rotary(text_ids, tmp_path):
+    """The evolutionary search runs on Gemma 3 (a rotary per layer type; before: AttributeError reading its seeds),
+    and its best spec applies there and reproduces its logged objective."""
+    model, tok = tiny_model("gemma3"), char_tokenizer()
+    window = model.config.max_position_embeddings
+    opts = TuneOptions(scheme="longrope", target=2 * window, evolution=EvolutionSettings(population=4, generations=1),
+                       n_tokens=4 * window)
+    log = tune(model, tok, text_ids, opts, log_path=tmp_path / "l.json")
+    assert log["status"] == "done" and len(log["evaluations"]) == 4 + 2
+    assert all(math.isfinite(r["objective"]) for r in log["evaluations"])
+    with rope_patch.patched(model, log["best"]["spec"]):
+        ppl = math.exp(window_nll(model, split_heldout(text_ids)[0], 2 * window, 4 * window).double().mean().item())
+    assert ppl == pytest.approx(log["best"]["objective"], rel=1e-9)
