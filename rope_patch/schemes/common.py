@@ -165,8 +165,7 @@ class AttentionScheme(Scheme):
         i, j = torch.as_tensor(i), torch.as_tensor(j)
         out = torch.full(torch.broadcast_shapes(i.shape, j.shape), torch.nan, dtype=torch.float64)
         for r in geometry.regions:
-            back = i - j if r.chunk is None else torch.div(i, r.chunk, rounding_mode="floor") - torch.div(
-                j, r.chunk, rounding_mode="floor")
+            back = i - j if r.chunk is None else attention.floor_div(i, r.chunk) - attention.floor_div(j, r.chunk)
             inside = (back >= r.lo) & (back < r.hi) & (j < (r.first if r.first is not None else torch.inf))
             rel = copies.maps[r.query](i) - copies.maps[copies.key_copies[r.keys]](j)
             out = torch.where(inside, rel.to(torch.float64), out)
