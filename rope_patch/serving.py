@@ -203,7 +203,7 @@ def engine_form(name: str, rope: dict, window: int, n: int, model_type: str | No
         raise ValueError(f"{_label(name)} cannot serve {what}: its model code reads {', '.join(mixed)} from the "
                          "config's top level, one value for every layer, and the layer types' rope_parameters differ "
                          f"there ({'; '.join(f'{k}: {v}' for k, v in mixed.items())}).")
-    return out, mpe, {k: v[0] for k, v in top.items()}, notes
+    return out, mpe, {k: v[0] for k, v in top.items()}, list(dict.fromkeys(notes))  # per layer type: once
 
 
 def _default_yarn_scale(factor: float, mscale=None, mscale_all_dim=None, *, truthy: bool) -> float:

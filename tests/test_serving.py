@@ -132,11 +132,14 @@ def test_stacks_and_modifiers_are_refused_naming_the_part(saved):
 
 @pytest.mark.parametrize("engine_name", ENGINES)
 @pytest.mark.parametrize("scheme,params", [("default", {"rope_theta": 40_000}), ("linear", {"factor": 2}),
-                                           ("yarn", {"factor": 4}), ("dynamic", {"factor": 4})])
+                                           ("yarn", {"factor": 4}), ("dynamic", {"factor": 4}),
+                                           ("longrope", {"factor": 4, "short_factor": [1.0] * 8,
+                                                         "long_factor": [3.0] * 8})])
 def test_per_layer_type_models(scheme, params, engine_name, saved, tmp_path):
     """Gemma 3 keeps rope_parameters keyed by layer type: every entry is exported and checked. SGLang's Gemma 3 code
     replaces the config's RoPE by {"rope_type": "default"} (the snapshot's fixed_rope_types): only `default` (a base
-    per layer type, which it reads) serves there."""
+    per layer type, which it reads) serves there. A note says a thing once, not once per layer type (before: dynamic's
+    and longrope's notes were printed twice)."""
     folder = saved(scheme, params, arch="gemma3")
     model_type = json.loads((folder / "config.json").read_text())["model_type"]
     fixed = engines.fixed_rope_types(engine_name, model_type)
@@ -148,6 +151,8 @@ def test_per_layer_type_models(scheme, params, engine_name, saved, tmp_path):
     info = serving.export(folder, engine_name, out=tmp_path / "out")
     assert set(info["rope_parameters"]) == {"sliding_attention", "full_attention"}
     _check_against_snapshot(info, engine_name, model_type)
+    assert len(info["notes"]) == len(set(info["notes"])), info["notes"]
+    assert (scheme in ("dynamic", "longrope")) == bool(info["notes"])
 
 
 def test_gemma3_layer_types_keep_their_own_base(saved):
