@@ -75,3 +75,19 @@ def test_the_cli_explains_each_layer_type_of_a_per_layer_type_config(tmp_path, c
     assert sorted(h.rsplit("(", 1)[1] for h in heads) == ["full_attention layers)", "sliding_attention layers)"]
     assert main(["explain", "yarn:8", "--config", "tiny"]) == 0
     assert "layers)" not in capsys.readouterr().out
+
+
+
+# spec, the header's pair count, pairs that rotate: p-RoPE keeps the rotation of its fraction p of the pairs (the
+# fastest); ALiBi and NoPE remove it from every pair; the rest rotate every pair
+ROTATING = [("yarn:8", "64 rotating pairs", 64), ("p_rope:0.25", "64 pairs, 16 rotating", 16),
+            ("alibi", "64 pairs, none rotating", 0), ("nope", "64 pairs, none rotating", 0)]
+
+
+@pytest.mark.parametrize("spec,header,rotating", ROTATING, ids=[s for s, _, _ in ROTATING])
+def test_the_header_counts_the_pairs_that_rotate(spec, header, rotating):
+    """Before: `n_pairs` (rotary_dim / 2) was printed as "rotating pairs" whatever the scheme, so p_rope:0.25 and
+    alibi read "64 rotating pairs" while 16 and none rotate (θ′ = 0)."""
+    e = analysis.explain(spec, **LLAMA2)
+    assert e.lines()[0].split(": ", 1)[1] == header + ", pre-training window L = 4096"
+    assert e.n_pairs == 64 and e.n_rotating == rotating

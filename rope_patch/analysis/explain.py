@@ -20,7 +20,7 @@ class Explanation:
     """The numbers the theory page (docs/theory.md) quotes, for one scheme on one RoPE layout (`explain`)."""
 
     scheme: str
-    n_pairs: int  # rotating pairs (rotary_dim / 2)
+    n_pairs: int  # pairs of the rotary dimensions (rotary_dim / 2)
     window: int | None  # L, the pre-training window
     turns_vanilla: int  # pairs that complete a full turn inside L under the unpatched θ_i
     turns: int  # ... under the scheme's θ′_i
@@ -33,10 +33,13 @@ class Explanation:
     decay_at_zero: float  # (n + 1)/2
     # a stack's modifiers: (label, ((p + 1, t(p)) at p + 1 = L, 2L, 4L, 8L)), the query temperature logn applies
     temperatures: tuple = ()
+    n_rotating: int | None = None  # pairs with θ′_i > 0 (p_rope: its fraction p; alibi, nope: 0); None: all of them
 
     def lines(self) -> list[str]:
         n, L = self.n_pairs, self.window
-        out = [f"{self.scheme}: {n} rotating pairs, pre-training window L = {L}",
+        r = n if self.n_rotating is None else self.n_rotating
+        pairs = f"{n} rotating pairs" if r == n else f"{n} pairs, {r or 'none'} rotating"
+        out = [f"{self.scheme}: {pairs}, pre-training window L = {L}",
                f"  pairs completing a full turn inside L: {self.turns} (unpatched: {self.turns_vanilla})",
                f"  pairs unchanged (θ′ = θ): {self.unchanged} of {n}"]
         if self.interpolated is not None:
@@ -81,6 +84,7 @@ def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddi
         attention_scaling=f.attention_scaling, decay_mean=float(bound.mean()), decay_max=float(bound.max()),
         decay_at_zero=decay_bound_at_zero(new.numel()),
         temperatures=tuple((label_of(m), _temperatures(m, window, model_config)) for m in s.spec.modifiers),
+        n_rotating=rotating.numel(),
     )
 
 
