@@ -208,6 +208,11 @@ def run(args) -> int:
 
         log = tune_search(model, tokenizer, token_ids, options, log_path=log_path, previous=previous, header=header,
                           on_record=on_record)
+        if log["best"] is None and log["stopped"]:  # the space may hold accepted candidates not reached yet
+            limit = (f"--max-evals {args.max_evals}" if log["stopped"] == "max_evals"
+                     else f"--budget-minutes {args.budget_minutes:g}")
+            raise ValueError(f"{limit} stopped the search before a candidate the scheme accepts: "
+                             f"{evaluation_count(log)}; see {log_path}. Raise {limit.split()[0]}.")
         if log["best"] is None:
             raise ValueError(f"no candidate could be evaluated: {evaluation_count(log)}; see {log_path}. Choose a "
                              "--space the scheme accepts on this model.")

@@ -177,3 +177,19 @@ def test_a_logged_search_is_not_replaced_without_resume_or_overwrite(saved, tmp_
     line = error_line(capsys)
     assert "search_log.json holds the results of an earlier run" in line and "--overwrite" in line
     assert (tmp_path / "search_log.json").read_text() == "{}"
+
+
+def test_a_search_stopped_before_an_accepted_candidate_says_to_raise_the_limit(saved, tmp_path, capsys):
+    """The first candidate (S = W = 8) is refused by STRING, the next one is fine, and --max-evals 1 stops the search
+    in between. Before: "Choose a --space the scheme accepts", wrong for a space holding accepted candidates."""
+    extra = ("--scheme", "string", "--space", "shift_size=8,16", "window_size=8,4", "--max-evals", "1", "--no-plots")
+    assert main(argv(saved, tmp_path, *extra)) == 2
+    err = capsys.readouterr().err  # found once the search ran: after the model's loading lines
+    errors = [line for line in err.splitlines() if line.startswith("rope-patch tune:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    line = errors[0]
+    assert "--max-evals 1 stopped the search before a candidate the scheme accepts" in line, line
+    assert "Choose a --space" not in line and "--resume" in line
+    assert len(json.loads((tmp_path / "search_log.json").read_text())["evaluations"]) == 1
+    assert main(argv(saved, tmp_path, *extra[:-3], "--max-evals", "2", "--no-plots", "--resume")) == 0
+    assert json.loads((tmp_path / "best.json").read_text())["spec"] == "string:shift_size=8,window_size=4"
