@@ -17,6 +17,7 @@ from collections.abc import Callable
 from torch import nn
 
 from ..api import patched
+from ..suggest import pretraining_window as trained_window
 
 
 def candidate_sizes(target: int, window_size: int) -> list[int]:
@@ -30,7 +31,9 @@ def detect_group_sizes(model: nn.Module, score: Callable[[nn.Module], float], ta
                        baseline: int | None = None) -> list[int]:
     """The authors' detection sweep: for each group g, `score(model)` (higher is better, e.g. passkey or NIAH
     accuracy at `target` tokens) with group g at each of `candidate_sizes(target, window_size)` and the other groups
-    at `baseline` (default 2N/L, L = `pretraining_window`, default the model's `max_position_embeddings`). Group g
+    at `baseline` (default 2N/L, L = `pretraining_window`, default the window the model was pre-trained on:
+    `rope_patch.suggest.pretraining_window`, a shipped `original_max_position_embeddings` where the checkpoint ships
+    with scaling, else `max_position_embeddings`, read before any patch). Group g
     keeps its best size; ties go to the smaller size (the positions closer to the model's own). The model is patched
     only inside each evaluation (rope_patch.patched) and left as it was.
 
@@ -41,8 +44,8 @@ def detect_group_sizes(model: nn.Module, score: Callable[[nn.Module], float], ta
                                    target=16384, window_size=512)
         rope_patch.apply(model, "dpe", group_sizes=sizes, window_size=512)
     """
-    if pretraining_window is None:
-        pretraining_window = int(model.config.max_position_embeddings)
+    if pretraining_window is None:  # the window it was pre-trained on (Llama 3.1: 8192, not its 131072)
+        pretraining_window = trained_window(model)
     if baseline is None:
         baseline = max(1, round(2 * target / pretraining_window))
     sizes = candidate_sizes(target, window_size)
