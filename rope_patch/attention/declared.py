@@ -173,10 +173,9 @@ class Declared(AttentionRule):
             n1 = max(call.first_slot(rows) + rows.stop - rows.start - 1 + off, 0) // c
             low, high = (n1, n0) if every else (n0, n1)
             a = 0 if region.hi == math.inf else self._chunk_slot(region, low - int(region.hi) + 1, off)
-            spans.append((a, self._chunk_slot(region, high - region.lo + 1, off) if high - region.lo >= 0 else 0))
-        if every:
-            return max(a for a, _ in spans), min(z for _, z in spans)
-        return min(a for a, _ in spans), max(z for _, z in spans)
+            spans.append((a, self._chunk_slot(region, high - region.lo + 1, off)))
+        pick_a, pick_z = (max, min) if every else (min, max)  # the range common to every row, or met by some row
+        return pick_a(a for a, _ in spans), pick_z(z for _, z in spans)
 
     def _keys(self, call, region, rows, start, end, every: bool = False) -> tuple[int, int]:
         """The key slots of [start, end) inside `region` for some row of the block (or, with `every`, for every row),
