@@ -33,7 +33,7 @@ from ..files import portable, write_text_atomic
 
 FORMAT = schema.SEARCH_LOG_FORMAT
 # Keys of the log's "model" that logs written before them lack (check_resumable skips them there).
-OPTIONAL_MODEL_KEYS = ("fingerprint", "patch")
+OPTIONAL_MODEL_KEYS = ("fingerprint", "patch", "dtype")
 # Settings a resumed run may change: the stopping rules (a resume usually exists to extend them).
 RESUMABLE = ("max_evals", "budget_minutes")
 
@@ -110,7 +110,11 @@ def check_resumable(previous: dict, header: dict, path) -> None:
                                  f"{str(old['fingerprint'])[:19]}... -> {str(new.get('fingerprint'))[:19]}...). Use "
                                  "another --out, or --overwrite (not --resume) starts over.")
         if old != new:
-            raise ValueError(f"cannot resume from {path}: it was written for another {key} ({previous.get(key)}). "
+            what = previous.get(key)
+            if isinstance(old, dict) and isinstance(new, dict):  # name what differs (e.g. the dtype, --dtype)
+                what = "; ".join(f"{k}: {old.get(k)!r} in the log, {new.get(k)!r} now"
+                                 for k in sorted(set(old) | set(new), key=str) if old.get(k) != new.get(k))
+            raise ValueError(f"cannot resume from {path}: it was written for another {key} ({what}). "
                              "Use another --out, or --overwrite (not --resume) starts over.")
     old = _comparable(previous.get("settings") or {})
     new = _comparable(_plain(header.get("settings")))

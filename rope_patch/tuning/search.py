@@ -76,6 +76,8 @@ def longrope_params(long_factor: Sequence[float], scale: float, window: int) -> 
 def model_info(model, spec: str | None = None) -> dict:
     return {"spec": spec, "model_type": model.config.model_type, "window": pretraining_window(model),
             "n_params": sum(p.numel() for p in model.parameters()),
+            # the weights' precision: an objective is comparable (and a log resumable) only within one
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             "rotary_dim": next(iter(find_target(model).contexts().values())).rotary_dim}
 
 

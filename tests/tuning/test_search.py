@@ -335,3 +335,22 @@ def test_longrope_search_on_a_per_layer_type_rotary(text_ids, tmp_path):
     with rope_patch.patched(model, log["best"]["spec"]):
         ppl = math.exp(window_nll(model, split_heldout(text_ids)[0], 2 * window, 4 * window).double().mean().item())
     assert ppl == pytest.approx(log["best"]["objective"], rel=1e-9)
+
+
+def test_a_search_resumes_only_in_the_precision_it_ran_in(text_ids, tmp_path):
+    """The objective depends on the weights' dtype: a float32 search resumed with --dtype bfloat16 mixed the two in one
+    log and one ranking (the log did not record the dtype). A log from before the dtype was recorded still resumes."""
+    import torch
+
+    opts = TuneOptions(scheme="yarn", target=64, space={"factor": [2.0, 3.0, 4.0]}, n_tokens=128, max_evals=1)
+    log = tune(tiny_model("llama"), char_tokenizer(), text_ids, opts, log_path=tmp_path / "s.json")
+    assert log["model"]["dtype"] == "float32"
+    previous = load_log(tmp_path / "s.json")
+    opts = TuneOptions(scheme="yarn", target=64, space={"factor": [2.0, 3.0, 4.0]}, n_tokens=128)
+    with pytest.raises(ValueError, match="another model \\(dtype: 'float32' in the log, 'bfloat16' now\\)"):
+        tune(tiny_model("llama").to(torch.bfloat16), char_tokenizer(), text_ids, opts, log_path=tmp_path / "s.json",
+             previous=previous)
+    assert len(load_log(tmp_path / "s.json")["evaluations"]) == 1  # the kept evaluation is untouched
+    del previous["model"]["dtype"]  # written before the dtype was recorded
+    done = tune(tiny_model("llama"), char_tokenizer(), text_ids, opts, log_path=tmp_path / "s.json", previous=previous)
+    assert done["status"] == "done" and len(done["evaluations"]) == 3
