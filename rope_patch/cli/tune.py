@@ -247,12 +247,22 @@ def evaluation_count(log: dict) -> str:
         return f"{len(records)} evaluations"
     reasons: dict[str, int] = {}
     for r in refused:
-        why = r.get("error") or "no reason recorded"
+        why = _elided(r.get("error") or "no reason recorded", r.get("params") or {})
         reasons[why] = reasons.get(why, 0) + 1
     shown = "; ".join(f"{n}x {why if len(why) <= 160 else why[:159] + '…'}" for why, n in list(reasons.items())[:3])
     more = f"; and {len(reasons) - 3} other reason(s) in {LOG}" if len(reasons) > 3 else ""
     return (f"{len(records)} candidates: {len(records) - len(refused)} evaluated, {len(refused)} refused by the scheme "
             f"({shown}{more})")
+
+
+def _elided(why: str, params: dict) -> str:
+    """A refusal's reason with the candidate's own values elided (`shift_size=32` -> `shift_size=…`): candidates
+    refused for one reason count as one, which their values (often past the shown characters) would split."""
+    for key, value in params.items():
+        forms = {str(value), repr(value)} | ({"/".join(map(str, value))} if isinstance(value, list) else set())
+        for form in sorted(forms, key=len, reverse=True):
+            why = why.replace(f"{key}={form}", f"{key}=…")
+    return why
 
 
 def _summary(log: dict) -> Table:

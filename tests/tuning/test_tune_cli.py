@@ -193,3 +193,18 @@ def test_a_search_stopped_before_an_accepted_candidate_says_to_raise_the_limit(s
     assert len(json.loads((tmp_path / "search_log.json").read_text())["evaluations"]) == 1
     assert main(argv(saved, tmp_path, *extra[:-3], "--max-evals", "2", "--no-plots", "--resume")) == 0
     assert json.loads((tmp_path / "best.json").read_text())["spec"] == "string:shift_size=8,window_size=4"
+
+
+def test_refusals_that_differ_only_in_the_candidate_are_one_reason():
+    """STRING refuses S <= W with the candidate's values in its message: seven refusals were seven "1x" entries whose
+    visible 160 characters were identical (the values come after the cut). They are one reason, values elided."""
+    from rope_patch.cli.tune import evaluation_count
+
+    why = ("string: parameter `shift_size` must be larger than `window_size` (distances d ≥ S become d − S + W, which "
+           "must be shorter than d), got shift_size={s}, window_size={w}. Raise shift_size or lower window_size.")
+    pairs = [(32, 32), (32, 64), (42, 64), (64, 64), (64, 128)]
+    records = [{"params": {"shift_size": s, "window_size": w}, "objective": None, "error": why.format(s=s, w=w)}
+               for s, w in pairs] + [{"params": {"shift_size": 42, "window_size": 32}, "objective": 3.0}]
+    text = evaluation_count({"evaluations": records})
+    assert text.startswith("6 candidates: 1 evaluated, 5 refused by the scheme (5x string: parameter `shift_size`")
+    assert text.count("x string:") == 1, text
