@@ -3,6 +3,8 @@ b = 10 000, L = 4096, a Llama-2-7B-like RoPE) come from this command."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from rope_patch import analysis
@@ -91,3 +93,28 @@ def test_the_header_counts_the_pairs_that_rotate(spec, header, rotating):
     e = analysis.explain(spec, **LLAMA2)
     assert e.lines()[0].split(": ", 1)[1] == header + ", pre-training window L = 4096"
     assert e.n_pairs == 64 and e.n_rotating == rotating
+
+
+# a length-dependent scheme, explained at its extended window N = s·L (as the plots draw it): (spec, N, unchanged,
+# fully interpolated, the static scheme that has the same frequencies there)
+AT_LENGTH = [("longrope:factor=4,short_factor=1/1/1/1/1/1/1/1,long_factor=4/4/4/4/4/4/4/4", 16384, 0, 8, "linear:4"),
+             ("dynamic:4", 16384, 1, None, None)]
+
+
+@pytest.mark.parametrize("spec,n,unchanged,interpolated,same", AT_LENGTH, ids=["longrope", "dynamic"])
+def test_a_length_dependent_scheme_is_explained_at_one_length(spec, n, unchanged, interpolated, same):
+    """Before: the pair counts came from the load-time frequencies (longrope's short factors, dynamic's vanilla RoPE)
+    and the decay bound from ℓ = L + 1 (longrope's long factors): longrope all-4 long factors read "pairs unchanged 8 of
+    8" above a decay bound equal to linear×4's. Every number now holds at ℓ = N, and the header says so."""
+    e = analysis.explain(spec, head_dim=16, rope_theta=10000.0, max_position_embeddings=4096)
+    assert e.seq_len == n and f"at ℓ = {n:,}" in e.lines()[0]
+    assert e.unchanged == unchanged
+    if interpolated is not None:
+        assert e.interpolated == interpolated
+    if same:
+        twin = analysis.explain(same, head_dim=16, rope_theta=10000.0, max_position_embeddings=4096)
+        assert (e.decay_mean, e.decay_max, e.turns) == (twin.decay_mean, twin.decay_max, twin.turns)
+    if spec.startswith("dynamic"):  # FORMULAS: b·((s·ℓ/L) − (s − 1))^(d/(d−2)), at ℓ = s·L: b·13^(16/14) for s = 4
+        base = 10000.0 * 13 ** (16 / 14)
+        assert e.longest_wavelength == pytest.approx(2 * math.pi * base ** (14 / 16), rel=1e-5)
+    assert analysis.explain("yarn:4", head_dim=16, rope_theta=10000.0, max_position_embeddings=4096).seq_len is None

@@ -10,7 +10,7 @@ import torch
 
 from ..schemes.logn import Positions, QueryTemperature
 from .frequencies import frequencies_at
-from .layout import setup
+from .layout import original_window, setup
 from .scores import decay_bound, decay_bound_at_zero
 from .spec import label_of
 
@@ -34,12 +34,14 @@ class Explanation:
     # a stack's modifiers: (label, ((p + 1, t(p)) at p + 1 = L, 2L, 4L, 8L)), the query temperature logn applies
     temperatures: tuple = ()
     n_rotating: int | None = None  # pairs with θ′_i > 0 (p_rope: its fraction p; alibi, nope: 0); None: all of them
+    seq_len: int | None = None  # ℓ every number holds at: a length-dependent scheme's s·L; None: load time (ℓ ≤ L)
 
     def lines(self) -> list[str]:
         n, L = self.n_pairs, self.window
         r = n if self.n_rotating is None else self.n_rotating
         pairs = f"{n} rotating pairs" if r == n else f"{n} pairs, {r or 'none'} rotating"
-        out = [f"{self.scheme}: {pairs}, pre-training window L = {L}",
+        at = f", at ℓ = {self.seq_len:,} (its frequencies follow the length)" if self.seq_len else ""
+        out = [f"{self.scheme}: {pairs}, pre-training window L = {L}{at}",
                f"  pairs completing a full turn inside L: {self.turns} (unpatched: {self.turns_vanilla})",
                f"  pairs unchanged (θ′ = θ): {self.unchanged} of {n}"]
         if self.interpolated is not None:
@@ -59,7 +61,12 @@ def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddi
     """Pair counts, wavelengths, temperature and decay of `scheme` (what `rope-patch explain` prints)."""
     s = setup(scheme, head_dim, rope_theta, max_position_embeddings, partial_rotary_factor, model, config,
                layer_type, None, params)
-    f = frequencies_at(s, None)
+    # a length-dependent scheme (dynamic, longrope, dynamic_yarn) at its extended window s·L, as the plots draw it:
+    # every number below at that one length (at load time it is vanilla RoPE / LongRoPE's short factors)
+    fs = s.spec.frequency_scheme
+    factor = getattr(fs, "factor", None)
+    ell = int(factor * original_window(s)) if fs is not None and fs.length_dependent and factor else None
+    f = frequencies_at(s, ell)
     window = f.original_window or s.ctx.max_position_embeddings
     base, new = f.base_inv_freq.double(), f.inv_freq.double()
     two_pi = 2 * math.pi
@@ -75,7 +82,7 @@ def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddi
     bound = decay_bound(scheme, head_dim, distances, rope_theta=rope_theta,
                         max_position_embeddings=max_position_embeddings,
                         partial_rotary_factor=partial_rotary_factor, model=model, config=config, layer_type=layer_type,
-                        **params)
+                        seq_len=ell, **params)
     return Explanation(
         scheme=s.spec.label or s.spec.name, n_pairs=new.numel(), window=window,
         turns_vanilla=turns(base), turns=turns(new), unchanged=int(close(new, base).sum()),
@@ -84,7 +91,7 @@ def explain(scheme=None, head_dim=None, rope_theta=None, *, max_position_embeddi
         attention_scaling=f.attention_scaling, decay_mean=float(bound.mean()), decay_max=float(bound.max()),
         decay_at_zero=decay_bound_at_zero(new.numel()),
         temperatures=tuple((label_of(m), _temperatures(m, window, model_config)) for m in s.spec.modifiers),
-        n_rotating=rotating.numel(),
+        n_rotating=rotating.numel(), seq_len=ell,
     )
 
 
