@@ -173,6 +173,9 @@ def run(args) -> int:
     for spec in args.accept or []:
         as_scheme(spec)  # a bad acceptance spec fails now, not after the search
     check_options(options)  # an unknown scheme or bad search settings fail here, before the model loads
+    if not args.no_accept and args.accept_tokens is not None and args.accept_tokens < args.target:
+        raise ValueError(f"--accept-tokens {args.accept_tokens} is less than one window of --target {args.target}: "
+                         f"the acceptance reads whole windows at the target; give --accept-tokens >= {args.target}.")
     out = check_writable(args.out, (LOG, BEST) + (() if args.no_plots else (plots.SEARCH_FIGURE,)))
     log_path = out / LOG
     previous = None

@@ -98,6 +98,9 @@ def check_options(options: TuneOptions) -> tuple[str, str]:
                          f"{', '.join(CHAT_TEMPLATE_MODES)}.")
     if options.target <= 1:
         raise ValueError(f"--target must be > 1 token, got {options.target}.")
+    if options.n_tokens is not None and options.n_tokens < options.target:
+        raise ValueError(f"--tokens {options.n_tokens} is less than one window of --target {options.target}: the "
+                         f"objective reads whole windows of the target; give --tokens >= {options.target}.")
     if options.max_evals is not None and options.max_evals < 1:
         raise ValueError(f"--max-evals must be >= 1, got {options.max_evals}.")
     if options.budget_minutes is not None and not options.budget_minutes > 0:

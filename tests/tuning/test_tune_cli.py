@@ -54,6 +54,10 @@ BAD = [
     (["--scheme", "longrope", "--accept", "yarn:zero"], "yarn"),
     (["--scheme", "longrope", "--init", "rerope:8"], "--init 'rerope:8': the initial factors come from a frequency"),
     (["--scheme", "yarn", "--haystack", "hay"], "argument --haystack: invalid choice: 'hay'"),
+    # fewer tokens than one window of the target: before, found at the first evaluation (--tokens) or after the whole
+    # search (--accept-tokens), as "Need at least 64 tokens ..., have 32", naming neither option
+    (["--scheme", "yarn", "--tokens", "32"], "--tokens 32 is less than one window of --target 64"),
+    (["--scheme", "yarn", "--accept-tokens", "32"], "--accept-tokens 32 is less than one window of --target 64"),
 ]
 
 
@@ -159,7 +163,7 @@ def test_the_passkey_term_settings_reach_the_log(saved, tmp_path, capsys, extra,
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (("--chat-template", "on", "--target", "160"), "has no chat template"),
+    (("--chat-template", "on", "--target", "160", "--tokens", "160"), "has no chat template"),
     ((), "the passkey term (--passkey-weight) cannot build a prompt at --target 64: length_tokens=64 is too short"),
 ])
 def test_passkey_term_errors_are_one_line(saved, tmp_path, capsys, extra, message):
