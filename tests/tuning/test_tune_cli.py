@@ -163,7 +163,7 @@ def test_the_passkey_term_settings_reach_the_log(saved, tmp_path, capsys, extra,
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (("--chat-template", "on", "--target", "160", "--tokens", "160"), "has no chat template"),
+    (("--chat-template", "on", "--target", "160", "--tokens", "160", "--no-accept"), "has no chat template"),
     ((), "the passkey term (--passkey-weight) cannot build a prompt at --target 64: length_tokens=64 is too short"),
 ])
 def test_passkey_term_errors_are_one_line(saved, tmp_path, capsys, extra, message):
