@@ -465,8 +465,9 @@ class String(TwoRegion):
 
     @classmethod
     def search_space(cls, window, target):
-        return {"shift_size": [target // 4, target // 3, target // 2],
-                "window_size": [window // 8, window // 4, window // 2]}
+        shifts = [target // 4, target // 3, target // 2]  # W < S in every pair: below the smallest S
+        return {"shift_size": shifts, "window_size": sorted({min(w, shifts[0] - 1) for w in (window // 8, window // 4,
+                                                                                           window // 2)})}
 
     @classmethod
     def suggestion(cls, n, window):

@@ -354,3 +354,17 @@ def test_a_search_resumes_only_in_the_precision_it_ran_in(text_ids, tmp_path):
     del previous["model"]["dtype"]  # written before the dtype was recorded
     done = tune(tiny_model("llama"), char_tokenizer(), text_ids, opts, log_path=tmp_path / "s.json", previous=previous)
     assert done["status"] == "done" and len(done["evaluations"]) == 3
+
+
+@pytest.mark.parametrize("window, target", [(8192, 4096), (8192, 16384), (8192, 32768), (2048, 8192), (512, 1024)])
+def test_every_default_space_holds_only_candidates_the_scheme_accepts(window, target):
+    """A default grid is the paper's neighbourhood of a setting the scheme itself accepts: no candidate is refused by
+    its own checks (STRING's W ≥ S pairs were 7 of 9 at a target inside the window)."""
+    from rope_patch.registry import get_scheme_class, list_schemes
+    from rope_patch.tuning.scalar import grid_points
+
+    for name in list_schemes():
+        cls = get_scheme_class(name)
+        space = cls.search_space(window, target)
+        for point in grid_points(space) if space is not None else ():
+            cls.from_params(**point)  # raises ValueError naming the refused pair
