@@ -39,17 +39,17 @@ from .declared import Declared
 from .flash import flash_module
 from .flex import band_block_mask, causal_block_mask, flex_available, flex_call, mask_rows
 from .geometry import Bias, Geometry, Region
-from .kernels import band_partial, flash_causal_partial, flash_distance_partial, flash_partial
+from .kernels import flash_causal_partial, flash_distance_partial, flash_partial
 from .protocol import STATE, AttentionCall, AttentionRule, Partial, fit_rows, merge
 from .registration import BACKENDS, BLOCKED, DENSE, FA2, FLEX, AttnState, register
 from .rotation import Rotation, floor_div
-from .rules import PLAIN, Plain
+from .rules import PLAIN, Plain, causal_parts
 
 __all__ = [
-    "AttentionCall", "AttentionRule", "AttnState", "BACKENDS", "Bias", "band_block_mask", "band_partial", "BLOCKED",
-    "blocked_attention", "CacheView", "causal_block_mask", "Declared", "DENSE", "dense_attention", "FA2", "fit_rows",
-    "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "FLEX", "flex_available",
-    "flex_call", "floor_div", "Geometry", "HEADS", "Identity", "Layout", "mask_rows", "memory_rotaries", "merge",
-    "NotProven", "Partial", "Plain", "PLAIN", "plumbing", "Reentry", "Region", "register", "Rotation", "ROWS",
-    "SEQUENTIAL", "settings", "SPLIT", "STATE", "windowed",
+    "AttentionCall", "AttentionRule", "AttnState", "BACKENDS", "Bias", "band_block_mask", "BLOCKED",
+    "blocked_attention", "CacheView", "causal_block_mask", "causal_parts", "Declared", "DENSE", "dense_attention",
+    "FA2", "fit_rows", "flash_causal_partial", "flash_distance_partial", "flash_module", "flash_partial", "FLEX",
+    "flex_available", "flex_call", "floor_div", "Geometry", "HEADS", "Identity", "Layout", "mask_rows",
+    "memory_rotaries", "merge", "NotProven", "Partial", "Plain", "PLAIN", "plumbing", "Reentry", "Region", "register",
+    "Rotation", "ROWS", "SEQUENTIAL", "settings", "SPLIT", "STATE", "windowed",
 ]

@@ -1,7 +1,6 @@
 """The fused-attention kernels the backends and the rules share: torch's CPU flash kernel, which also returns the
 log-sum-exp, over a range of keys (`flash_partial`, `flash_causal_partial` for the diagonal block,
-`flash_distance_partial` with a bias of the distance alone) and a materialised narrow band (`band_partial`), each as
-a `Partial` for `merge`."""
+`flash_distance_partial` with a bias of the distance alone), each as a `Partial` for `merge`."""
 
 from __future__ import annotations
 
@@ -76,16 +75,6 @@ def flash_distance_partial(call: AttentionCall, rows: slice, end: int, by_distan
         lses.append(lse)
     return (torch.stack(outs, 2).float().reshape(b, hkv * g, r, dv),
             torch.stack(lses, 2).float().reshape(b, hkv * g, r))
-
-
-def band_partial(call: AttentionCall, s: torch.Tensor, rows: slice, start: int, e: int) -> Partial:
-    """Materialised scores s (b, Hkv, G, r, e − start) of a narrow key band, causal-masked, as a Partial."""
-    b, hkv, g, r, w = s.shape
-    s = s.masked_fill(call.distance(rows, start, e) < 0, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).to(call.value.dtype)
-    out = torch.matmul(p.view(b, hkv, g * r, w), call.value[:, :, start:e]).view(b, hkv * g, r, -1)
-    return out.float(), lse.reshape(b, hkv * g, r)
 
 
 def _repeat(x: torch.Tensor, g: int) -> torch.Tensor:

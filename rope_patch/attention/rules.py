@@ -18,12 +18,18 @@ class Plain(AttentionRule):
         return 1024
 
     def fused(self, call, rows, end):
-        c, q, k, v = call.first_slot(rows), call.query[:, :, :, rows], call.key, call.value
-        parts = [flash_partial(call, q, k[:, :, :c], v[:, :, :c])] if c > 0 else []
-        return [*parts, flash_causal_partial(call, q, k[:, :, c:end], v[:, :, c:end])]
+        return causal_parts(call, call.query[:, :, :, rows], call.key, rows, end)
 
     def flex(self, call, block_mask):
         return flex_call(call, call.query.flatten(1, 2), call.key, call.value, block_mask)
 
 
 PLAIN = Plain()
+
+
+def causal_parts(call, q, k, rows, end):
+    """Block `rows`' queries q against keys k[:end]: the keys before the block through one fused kernel call, the
+    diagonal block through the causal one."""
+    c, v = call.first_slot(rows), call.value
+    parts = [flash_partial(call, q, k[:, :, :c], v[:, :, :c])] if c > 0 else []
+    return [*parts, flash_causal_partial(call, q, k[:, :, c:end], v[:, :, c:end])]

@@ -76,11 +76,7 @@ class CurrentRotation(attention.AttentionRule):
         return call.qk(call.scratch["q"][:, :, :, rows], call.scratch["k"][:, :, start:end])
 
     def fused(self, call, rows, end):
-        """Keys before the block through one fused kernel, the diagonal block through the causal one."""
-        c = call.first_slot(rows)
-        q, k, v = call.scratch["q"][:, :, :, rows], call.scratch["k"], call.value
-        parts = [attention.flash_partial(call, q, k[:, :, :c], v[:, :, :c])] if c > 0 else []
-        return [*parts, attention.flash_causal_partial(call, q, k[:, :, c:end], v[:, :, c:end])]
+        return attention.causal_parts(call, call.scratch["q"][:, :, :, rows], call.scratch["k"], rows, end)
 
     def flex(self, call, block_mask):
         return attention.flex_call(call, call.scratch["q"].flatten(1, 2), call.scratch["k"], call.value, block_mask)
