@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING
 
 from ..evaluation.defaults import AS_LOADED
@@ -189,6 +190,13 @@ def run(args) -> int:
             console.print(f"Nothing to resume in {out} (no {LOG}): starting from the beginning.")
     path, model, tokenizer = load_model(console, args.model, args.threads, args.dtype)
     _, _, settings = resolve_options(model, options)  # bad options fail before the first evaluation
+    longest = max(settings["window"], settings["target"])  # the acceptance reads whole windows at L and at N
+    accepting = args.accept_tokens or 16 * args.target  # accept()'s default
+    if not args.no_accept and accepting < longest:
+        given = f"--accept-tokens {accepting}" if args.accept_tokens else f"the default {accepting} (16 × --target)"
+        raise ValueError(f"{given} is less than one window at the model's pre-training window {settings['window']}: "
+                         f"the acceptance reads whole windows at the window and at --target {args.target}; give "
+                         f"--accept-tokens >= {longest} (or --no-accept).")
     token_ids, heldout = read_tokens(tokenizer, args.heldout)
     patch = loaded_patch(model, path)  # a folder saved with rope_patch.json: the search replaces its patch
     header = {"model": {**model_info(model, args.model), "name": models.model_name(args.model), "path": str(path),
@@ -263,8 +271,8 @@ def _elided(why: str, params: dict) -> str:
     refused for one reason count as one, which their values (often past the shown characters) would split."""
     for key, value in params.items():
         forms = {str(value), repr(value)} | ({"/".join(map(str, value))} if isinstance(value, list) else set())
-        for form in sorted(forms, key=len, reverse=True):
-            why = why.replace(f"{key}={form}", f"{key}=…")
+        for form in sorted(forms, key=len, reverse=True):  # whole names and whole values only (not factor=16)
+            why = re.sub(rf"(?<![\w.]){re.escape(key)}={re.escape(form)}(?!\w|\.\d)", f"{key}=…", why)
     return why
 
 

@@ -212,3 +212,26 @@ def test_refusals_that_differ_only_in_the_candidate_are_one_reason():
     text = evaluation_count({"evaluations": records})
     assert text.startswith("6 candidates: 1 evaluated, 5 refused by the scheme (5x string: parameter `shift_size`")
     assert text.count("x string:") == 1, text
+
+
+def test_acceptance_tokens_below_the_window_are_refused_before_the_search(saved, tmp_path, capsys):
+    """A target inside the window (16 < 32): the acceptance also reads whole windows of 32 tokens. Before, 20 tokens
+    passed the check against --target and the run failed after the whole search."""
+    args = argv(saved, tmp_path, "--scheme", "yarn", "--space", "factor=2", "--no-plots")
+    args[args.index("--target") + 1], args[args.index("--accept-tokens") + 1] = "16", "20"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "rope-patch tune: error: --accept-tokens 20 is less than one window at the model's pre-training window 32")
+    assert not (tmp_path / "search_log.json").exists()
+
+
+@pytest.mark.parametrize(("why", "params", "elided"), [
+    ("got factor=16.", {"factor": 1}, "got factor=16."),  # a value that starts another is not elided
+    ("got local_window_size=8.", {"window_size": 8}, "got local_window_size=8."),  # nor a name that ends another
+    ("got window_size=8, shift_size=8.", {"window_size": 8, "shift_size": 8}, "got window_size=…, shift_size=…."),
+])
+def test_only_whole_names_and_values_are_elided(why, params, elided):
+    from rope_patch.cli.tune import _elided
+
+    assert _elided(why, params) == elided
