@@ -172,24 +172,26 @@ logger = logging.getLogger("rope_patch")
 class NoticedSave:
     """`model.save_pretrained` of a model whose patch has no native transformers form (see `Scheme.save_notice`):
     transformers' own save (the class's method, called unchanged), then a logged warning that the written
-    config.json reloads the unpatched model and how to keep the patch (once per parent folder: a Trainer's
-    checkpoints say it once). Without it a plain save of such a model would
+    config.json reloads the unpatched model and how to keep the patch (once per folder; a Trainer run's checkpoints
+    say it once). Without it a plain save of such a model would
     lose the patch without a word. Set on the instance through the undo log (remove() gives the class's method back);
     an object of a module-level class holding the model and the log, so copies and pickles carry it."""
 
     def __init__(self, model: nn.Module, log: UndoLog):
         self.model, self.log = model, log
-        self.told: set[str] = set()  # folders whose saves were warned about: a Trainer's checkpoints share one
+        self.told: set[str] = set()  # folders warned about (a run's checkpoints: their parent folder)
 
     def __call__(self, save_directory, *args, **kwargs):
         out = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
         scheme = getattr(self.log, "scheme", None)
         if kwargs.get("is_main_process", True) and scheme is not None:
             notice = scheme.save_notice(save_directory, manifest=False)
-            if notice:  # once per parent folder (every checkpoint of a run would repeat it), then at info level
-                parent = os.path.dirname(os.path.abspath(os.fspath(save_directory)))
-                logger.log(logging.INFO if parent in self.told else logging.WARNING, notice)
-                self.told.add(parent)
+            if notice:  # once per folder, once for a run's checkpoints (Trainer's PREFIX_CHECKPOINT_DIR-N), then info
+                folder = os.path.abspath(os.fspath(save_directory))
+                if os.path.basename(folder).startswith("checkpoint-"):
+                    folder = os.path.dirname(folder)
+                logger.log(logging.INFO if folder in self.told else logging.WARNING, notice)
+                self.told.add(folder)
         return out
 
     def __getstate__(self):  # a copy or a reloaded pickle has said nothing yet

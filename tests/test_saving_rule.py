@@ -115,8 +115,8 @@ def test_copies_keep_the_notice_and_point_it_at_themselves(how, tmp_path, caplog
 
 
 def test_checkpoints_of_one_run_warn_once(tmp_path, caplog):
-    """A Trainer's checkpoints (one parent folder) warn once, later saves there at info level; another folder, and a
-    copy of the model, warn again."""
+    """A Trainer run's checkpoints (checkpoint-N in one folder) warn once, later ones at info level; another run,
+    another folder of the same parent, and a copy of the model warn again."""
     from helpers.models import roundtrip
 
     model = tiny_model()
@@ -132,4 +132,5 @@ def test_checkpoints_of_one_run_warn_once(tmp_path, caplog):
 
     assert [warned(tmp_path / "run" / f"checkpoint-{n}") for n in (1, 2, 3)] == [True, False, False]
     assert warned(tmp_path / "other" / "checkpoint-1")
+    assert [warned(tmp_path / name) for name in ("a", "b", "a")] == [True, True, False]  # folders of one parent
     assert warned(tmp_path / "run" / "checkpoint-4", roundtrip(model, "deepcopy"))
