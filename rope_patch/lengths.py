@@ -38,6 +38,7 @@ from . import validation as check
 from .api import current, patch_state
 from .discovery import find_target
 from .rotary import PatchedRotaryForward
+from .schemes.frequency import LengthUpdate
 
 FIX = "_length_fix"  # attribute of the PatchState: (N, index of the fix's first record)
 
@@ -79,7 +80,7 @@ def fixed_length(model) -> int | None:
 def length_dependent(model) -> list[str]:
     """The layer types ("" for a model with one rotary) whose frequencies follow the sequence length now."""
     rotary = find_target(model).rotary
-    update = getattr(vars(rotary).get("forward"), "update", None)
+    update = _length_update(vars(rotary).get("forward"))
     return [lt or "" for lt, rt in _rope_types(rotary).items() if update is not None or _varies(rt)]
 
 
@@ -135,7 +136,7 @@ def fix_length(model, length: int | None) -> LengthFix:
                          f"released the fix at {previous}" if previous is not None else "nothing was fixed",
                          previous)
     forward = vars(rotary).get("forward")
-    update = getattr(forward, "update", None)
+    update = _length_update(forward)
     rope_types = _rope_types(rotary)
     varying = [lt for lt, rt in rope_types.items() if update is not None or _varies(rt)]
     if not varying or not isinstance(forward, PatchedRotaryForward):
@@ -171,8 +172,17 @@ def fix_length(model, length: int | None) -> LengthFix:
     return LengthFix(length, True, f"{name}: frequencies frozen at those of a {length}-token forward{kinds}", previous)
 
 
+def _length_update(forward) -> LengthUpdate | None:
+    """The length update a patched rotary forward runs before each call (dynamic_yarn's), or None. A table rotary's
+    forward (GPT-J, CodeGen) runs an update too, `rotary.TableGrowth`, which only appends rows of the frequencies it
+    holds past the last one: those do not follow the length."""
+    update = getattr(forward, "update", None)
+    return update if isinstance(update, LengthUpdate) else None
+
+
 def _rope_types(rotary) -> dict:
-    rope_type = rotary.rope_type
+    # a table rotary (GPT-J, CodeGen) has no rope_type: it holds one fixed set of frequencies, as "default" does
+    rope_type = getattr(rotary, "rope_type", "default")
     return dict(rope_type) if isinstance(rope_type, dict) else {None: rope_type}
 
 

@@ -187,3 +187,32 @@ def test_a_stack_with_a_length_dependent_frequency_scheme_is_frozen_too():
     assert torch.equal(logits(model, ids[:, : L - 5]), full[:, : L - 5])
     rope_patch.fix_length(model, None)
     assert not torch.equal(logits(model, ids[:, : L - 5]), full[:, : L - 5])
+
+
+# A table rotary (GPT-J, CodeGen: sin/cos rows at integer positions) holds one fixed set of frequencies: the
+# length-dependent schemes are refused on it, and the `update` its patched forward carries (rotary.TableGrowth) only
+# appends rows of those frequencies. fix_length has nothing to freeze there and must say so: the evaluations call it
+# (evaluation.common.at_length) before every perplexity window and passkey prompt of a patched model.
+TABLE_PATCHES = [None, "yarn:2", "linear:2", "self_extend:group_size=2,window_size=8", "rerope:window_size=8", "alibi"]
+
+
+@pytest.mark.parametrize("folder", ["gptj", "codegen"])
+@pytest.mark.parametrize("spec", TABLE_PATCHES, ids=[s or "unpatched" for s in TABLE_PATCHES])
+def test_a_table_rotary_has_nothing_to_fix(folder, spec):
+    from rope_patch.evaluation.common import at_length
+    from rope_patch.lengths import length_dependent
+
+    model = tiny_model(folder)
+    if spec is not None:
+        rope_patch.apply(model, spec)
+    ids = _ids(N)
+    before = logits(model, ids)
+    assert length_dependent(model) == []
+    fix = rope_patch.fix_length(model, N)
+    assert not fix and fix.length is None and rope_patch.fixed_length(model) is None
+    assert "nothing to fix" in fix.reason
+    if spec is not None:  # a patched model's evaluation (an unpatched one goes through prepare_rotary instead)
+        with at_length(model, N):
+            assert torch.equal(logits(model, ids), before)
+    assert torch.equal(logits(model, ids), before)
+
