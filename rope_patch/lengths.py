@@ -15,11 +15,12 @@ cached decoding up to N equals full recomputation at length N.
 
 How: the frozen frequencies are computed the way the model's own update would compute them for ℓ = N (transformers'
 ROPE_INIT_FUNCTIONS with `seq_len` for dynamic NTK and LongRoPE's long set, the `YarnLengthUpdate` for dynamic YaRN),
-then put on the rotary module through the patch's undo log: the `inv_freq` buffer (fp32, kept fp32 across casts by
-the patched rotary forward), the cos/sin scale, `rope_type` = "default" (so transformers' `dynamic_rope_update`
-leaves the buffers alone) and a copy of the patched rotary forward without its length update. `fix_length(model,
-None)` takes exactly those records back out; `rope_patch.remove(model)` undoes them with the rest of the patch
-(bit-identical logits); applying another scheme drops the fix with the old patch.
+then put on every rotary module whose frequencies follow ℓ (a model may have several: Granite-SWA one per base)
+through the patch's undo log: the `inv_freq` buffer (fp32, kept fp32 across casts by the patched rotary forward), the
+cos/sin scale, `rope_type` = "default" (so transformers' `dynamic_rope_update` leaves the buffers alone) and a copy
+of the patched rotary forward without its length update. `fix_length(model, None)` takes exactly those records back
+out; `rope_patch.remove(model)` undoes them with the rest of the patch (bit-identical logits); applying another
+scheme drops the fix with the old patch.
 
 A fresh length-N forward means one with no history: transformers' dynamic NTK never shrinks its base while
 sequences stay at or beyond L, so after a longer input its own frequencies for ℓ = N depend on what ran before; the
@@ -78,10 +79,13 @@ def fixed_length(model) -> int | None:
 
 
 def length_dependent(model) -> list[str]:
-    """The layer types ("" for a model with one rotary) whose frequencies follow the sequence length now."""
-    rotary = find_target(model).rotary
-    update = _length_update(vars(rotary).get("forward"))
-    return [lt or "" for lt, rt in _rope_types(rotary).items() if update is not None or _varies(rt)]
+    """The layer types ("" for a model with one RoPE for all its layers) whose frequencies follow the sequence length
+    now, on any of the model's rotary modules."""
+    types = []
+    for rotary in find_target(model).rotaries:
+        update = _length_update(vars(rotary).get("forward"))
+        types += [lt or "" for lt, rt in _rope_types(rotary).items() if update is not None or _varies(rt)]
+    return list(dict.fromkeys(types))
 
 
 def fix_length(model, length: int | None) -> LengthFix:
@@ -114,11 +118,10 @@ def fix_length(model, length: int | None) -> LengthFix:
                                     "frozen for; pass None to release a fix.")
     target = find_target(model)
     state = patch_state(target)
-    rotary = target.rotary
     if state is None:
-        varying = [lt or "" for lt, rt in _rope_types(rotary).items() if _varies(rt)]
+        varying = [rt for rotary in target.rotaries for rt in _rope_types(rotary).values() if _varies(rt)]
         if varying and length is not None:
-            rope_type = rotary.rope_type
+            rope_type = varying[0]
             raise ValueError(
                 f"fix_length: this unpatched model's own RoPE (rope_type {rope_type!r}) depends on the "
                 "sequence length, and fix_length records its change in a rope_patch patch's undo log, "
@@ -135,41 +138,57 @@ def fix_length(model, length: int | None) -> LengthFix:
         return LengthFix(None, False,
                          f"released the fix at {previous}" if previous is not None else "nothing was fixed",
                          previous)
-    forward = vars(rotary).get("forward")
-    update = _length_update(forward)
-    rope_types = _rope_types(rotary)
-    varying = [lt for lt, rt in rope_types.items() if update is not None or _varies(rt)]
-    if not varying or not isinstance(forward, PatchedRotaryForward):
+    # Every rotary module of the model (one per base in Granite-SWA, per block kind in Blt, DeepSeek-V4's memory
+    # rotaries): each one a patch put a patched forward on and whose frequencies follow ℓ, by its own length update
+    # (dynamic_yarn) or by transformers' rope type (dynamic, longrope), is frozen.
+    plans = []  # (rotary, its patched forward, its length update, its rope type per layer type, the varying ones)
+    for rotary in target.rotaries:
+        forward = vars(rotary).get("forward")
+        update = _length_update(forward)
+        rope_types = _rope_types(rotary)
+        varying = [lt for lt, rt in rope_types.items() if update is not None or _varies(rt)]
+        if varying and isinstance(forward, PatchedRotaryForward):
+            plans.append((rotary, forward, update, rope_types, varying))
+    if not plans:
         return LengthFix(None, False, f"{name}'s frequencies do not depend on the sequence length: nothing to fix",
                          previous)
 
     try:  # nothing touched yet (a fix this one replaces comes back on error)
-        frozen = {lt: _frequencies_at(rotary, update, lt, rope_types[lt], length) for lt in varying}
+        frozen = [{lt: _frequencies_at(rotary, update, lt, rope_types[lt], length) for lt in varying}
+                  for rotary, _, update, rope_types, varying in plans]
     except BaseException:
         if previous is not None:
             fix_length(model, previous)
         raise
     start = len(state.records)
     try:
-        masters = dict(forward.masters)
-        for lt, (inv_freq, scaling) in frozen.items():
-            prefix = f"{lt}_" if lt else ""
-            state.set_buffer(rotary, f"{prefix}inv_freq", inv_freq)
-            state.setattr(rotary, f"{prefix}attention_scaling", scaling)
-            if f"{prefix}inv_freq" in masters:
-                masters[f"{prefix}inv_freq"] = inv_freq
-        new_types = {lt: ("default" if lt in frozen else rt) for lt, rt in rope_types.items()}
-        state.setattr(rotary, "rope_type", new_types if isinstance(rotary.rope_type, dict) else new_types[None])
-        fixed = copy.copy(forward)  # every setting of the patched forward kept, without the length update
-        fixed.masters, fixed.update = masters, None
-        fixed.seen = fixed._buffers_now()
-        state.setattr(rotary, "forward", fixed)
+        for (rotary, forward, _, rope_types, _), frequencies in zip(plans, frozen, strict=True):
+            _freeze(state, rotary, forward, rope_types, frequencies)
     except BaseException:
         _undo_from(state, start)
         raise
     setattr(state, FIX, (length, start))
-    kinds = "" if varying == [None] else f" (layer types {', '.join(varying)})"
+    types = list(dict.fromkeys(lt for *_, varying in plans for lt in varying if lt is not None))
+    kinds = f" (layer types {', '.join(types)})" if types else ""
     return LengthFix(length, True, f"{name}: frequencies frozen at those of a {length}-token forward{kinds}", previous)
+
+
+def _freeze(state, rotary, forward: PatchedRotaryForward, rope_types: dict, frozen: dict) -> None:
+    """Install `frozen` ({layer type: (inv_freq, cos/sin scale)}) on `rotary` through the patch's undo log, with a copy
+    of its patched `forward` that no longer follows the length."""
+    masters = dict(forward.masters)
+    for lt, (inv_freq, scaling) in frozen.items():
+        prefix = f"{lt}_" if lt else ""
+        state.set_buffer(rotary, f"{prefix}inv_freq", inv_freq)
+        state.setattr(rotary, f"{prefix}attention_scaling", scaling)
+        if f"{prefix}inv_freq" in masters:
+            masters[f"{prefix}inv_freq"] = inv_freq
+    new_types = {lt: ("default" if lt in frozen else rt) for lt, rt in rope_types.items()}
+    state.setattr(rotary, "rope_type", new_types if isinstance(rotary.rope_type, dict) else new_types[None])
+    fixed = copy.copy(forward)  # every setting of the patched forward kept, without the length update
+    fixed.masters, fixed.update = masters, None
+    fixed.seen = fixed._buffers_now()
+    state.setattr(rotary, "forward", fixed)
 
 
 def _length_update(forward) -> LengthUpdate | None:

@@ -216,3 +216,38 @@ def test_a_table_rotary_has_nothing_to_fix(folder, spec):
             assert torch.equal(logits(model, ids), before)
     assert torch.equal(logits(model, ids), before)
 
+
+# Granite-SWA rotates with one rotary module per base (`rotary_embs`); the one built from the model's config
+# (`rotary_emb`, where a patch keeps its state) is left unused by the model's code. A length-dependent scheme follows ℓ
+# on every rotary module the model has, so every one of them must be frozen.
+SEVERAL_ROTARIES = [("dynamic", dict(factor=4.0)), ("dynamic_yarn", dict(factor=4.0)),
+                    ("dynamic_yarn:4+self_extend:group_size=2,window_size=8", {})]
+
+
+@pytest.mark.parametrize("folder", ["granite_swa", "granitemoe_swa"])
+@pytest.mark.parametrize("scheme,params", SEVERAL_ROTARIES, ids=[s for s, _ in SEVERAL_ROTARIES])
+def test_every_rotary_module_is_frozen(folder, scheme, params):
+    from rope_patch.discovery import find_target
+    from rope_patch.lengths import length_dependent
+
+    model = tiny_model(folder)
+    assert len(find_target(model).rotaries) > 1
+    vanilla = logits(model, _ids(N))
+    rope_patch.apply(model, scheme, **params)
+    ids = _ids(N)
+    full = logits(model, ids)  # unfixed: the frequencies of an N-token forward
+    short = logits(model, ids[:, : L - 5])
+    assert (short - full[:, : L - 5]).abs().max() > 1e-2  # the scheme follows the length on this model
+    assert length_dependent(model) == [""]
+    fix = rope_patch.fix_length(model, N)
+    assert fix and rope_patch.fixed_length(model) == N
+    assert length_dependent(model) == []
+    # bit-identical for the frequency schemes; Self-Extend's attention on Granite-SWA differs by ~2e-6 between a prefix
+    # and the whole input already without a length-dependent scheme under it
+    assert (logits(model, ids[:, : L - 5]) - full[:, : L - 5]).abs().max() <= (1e-5 if "+" in scheme else 0)
+    assert torch.equal(logits(model, ids), full)
+    rope_patch.fix_length(model, None)
+    assert torch.equal(logits(model, ids[:, : L - 5]), short)
+    rope_patch.fix_length(model, N)
+    rope_patch.remove(model)
+    assert torch.equal(logits(model, ids), vanilla)
