@@ -174,6 +174,32 @@ def test_logn_composes_with_attention_side_schemes(attn, backend):
     assert (logits(model, ids, **kw) - ref_logits(ref, hook, ids, kw)).abs().max().item() <= TOL
 
 
+# Granite-SWA rotates with one rotary module per base (`rotary_embs`) beside the unused one built from its config: the
+# attention-side scheme patches each of them, and each checks on every forward that the model still runs the scheme's
+# attention function, which logn wraps (its own name). logn must tell every one of them, not only the first.
+SEVERAL_ROTARIES = ["rerope:window_size=16", "self_extend:group_size=4,window_size=16", "alibi"]
+
+
+@pytest.mark.parametrize("folder", ["granite_swa", "granitemoe_swa"])
+@pytest.mark.parametrize("attn", SEVERAL_ROTARIES, ids=[a.split(":")[0] for a in SEVERAL_ROTARIES])
+def test_logn_over_an_attention_side_scheme_on_a_model_with_several_rotary_modules(folder, attn):
+    from rope_patch.discovery import find_target
+
+    model = tiny_model(folder)  # eager: transformers runs Granite-SWA on no sdpa path
+    target = find_target(model)
+    assert len(target.rotaries) > 1
+    window = target.pretraining_window
+    ref = copy.deepcopy(model)
+    rope_patch.apply(ref, attn)
+    hook = with_query_scale(ref, lambda p: logn_factor(p, "logn", window))
+    ids, kw = batch(True, n=3 * window)
+    before = logits(model, ids, **kw)
+    rope_patch.apply(model, [attn, "logn"])
+    assert (logits(model, ids, **kw) - ref_logits(ref, hook, ids, kw)).abs().max().item() <= TOL
+    rope_patch.remove(model)
+    assert torch.equal(logits(model, ids, **kw), before)
+
+
 def test_three_parts_yarn_self_extend_logn():
     model = tiny_model("llama", attn_implementation="sdpa")
     ref = native(model, "yarn:4")

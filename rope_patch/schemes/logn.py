@@ -291,7 +291,7 @@ class LogN(Modifier):
         if self.kind == "logn" and window < 2:
             raise ValueError(f"{n}: kind='logn' divides by log L, and this model's pre-training window "
                              f"is L = {window}.")
-        rotary = target.rotary
+        rotaries = target.rotaries
 
         def install(log: UndoLog) -> None:
             register()
@@ -305,11 +305,12 @@ class LogN(Modifier):
                 log.setattr(m, STATE, QueryTemperature(self.kind, window, self.attn_scale or 0.0,
                                                        self.floor_scale or 1.0, inner, active, positions))
             log.add_hook(decoder(model), PositionHook(positions, config, wrapper), with_kwargs=True)
-            below = vars(rotary).get("forward")
-            if isinstance(below, PatchedRotaryForward) and below.attn_implementation is not None:
-                # the attention-side scheme checks its backend on every forward: it now runs inside the wrapper
-                log.setattr(below, "attn_implementation", wrapper)
-                log.setattr(below, "allowed", ())
+            for rotary in rotaries:  # every one the attention-side scheme patched (Granite-SWA: one per base)
+                below = vars(rotary).get("forward")
+                if isinstance(below, PatchedRotaryForward) and below.attn_implementation is not None:
+                    # the attention-side scheme checks its backend on every forward: it now runs inside the wrapper
+                    log.setattr(below, "attn_implementation", wrapper)
+                    log.setattr(below, "allowed", ())
             model.set_attn_implementation(wrapper)  # writes the model's private config only (api.apply)
 
         return install
