@@ -431,8 +431,11 @@ def _restore(model: nn.Module, before: PatchState | None) -> None:
     """Take a temporary patch off (`_apply(temporary=True)`) and put back the patch the model carried before it."""
     remove(model)
     if before is not None:
+        # found while the model is unpatched: a table rotary (GPT-J) whose rows the old patch rescaled is known as a
+        # rotary only by the patch state attached to it (discovery._table_rotaries), which is not there yet
+        target = find_target(model)
         before.redo()
-        _attach(find_target(model), before)
+        _attach(target, before)
 
 
 def refusal(model: nn.Module, scheme: SchemeLike, *, check: bool = True) -> ValueError | TypeError | None:

@@ -110,6 +110,29 @@ def test_patched_context_manager_restores_previous_patch_also_on_error(ids):
     assert torch.equal(logits(model, ids), linear)
 
 
+# A table rotary (GPT-J, CodeGen) whose rows a frequency scheme rescaled is known as a rotary by its patch state only
+# (discovery._table_rotaries); the patch that comes back after a temporary one (patched(), refusal(), suggest()'s
+# trials) holds such rows before its state is attached again.
+TABLE_PATCHES = [("gptj", "yarn:2", "linear:2"), ("gptj", "linear:2", "self_extend:group_size=2,window_size=8"),
+                 ("codegen", "ntk:2", "rerope:window_size=8"), ("gptj", "yarn:2", "yarn:2")]
+
+
+@pytest.mark.parametrize("folder,before,during", TABLE_PATCHES)
+def test_patched_and_refusal_put_a_table_rotarys_patch_back(folder, before, during):
+    model = tiny_model(folder)
+    ids = torch.randint(3, 97, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
+    vanilla = logits(model, ids)
+    rope_patch.apply(model, before)
+    applied, patched = rope_patch.current(model), logits(model, ids)
+    with rope_patch.patched(model, during):
+        assert not torch.equal(logits(model, ids), patched) or during == before
+    assert rope_patch.current(model) == applied and torch.equal(logits(model, ids), patched)
+    assert rope_patch.api.refusal(model, during) is None
+    assert rope_patch.current(model) == applied and torch.equal(logits(model, ids), patched)
+    rope_patch.remove(model)
+    assert rope_patch.current(model) is None and torch.equal(logits(model, ids), vanilla)
+
+
 def test_two_models_carry_different_schemes(ids):
     a, b, untouched = tiny_model(), tiny_model(), tiny_model()
     base = logits(untouched, ids)
