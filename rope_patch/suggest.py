@@ -54,9 +54,12 @@ def pretraining_window(model: nn.Module) -> int:
     """L of the model as loaded (before any patch): the shipped `original_max_position_embeddings` of a checkpoint
     that ships with scaling, else `max_position_embeddings`."""
     target = find_target(model)
-    if patch_state(target) is None:
+    original = original_config(model) if patch_state(target) is not None else None
+    # Unpatched, or a config whose window no patch changes: a table rotary's (GPT-J, CodeGen: no rope_parameters, its
+    # RoPE is the sin/cos table the model builds) or one without max_position_embeddings (RecurrentGemma: discovery
+    # refuses it with the reason)
+    if original is None or original["rope_parameters"] is None or original["max_position_embeddings"] is None:
         return target.pretraining_window
-    original = original_config(model)
     params = original["rope_parameters"]
     if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3): one of them
         params = next(iter(params.values()))

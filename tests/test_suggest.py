@@ -161,6 +161,32 @@ def test_the_window_is_the_model_as_loaded_also_under_a_patch_and_with_shipped_s
     assert _by_name(suggest(tiny_model(max_position_embeddings=4096), 8192))["yarn"].spec == "yarn:factor=2"
 
 
+# L is the model as loaded, also under a patch: read from the patch's record of the unpatched config, which holds no
+# rope_parameters for a table rotary (GPT-J, CodeGen: its RoPE is the sin/cos table the model builds) and no
+# max_position_embeddings for RecurrentGemma (then the same refusal as on the unpatched model).
+PATCHED_AS_LOADED = [("gptj", "yarn:2"), ("gptj", "self_extend:group_size=2,window_size=8"), ("gptj", "yarn:2+logn"),
+                     ("codegen", "rerope:window_size=8"), ("recurrent_gemma", "rerope:window_size=8")]
+
+
+@pytest.mark.parametrize("folder,spec", PATCHED_AS_LOADED)
+def test_a_patched_model_is_suggested_for_as_loaded_whatever_its_config_records(folder, spec):
+    model = tiny_model(folder)
+    error = SUGGEST_REFUSES.get(folder)
+    if error is None:
+        window = pretraining_window(model)
+        plain = [s.spec for s in suggest(model, 4 * window, check=False)]
+    rope_patch.apply(model, spec, check=False)
+    applied, ids = rope_patch.current(model), torch.randint(3, VOCAB, (1, 12))
+    patched = logits(model, ids)
+    if error is not None:
+        with pytest.raises(error[0], match=error[1]):
+            suggest(model, 128, check=False)
+    else:
+        assert pretraining_window(model) == window
+        assert [s.spec for s in suggest(model, 4 * window, check=False)] == plain
+    assert rope_patch.current(model) == applied and torch.equal(logits(model, ids), patched)  # the trials left it
+
+
 def test_compare_scheme_lists():
     model = tiny_model(max_position_embeddings=256)
     listed = specs_for_target(model, 1024)
