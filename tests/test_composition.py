@@ -376,6 +376,26 @@ def test_to_rope_parameters_refuses_a_stack_and_names_the_non_native_part():
             call()
 
 
+# On a table rotary (GPT-J, CodeGen) no frequency scheme has a native form (its config has no rope_parameters: a single
+# one is refused by the export with that reason, Scheme.on_table): neither has a stack's frequency part, so the export
+# names it among the parts it cannot express and does not offer to export it alone.
+@pytest.mark.parametrize("folder,spec", [("gptj", "yarn:2+logn"), ("codegen", "linear:2+rerope:window_size=8"),
+                                         ("gptj", "ntk:2+self_extend:group_size=2,window_size=8+logn")])
+def test_a_stack_on_a_table_rotary_has_no_native_frequency_part(folder, spec):
+    model = tiny_model(folder)
+    rope_patch.apply(model, spec)
+    freq = rope_patch.current(model).frequency
+    with pytest.raises(ValueError, match=f"{freq.name}.*sin/cos table") as alone:
+        rope_patch.to_rope_parameters(freq, model=model)
+    assert "has no native" in str(alone.value)
+    with pytest.raises(ValueError) as info:
+        rope_patch.to_rope_parameters(None, model=model)
+    parts = [p.name for p in rope_patch.current(model).schemes]
+    assert f"{', '.join(parts)} are not expressible" in str(info.value)
+    assert "exports the frequency part alone" not in str(info.value)
+    assert "would be a third model" not in rope_patch.current(model).save_notice("out", manifest=True)
+
+
 # ---- the API and the grammar ---------------------------------------------------------------------------------------
 def test_spec_grammar_and_current():
     assert parse_spec("yarn:4+logn") == ("stack", {"schemes": ["yarn:4", "logn"]})

@@ -236,6 +236,11 @@ class Stack(Scheme):
     def resolve(self, target: PatchSite) -> Stack:
         return dataclasses.replace(self, schemes=tuple(p.resolve(target) for p in self.schemes))
 
+    def on_table(self, target: PatchSite) -> Stack:
+        """Each part as applied to a table rotary (GPT-J, CodeGen: Scheme.on_table): the frequency part has no native
+        form there either, which the saves and the export read part by part (base.without_native_form)."""
+        return dataclasses.replace(self, schemes=tuple(p.on_table(target) for p in self.schemes))
+
     def prepare(self, target: PatchSite) -> InstallStep:
         attn = self.attention
         installs = [p.prepare(target, under=attn) if isinstance(p, Modifier) else p.prepare(target)
