@@ -52,7 +52,7 @@ from ..rotary import BackendChanged, PatchedRotaryForward
 from ..undo import UndoLog
 from .absolute import NoPE
 from .base import InstallStep
-from .common import AttentionScheme, attention_modules, cache_arg, decoder
+from .common import AttentionScheme, _runs_attention, attention_modules, cache_arg, decoder
 from .stack import Modifier
 
 STATE = "_rope_patch_logn"  # attribute on each attention module of a patched model
@@ -75,7 +75,8 @@ class Positions:
 class QueryTemperature:
     """Per attention module: t(p) and the attention function it wraps (`inner`: a name in transformers'
     AttentionInterface, or "eager" for the modeling file's own eager function). `active` False: the layer is left
-    as it was (layers="nope" on a rotating layer); only the wrapping stays."""
+    as it was (layers="nope" on a rotating layer; an attention without positions, Blt's cross-attention); only the
+    wrapping stays."""
 
     kind: str
     window: int  # L (kind="logn")
@@ -282,6 +283,12 @@ class LogN(Modifier):
                              "to wrap. Call model.set_attn_implementation('sdpa') first.")
         all_nope = isinstance(under, NoPE)
         chosen = [all_nope or self.layers == "all" or _is_nope_layer(m, cfg) for m in modules]
+        # The other modules that look their attention function up by the model's backend (Blt's cross-attention, which
+        # takes no positions and no scheme patches) call the wrapper too once it is the backend: they carry a state
+        # that leaves them as they are (inactive), or every forward would stop at the "set by hand" error.
+        known = {id(m) for m in modules}
+        alone = [m for m in model.modules() if id(m) not in known and hasattr(m, "config") and _runs_attention(type(m))
+                 and not isinstance(m, transformers.PreTrainedModel)]
         if not any(chosen):
             raise ValueError(
                 f"{n}: layers='nope' but {target.model_type} has no NoPE layers (no `no_rope_layers` entry of 0 in its "
@@ -301,7 +308,7 @@ class LogN(Modifier):
             if wrapper is None:  # pragma: no cover - the attention-side schemes only install known backends
                 raise ValueError(f"{n}: cannot wrap the attention function {inner!r}.")
             positions = Positions()
-            for m, active in zip(modules, chosen, strict=True):
+            for m, active in [*zip(modules, chosen, strict=True), *((m, False) for m in alone)]:
                 log.setattr(m, STATE, QueryTemperature(self.kind, window, self.attn_scale or 0.0,
                                                        self.floor_scale or 1.0, inner, active, positions))
             log.add_hook(decoder(model), PositionHook(positions, config, wrapper), with_kwargs=True)

@@ -216,6 +216,29 @@ def test_flex_backends(monkeypatch):
 
 
 # ---- state, copies, saves ------------------------------------------------------------------------------------------
+# Blt's cross-attention (patches <-> bytes) runs through transformers' attention interface too, without positions: no
+# scheme patches it (rope_patch.attention.calls.stand_in), and logn, which switches the model's backend to its wrapper,
+# must run it as the model has it. attn_scale=0 makes t(p) = 1: only the wrapping is left, which must change nothing.
+@pytest.mark.parametrize("under", [None, "alibi", "rerope:window_size=8", "yarn:2"])
+def test_attention_modules_without_positions_run_as_the_model_has_them(under):
+    from helpers.models import INPUTS
+
+    model, kw = tiny_model("blt"), INPUTS["blt"]
+    ids = ids_(n=70, b=1)
+    vanilla = logits(model, ids, **kw)
+    ref = copy.deepcopy(model)
+    if under is not None:
+        rope_patch.apply(ref, under)
+    expected = logits(ref, ids, **kw)
+    parts = [] if under is None else [under]
+    rope_patch.apply(model, [*parts, "logn:kind=llama4,attn_scale=0"])
+    assert torch.equal(logits(model, ids, **kw), expected)
+    rope_patch.apply(model, [*parts, "logn"])
+    assert not torch.equal(logits(model, ids, **kw), expected)  # the self-attention queries are scaled
+    rope_patch.remove(model)
+    assert torch.equal(logits(model, ids, **kw), vanilla)
+
+
 def test_copies_pickles_and_saves(tmp_path):
     model = tiny_model("llama", attn_implementation="sdpa")
     ids = ids_()
