@@ -25,11 +25,14 @@ def flash_partial(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torc
     """Fused attention of q (b, Hkv, G, r, d) over all of k (b, Hkv, n, d), v (b, Hkv, n, dv): torch's CPU flash
     kernel, which also returns the log-sum-exp. The rows are independent, so the G query heads of a kv head are folded
     into the rows: GQA without repeating K/V. `mask`: additive float (1, Hkv|1, G|1, r, n) (−inf = excluded; the
-    kernel broadcasts a mask of one head over the heads), with `dead`, (r,) bool, the rows it excludes entirely: they
-    come back with lse = −inf, i.e. weight 0 in `merge`."""
+    kernel broadcasts a mask of one head over the heads). A row it excludes entirely comes back with lse = −inf, i.e.
+    weight 0 in `merge`; `dead`, (r,) bool, names those rows where the caller knows them (else they are read from
+    the mask)."""
     b, hkv, g, r, dq = q.shape
     dv = v.shape[-1]
     if mask is not None:
+        if dead is None:
+            dead = torch.isneginf(mask).all(-1).expand(-1, hkv, g, r).reshape(-1, hkv * g, r)
         mask = mask.expand(*mask.shape[:2], g, r, mask.shape[-1]).reshape(mask.shape[0], mask.shape[1], g * r, -1)
     out, lse = _flash_lse_op()(q.reshape(b, hkv, g * r, dq), k, _padded(v, dq), attn_mask=mask, scale=call.scaling)[:2]
     out, lse = out[..., :dv].float().reshape(b, hkv * g, r, -1), lse.float().reshape(b, hkv * g, r)
