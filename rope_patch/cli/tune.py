@@ -136,6 +136,21 @@ def parse_space(items) -> dict | None:
     return space
 
 
+def check_accept_tokens(args, window: int | None = None) -> None:
+    """The acceptance reads whole windows at --target and, once the model is loaded, at its pre-training `window`:
+    --accept-tokens (accept()'s default 16 × --target) must hold one window of the longer."""
+    longest = max(args.target, window or 0)
+    accepting = args.accept_tokens or 16 * args.target
+    if args.no_accept or accepting >= longest:
+        return
+    given = f"--accept-tokens {accepting}" if args.accept_tokens else f"the default {accepting} (16 × --target)"
+    where = (f"of --target {args.target}" if longest == args.target
+             else f"at the model's pre-training window {window}")
+    raise ValueError(f"{given} is less than one window {where}: the acceptance reads whole windows at --target"
+                     f"{'' if window is None else ' and at the pre-training window'}; give --accept-tokens >= "
+                     f"{longest} (or --no-accept).")
+
+
 def run(args) -> int:
     # The library, imported only now: parsing the arguments (and --help, and their errors) needs none of it.
     from rich.console import Console
@@ -174,9 +189,7 @@ def run(args) -> int:
     for spec in args.accept or []:
         as_scheme(spec)  # a bad acceptance spec fails now, not after the search
     check_options(options)  # an unknown scheme or bad search settings fail here, before the model loads
-    if not args.no_accept and args.accept_tokens is not None and args.accept_tokens < args.target:
-        raise ValueError(f"--accept-tokens {args.accept_tokens} is less than one window of --target {args.target}: "
-                         f"the acceptance reads whole windows at the target; give --accept-tokens >= {args.target}.")
+    check_accept_tokens(args)  # before the model loads: against --target
     out = check_writable(args.out, (LOG, BEST) + (() if args.no_plots else (plots.SEARCH_FIGURE,)))
     log_path = out / LOG
     previous = None
@@ -190,13 +203,7 @@ def run(args) -> int:
             console.print(f"Nothing to resume in {out} (no {LOG}): starting from the beginning.")
     path, model, tokenizer = load_model(console, args.model, args.threads, args.dtype)
     _, _, settings = resolve_options(model, options)  # bad options fail before the first evaluation
-    longest = max(settings["window"], settings["target"])  # the acceptance reads whole windows at L and at N
-    accepting = args.accept_tokens or 16 * args.target  # accept()'s default
-    if not args.no_accept and accepting < longest:
-        given = f"--accept-tokens {accepting}" if args.accept_tokens else f"the default {accepting} (16 × --target)"
-        raise ValueError(f"{given} is less than one window at the model's pre-training window {settings['window']}: "
-                         f"the acceptance reads whole windows at the window and at --target {args.target}; give "
-                         f"--accept-tokens >= {longest} (or --no-accept).")
+    check_accept_tokens(args, settings["window"])  # once loaded: against the pre-training window too
     token_ids, heldout = read_tokens(tokenizer, args.heldout)
     patch = loaded_patch(model, path)  # a folder saved with rope_patch.json: the search replaces its patch
     header = {"model": {**model_info(model, args.model), "name": models.model_name(args.model), "path": str(path),
