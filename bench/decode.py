@@ -12,6 +12,8 @@ time is reported once (not interleaved).
 
 Models: "smollm2" is SmolLM2-135M's shape (30 layers, hidden 576, 9 query / 3 KV heads of 64, vocab 49152) with random
 weights (no download); "2-layer" is a 2-layer hidden-256 model, where Python overhead per step dominates.
+`--layers N` keeps the model's shape with N layers (a short prefill, attention a larger share of a step);
+`--clock cpu` times the process's CPU time instead of the wall clock (less moved by other tenants of a shared machine).
 """
 
 from __future__ import annotations
@@ -62,9 +64,11 @@ def cache_bytes(cache) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def run(model_name: str, prompt: int, threads: int, new: int, rounds: int, only: list[str] | None = None) -> dict:
+def run(model_name: str, prompt: int, threads: int, new: int, rounds: int, only: list[str] | None = None,
+        layers: int | None = None, clock=time.perf_counter) -> dict:
     torch.set_num_threads(threads)
-    config = LlamaConfig(**MODELS[model_name], attn_implementation="sdpa")
+    shape = {**MODELS[model_name], **({"num_hidden_layers": layers} if layers else {})}
+    config = LlamaConfig(**shape, attn_implementation="sdpa")
     ids = torch.randint(3, config.vocab_size, (1, prompt + new), generator=torch.Generator().manual_seed(0))
     entries = {}
     torch.manual_seed(0)
@@ -91,10 +95,10 @@ def run(model_name: str, prompt: int, threads: int, new: int, rounds: int, only:
             if grown:
                 entry["cache"].crop(-grown)  # back to the prompt (transformers 5: a negative count of tokens to drop)
             with torch.no_grad():
-                start = time.perf_counter()
+                start = clock()
                 for t in range(prompt, prompt + new):
                     entry["model"](ids[:, t:t + 1], cache=entry["cache"], use_cache=True)
-                entry["times"].append((time.perf_counter() - start) / new)
+                entry["times"].append((clock() - start) / new)
     base = entries["vanilla"]
     vanilla_ms, vanilla_bytes = statistics.median(base["times"]) * 1e3, base["bytes"]
     rows = []
@@ -106,7 +110,8 @@ def run(model_name: str, prompt: int, threads: int, new: int, rounds: int, only:
                      "cache_mb": round(entry["bytes"] / 2**20, 1),
                      "cache_ratio": round(entry["bytes"] / vanilla_bytes, 2),
                      "prefill_s": round(entry["prefill"], 2)})
-    return {"model": model_name, "prompt": prompt, "threads": threads, "new_tokens": new, "rounds": rounds,
+    return {"model": model_name, "layers": config.num_hidden_layers, "clock": clock.__name__, "prompt": prompt,
+            "threads": threads, "new_tokens": new, "rounds": rounds,
             "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()],
             "rows": rows}
 
@@ -119,13 +124,17 @@ def main(argv=None) -> None:
     parser.add_argument("--new", type=int, default=32, help="cached one-token steps timed per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--schemes", nargs="+", default=None, help="only these (vanilla is always run beside them)")
+    parser.add_argument("--layers", type=int, default=None, help="the model's shape with this many layers")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time the wall clock (perf_counter) or the process's CPU time (process_time)")
     parser.add_argument("--out", default=None, help="write the JSON summary here (default: stdout)")
     args = parser.parse_args(argv)
     results = []
     for model_name in args.model:
         for prompt in args.prompts:
             for threads in args.threads:
-                result = run(model_name, prompt, threads, args.new, args.rounds, args.schemes)
+                result = run(model_name, prompt, threads, args.new, args.rounds, args.schemes, args.layers,
+                             time.perf_counter if args.clock == "wall" else time.process_time)
                 results.append(result)
                 print(f"{model_name}, prompt {prompt}, {threads} thread(s), load {result['load_before'][0]} -> "
                       f"{result['load_after'][0]}", file=sys.stderr)

@@ -38,3 +38,14 @@ def test_the_decode_benchmark_covers_every_attention_scheme(tmp_path):
     # the schemes that read two position maps of a key cache both (values once): 1.5x vanilla's cache
     assert rows["self_extend"]["cache_ratio"] == 1.5 and rows["alibi"]["cache_ratio"] == 1.0
     assert len(result["load_before"]) == 3
+
+
+def test_the_decode_benchmark_takes_fewer_layers_and_the_cpu_clock(tmp_path):
+    bench = load_script("bench/decode.py")
+    out = tmp_path / "decode.json"
+    bench.main(["--model", "smollm2", "--layers", "1", "--clock", "cpu", "--prompts", "32", "--new", "2", "--rounds",
+                "2", "--schemes", "rerope", "--out", str(out)])
+    (result,) = json.loads(out.read_text())
+    assert (result["layers"], result["clock"]) == (1, "process_time")
+    assert [row["scheme"] for row in result["rows"]] == ["vanilla", "rerope"]
+    assert all(row["ms_per_token"] > 0 and len(row["round_ratios"]) == 2 for row in result["rows"])
