@@ -35,8 +35,14 @@ demo: $(STAMP)
 
 # tests/, README.md and docs/ (pyproject's testpaths): every ```python block of the README and the docs runs as a test,
 # and tests/test_docs.py builds the site with mkdocs build --strict
+# The suite runs in TEST_WORKERS processes (pytest-xdist): one per CPU this process may use, at most 4 (each test
+# runs on one torch thread, tests/conftest.py). `make test TEST_WORKERS=0` runs it in this process, one test at a time.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; a = getattr(os, 'sched_getaffinity', None); \
+	print(min(4, len(a(0)) if a else os.cpu_count() or 1))")
+XDIST := -n $(TEST_WORKERS)
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 $(XDIST)
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs serve
@@ -67,7 +73,7 @@ $(STAMP_COMPAT): pyproject.toml
 
 test-compat: $(STAMP_COMPAT)
 	$(VENV_COMPAT)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
-	$(VENV_COMPAT)/bin/python -m pytest -q --durations=10 $(COMPAT_TESTS)
+	$(VENV_COMPAT)/bin/python -m pytest -q --durations=10 $(XDIST) $(COMPAT_TESTS)
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
