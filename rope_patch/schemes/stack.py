@@ -226,9 +226,6 @@ class Stack(Scheme):
         return {"schemes": [{"scheme": p.name, "params": {k: list(v) if isinstance(v, tuple) else v
                                                             for k, v in p.params().items()}} for p in self.schemes]}
 
-    def spec(self) -> str:
-        return "+".join(p.name for p in self.schemes)
-
     def __str__(self) -> str:
         return " + ".join(str(p) for p in self.schemes)
 
