@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from helpers.models import WINDOW, logits, tiny_model
+import transformers
+from helpers.models import WINDOW, logits, rope_folders, tiny_model
 
 import rope_patch
 
@@ -119,6 +120,8 @@ TABLE_PATCHES = [("gptj", "yarn:2", "linear:2"), ("gptj", "linear:2", "self_exte
 
 @pytest.mark.parametrize("folder,before,during", TABLE_PATCHES)
 def test_patched_and_refusal_put_a_table_rotarys_patch_back(folder, before, during):
+    if folder not in rope_folders():  # transformers < 5.2x: GPT-J / CodeGen build their table without a rotary module
+        pytest.skip(f"{folder} has no rotary module in transformers {transformers.__version__}")
     model = tiny_model(folder)
     ids = torch.randint(3, 97, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
     vanilla = logits(model, ids)
