@@ -34,8 +34,8 @@ def add_parser(subparsers) -> None:
                    f"{' '.join(DEFAULT_SCHEMES)}; with --target: default + rope_patch.suggest's schemes)")
     p.add_argument("--target", type=length, default=None, metavar="N",
                    help="target length: without --schemes, compare default with every scheme rope_patch.suggest "
-                   "recommends for N on this model (its paper's parameters); with --schemes, bare names get the "
-                   "suggested parameters and specs with parameters stay as given")
+                   "recommends for N on this model (its paper's parameters); with --schemes, bare names (and bare "
+                   "parts of a stack: yarn+logn) get the suggested parameters and specs with parameters stay as given")
     p.add_argument("--lengths", nargs="+", type=length, default=None, metavar="N",
                    help="context lengths in tokens, each >= 8 (default: "
                    f"{' '.join(map(str, DEFAULT_LENGTHS))}; with --target N: those below N, the window and N)")
@@ -95,14 +95,21 @@ def run(args) -> int:
     from .. import plots
     from .. import zoo as models
     from ..evaluation.common import read_tokens
-    from ..evaluation.compare import parse_schemes, resumed_units, run_compare, work_units
+    from ..evaluation.compare import (
+        check_specs,
+        parse_schemes,
+        resumed_units,
+        run_compare,
+        schemes_for_target,
+        work_units,
+    )
     from ..evaluation.results import RESULT_FILES, check_fresh, check_writable, load_results, rich_table, write_results
-    from ..suggest import pretraining_window, specs_for_target
+    from ..suggest import pretraining_window
 
     console = Console(stderr=True)
     given = args.schemes
-    if given is not None:
-        parse_schemes(given)  # bad specs fail here, before the model loads
+    if given is not None:  # bad specs fail here, before the model loads; with --target, bare names are sized later
+        check_specs(given, sized_by_target=args.target is not None)
     args.schemes = given or list(DEFAULT_SCHEMES)
     # and an unwritable --out, or any one file of those it writes, too
     out = check_writable(args.out, RESULT_FILES + (() if args.no_plots else plots.FIGURE_FILES))
@@ -124,7 +131,7 @@ def run(args) -> int:
             console.print(f"Nothing to resume in {out} (no compare.json): starting from the beginning.")
     path, model, tokenizer = load_model(console, args.model, args.threads, args.dtype)
     if args.target is not None:  # the papers' parameters for this model and target (rope_patch/suggest.py)
-        args.schemes = specs_for_target(model, args.target, given)
+        args.schemes = schemes_for_target(model, args.target, given)  # bare names and bare parts of stacks
         parse_schemes(args.schemes)
         console.print(f"--target {args.target}: " + " ".join(args.schemes))
     if args.lengths is None:

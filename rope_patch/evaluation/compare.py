@@ -65,7 +65,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -74,8 +74,8 @@ from .. import api
 from ..api import original_config
 from ..files import portable
 from ..fingerprint import model_fingerprint
-from ..specs import parse_scheme_spec, scheme_label
-from ..suggest import pretraining_window
+from ..specs import parse_scheme_spec, parse_spec, scheme_label
+from ..suggest import pretraining_window, specs_for_target
 from .budget import fit_budget, probe_cost, run_seconds
 from .common import read_tokens, versions
 from .defaults import (
@@ -120,20 +120,86 @@ def _row_label(spec: str, scheme, shipped: str | None, patch: dict | None = None
 def parse_schemes(specs: Sequence[str]) -> list[tuple[str, object]]:
     """Validate every spec before anything runs: [(spec, Scheme or None for `loaded`)]; ValueError/TypeError name
     the bad spec."""
-    out, seen = [], set()
+    _once(specs)
+    out = []
+    for spec in specs:
+        with _bad_spec(spec):
+            out.append((spec, None if spec == AS_LOADED else parse_scheme_spec(spec)))
+    return out
+
+
+def check_specs(specs: Sequence[str], *, sized_by_target: bool = False) -> None:
+    """What `parse_schemes` checks, before the model loads. `sized_by_target` (compare --target N): a bare name, or a
+    bare part of a stack (`yarn`, `yarn+logn`), gets its parameters from rope_patch.suggest once the model is loaded
+    (`schemes_for_target`), so only its name is checked here (the spec grammar did); every part given with parameters
+    is built as `apply()` builds it, and a spec without bare parts as a whole."""
+    if not sized_by_target:
+        parse_schemes(specs)
+        return
+    _once(specs)
+    for spec in specs:
+        if spec == AS_LOADED:
+            continue
+        with _bad_spec(spec):
+            parts = _parts(spec)
+            given = [part for part in parts if not _is_bare(part)]
+            for part in [spec] if len(given) == len(parts) else given:
+                parse_scheme_spec(part)
+
+
+def schemes_for_target(model, target_length: int, specs: Sequence[str] | None = None) -> list[str]:
+    """The schemes of `rope-patch compare --target N`: without `specs`, `default` and every suggestion that serves N
+    on its own (`rope_patch.suggest.specs_for_target`); with `specs`, each bare name and each bare part of a stack
+    (`yarn+logn` -> `yarn:factor=4,beta_fast=2+logn` on L = 256, N = 1024) replaced by its suggested spec, the rest
+    kept as given. A bare name that needs parameters and that suggest does not size for N on this model (longrope,
+    p_rope; yarn for N <= L) is a ValueError that says so and what to give."""
+    if specs is None:
+        return specs_for_target(model, target_length)
+    split = [[spec] if spec == AS_LOADED else _parts(spec) for spec in specs]
+    sized = iter(specs_for_target(model, target_length, [part for parts in split for part in parts]))  # suggest once
+    out = []
+    for spec, parts in zip(specs, split, strict=True):
+        filled = [next(sized) for _ in parts]
+        for part, now in zip(parts, filled, strict=True):
+            if now == part != AS_LOADED and _is_bare(part):  # left bare: it must build without parameters
+                try:
+                    parse_scheme_spec(part)
+                except (ValueError, TypeError) as err:
+                    raise ValueError(
+                        f"Scheme {spec!r}: rope_patch.suggest has no parameters for {part!r} at a "
+                        f"{target_length}-token target on this model, and it needs them: {err} Give them in the "
+                        "spec, or drop it.") from None
+        out.append(filled[0] if len(filled) == 1 else "+".join(filled))
+    return out
+
+
+def _once(specs: Sequence[str]) -> None:
+    seen = set()
     for spec in specs:
         if spec in seen:
             raise ValueError(f"Scheme {spec!r} is listed twice.")
         seen.add(spec)
-        if spec == AS_LOADED:
-            out.append((spec, None))
-            continue
-        try:
-            out.append((spec, parse_scheme_spec(spec)))
-        except (ValueError, TypeError) as err:
-            raise type(err)(f"Bad scheme spec {spec!r}: {err} Specs look like `yarn`, `yarn:8` or "
-                            "`yarn:factor=8,beta_fast=16`.") from None
-    return out
+
+
+@contextlib.contextmanager
+def _bad_spec(spec: str) -> Iterator[None]:
+    """A ValueError/TypeError raised inside names `spec` and the forms a spec takes."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"Bad scheme spec {spec!r}: {err} Specs look like `yarn`, `yarn:8` or "
+                        "`yarn:factor=8,beta_fast=16`.") from None
+
+
+def _parts(spec: str) -> list[str]:
+    """The specs a `+` stack joins (`yarn:4+logn` -> [`yarn:4`, `logn`]), or [spec]; names and keys checked."""
+    name, params = parse_spec(spec)
+    return list(params["schemes"]) if name == "stack" and "+" in spec else [spec.strip()]
+
+
+def _is_bare(part: str) -> bool:
+    """Whether a single scheme's spec is its name alone (`yarn`, `pi`), which `--target` sizes."""
+    return not parse_spec(part)[1]
 
 
 PASSKEY_ANSWER = 32  # positions past a passkey prompt that its decoding may reach (check_schemes)

@@ -18,6 +18,7 @@ from rope_patch.cli import main
 from rope_patch.evaluation.common import source_commit
 from rope_patch.evaluation.compare import parse_schemes, resumed_units, run_compare, work_units
 from rope_patch.evaluation.results import FORMAT, load_results, markdown_table, rich_table, spec_cell, write_results
+from rope_patch.suggest import specs_for_target
 
 SCHEMES = ["default", "yarn:2", "dynamic:factor=2"]
 
@@ -422,3 +423,71 @@ def test_resume_refuses_to_leave_out_earlier_cells(result, setup, evaluations, s
     with pytest.raises(ValueError, match=f"earlier results hold {left_out} that this run leaves out.*Nothing has "
                                          "been evaluated"):
         run_compare(model, tok, schemes, lengths, **kw)
+
+
+# `compare --target N`: a bare name, or a bare part of a stack, is sized for N by rope_patch.suggest; a spec with
+# parameters (or a name that needs none and has no suggestion) is kept as given. On L = 64, N = 256 (factor 4):
+YARN, NTK, SELF_EXTEND = "yarn:factor=4,beta_fast=2", "ntk:factor=4", "self_extend:group_size=9,window_size=16"
+SIZED_FOR_TARGET = [
+    (["yarn", "self_extend"], [YARN, SELF_EXTEND]),
+    (["yarn+logn"], [YARN + "+logn"]),
+    (["logn+yarn"], ["logn+" + YARN]),
+    (["ntk+self_extend"], [NTK + "+" + SELF_EXTEND]),
+    (["ntk:2+self_extend"], ["ntk:2+" + SELF_EXTEND]),
+    (["yarn:2+logn", "yarn:8", "self_extend:group_size=2,window_size=8"],
+     ["yarn:2+logn", "yarn:8", "self_extend:group_size=2,window_size=8"]),
+    (["loaded", "default", "alibi", "logn"], ["loaded", "default", "alibi", "logn"]),
+]
+
+
+@pytest.fixture(scope="module")
+def window_64():
+    return tiny_model(max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("given,sized", SIZED_FOR_TARGET, ids=[" ".join(g) for g, _ in SIZED_FOR_TARGET])
+def test_target_sizes_bare_names_and_bare_parts_of_stacks(window_64, given, sized):
+    from rope_patch.evaluation.compare import check_specs, schemes_for_target
+
+    check_specs(given, sized_by_target=True)  # before the model loads: bare names wait for the target
+    assert schemes_for_target(window_64, 256, given) == sized
+    parse_schemes(sized)  # and what they become builds
+    assert schemes_for_target(window_64, 256, None) == specs_for_target(window_64, 256)
+
+
+@pytest.mark.parametrize("specs,match", [
+    (["yarn"], "yarn: missing required parameter `factor`"),
+    (["default", "yarn+logn"], "yarn: missing required parameter `factor`"),
+    (["self_extend"], "self_extend: missing required parameter `group_size`"),
+])
+def test_bare_names_that_need_parameters_are_refused_without_a_target(specs, match):
+    from rope_patch.evaluation.compare import check_specs
+
+    with pytest.raises(TypeError, match=match) as err:
+        check_specs(specs)
+    assert "Bad scheme spec" in str(err.value)
+
+
+@pytest.mark.parametrize("specs,error,match", [
+    (["yarn", "yran:8"], ValueError, "Did you mean 'yarn'"),
+    (["yarn+logn", "yarn:facto=8+logn"], TypeError, "Did you mean 'factor'"),
+    (["yarn:0.5+logn"], ValueError, "factor"),
+    (["yarn+self_extend:group_size=0,window_size=8"], ValueError, "group_size"),
+    (["yarn", "yarn"], ValueError, "listed twice"),
+])
+def test_specs_sized_by_the_target_are_still_checked_before_loading(specs, error, match):
+    from rope_patch.evaluation.compare import check_specs
+
+    with pytest.raises(error, match=match):
+        check_specs(specs, sized_by_target=True)
+
+
+@pytest.mark.parametrize("specs,target,bad", [(["yarn", "longrope"], 256, "longrope"),
+                                              (["longrope+logn"], 256, "longrope"), (["p_rope"], 256, "p_rope"),
+                                              (["yarn+logn"], 64, "yarn")])  # N <= L: no extension suggested
+def test_a_bare_name_the_target_cannot_size_says_what_to_give(window_64, specs, target, bad):
+    from rope_patch.evaluation.compare import schemes_for_target
+
+    with pytest.raises(ValueError, match=f"rope_patch.suggest has no parameters for {bad!r}") as err:
+        schemes_for_target(window_64, target, specs)
+    assert "missing required parameter" in str(err.value) and "Give them in the spec" in str(err.value)

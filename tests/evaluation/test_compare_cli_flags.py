@@ -107,3 +107,38 @@ def test_finished_results_are_not_replaced_without_resume_or_overwrite(saved, tm
     assert (out / "compare.json").read_bytes() == before
     assert main(argv(saved, out, extra=["--lengths", "32", "--overwrite"])) == 0
     assert load_results(out / "compare.json")["settings"]["lengths"] == [32]
+
+
+def target_argv(saved, out, model, *schemes, target=("--target", "128")):
+    model = model if model == "does/not/exist" else str(saved / model)
+    return ["compare", "--model", model, *target, "--schemes", *schemes, "--lengths", "32", "--passkey-lengths",
+            "--windows", "1", "--heldout", str(saved / "heldout.txt"), "--out", str(out), "--no-plots",
+            "--threads", "1"]
+
+
+# `compare --target N --schemes ...`: bare names, and bare parts of a stack, get rope_patch.suggest's parameters for
+# N (docs/guides/choosing-a-scheme.md); L = 32 here, so N = 128 is factor 4.
+def test_target_sizes_bare_names_and_stack_parts(saved, tmp_path, capsys):
+    yarn = "yarn:factor=4,beta_fast=2"
+    schemes = ["default", "yarn", "yarn+logn", "rerope:window_size=8"]
+    assert main(target_argv(saved, tmp_path / "out", "plain", *schemes)) == 0
+    sized = ["default", yarn, yarn + "+logn", "rerope:window_size=8"]
+    assert "--target 128: " + " ".join(sized) in " ".join(capsys.readouterr().err.split())  # rich wraps the line
+    assert [s["spec"] for s in load_results(tmp_path / "out" / "compare.json")["schemes"]] == sized
+
+
+@pytest.mark.parametrize("model,schemes,target,message", [
+    # without --target a bare name that needs parameters is refused before the model loads
+    ("does/not/exist", ["yarn"], (), "Bad scheme spec 'yarn': yarn: missing required parameter `factor`"),
+    ("does/not/exist", ["default", "yarn+logn"], (), "Bad scheme spec 'yarn+logn': yarn: missing required parameter"),
+    # with it, bare names wait for the model, and every other mistake is still found before it loads
+    ("does/not/exist", ["yarn", "yarn+logn"], ("--target", "128"), "The model folder does/not/exist does not exist"),
+    ("does/not/exist", ["yarn", "yarn:factr=2+logn"], ("--target", "128"), "Did you mean 'factor'?"),
+    ("does/not/exist", ["yarn", "yarn:0.5"], ("--target", "128"), "Bad scheme spec 'yarn:0.5'"),
+    # a bare name that needs parameters and gets no suggestion for N on this model says what to give
+    ("plain", ["yarn", "longrope"], ("--target", "128"), "rope_patch.suggest has no parameters for 'longrope'"),
+])
+def test_target_errors_are_one_line(saved, tmp_path, capsys, model, schemes, target, message):
+    assert main(target_argv(saved, tmp_path / "out", model, *schemes, target=target)) == 2
+    assert message in only_line(capsys.readouterr().err)
+    assert not (tmp_path / "out" / "compare.json").exists()
