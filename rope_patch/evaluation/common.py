@@ -265,7 +265,9 @@ def prepare_rotary(model, total_length: int) -> None:
     rot = _rotary(model)
     if rot is None:
         return
-    rope_type = rot.rope_type
+    # a table rotary (GPT-J, CodeGen: sin/cos rows by position) has no rope_type: it holds one fixed set of
+    # frequencies, as "default" does, so there is nothing to prepare (lengths.fix_length reads it the same way)
+    rope_type = getattr(rot, "rope_type", "default")
     layer_types = list(rope_type) if isinstance(rope_type, dict) else [None]
     for lt in layer_types:
         rt = rope_type[lt] if lt is not None else rope_type

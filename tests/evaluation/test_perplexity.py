@@ -136,6 +136,31 @@ def test_prepare_rotary_sets_the_base_of_the_final_length(model):
     assert torch.equal(model.model.rotary_emb.inv_freq, before)
 
 
+def _enter(context):
+    with context:
+        pass
+
+
+# A table rotary (GPT-J, CodeGen: sin/cos rows by position id, no rope_type) holds one fixed set of frequencies, as
+# "default" does: unpatched (compare's "loaded" row) it has nothing to prepare, the way lengths.fix_length has nothing
+# to fix on a patched one. Its table (4 x WINDOW rows) is read past the window too.
+@pytest.mark.parametrize("folder", ["gptj", "codegen"])
+@pytest.mark.parametrize("run", [
+    lambda model, ids: prepare_rotary(model, 3 * WINDOW),
+    lambda model, ids: _enter(common.at_length(model, 3 * WINDOW)),
+    lambda model, ids: evaluate_perplexity(model, ids, [WINDOW, 3 * WINDOW], n_tokens=3 * WINDOW),
+], ids=["prepare_rotary", "at_length", "evaluate_perplexity"])
+def test_an_unpatched_table_rotary_has_nothing_to_prepare(stream, folder, run):
+    model = tiny_model(folder)
+    ids = torch.tensor([stream[:3 * WINDOW]])
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with torch.no_grad():
+        before = model(ids).logits
+    run(model, stream)
+    assert all(torch.equal(b, buffers[name]) for name, b in model.named_buffers())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
 
 @pytest.mark.parametrize("scheme", [None, "yarn:2", "self_extend:group_size=4,window_size=16"])
 def test_long_windows_of_a_hybrid_model_run_its_sliding_layers_windowed(monkeypatch, scheme):
