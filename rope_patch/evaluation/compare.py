@@ -481,7 +481,7 @@ def run_compare(model, tokenizer, schemes: Sequence[str] = DEFAULT_SCHEMES, leng
         with api.patched(model, scheme) if scheme is not None else contextlib.nullcontext():
             applied = api.current(model)
             if applied is None:
-                name, params = AS_LOADED, _json_params(original_config(model)["rope_parameters"])
+                name, params = AS_LOADED, _json_params(original_config(model)["rope_parameters"] or {})
             else:
                 name, params = applied.name, _json_params(applied.params())
             done = _reusable(resume, spec, params, windows)

@@ -491,3 +491,22 @@ def test_a_bare_name_the_target_cannot_size_says_what_to_give(window_64, specs, 
     with pytest.raises(ValueError, match=f"rope_patch.suggest has no parameters for {bad!r}") as err:
         schemes_for_target(window_64, target, specs)
     assert "missing required parameter" in str(err.value) and "Give them in the spec" in str(err.value)
+
+
+@pytest.mark.parametrize("folder", ["gptj", "codegen"])
+def test_the_loaded_row_of_a_table_rotary_model(folder, tmp_path):
+    """GPT-J / CodeGen: a table rotary and a config without rope_parameters; the model as loaded is a row like any
+    other (no parameters to record), and the model is left as it was."""
+    tok = char_tokenizer()
+    model = tiny_model(folder)
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    ids = tok.encode(filler_text(), add_special_tokens=False)
+    res = run_compare(model, tok, ["loaded"], [32, 64], passkey_lengths=[110], depths=[0.5], passkey_samples=1,
+                      windows_at_longest=1, token_ids=ids, model_spec="random")
+    (loaded,) = res["schemes"]
+    assert (loaded["spec"], loaded["params"]) == ("loaded", {})
+    assert {r["length"]: r["perplexity"] is not None for r in res["records"]} == {32: True, 64: True, 110: False}
+    assert rope_patch.current(model) is None
+    assert all(torch.equal(b, before[name]) for name, b in model.named_buffers())
+    write_results(res, tmp_path)
+    assert load_results(tmp_path / "compare.json")["schemes"][0]["params"] == {}
