@@ -501,11 +501,12 @@ def test_the_loaded_row_of_a_table_rotary_model(folder, tmp_path):
     model = tiny_model(folder)
     before = {name: b.clone() for name, b in model.named_buffers()}
     ids = tok.encode(filler_text(), add_special_tokens=False)
-    res = run_compare(model, tok, ["loaded"], [32, 64], passkey_lengths=[110], depths=[0.5], passkey_samples=1,
-                      windows_at_longest=1, token_ids=ids, model_spec="random")
-    (loaded,) = res["schemes"]
-    assert (loaded["spec"], loaded["params"]) == ("loaded", {})
-    assert {r["length"]: r["perplexity"] is not None for r in res["records"]} == {32: True, 64: True, 110: False}
+    res = run_compare(model, tok, ["loaded", "yarn:2"], [32, 64], passkey_lengths=[110], depths=[0.5],
+                      passkey_samples=1, windows_at_longest=1, token_ids=ids, model_spec="random")
+    loaded, yarn = res["schemes"]
+    assert (loaded["spec"], loaded["params"]) == ("loaded", {}) and yarn["spec"] == "yarn:2"
+    rows = {(r["scheme"], r["length"]): r["perplexity"] is not None for r in res["records"]}
+    assert rows == {(s, n): n < 110 for s in ("loaded", "yarn:2") for n in (32, 64, 110)}
     assert rope_patch.current(model) is None
     assert all(torch.equal(b, before[name]) for name, b in model.named_buffers())
     write_results(res, tmp_path)
