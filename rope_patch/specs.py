@@ -159,6 +159,17 @@ def parse_scheme_spec(spec: str) -> Scheme:
     return registry.get_scheme_class(name).from_params(**params)
 
 
+def stack_parts(spec: str) -> list[str]:
+    """The specs a `+` stack joins (`yarn:4+logn` -> [`yarn:4`, `logn`]), or [spec]; names and keys checked."""
+    name, params = parse_spec(spec)
+    return list(params["schemes"]) if name == "stack" and "+" in spec else [spec.strip()]
+
+
+def is_bare(spec: str) -> bool:
+    """Whether a single scheme's spec is its name alone (`yarn`, `pi`): what `rope-patch compare --target` sizes."""
+    return not parse_spec(spec)[1]
+
+
 def scheme_label(spec: str) -> str:
     """Display form: `yarn:8` -> `yarn×8`; other specs as given."""
     return spec.replace(":", "×", 1) if spec.count(":") == 1 and "=" not in spec else spec

@@ -220,16 +220,18 @@ def _scheme_classes() -> list:
 
 def specs_for_target(model: nn.Module, target_length: int, specs: list[str] | None = None) -> list[str]:
     """The scheme list of `rope-patch compare --target N`: without `specs`, `default` (the baseline) and every
-    suggestion that serves N on its own; with `specs`, each bare scheme name that `suggest` has numbers for is
-    replaced by its suggested spec, and everything else (specs with parameters, other names) is kept as given."""
-    from .specs import parse_spec
+    suggestion that serves N on its own; with `specs`, each bare scheme name that `suggest` has numbers for, alone
+    or as a part of a stack (`yarn+logn` -> `yarn:factor=4,beta_fast=2+logn` on L = 256, N = 1024), is replaced by
+    its suggested spec, and everything else (specs with parameters, other names) is kept as given."""
+    from .specs import parse_spec, stack_parts
 
     suggested = suggest(model, target_length)  # once: each suggestion is tried on the model
     found = {s.scheme: s.spec for s in suggested}
     if specs is None:
         return ["default", *(s.spec for s in suggested if s.alone)]
-    out = []
-    for spec in specs:
-        name, params = parse_spec(spec) if spec != "loaded" else (spec, {})
-        out.append(found[name] if not params and name in found else spec)
-    return out
+
+    def sized(part: str) -> str:
+        name, params = parse_spec(part)
+        return found[name] if not params and name in found else part
+
+    return [spec if spec == "loaded" else "+".join(map(sized, stack_parts(spec))) for spec in specs]

@@ -195,6 +195,9 @@ def test_compare_scheme_lists():
     filled = specs_for_target(model, 1024, ["default", "yarn", "yarn:8", "self_extend", "alibi", "loaded"])
     assert filled == ["default", "yarn:factor=4,beta_fast=2", "yarn:8", "self_extend:group_size=9,window_size=64",
                       "alibi", "loaded"]
+    # the bare parts of a stack too, the parts with parameters as given
+    stacked = specs_for_target(model, 1024, ["yarn+logn", "ntk:2+self_extend", "yarn:2+logn"])
+    assert stacked == ["yarn:factor=4,beta_fast=2+logn", "ntk:2+self_extend:group_size=9,window_size=64", "yarn:2+logn"]
 
 
 @pytest.mark.parametrize("n,error,match", [(1, ValueError, "target_length"), (True, TypeError, "target_length"),

@@ -74,7 +74,7 @@ from .. import api
 from ..api import original_config
 from ..files import portable
 from ..fingerprint import model_fingerprint
-from ..specs import parse_scheme_spec, parse_spec, scheme_label
+from ..specs import is_bare, parse_scheme_spec, scheme_label, stack_parts
 from ..suggest import pretraining_window, specs_for_target
 from .budget import fit_budget, probe_cost, run_seconds
 from .common import read_tokens, versions
@@ -141,27 +141,22 @@ def check_specs(specs: Sequence[str], *, sized_by_target: bool = False) -> None:
         if spec == AS_LOADED:
             continue
         with _bad_spec(spec):
-            parts = _parts(spec)
-            given = [part for part in parts if not _is_bare(part)]
+            parts = stack_parts(spec)
+            given = [part for part in parts if not is_bare(part)]
             for part in [spec] if len(given) == len(parts) else given:
                 parse_scheme_spec(part)
 
 
 def schemes_for_target(model, target_length: int, specs: Sequence[str] | None = None) -> list[str]:
-    """The schemes of `rope-patch compare --target N`: without `specs`, `default` and every suggestion that serves N
-    on its own (`rope_patch.suggest.specs_for_target`); with `specs`, each bare name and each bare part of a stack
-    (`yarn+logn` -> `yarn:factor=4,beta_fast=2+logn` on L = 256, N = 1024) replaced by its suggested spec, the rest
-    kept as given. A bare name that needs parameters and that suggest does not size for N on this model (longrope,
-    p_rope; yarn for N <= L) is a ValueError that says so and what to give."""
+    """The schemes of `rope-patch compare --target N`: `rope_patch.suggest.specs_for_target` (bare names and bare
+    parts of a stack sized for N, the rest as given). A bare name that needs parameters and that suggest does not size
+    for N on this model (longrope, p_rope; yarn for N <= L) is a ValueError that says so and what to give."""
     if specs is None:
         return specs_for_target(model, target_length)
-    split = [[spec] if spec == AS_LOADED else _parts(spec) for spec in specs]
-    sized = iter(specs_for_target(model, target_length, [part for parts in split for part in parts]))  # suggest once
-    out = []
-    for spec, parts in zip(specs, split, strict=True):
-        filled = [next(sized) for _ in parts]
-        for part, now in zip(parts, filled, strict=True):
-            if now == part != AS_LOADED and _is_bare(part):  # left bare: it must build without parameters
+    out = specs_for_target(model, target_length, list(specs))
+    for spec, now in zip(specs, out, strict=True):
+        for part in () if now == AS_LOADED else stack_parts(now):
+            if is_bare(part):  # left bare by suggest: it must build without parameters
                 try:
                     parse_scheme_spec(part)
                 except (ValueError, TypeError) as err:
@@ -169,7 +164,6 @@ def schemes_for_target(model, target_length: int, specs: Sequence[str] | None = 
                         f"Scheme {spec!r}: rope_patch.suggest has no parameters for {part!r} at a "
                         f"{target_length}-token target on this model, and it needs them: {err} Give them in the "
                         "spec, or drop it.") from None
-        out.append(filled[0] if len(filled) == 1 else "+".join(filled))
     return out
 
 
@@ -189,17 +183,6 @@ def _bad_spec(spec: str) -> Iterator[None]:
     except (ValueError, TypeError) as err:
         raise type(err)(f"Bad scheme spec {spec!r}: {err} Specs look like `yarn`, `yarn:8` or "
                         "`yarn:factor=8,beta_fast=16`.") from None
-
-
-def _parts(spec: str) -> list[str]:
-    """The specs a `+` stack joins (`yarn:4+logn` -> [`yarn:4`, `logn`]), or [spec]; names and keys checked."""
-    name, params = parse_spec(spec)
-    return list(params["schemes"]) if name == "stack" and "+" in spec else [spec.strip()]
-
-
-def _is_bare(part: str) -> bool:
-    """Whether a single scheme's spec is its name alone (`yarn`, `pi`), which `--target` sizes."""
-    return not parse_spec(part)[1]
 
 
 PASSKEY_ANSWER = 32  # positions past a passkey prompt that its decoding may reach (check_schemes)
