@@ -84,7 +84,7 @@ def length_dependent(model) -> list[str]:
     types = []
     for rotary in find_target(model).rotaries:
         update = _length_update(vars(rotary).get("forward"))
-        types += [lt or "" for lt, rt in _rope_types(rotary).items() if update is not None or _varies(rt)]
+        types += [lt or "" for lt, rt in rope_types(rotary).items() if update is not None or _varies(rt)]
     return list(dict.fromkeys(types))
 
 
@@ -119,7 +119,7 @@ def fix_length(model, length: int | None) -> LengthFix:
     target = find_target(model)
     state = patch_state(target)
     if state is None:
-        varying = [rt for rotary in target.rotaries for rt in _rope_types(rotary).values() if _varies(rt)]
+        varying = [rt for rotary in target.rotaries for rt in rope_types(rotary).values() if _varies(rt)]
         if varying and length is not None:
             rope_type = varying[0]
             raise ValueError(
@@ -145,25 +145,25 @@ def fix_length(model, length: int | None) -> LengthFix:
     for rotary in target.rotaries:
         forward = vars(rotary).get("forward")
         update = _length_update(forward)
-        rope_types = _rope_types(rotary)
-        varying = [lt for lt, rt in rope_types.items() if update is not None or _varies(rt)]
+        by_type = rope_types(rotary)
+        varying = [lt for lt, rt in by_type.items() if update is not None or _varies(rt)]
         if varying and isinstance(forward, PatchedRotaryForward):
-            plans.append((rotary, forward, update, rope_types, varying))
+            plans.append((rotary, forward, update, by_type, varying))
     if not plans:
         return LengthFix(None, False, f"{name}'s frequencies do not depend on the sequence length: nothing to fix",
                          previous)
 
     try:  # nothing touched yet (a fix this one replaces comes back on error)
-        frozen = [{lt: _frequencies_at(rotary, update, lt, rope_types[lt], length) for lt in varying}
-                  for rotary, _, update, rope_types, varying in plans]
+        frozen = [{lt: _frequencies_at(rotary, update, lt, by_type[lt], length) for lt in varying}
+                  for rotary, _, update, by_type, varying in plans]
     except BaseException:
         if previous is not None:
             fix_length(model, previous)
         raise
     start = len(state.records)
     try:
-        for (rotary, forward, _, rope_types, _), frequencies in zip(plans, frozen, strict=True):
-            _freeze(state, rotary, forward, rope_types, frequencies)
+        for (rotary, forward, _, by_type, _), frequencies in zip(plans, frozen, strict=True):
+            _freeze(state, rotary, forward, by_type, frequencies)
     except BaseException:
         _undo_from(state, start)
         raise
@@ -173,7 +173,7 @@ def fix_length(model, length: int | None) -> LengthFix:
     return LengthFix(length, True, f"{name}: frequencies frozen at those of a {length}-token forward{kinds}", previous)
 
 
-def _freeze(state, rotary, forward: PatchedRotaryForward, rope_types: dict, frozen: dict) -> None:
+def _freeze(state, rotary, forward: PatchedRotaryForward, by_type: dict, frozen: dict) -> None:
     """Install `frozen` ({layer type: (inv_freq, cos/sin scale)}) on `rotary` through the patch's undo log, with a copy
     of its patched `forward` that no longer follows the length."""
     masters = dict(forward.masters)
@@ -183,7 +183,7 @@ def _freeze(state, rotary, forward: PatchedRotaryForward, rope_types: dict, froz
         state.setattr(rotary, f"{prefix}attention_scaling", scaling)
         if f"{prefix}inv_freq" in masters:
             masters[f"{prefix}inv_freq"] = inv_freq
-    new_types = {lt: ("default" if lt in frozen else rt) for lt, rt in rope_types.items()}
+    new_types = {lt: ("default" if lt in frozen else rt) for lt, rt in by_type.items()}
     state.setattr(rotary, "rope_type", new_types if isinstance(rotary.rope_type, dict) else new_types[None])
     fixed = copy.copy(forward)  # every setting of the patched forward kept, without the length update
     fixed.masters, fixed.update = masters, None
@@ -199,7 +199,8 @@ def _length_update(forward) -> LengthUpdate | None:
     return update if isinstance(update, LengthUpdate) else None
 
 
-def _rope_types(rotary) -> dict:
+def rope_types(rotary) -> dict:
+    """A rotary module's rope type per layer type ({None: type} for one RoPE for all its layers)."""
     # a table rotary (GPT-J, CodeGen) has no rope_type: it holds one fixed set of frequencies, as "default" does
     rope_type = getattr(rotary, "rope_type", "default")
     return dict(rope_type) if isinstance(rope_type, dict) else {None: rope_type}

@@ -24,7 +24,7 @@ from .._version import __version__
 from ..api import current
 from ..attention.windowed import maybe_windowed
 from ..discovery import find_target
-from ..lengths import fix_length
+from ..lengths import fix_length, rope_types
 from .defaults import WINDOWED_FROM
 
 # Bytes of fp32 logits materialised at once when computing a loss (the full 16k x 49152 logits are 3.2 GB).
@@ -265,12 +265,7 @@ def prepare_rotary(model, total_length: int) -> None:
     rot = _rotary(model)
     if rot is None:
         return
-    # a table rotary (GPT-J, CodeGen: sin/cos rows by position) has no rope_type: it holds one fixed set of
-    # frequencies, as "default" does, so there is nothing to prepare (lengths.fix_length reads it the same way)
-    rope_type = getattr(rot, "rope_type", "default")
-    layer_types = list(rope_type) if isinstance(rope_type, dict) else [None]
-    for lt in layer_types:
-        rt = rope_type[lt] if lt is not None else rope_type
+    for lt, rt in rope_types(rot).items():  # a table rotary (GPT-J, CodeGen) reads as "default": nothing to prepare
         if "dynamic" not in str(rt):
             continue
         prefix = f"{lt}_" if lt else ""
